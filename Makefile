@@ -1,0 +1,33 @@
+# Two commands for a newcomer: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CONSTRAINTS := requirements/cpu.txt
+export RAY_USAGE_STATS_ENABLED := 0
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install test lint demo clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Re-install when the project metadata or the pins change.
+$(VENV)/.installed: $(BIN)/python pyproject.toml $(CONSTRAINTS)
+	$(BIN)/pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[data,metrics,server,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+lint: install
+	$(BIN)/ruff check .
+
+test: install lint
+	$(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/tally demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

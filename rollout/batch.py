@@ -1,0 +1,181 @@
+"""TrainBatch: the one schema rollout hands to the trainer for one optimizer step.
+
+Shapes: N samples, S = the longest prompt+response in the step. Every per-token tensor is
+aligned with ``input_ids``: position t describes token ``input_ids[i, t]``. The trainer
+shifts to next-token prediction itself (the log-prob of token t comes from logits at t−1).
+
+    input_ids          [N, S] int64    prompt then response, right-padded with pad_token_id
+    prompt_lengths     [N]    int64    tokens of prompt
+    response_lengths   [N]    int64    tokens of response (including EOS when sampled)
+    loss_mask          [N, S] float32  1 on response tokens that count, 0 elsewhere
+    rollout_log_probs  [N, S] float32  the engine's log-prob of each response token, 0 elsewhere
+    rewards            [N]    float32
+    advantages         [N]    float32  one per sample (broadcast over its tokens)
+    group_index        [N]    int64    samples of one prompt share it; increases across steps
+
+Derived on construction (whole-step metadata of the aggregation contract):
+
+    sample_token_counts [N]  M_i = Σ_t loss_mask[i, t]
+    group_ids           [P]  the step's distinct group_index values, ascending
+    prompt_mask_sums    [P]  T_g = Σ_{i∈g} M_i
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+class TrainBatchError(ValueError):
+    """A TrainBatch that breaks its own schema."""
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    input_ids: torch.Tensor
+    prompt_lengths: torch.Tensor
+    response_lengths: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_log_probs: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    group_index: torch.Tensor
+    samples_per_prompt: int
+    pad_token_id: int = 0
+    metadata: dict[str, float] = field(default_factory=dict)
+    """Rollout statistics for the step's metrics (draws, reward errors, tokens/s, ...)."""
+    sample_token_counts: torch.Tensor = field(init=False)
+    group_ids: torch.Tensor = field(init=False)
+    prompt_mask_sums: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        num_samples, seq_len = self.input_ids.shape
+        for name, shape in (
+            ("prompt_lengths", (num_samples,)),
+            ("response_lengths", (num_samples,)),
+            ("loss_mask", (num_samples, seq_len)),
+            ("rollout_log_probs", (num_samples, seq_len)),
+            ("rewards", (num_samples,)),
+            ("advantages", (num_samples,)),
+            ("group_index", (num_samples,)),
+        ):
+            actual = tuple(getattr(self, name).shape)
+            if actual != shape:
+                raise TrainBatchError(f"{name}: expected shape {shape}, got {actual}")
+        for name in ("loss_mask", "rollout_log_probs", "rewards", "advantages"):
+            if not torch.isfinite(getattr(self, name)).all():
+                raise TrainBatchError(f"{name}: contains NaN or inf")
+        if (self.prompt_lengths + self.response_lengths > seq_len).any():
+            raise TrainBatchError("prompt_lengths + response_lengths exceed input_ids width")
+        positions = torch.arange(seq_len)
+        response_span = (positions >= self.prompt_lengths[:, None]) & (
+            positions < (self.prompt_lengths + self.response_lengths)[:, None]
+        )
+        if ((self.loss_mask != 0) & ~response_span).any():
+            raise TrainBatchError("loss_mask: is non-zero outside the response tokens")
+
+        group_ids, dense, counts = torch.unique(
+            self.group_index, return_inverse=True, return_counts=True
+        )
+        incomplete = (counts != self.samples_per_prompt).nonzero().flatten()
+        if len(incomplete):
+            g = int(incomplete[0])
+            raise TrainBatchError(
+                f"group_index: group {int(group_ids[g])} has {int(counts[g])} samples, "
+                f"expected {self.samples_per_prompt} (steps hold whole groups)"
+            )
+        sample_token_counts = self.loss_mask.sum(dim=-1).to(torch.int64)
+        prompt_mask_sums = torch.zeros(len(group_ids), dtype=torch.int64)
+        prompt_mask_sums.index_add_(0, dense, sample_token_counts)
+        object.__setattr__(self, "sample_token_counts", sample_token_counts)
+        object.__setattr__(self, "group_ids", group_ids)
+        object.__setattr__(self, "prompt_mask_sums", prompt_mask_sums)
+
+    @property
+    def num_samples(self) -> int:
+        """N."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_prompts(self) -> int:
+        """P = N / G."""
+        return int(self.group_ids.shape[0])
+
+    @property
+    def num_valid_tokens(self) -> int:
+        return int(self.sample_token_counts.sum())
+
+    @property
+    def sequence_lengths(self) -> torch.Tensor:
+        return self.prompt_lengths + self.response_lengths
+
+    def select(self, sample_indices: torch.Tensor | list[int]) -> TrainBatch:
+        """A batch of whole groups picked by sample index (keeps the schema's checks)."""
+        index = torch.as_tensor(sample_indices, dtype=torch.int64)
+        init_names = [f.name for f in fields(self) if f.init]
+        values = {name: getattr(self, name) for name in init_names}
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                values[name] = value[index]
+        return TrainBatch(**values)
+
+    @classmethod
+    def from_samples(
+        cls,
+        prompt_ids: list[list[int]],
+        response_ids: list[list[int]],
+        response_log_probs: list[list[float]],
+        rewards: list[float],
+        advantages: list[float],
+        group_index: list[int],
+        samples_per_prompt: int,
+        pad_token_id: int = 0,
+        response_masks: list[list[int]] | None = None,
+        metadata: dict[str, float] | None = None,
+    ) -> TrainBatch:
+        """Pad ragged per-sample lists into the tensor layout.
+
+        response_masks defaults to all response tokens counting (e.g. a tool-call turn
+        would mask its observation tokens with 0).
+        """
+        num_samples = len(prompt_ids)
+        for name, values in (
+            ("response_ids", response_ids),
+            ("response_log_probs", response_log_probs),
+            ("rewards", rewards),
+            ("advantages", advantages),
+            ("group_index", group_index),
+        ):
+            if len(values) != num_samples:
+                raise TrainBatchError(f"{name}: {len(values)} entries for {num_samples} samples")
+        seq_len = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True))
+        input_ids = torch.full((num_samples, seq_len), pad_token_id, dtype=torch.int64)
+        loss_mask = torch.zeros(num_samples, seq_len, dtype=torch.float32)
+        log_probs = torch.zeros(num_samples, seq_len, dtype=torch.float32)
+        for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+            if len(response_log_probs[i]) != len(response):
+                raise TrainBatchError(
+                    f"response_log_probs: sample {i} has {len(response_log_probs[i])} "
+                    f"log-probs for {len(response)} response tokens"
+                )
+            start, end = len(prompt), len(prompt) + len(response)
+            input_ids[i, :end] = torch.tensor(prompt + response, dtype=torch.int64)
+            mask = response_masks[i] if response_masks is not None else [1] * len(response)
+            if len(mask) != len(response):
+                raise TrainBatchError(f"response_masks: sample {i} length differs from response")
+            loss_mask[i, start:end] = torch.tensor(mask, dtype=torch.float32)
+            log_probs[i, start:end] = torch.tensor(response_log_probs[i], dtype=torch.float32)
+        return cls(
+            input_ids=input_ids,
+            prompt_lengths=torch.tensor([len(p) for p in prompt_ids], dtype=torch.int64),
+            response_lengths=torch.tensor([len(r) for r in response_ids], dtype=torch.int64),
+            loss_mask=loss_mask,
+            rollout_log_probs=log_probs,
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            advantages=torch.tensor(advantages, dtype=torch.float32),
+            group_index=torch.tensor(group_index, dtype=torch.int64),
+            samples_per_prompt=samples_per_prompt,
+            pad_token_id=pad_token_id,
+            metadata=dict(metadata or {}),
+        )

@@ -1,0 +1,1 @@
+"""Services: job config, the driver loop, the controller (REST + store), dashboard, CLI."""

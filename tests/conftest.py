@@ -1,0 +1,30 @@
+"""Shared fixtures: a real local Ray cluster, started once per test session and stopped."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray head on this machine only (loopback, no dashboard), stopped after."""
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
+        )
+        started = True
+    yield
+    if started:
+        ray.shutdown()

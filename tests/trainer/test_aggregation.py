@@ -1,0 +1,142 @@
+"""The four modes against hand-computed values, edge cases and the per-mode helper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.aggregation import (
+    EmptyStepError,
+    IncompleteGroupError,
+    aggregate,
+    aggregate_all_modes,
+    local_weighted_sum,
+    sum_reduction_factor,
+    token_weights,
+    weights_for_config,
+)
+from trainer.config import AggregationConfig
+
+# Four samples in two groups of two; lengths 2, 4, 0 and 1 valid tokens.
+LOSS = torch.tensor(
+    [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0], [1.0, 1.0, 1.0, 1.0], [2.0, 4.0, 6.0, 8.0]],
+    dtype=torch.float64,
+)
+MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.float64)
+GROUPS = torch.tensor([0, 0, 1, 1])
+
+# Sample sums 3, 26, 0, 2; M = 2, 4, 0, 1; T_g = 6, 1.
+EXPECTED = {
+    "sample_mean": (3 / 2 + 26 / 4 + 0 + 2 / 1) / 4,
+    "token_mean": 31 / 7,
+    "prompt_mean": (29 / 6 + 2 / 1) / 2,
+    "constant": 31 / (4.0 * 4),
+}
+
+
+@pytest.mark.parametrize("mode", list(EXPECTED))
+def test_aggregate_matches_hand_computed_values(mode: str) -> None:
+    value = aggregate(LOSS, MASK, GROUPS, mode, divisor=4.0 if mode == "constant" else None)
+    assert float(value) == pytest.approx(EXPECTED[mode], rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", list(EXPECTED))
+def test_token_weights_sum_to_the_same_objective(mode: str) -> None:
+    divisor = 4.0 if mode == "constant" else None
+    weights = token_weights(MASK, GROUPS, mode, divisor)
+    assert float(local_weighted_sum(LOSS, weights)) == pytest.approx(EXPECTED[mode], rel=1e-12)
+    # No weight on masked tokens: padding is never a phantom token.
+    assert (weights[MASK == 0] == 0).all()
+
+
+def test_zero_token_sample_still_counts_in_n_and_zero_token_group_in_p() -> None:
+    mask = MASK.clone()
+    mask[3] = 0  # group 1 now has no valid token at all
+    assert float(aggregate(LOSS, mask, GROUPS, "sample_mean")) == pytest.approx((1.5 + 6.5) / 4)
+    assert float(aggregate(LOSS, mask, GROUPS, "prompt_mean")) == pytest.approx((29 / 6) / 2)
+    assert float(aggregate(LOSS, mask, GROUPS, "token_mean")) == pytest.approx(29 / 6)
+    weights = token_weights(mask, GROUPS, "prompt_mean")
+    assert torch.isfinite(weights).all()
+    assert float(local_weighted_sum(LOSS, weights)) == pytest.approx((29 / 6) / 2)
+
+
+def test_empty_step_is_reported_not_nan() -> None:
+    empty = torch.zeros_like(MASK)
+    with pytest.raises(EmptyStepError, match="no valid token"):
+        aggregate(LOSS, empty, GROUPS, "token_mean")
+    for mode in ("sample_mean", "token_mean", "prompt_mean"):
+        weights = token_weights(empty, GROUPS, mode)
+        assert torch.isfinite(weights).all() and float(weights.sum()) == 0.0
+
+
+def test_prompt_mean_with_incomplete_group_names_the_group() -> None:
+    groups = torch.tensor([0, 0, 7, 1])
+    with pytest.raises(IncompleteGroupError, match="group 1 has 1 of 2 samples"):
+        aggregate(LOSS, MASK, groups, "prompt_mean")
+    with pytest.raises(IncompleteGroupError, match="group 0 has 2 of 3 samples"):
+        token_weights(MASK, GROUPS, "prompt_mean", group_size=3)
+
+
+def test_packed_layout_equals_padded_layout() -> None:
+    lengths = [2, 4, 1, 3]
+    cu_seqlens = torch.tensor([0, 2, 6, 7, 10])
+    packed_loss = torch.cat([LOSS[i, :n] for i, n in enumerate(lengths)])
+    packed_mask = torch.cat([MASK[i, :n] for i, n in enumerate(lengths)])
+    for mode, expected in EXPECTED.items():
+        divisor = 4.0 if mode == "constant" else None
+        value = aggregate(packed_loss, packed_mask, GROUPS, mode, divisor, cu_seqlens=cu_seqlens)
+        assert float(value) == pytest.approx(expected, rel=1e-12)
+        weights = token_weights(packed_mask, GROUPS, mode, divisor, cu_seqlens=cu_seqlens)
+        assert float(local_weighted_sum(packed_loss, weights)) == pytest.approx(expected)
+
+
+def test_all_modes_helper_and_default_constant_divisor() -> None:
+    values = aggregate_all_modes(LOSS, MASK, GROUPS)
+    assert set(values) == set(EXPECTED)
+    # Without a configured divisor, constant divides by the padded length T = 4.
+    assert values == pytest.approx(EXPECTED)
+    values = aggregate_all_modes(LOSS, MASK, GROUPS, divisor=8.0)
+    assert values["constant"] == pytest.approx(31 / 32)
+
+
+def test_custom_reducer_takes_precedence(tmp_path, monkeypatch) -> None:
+    (tmp_path / "my_reducers.py").write_text(
+        "import torch\n"
+        "def first_token_only(loss_mask, group_index):\n"
+        "    w = torch.zeros_like(loss_mask, dtype=torch.float64)\n"
+        "    w[:, 0] = loss_mask[:, 0]\n"
+        "    return w\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = AggregationConfig(mode="token_mean", custom_reducer="my_reducers:first_token_only")
+    weights = weights_for_config(config, MASK, GROUPS)
+    assert float(local_weighted_sum(LOSS, weights)) == 1.0 + 5.0 + 2.0
+    # Other terms (KL, entropy) keep the built-in mode.
+    plain = weights_for_config(config, MASK, GROUPS, use_custom_reducer=False)
+    assert float(local_weighted_sum(LOSS, plain)) == pytest.approx(EXPECTED["token_mean"])
+
+
+def test_custom_reducer_errors_name_the_field(tmp_path, monkeypatch) -> None:
+    (tmp_path / "bad_reducers.py").write_text(
+        "import torch\ndef wrong_shape(loss_mask, group_index):\n    return loss_mask[:, :1]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"custom_reducer: .* must return finite weights"):
+        weights_for_config(AggregationConfig(custom_reducer="bad_reducers:wrong_shape"),
+                           MASK, GROUPS)
+    with pytest.raises(ValueError, match="custom_reducer: cannot import module"):
+        weights_for_config(AggregationConfig(custom_reducer="no_such_module:f"), MASK, GROUPS)
+
+
+def test_max_response_len_divisor_resolves_against_rollout_budget() -> None:
+    config = AggregationConfig(mode="constant", divisor="max_response_len")
+    weights = weights_for_config(config, MASK, GROUPS, max_response_len=4)
+    assert float(local_weighted_sum(LOSS, weights)) == pytest.approx(EXPECTED["constant"])
+    with pytest.raises(ValueError, match="divisor: 'max_response_len' needs"):
+        weights_for_config(config, MASK, GROUPS)
+
+
+def test_sum_reduction_factor_undoes_averaging() -> None:
+    # A framework averaging over 4 ranks and dividing by 3 micro-batches scales by 1/12.
+    assert sum_reduction_factor(4, 3) == 12
+    assert sum_reduction_factor() == 1

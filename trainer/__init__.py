@@ -1,0 +1,1 @@
+"""Trainer: aggregation math, losses, micro-batching, CP sharding, backends, actors."""

@@ -1,0 +1,283 @@
+r"""Loss aggregation: the one place where per-token losses become the step objective J.
+
+For one optimizer step: N samples from P prompt groups (G samples each). Sample i has
+per-token loss ℓ_it, mask m_it and M_i = Σ_t m_it valid tokens; group g has
+T_g = Σ_{i∈g} M_i (``prompt_mask_sums``); L is the constant divisor.
+
+    sample_mean  J = (1/N) Σ_i (1/M_i) Σ_t m_it ℓ_it          w_it = m_it / (N · M_i)
+    token_mean   J = Σ_i Σ_t m_it ℓ_it / Σ_i M_i              w_it = m_it / Σ_j M_j
+    prompt_mean  J = (1/P) Σ_g (1/T_g) Σ_{i∈g} Σ_t m_it ℓ_it  w_it = m_it / (P · T_g(i))
+    constant     J = Σ_i Σ_t m_it ℓ_it / (L · N)              w_it = m_it / (L · N)
+
+A sample (group) with no valid token has weight 0 and still counts in N (P); no phantom
+token is ever added. Every mode is J = Σ w_it ℓ_it with weights fixed from whole-step
+metadata *before* the step is split, so each rank sums w·ℓ over the tokens it owns (its
+micro-batches, its CP shard) and the gradients are SUMMED over DP×CP ranks and
+micro-batches: the layout cannot change J nor ∇J. A framework that averages instead of
+summing undoes that with :func:`sum_reduction_factor`, and nowhere else.
+
+A custom reducer (``AggregationConfig.custom_reducer = "module:function"``) replaces the
+built-in mode for the pg term. Its signature is::
+
+    def my_weights(loss_mask: Tensor[N, T], group_index: Tensor[N]) -> Tensor[N, T]
+
+It receives the whole step's mask and groups and returns the per-token weights w_it
+(finite, 0 where the mask is 0), which keeps it exact under every layout.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from trainer.config import AGGREGATION_MODES, AggregationConfig, AggregationMode
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "AggregationConfig",
+    "AggregationMode",
+    "EmptyStepError",
+    "IncompleteGroupError",
+    "aggregate",
+    "aggregate_all_modes",
+    "load_custom_reducer",
+    "local_weighted_sum",
+    "sample_coefficients",
+    "sample_ids_from_cu_seqlens",
+    "sum_reduction_factor",
+    "token_weights",
+    "weights_for_config",
+]
+
+WeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class IncompleteGroupError(ValueError):
+    """prompt_mean needs every group of the step whole (G samples per group_index)."""
+
+
+class EmptyStepError(ValueError):
+    """The step has no valid token: it is skipped and reported, never turned into NaN."""
+
+
+def sample_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Sample id of each token in a packed 1-D layout: cu_seqlens [N+1] -> ids [total]."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
+
+
+def _check_groups(group_index: torch.Tensor, group_size: int | None) -> tuple[torch.Tensor, int]:
+    """Dense group ids 0..P-1 per sample, and P; raises if a group is incomplete."""
+    group_ids, dense, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
+    expected = group_size if group_size is not None else int(counts.max())
+    short = (counts != expected).nonzero().flatten()
+    if len(short) > 0:
+        g = int(short[0])
+        raise IncompleteGroupError(
+            f"prompt_mean: group {int(group_ids[g])} has {int(counts[g])} of {expected} "
+            f"samples in this step; every step must hold whole groups"
+        )
+    return dense, len(group_ids)
+
+
+def sample_coefficients(
+    sample_token_counts: torch.Tensor,
+    group_index: torch.Tensor,
+    mode: AggregationMode,
+    divisor: float | None = None,
+    group_size: int | None = None,
+) -> torch.Tensor:
+    """c_i such that w_it = m_it · c_i, from whole-step metadata only.
+
+    sample_token_counts: M_i [N]; group_index: [N]. Samples (groups) with no valid token
+    get c_i = 0 (the division is guarded, they still count in N and P).
+    """
+    counts = sample_token_counts.to(torch.float64)
+    num_samples = counts.shape[0]
+    if mode == "sample_mean":
+        return torch.where(counts > 0, 1.0 / (num_samples * counts.clamp(min=1)), 0.0)
+    if mode == "token_mean":
+        total = counts.sum()
+        return torch.full_like(counts, 1.0 / float(total) if total > 0 else 0.0)
+    if mode == "prompt_mean":
+        dense, num_prompts = _check_groups(group_index, group_size)
+        prompt_mask_sums = torch.zeros(num_prompts, dtype=torch.float64, device=counts.device)
+        prompt_mask_sums.index_add_(0, dense.to(counts.device), counts)
+        group_totals = prompt_mask_sums[dense]
+        return torch.where(
+            group_totals > 0, 1.0 / (num_prompts * group_totals.clamp(min=1)), 0.0
+        )
+    if mode == "constant":
+        if divisor is None or not divisor > 0:
+            raise ValueError(f"divisor: mode=constant needs a divisor > 0, got {divisor}")
+        return torch.full_like(counts, 1.0 / (divisor * num_samples))
+    raise ValueError(f"mode: unknown aggregation mode {mode!r}; expected {AGGREGATION_MODES}")
+
+
+def _per_sample_counts(
+    loss_mask: torch.Tensor, cu_seqlens: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """M_i, and for a packed layout the sample id of each token."""
+    if cu_seqlens is None:
+        return loss_mask.to(torch.float64).sum(dim=-1), None
+    sample_ids = sample_ids_from_cu_seqlens(cu_seqlens)
+    counts = torch.zeros(len(cu_seqlens) - 1, dtype=torch.float64, device=loss_mask.device)
+    counts.index_add_(0, sample_ids, loss_mask.to(torch.float64))
+    return counts, sample_ids
+
+
+def token_weights(
+    loss_mask: torch.Tensor,
+    group_index: torch.Tensor,
+    mode: AggregationMode = "sample_mean",
+    divisor: float | None = None,
+    *,
+    group_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token weights w_it (float64, shaped like loss_mask) so that J = Σ w·ℓ.
+
+    Computed once per step on the whole step's mask ([N, T], or packed [total] with
+    cu_seqlens [N+1]); split the weights exactly like the tokens afterwards.
+    """
+    counts, sample_ids = _per_sample_counts(loss_mask, cu_seqlens)
+    coefficients = sample_coefficients(counts, group_index, mode, divisor, group_size)
+    per_token = coefficients[:, None] if sample_ids is None else coefficients[sample_ids]
+    return loss_mask.to(torch.float64) * per_token
+
+
+def local_weighted_sum(per_token_loss: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """This rank's share of J: Σ w·ℓ over the tokens it owns (any shape, same for both).
+
+    Summing this over micro-batches and ranks gives J; backpropagating it and SUMMING the
+    gradients over DP×CP ranks gives ∇J.
+    """
+    return (per_token_loss * weights.to(per_token_loss.dtype)).sum()
+
+
+def sum_reduction_factor(num_averaging_ranks: int = 1, num_micro_batches_divided: int = 1) -> int:
+    """The single factor a backend multiplies its local loss by when its framework averages.
+
+    Tally's contract is a plain SUM of gradients over DP×CP ranks and micro-batches. A
+    framework that all-reduces with a mean over R ranks (DDP, FSDP's default) and/or
+    divides each micro-batch loss by the number of micro-batches K (Megatron's schedule)
+    computes ∇J / (R·K); scaling the local loss by R·K restores ∇J.
+    """
+    return num_averaging_ranks * num_micro_batches_divided
+
+
+def aggregate(
+    per_token_loss: torch.Tensor,
+    loss_mask: torch.Tensor,
+    group_index: torch.Tensor,
+    mode: AggregationMode = "sample_mean",
+    divisor: float | None = None,
+    *,
+    group_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference J of one whole step on one process, straight from the formulas.
+
+    per_token_loss, loss_mask: [N, T] (or packed [total] with cu_seqlens [N+1]);
+    group_index: [N]. Written per sample and per group, independently of token_weights,
+    so the tests can hold one against the other. A step without valid tokens raises
+    EmptyStepError.
+    """
+    counts, sample_ids = _per_sample_counts(loss_mask, cu_seqlens)
+    if counts.sum() == 0:
+        raise EmptyStepError("the step has no valid token (every loss_mask is 0); skip it")
+    masked = per_token_loss * loss_mask.to(per_token_loss.dtype)
+    if sample_ids is None:
+        sample_sums = masked.sum(dim=-1)
+    else:
+        sample_sums = torch.zeros(len(counts), dtype=masked.dtype, device=masked.device)
+        sample_sums = sample_sums.index_add(0, sample_ids, masked)
+    counts = counts.to(masked.dtype)
+    num_samples = len(counts)
+    if mode == "sample_mean":
+        valid = counts > 0
+        return (sample_sums[valid] / counts[valid]).sum() / num_samples
+    if mode == "token_mean":
+        return sample_sums.sum() / counts.sum()
+    if mode == "prompt_mean":
+        dense, num_prompts = _check_groups(group_index, group_size)
+        total = masked.new_zeros(())
+        for g in range(num_prompts):
+            members = dense == g
+            if counts[members].sum() > 0:
+                total = total + sample_sums[members].sum() / counts[members].sum()
+        return total / num_prompts
+    if mode == "constant":
+        if divisor is None or not divisor > 0:
+            raise ValueError(f"divisor: mode=constant needs a divisor > 0, got {divisor}")
+        return sample_sums.sum() / (divisor * num_samples)
+    raise ValueError(f"mode: unknown aggregation mode {mode!r}; expected {AGGREGATION_MODES}")
+
+
+def aggregate_all_modes(
+    per_token_loss: torch.Tensor,
+    loss_mask: torch.Tensor,
+    group_index: torch.Tensor,
+    divisor: float | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """J under every mode for the same per-token loss (the dashboard's per-mode metric).
+
+    constant uses ``divisor`` or, when none is configured, the padded response length T.
+    prompt_mean is left out (NaN) when the step holds incomplete groups.
+    """
+    if divisor is None:
+        divisor = float(loss_mask.shape[-1])
+    values: dict[str, float] = {}
+    for mode in AGGREGATION_MODES:
+        try:
+            values[mode] = float(
+                aggregate(per_token_loss, loss_mask, group_index, mode, divisor,
+                          cu_seqlens=cu_seqlens)
+            )
+        except IncompleteGroupError:
+            values[mode] = float("nan")
+    return values
+
+
+def load_custom_reducer(path: str) -> WeightFn:
+    """Import ``module:function``; errors name the field."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"custom_reducer: cannot import module {module_name!r}: {err}") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"custom_reducer: {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def weights_for_config(
+    config: AggregationConfig,
+    loss_mask: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    max_response_len: int | None = None,
+    group_size: int | None = None,
+    use_custom_reducer: bool = True,
+) -> torch.Tensor:
+    """token_weights for a configured term; the custom reducer, if any, takes precedence."""
+    if use_custom_reducer and config.custom_reducer is not None:
+        weights = load_custom_reducer(config.custom_reducer)(loss_mask, group_index)
+        if weights.shape != loss_mask.shape or not torch.isfinite(weights).all():
+            raise ValueError(
+                f"custom_reducer: {config.custom_reducer} must return finite weights of "
+                f"shape {tuple(loss_mask.shape)}, got {tuple(weights.shape)}"
+            )
+        return weights.to(torch.float64) * (loss_mask != 0)
+    return token_weights(
+        loss_mask,
+        group_index,
+        config.mode,
+        config.resolved_divisor(max_response_len),
+        group_size=group_size,
+    )
