@@ -47,7 +47,8 @@ def _rank_main(rank: int, world_size: int, cp_size: int, port: int, out_dir: str
     owned = torch.arange(len(tokens)).tensor_split(dp_size)[dp_rank]
     values = {}
     for mode in AGGREGATION_MODES:
-        weights = token_weights(mask, groups, mode, CONSTANT_DIVISOR if mode == "constant" else None)
+        divisor = CONSTANT_DIVISOR if mode == "constant" else None
+        weights = token_weights(mask, groups, mode, divisor)
         local = torch.zeros((), dtype=torch.float64)
         for micro in owned.tensor_split(2):
             shard_tokens = zigzag_shard(tokens[micro], cp_size, cp_rank)
@@ -80,7 +81,7 @@ def run_demo(dp_size: int = 2, cp_size: int = 2) -> dict[str, tuple[float, float
 
 
 def print_demo(dp_size: int = 2, cp_size: int = 2) -> bool:
-    tokens, mask, groups = random_step()
+    tokens, mask, _ = random_step()
     print(f"step: {len(tokens)} samples in {NUM_PROMPTS} groups of {GROUP_SIZE}, "
           f"response lengths {mask.sum(-1).to(torch.int64).tolist()}")
     print(f"layout: DP={dp_size} × CP={cp_size} gloo processes, 2 micro-batches per rank\n")
