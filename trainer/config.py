@@ -98,3 +98,97 @@ class LossTermConfig(BaseModel):
     """Weight of this term in the total loss; 0 disables it."""
     aggregation: AggregationConfig | None = None
     """Aggregation for this term; defaults to the pg term's (without its custom reducer)."""
+
+
+class LossConfig(BaseModel):
+    """The per-token loss terms and how each is aggregated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    aggregation: AggregationConfig = AggregationConfig()
+    """Aggregation of the policy-gradient term (and the default for KL and entropy)."""
+    eps_clip: float = Field(default=0.2, gt=0)
+    """PPO lower clip: the ratio is kept ≥ 1 − eps_clip."""
+    eps_clip_high: float | None = Field(default=None, gt=0)
+    """PPO upper clip (DAPO's clip-higher); defaults to eps_clip."""
+    dual_clip_c: float | None = Field(default=None, gt=1)
+    """Dual-clip constant c > 1 bounding the loss for negative advantages; off when unset."""
+    old_log_probs: Literal["trainer", "rollout"] = "trainer"
+    """Denominator of the PPO ratio: the trainer's own log-probs before the update, or the
+    rollout engine's (then the ratio also absorbs engine/trainer mismatch)."""
+    tis_cap: float | None = Field(default=None, gt=0)
+    """Truncated importance sampling: weight each token by min(π_trainer/π_rollout, cap)."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Coefficient of the KL-to-reference loss term; 0 disables the reference model."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator (Schulman's k1/k2/k3; low_var_kl is k3 clamped to [-10, 10])."""
+    kl_aggregation: AggregationConfig | None = None
+    """Aggregation of the KL term; defaults to the pg term's built-in mode."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Coefficient of the entropy bonus (subtracted from the loss)."""
+    entropy_aggregation: AggregationConfig | None = None
+    """Aggregation of the entropy term; defaults to the pg term's built-in mode."""
+
+
+class OptimizerConfig(BaseModel):
+    """Optimizer and learning-rate schedule."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["adamw", "sgd"] = "adamw"
+    """AdamW for training; plain SGD makes gradient-scale bugs visible in the weights."""
+    lr: float = Field(default=1e-5, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """Decoupled weight decay (AdamW)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value; off when unset."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warm-up from 0 to lr over this many optimizer steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning rate after warm-up."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of the cosine schedule as a fraction of lr."""
+
+
+class TrainerConfig(BaseModel):
+    """Trainer actors: backend, parallel layout, micro-batching, loss and optimizer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["fsdp", "megatron"] = "fsdp"
+    """torch FSDP2 (default) or Megatron-core."""
+    dp_size: int = Field(default=1, ge=1)
+    """Data-parallel ranks (one Ray actor per DP × CP rank)."""
+    cp_size: int = Field(default=1, ge=1)
+    """Context-parallel ranks per sequence (Megatron's zigzag layout)."""
+    tp_size: int = Field(default=1, ge=1)
+    """Tensor-parallel ranks (Megatron backend only)."""
+    num_cpus_per_rank: float = Field(default=1.0, gt=0)
+    """Ray CPUs reserved for each trainer rank."""
+    num_gpus_per_rank: float = Field(default=0.0, ge=0)
+    """Ray GPUs per trainer rank; 0 trains on CPU with gloo."""
+    max_tokens_per_micro_batch: int = Field(default=4096, gt=0)
+    """Token budget of one micro-batch (padded tokens, per DP rank)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype: auto is fp32 on CPU and bf16 on GPU."""
+    loss: LossConfig = LossConfig()
+    """Loss terms and their aggregation."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """Optimizer and schedule."""
+    seed: int = 0
+    """Seed of the trainer's RNG."""
+
+    @model_validator(mode="after")
+    def _backend_layout(self) -> TrainerConfig:
+        if self.backend == "fsdp" and self.tp_size != 1:
+            raise ValueError("tp_size: tensor parallelism needs backend=megatron")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.cp_size * self.tp_size

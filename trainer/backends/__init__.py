@@ -1,0 +1,1 @@
+"""Trainer backends side by side behind one interface: torch FSDP2 (default), Megatron."""

@@ -1,0 +1,60 @@
+"""torch FSDP2 backend: load a Hugging Face causal LM, shard it, move whole state dicts.
+
+Parameters are sharded with ``fully_shard`` over every DP × CP rank (as torchtitan does
+with its dp_shard × cp mesh), so one reduce-scatter sums gradients over DP and CP. FSDP
+divides that sum by the world size; the trainer scales its local loss by
+``aggregation.sum_reduction_factor(world_size)`` to get the plain SUM back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    """A causal LM from a local Hugging Face folder (safetensors), in eval-free train mode."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model.config.use_cache = False
+    return model.to(device)
+
+
+def shard_model(model: PreTrainedModel) -> PreTrainedModel:
+    """FSDP2: one shard group per decoder layer, then the root (embeddings, head)."""
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def export_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: every rank must call it; rank 0 gets the whole unsharded state dict."""
+    return get_model_state_dict(model, options=FULL_ON_RANK0)
+
+
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Collective: rank 0 passes the whole state dict, the others an empty one."""
+    set_model_state_dict(model, state_dict, options=FROM_RANK0)
+
+
+def export_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict:
+    return get_optimizer_state_dict(model, optimizer, options=FULL_ON_RANK0)
+
+
+def load_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
+    set_optimizer_state_dict(model, optimizer, state, options=FROM_RANK0)

@@ -1,0 +1,81 @@
+"""Checkpoints: the model as a Hugging Face folder (safetensors, loadable with
+``from_pretrained``) and the trainer state (optimizer, scheduler, RNG) beside it.
+
+A checkpoint is written under ``<name>.tmp`` and renamed when complete (see
+``commit_checkpoint``), so a crash never leaves a half-written checkpoint that a resume
+could load: ``latest_checkpoint`` only sees committed folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MODEL_DIR, TRAINER_STATE = "model", "trainer_state.pt"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+STEP_PREFIX, TMP_SUFFIX = "step_", ".tmp"
+
+
+def save_hf_model(path: str | Path, model_path: str, config: object,
+                  state_dict: dict[str, torch.Tensor]) -> None:
+    """config.json and tokenizer files from the source folder, weights as safetensors."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # from_pretrained re-ties it to the embeddings
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)  # type: ignore[attr-defined]
+    for name in TOKENIZER_FILES:
+        source = Path(model_path) / name
+        if source.exists() and not (out / name).exists():
+            shutil.copy(source, out / name)
+
+
+def save_trainer_checkpoint(path: str, model_path: str, model: torch.nn.Module,
+                            model_state: dict[str, torch.Tensor], trainer_state: dict) -> None:
+    save_hf_model(Path(path) / MODEL_DIR, model_path, model.config, model_state)
+    torch.save(trainer_state, Path(path) / TRAINER_STATE)
+
+
+def load_trainer_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    model_state = load_file(str(Path(path) / MODEL_DIR / "model.safetensors"))
+    config = json.loads((Path(path) / MODEL_DIR / "config.json").read_text())
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in model_state:
+        model_state["lm_head.weight"] = model_state["model.embed_tokens.weight"]
+    trainer_state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+    return model_state, trainer_state
+
+
+def staging_path(root: str | Path, step: int) -> Path:
+    """Where step ``step``'s checkpoint is written before it is committed."""
+    return Path(root) / f"{STEP_PREFIX}{step:08d}{TMP_SUFFIX}"
+
+
+def commit_checkpoint(root: str | Path, step: int) -> Path:
+    """Atomically publish a fully written checkpoint (rename within one folder)."""
+    final = Path(root) / f"{STEP_PREFIX}{step:08d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging_path(root, step), final)
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest committed checkpoint; staging folders are ignored."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.iterdir()
+                  if p.name.startswith(STEP_PREFIX) and not p.name.endswith(TMP_SUFFIX))
+    return done[-1] if done else None
+
+
+def checkpoint_step(path: str | Path) -> int:
+    return int(Path(path).name.removeprefix(STEP_PREFIX))
