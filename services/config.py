@@ -1,0 +1,171 @@
+"""JobConfig: one job's whole configuration, validated once at submit/start.
+
+Composes the rollout, trainer and aggregation schemas (each defined next to the code it
+configures) and checks the rules that span them. Imports only pydantic, PyYAML and the
+packages' ``config`` modules, so the controller validates a job without torch or Ray.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rollout.config import RolloutConfig, SyntheticDatasetConfig
+from trainer.config import AggregationConfig, TrainerConfig
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run; the message names the field or the line."""
+
+
+class WarmupConfig(BaseModel):
+    """A short supervised pass on the synthetic task before RL (a warm start)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    """Run the warm-up (cached in the data folder, so only the first job pays)."""
+    num_steps: int = Field(default=300, gt=0)
+    """Supervised optimizer steps."""
+    batch_size: int = Field(default=32, gt=0)
+    """Examples per supervised step."""
+    lr: float = Field(default=3e-3, gt=0)
+    """AdamW learning rate of the warm-up."""
+    seed: int = 0
+    """Seed of the warm-up's examples (distinct from the RL prompts' seed)."""
+
+
+class JobConfig(BaseModel):
+    """One RL post-training job."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(default="tally-job", min_length=1, max_length=100,
+                      pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """Job name: letters, digits, '-', '_' and '.'."""
+    num_steps: int = Field(default=20, gt=0)
+    """RL optimizer steps (one rollout batch each)."""
+    aggregation: AggregationConfig = AggregationConfig()
+    """How the pg loss of a step is aggregated (docs/loss-aggregation.md)."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Prompts, engines, sampling, rewards and advantages."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Backend, parallel layout, losses and optimizer."""
+    warmup: WarmupConfig = WarmupConfig()
+    """Optional supervised warm start on the synthetic task."""
+    output_dir: str | None = None
+    """Job folder for metrics, logs and checkpoints; default <data dir>/jobs/<name>-<time>."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    resume: bool = True
+    """Continue from the newest checkpoint in output_dir when there is one."""
+    max_restarts: int = Field(default=1, ge=0)
+    """Restart a dead actor group from the last checkpoint at most this many times."""
+    num_ranks: int | None = Field(default=None, gt=0)
+    """Trainer actors to start; when given it must equal dp_size × cp_size × tp_size."""
+
+    @model_validator(mode="after")
+    def _aggregation_set_once(self) -> JobConfig:
+        if "aggregation" in self.trainer.loss.model_fields_set:
+            raise ValueError("trainer.loss.aggregation: set the pg aggregation at the top-level "
+                             "'aggregation:' of the job")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_mean_whole_groups(self) -> JobConfig:
+        batch, group = self.rollout.global_batch_size, self.rollout.n_samples_per_prompt
+        if self.aggregation.mode == "prompt_mean" and batch % group:
+            raise ValueError(f"rollout.global_batch_size: prompt_mean needs a multiple of "
+                             f"n_samples_per_prompt={group}, got {batch}")
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_match_layout(self) -> JobConfig:
+        if self.num_ranks is not None and self.num_ranks != self.trainer.world_size:
+            raise ValueError(
+                f"num_ranks: {self.num_ranks} trainer actors asked for, but trainer.dp_size × "
+                f"cp_size × tp_size = {self.trainer.world_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _warmup_needs_synthetic_task(self) -> JobConfig:
+        if self.warmup.enabled and not isinstance(self.rollout.dataset, SyntheticDatasetConfig):
+            raise ValueError("warmup.enabled: the warm-up trains on the synthetic task; "
+                             "use rollout.dataset.type: synthetic or disable it")
+        return self
+
+    @property
+    def max_response_len(self) -> int:
+        """The rollout's generation budget (resolves divisor: max_response_len)."""
+        return self.rollout.sampling.max_new_tokens
+
+    def trainer_config(self) -> TrainerConfig:
+        """The trainer's own config, with the job's pg aggregation in place."""
+        loss = self.trainer.loss.model_copy(update={"aggregation": self.aggregation})
+        return self.trainer.model_copy(update={"loss": loss})
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid job config"]
+    for item in err.errors():
+        path = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-"))
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"  {path or '<root>'}: {message}")
+    return "\n".join(lines)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict in place."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {override!r}: expected key.path=value")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {key}: value is not valid YAML: {err}") from err
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_job_config(text: str, overrides: list[str] | None = None,
+                     source: str = "<config>") -> JobConfig:
+    """YAML (or JSON) text plus ``--set`` overrides -> a validated JobConfig."""
+    try:
+        data = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{source}:{where} not valid YAML: "
+                          f"{getattr(err, 'problem', None) or err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a job config is a mapping of keys, got {type(data).__name__}")
+    for override in overrides or []:
+        apply_override(data, override)
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_job_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    return parse_job_config(path.read_text(), overrides, source=str(path))
+
+
+def job_json_schema() -> str:
+    """The JSON schema of job configs, for editors (configs/tally.schema.json)."""
+    return json.dumps(JobConfig.model_json_schema(), indent=2, sort_keys=True) + "\n"

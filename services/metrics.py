@@ -1,0 +1,67 @@
+"""Where each step's metrics go: a local JSONL file (the source of truth), TensorBoard
+event files, and, when a controller is configured, the controller (added by its sink)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Protocol
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsSink(Protocol):
+    def write(self, step: int, metrics: dict[str, float]) -> None: ...
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per step: {"step", "time", "metrics"}; appended and flushed."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.path = output_dir / METRICS_FILE
+        self.file = self.path.open("a", encoding="utf-8")
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, "time": time.time(), "metrics": clean}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, output_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            if math.isfinite(value):
+                self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl file; a torn last line (crash mid-write) is skipped."""
+    rows = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop rows of steps > step (a resume repeats them from the checkpoint)."""
+    rows = [r for r in read_metrics(path) if r["step"] <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")

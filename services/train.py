@@ -1,0 +1,230 @@
+"""The driver: one RL job on Ray. ``python -m services.train configs/demo.yaml``.
+
+    configs/*.yaml ──► JobConfig (validated before any actor starts)
+                          │
+       RolloutManager ────┼──► engines ──► rewards ──► advantages ──► TrainBatch
+       (Ray actor)        │                                         (object store)
+            ▲             ▼                                              │
+            │      TrainerGroup: DP × CP rank actors (FSDP2) ◄───────────┘
+            │             │   weights from whole-step metadata, Σ w·ℓ, grad SUM
+            └── weights ──┘   (object store)
+                          ▼
+        metrics.jsonl · TensorBoard · controller           checkpoints/step_N
+
+The driver owns the loop; rollout and trainer expose a few verbs each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import ray
+
+from rollout.batch import TrainBatch
+from rollout.config import SyntheticDatasetConfig
+from rollout.engines import check_engine_available
+from rollout.manager import RolloutManagerActor
+from rollout.tiny import resolve_model_path
+from services.config import ConfigError, JobConfig, load_job_config
+from services.metrics import JsonlSink, MetricsSink, TensorBoardSink, truncate_after
+from services.warmup import warm_start
+from trainer import checkpoint
+from trainer.group import TrainerGroup
+
+QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TRANSFORMERS_VERBOSITY": "error",
+             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+             "OMP_NUM_THREADS": "1"}
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("TALLY_DATA_DIR", Path.home() / ".tally"))
+
+
+def preflight(config: JobConfig) -> None:
+    """What pydantic cannot see: optional packages and local paths. Raises ConfigError."""
+    try:
+        check_engine_available(config.rollout)
+    except RuntimeError as err:
+        raise ConfigError(f"rollout.{err}") from None
+    if config.trainer.backend != "fsdp":
+        raise ConfigError(f"trainer.backend: {config.trainer.backend!r} is not available in "
+                          "this build; use 'fsdp'")
+    if config.rollout.model != "tiny" and not Path(config.rollout.model).is_dir():
+        raise ConfigError(f"rollout.model: {config.rollout.model} is not a local directory")
+
+
+def ensure_ray(num_cpus: int) -> bool:
+    """Connect to a running Ray cluster, or start a local head; True if we started it."""
+    if ray.is_initialized():
+        return False
+    os.environ.update({k: v for k, v in QUIET_ENV.items() if k not in os.environ})
+    runtime_env = {"env_vars": dict(QUIET_ENV)}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=runtime_env, log_to_driver=True)
+        return False
+    try:
+        ray.init(address="auto", runtime_env=runtime_env, log_to_driver=True)
+        return False
+    except ConnectionError:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
+                 log_to_driver=True, logging_level="WARNING")
+        return True
+
+
+def step_metrics(batch: TrainBatch, train: dict[str, float], times: dict[str, float]
+                 ) -> dict[str, float]:
+    """Everything the dashboard plots for one step."""
+    step_time = sum(times.values())
+    num_tokens = float(batch.sequence_lengths.sum())
+    return {
+        **{k: float(v) for k, v in batch.metadata.items()},
+        **{k: v for k, v in train.items() if k != "valid_tokens"},
+        "reward/mean": float(batch.rewards.mean()),
+        "reward/std": float(batch.rewards.std()) if batch.num_samples > 1 else 0.0,
+        "response_length/mean": float(batch.response_lengths.float().mean()),
+        "tokens/valid": float(batch.num_valid_tokens),
+        "tokens/total": num_tokens,
+        "perf/tokens_per_s": num_tokens / max(step_time, 1e-9),
+        "perf/step_time_s": step_time,
+        **{f"perf/{name}_s": value for name, value in times.items()},
+    }
+
+
+class Job:
+    """The actors of one job and the verbs of its loop."""
+
+    def __init__(self, config: JobConfig, output_dir: Path, log=print) -> None:
+        self.config, self.output_dir, self.log = config, output_dir, log
+        model_path = resolve_model_path(config.rollout.model, data_dir() / "models")
+        if config.warmup.enabled:
+            assert isinstance(config.rollout.dataset, SyntheticDatasetConfig)
+            model_path = warm_start(model_path, config.rollout.dataset, config.warmup,
+                                    data_dir() / "warmup", log)
+        self.model_path = model_path
+        self.rollout = RolloutManagerActor.remote(config.rollout, model_path)
+        self.trainer = TrainerGroup(config.trainer_config(), model_path, config.num_steps,
+                                    config.max_response_len, env_vars=QUIET_ENV)
+        self.checkpoint_root = output_dir / "checkpoints"
+
+    def rl_step(self, step: int) -> dict[str, float]:
+        """Generate → score → train → sync weights; returns the step's metrics."""
+        started = time.perf_counter()
+        batch_ref = self.rollout.generate_batch.remote(step)
+        batch: TrainBatch = ray.get(batch_ref)
+        generated = time.perf_counter()
+        if batch.num_valid_tokens == 0:  # nothing to learn from: skip, never NaN
+            return {"skipped": 1.0, "reward/mean": float(batch.rewards.mean())}
+        train_metrics = self.trainer.train(batch_ref)
+        trained = time.perf_counter()
+        ray.get(self.rollout.update_weights.remote([self.trainer.async_export_weights()]))
+        synced = time.perf_counter()
+        times = {"rollout": generated - started, "train": trained - generated,
+                 "sync": synced - trained}
+        return step_metrics(batch, train_metrics, times)
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Trainer state, rollout cursor and step; written aside, then renamed."""
+        staging = checkpoint.staging_path(self.checkpoint_root, step)
+        self.trainer.save_checkpoint(str(staging))
+        rollout_state = ray.get(self.rollout.state_dict.remote())
+        (staging / "driver_state.json").write_text(json.dumps({"step": step,
+                                                              "rollout": rollout_state}))
+        return checkpoint.commit_checkpoint(self.checkpoint_root, step)
+
+    def restore(self) -> int:
+        """Resume from the newest committed checkpoint; returns the next step."""
+        latest = checkpoint.latest_checkpoint(self.checkpoint_root)
+        if latest is None or not self.config.resume:
+            return 0
+        state = json.loads((latest / "driver_state.json").read_text())
+        self.trainer.load_checkpoint(str(latest))
+        ray.get(self.rollout.load_state_dict.remote(state["rollout"]))
+        ray.get(self.rollout.update_weights.remote([self.trainer.async_export_weights()]))
+        truncate_after(self.output_dir / "metrics.jsonl", state["step"])
+        self.log(f"resumed from {latest.name} (step {state['step']})")
+        return state["step"] + 1
+
+    def close(self) -> None:
+        self.trainer.shutdown()
+        ray.get(self.rollout.shutdown.remote())
+        ray.kill(self.rollout)
+
+
+def progress_line(step: int, num_steps: int, metrics: dict[str, float]) -> str:
+    if metrics.get("skipped"):
+        return f"step {step + 1}/{num_steps} | skipped: no valid token in the batch"
+    return (f"step {step + 1}/{num_steps} | reward {metrics['reward/mean']:.3f} "
+            f"| pg_loss {metrics['pg_loss']:+.4f} | {metrics['perf/tokens_per_s']:,.0f} tok/s "
+            f"| {metrics['perf/step_time_s']:.1f} s")
+
+
+def default_output_dir(config: JobConfig) -> Path:
+    if config.output_dir:
+        return Path(config.output_dir)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return data_dir() / "jobs" / f"{config.name}-{stamp}"
+
+
+def run_job(config: JobConfig, output_dir: Path | None = None,
+            extra_sinks: list[MetricsSink] | None = None, log=print) -> list[dict[str, float]]:
+    """Run a whole job; returns every step's metrics. Starts Ray if none is running."""
+    preflight(config)
+    output_dir = output_dir or default_output_dir(config)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.json").write_text(config.model_dump_json(indent=2))
+    needed = config.trainer.world_size * config.trainer.num_cpus_per_rank + 2
+    started_ray = ensure_ray(max(os.cpu_count() or 1, int(needed + 0.999)))
+    job = None
+    history: list[dict[str, float]] = []
+    try:
+        job = Job(config, output_dir, log)
+        start = job.restore()
+        sinks: list[MetricsSink] = [JsonlSink(output_dir), TensorBoardSink(output_dir),
+                                    *(extra_sinks or [])]
+        log(f"job {config.name}: {config.num_steps} steps, mode={config.aggregation.mode}, "
+            f"dp={config.trainer.dp_size} cp={config.trainer.cp_size}, output {output_dir}")
+        for step in range(start, config.num_steps):
+            metrics = job.rl_step(step)
+            for sink in sinks:
+                sink.write(step, metrics)
+            history.append(metrics)
+            log(progress_line(step, config.num_steps, metrics))
+            last = step == config.num_steps - 1
+            if last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
+                job.save_checkpoint(step)
+        for sink in sinks:
+            sink.close()
+        return history
+    finally:
+        if job is not None:
+            job.close()
+        if started_ray:
+            ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.train",
+                                     description="Run one Tally RL job.")
+    parser.add_argument("config", help="YAML job config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a field, e.g. trainer.optimizer.lr=1e-5")
+    parser.add_argument("--output-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        config = load_job_config(args.config, args.overrides)
+        preflight(config)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    run_job(config, args.output_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

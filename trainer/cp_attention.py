@@ -1,0 +1,142 @@
+"""Context parallelism for Hugging Face causal LMs by all-gathering K/V (as in Llama 3 training).
+
+Each CP rank holds its zigzag shard of every sequence (see ``context_parallel.py``): tokens plus
+their true position ids, so RoPE rotates each token as in the full sequence. Inside every
+attention layer the rank's K/V shards are all-gathered over the CP group, and each local query
+attends to all keys under a causal mask built from true positions:
+
+    out_i = softmax_j( q_i·k_j · scale  where pos(q_i) ≥ pos(k_j) ) · v_j
+
+The gather is differentiable: a rank's K/V feed every rank's loss, so the gradient of its shard is
+the sum over ranks of the gradient w.r.t. the gathered tensor, sliced to its own part.
+Summing parameter gradients over the CP group then gives the full-sequence gradient.
+
+Usage: ``enable_context_parallel(model)`` once, then per forward
+``with context_parallel(cp_group, position_ids): model(input_ids=..., position_ids=...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+
+CP_ATTENTION_NAME = "tally_cp"
+
+
+@dataclass(frozen=True)
+class _CPState:
+    group: dist.ProcessGroup
+    positions_BS: torch.Tensor  # this rank's true positions [B, S_local]
+    all_positions_BS: torch.Tensor  # every rank's, in rank order [B, cp·S_local]
+
+
+_state: ContextVar[_CPState | None] = ContextVar("tally_cp_state", default=None)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along ``dim`` in rank order; backward sums the gradient over ranks, then slices.
+
+    The sum is an all_reduce of the gathered-size gradient because gloo has no reduce_scatter.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.local_len = group, dim, x.shape[dim]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        start = dist.get_rank(ctx.group) * ctx.local_len
+        return grad.narrow(ctx.dim, start, ctx.local_len), None, None
+
+
+def _all_gather_positions(positions_BS: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(positions_BS) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, positions_BS.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def cp_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention over the CP group's keys: q/k/v [B, heads, S, D] -> out [B, S, heads, D].
+
+    No key-padding mask: sequences are right-padded and padding keeps counting positions, so a real
+    query never sees a padding key (pos(pad) > pos(any real token)). HF builds no mask for an
+    attention name it has no mask function for, so ``attention_mask`` is None here.
+    """
+    if attention_mask is not None:
+        raise ValueError(f"{CP_ATTENTION_NAME} builds its mask from positions; pass no 4D mask")
+    if sliding_window is not None:
+        raise NotImplementedError(f"{CP_ATTENTION_NAME} does not support sliding-window layers")
+    state = _state.get()
+    if state is not None:
+        if key.shape[2] != query.shape[2]:
+            raise ValueError("context parallel attention does not support a KV cache")
+        q_pos, k_pos = state.positions_BS, state.all_positions_BS
+        if dist.get_world_size(state.group) > 1:
+            # One collective for K and V together, so there is one backward all_reduce per layer.
+            kv = _GatherSeq.apply(torch.stack((key, value)), state.group, 3)
+            key, value = kv.unbind(0)
+    else:
+        kv_len, q_len = key.shape[2], query.shape[2]
+        positions = kwargs.get("position_ids")
+        q_pos = positions if positions is not None else torch.arange(kv_len - q_len, kv_len)
+        q_pos = q_pos.to(query.device).expand(query.shape[0], q_len)
+        # Without a cache the keys are the queries; with one they are the whole prefix so far.
+        k_pos = q_pos if kv_len == q_len else torch.arange(kv_len, device=query.device)[None]
+    mask_B1QK = (q_pos[:, :, None] >= k_pos[:, None, :]).unsqueeze(1)
+    num_groups = getattr(module, "num_key_value_groups", 1)
+    if num_groups > 1:  # GQA: query head h reads kv head h // num_groups (HF's repeat_kv)
+        key = key.repeat_interleave(num_groups, dim=1)
+        value = value.repeat_interleave(num_groups, dim=1)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask_B1QK, dropout_p=dropout, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def enable_context_parallel(model: PreTrainedModel) -> None:
+    """Register (once) and switch the model's attention to the CP function."""
+    # Registration is a class-wide dict update, so repeating it is harmless.
+    AttentionInterface.register(CP_ATTENTION_NAME, cp_attention_forward)
+    model.set_attn_implementation(CP_ATTENTION_NAME)
+
+
+@contextmanager
+def context_parallel(cp_group: dist.ProcessGroup, position_ids: torch.Tensor) -> Iterator[None]:
+    """Within this block, attention layers of CP-enabled models gather K/V over cp_group.
+
+    position_ids: [B, S_local] true positions of this rank's zigzag shard. They are gathered here,
+    once per forward, not in every layer. Run backward inside the block too when activation
+    checkpointing recomputes attention there.
+    """
+    if dist.get_world_size(cp_group) > 1:
+        all_positions = _all_gather_positions(position_ids, cp_group)
+    else:
+        all_positions = position_ids
+    token = _state.set(_CPState(cp_group, position_ids, all_positions))
+    try:
+        yield
+    finally:
+        _state.reset(token)
