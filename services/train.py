@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Run one Tally RL job.")
     parser.add_argument("config", help="YAML job config")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a field, e.g. trainer.optimizer.lr=1e-5")
+                        metavar="KEY=VALUE",
+                        help="override a field, e.g. trainer.optimizer.lr=1e-5")
     parser.add_argument("--output-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     try:

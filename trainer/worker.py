@@ -152,7 +152,8 @@ class TrainerWorker:
         loss_cfg = self.config.loss
         scale = sum_reduction_factor(self.config.world_size)  # FSDP averages; we SUM
         mode_names = [k for k in plan.weights if k.startswith(MODE_METRIC_PREFIX)]
-        names = ["pg_loss", "kl", "entropy", "clipped_tokens", "valid_tokens", *mode_names]
+        names = ["pg_loss", "kl", "entropy", "clipped_tokens", "valid_tokens",
+                 "log_prob_abs_diff", *mode_names]
         totals = torch.zeros(len(names), dtype=torch.float64)
         self.model.train()
         for samples in plan.micro_batches[self.dp_rank]:
@@ -184,11 +185,15 @@ class TrainerWorker:
                 totals += torch.stack([
                     pg_sum, kl, entropy, (terms.clipped * micro.loss_mask).sum(),
                     micro.loss_mask.sum(),
+                    ((log_probs.detach() - micro.rollout_log_probs).abs() * micro.loss_mask).sum(),
                     *[local_weighted_sum(pg, micro.weights[k]) for k in mode_names],
                 ]).detach().double().cpu()
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every token is owned by one rank
         values = dict(zip(names, totals.tolist(), strict=True))
-        values["clip_fraction"] = values.pop("clipped_tokens") / max(values["valid_tokens"], 1)
+        num_valid = max(values["valid_tokens"], 1)
+        values["clip_fraction"] = values.pop("clipped_tokens") / num_valid
+        # Train-inference mismatch: mean |log π_trainer − log π_rollout| per valid token.
+        values["mismatch/log_prob_abs_diff"] = values.pop("log_prob_abs_diff") / num_valid
         return values
 
     def optimizer_step(self) -> dict[str, float]:

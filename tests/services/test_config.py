@@ -1,0 +1,79 @@
+"""JobConfig: bad configs fail before anything starts, with the field or line named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.config import ConfigError, job_json_schema, load_job_config, parse_job_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_shipped_configs_are_valid() -> None:
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert configs, "configs/ ships example job configs"
+    for path in configs:
+        load_job_config(path)
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.optimizer\.learning_rate: unknown key"):
+        parse_job_config("trainer:\n  optimizer:\n    learning_rate: 0.1\n")
+
+
+def test_yaml_syntax_error_names_the_line() -> None:
+    with pytest.raises(ConfigError, match="line 3, column 15 not valid YAML: mapping values"):
+        parse_job_config("name: x\nnum_steps: 3\nrollout: model: tiny\n")
+
+
+def test_prompt_mean_needs_whole_groups() -> None:
+    # global_batch_size must be a multiple of G (the rollout's own rule names the field).
+    with pytest.raises(ConfigError, match="global_batch_size: 10 is not a multiple"):
+        parse_job_config("aggregation: {mode: prompt_mean}\n"
+                         "rollout: {n_samples_per_prompt: 4, global_batch_size: 10}\n")
+
+
+def test_aggregation_rules_surface_with_their_path() -> None:
+    with pytest.raises(ConfigError, match="aggregation: divisor: mode=constant needs a divisor"):
+        parse_job_config("aggregation: {mode: constant}\n")
+    with pytest.raises(ConfigError, match="conflicts with mode=prompt_mean"):
+        parse_job_config("aggregation: {mode: prompt_mean, calculate_per_token_loss: true}\n")
+
+
+def test_num_ranks_must_match_layout() -> None:
+    with pytest.raises(ConfigError, match=r"num_ranks: 3 trainer actors.*= 4"):
+        parse_job_config("num_ranks: 3\ntrainer: {dp_size: 2, cp_size: 2}\n")
+
+
+def test_pg_aggregation_lives_at_the_top_level() -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.loss\.aggregation: set the pg aggregation"):
+        parse_job_config("trainer: {loss: {aggregation: {mode: token_mean}}}\n")
+
+
+def test_overrides_apply_and_are_validated() -> None:
+    config = parse_job_config("name: x\n", ["trainer.optimizer.lr=1e-5",
+                                            "aggregation.mode=token_mean"])
+    assert config.trainer.optimizer.lr == 1e-5
+    assert config.trainer_config().loss.aggregation.mode == "token_mean"
+    with pytest.raises(ConfigError, match=r"--set .trainer.: expected key\.path=value"):
+        parse_job_config("name: x\n", ["trainer"])
+    with pytest.raises(ConfigError, match=r"trainer\.optimizer\.lr: Input should be greater"):
+        parse_job_config("name: x\n", ["trainer.optimizer.lr=-1"])
+
+
+def test_constant_max_response_len_resolves_to_rollout_budget() -> None:
+    config = parse_job_config("aggregation: {mode: constant, divisor: max_response_len}\n"
+                              "rollout: {sampling: {max_new_tokens: 12}}\n")
+    assert config.aggregation.resolved_divisor(config.max_response_len) == 12.0
+
+
+def test_yaml_is_loaded_safely() -> None:
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse_job_config("name: !!python/object/apply:os.system ['true']\n")
+
+
+def test_committed_json_schema_is_current() -> None:
+    committed = (ROOT / "configs" / "tally.schema.json").read_text()
+    assert committed == job_json_schema(), "run: tally schema > configs/tally.schema.json"
