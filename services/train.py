@@ -156,10 +156,13 @@ class Job:
         ray.kill(self.rollout)
 
 
-def progress_line(step: int, num_steps: int, metrics: dict[str, float]) -> str:
+def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) -> str:
+    metrics = history[-1]
     if metrics.get("skipped"):
         return f"step {step + 1}/{num_steps} | skipped: no valid token in the batch"
+    recent = [m["reward/mean"] for m in history[-10:]]
     return (f"step {step + 1}/{num_steps} | reward {metrics['reward/mean']:.3f} "
+            f"(last 10: {sum(recent) / len(recent):.3f}) "
             f"| pg_loss {metrics['pg_loss']:+.4f} | {metrics['perf/tokens_per_s']:,.0f} tok/s "
             f"| {metrics['perf/step_time_s']:.1f} s")
 
@@ -194,7 +197,7 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
             for sink in sinks:
                 sink.write(step, metrics)
             history.append(metrics)
-            log(progress_line(step, config.num_steps, metrics))
+            log(progress_line(step, config.num_steps, history))
             last = step == config.num_steps - 1
             if last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
                 job.save_checkpoint(step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,9 +143,11 @@ class TrainerWorker:
             return model(**kwargs).logits
 
     def train_step(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
+        started = time.perf_counter()
         sums = self.forward_backward(batch, plan)
         sums.update(self.optimizer_step())
         sums["padding_fraction"] = plan.padding_fraction
+        sums["perf/compute_s"] = time.perf_counter() - started  # rank-local fwd+bwd+step
         return sums
 
     def forward_backward(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
