@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from functools import partial
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -29,6 +30,20 @@ def best_of(fn, repeats: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def aggregation(mask: torch.Tensor, groups: torch.Tensor, losses: torch.Tensor) -> None:
+    """All four modes: the per-mode metric costs them all."""
+    for mode in AGGREGATION_MODES:
+        divisor = float(mask.shape[1]) if mode == "constant" else None
+        local_weighted_sum(losses, token_weights(mask, groups, mode, divisor)).backward()
+
+
+def forward_backward(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+    for start in range(0, len(input_ids), MICRO_BATCH_SEQS):
+        ids = input_ids[start:start + MICRO_BATCH_SEQS]
+        logits = model(input_ids=ids).logits[:, :-1]
+        token_log_probs(logits, ids[:, 1:]).sum().backward()
 
 
 def main() -> None:
@@ -54,20 +69,9 @@ def main() -> None:
         groups = torch.arange(num_seqs) // GROUP_SIZE
         losses = torch.randn(num_seqs, seq_len, requires_grad=True)
 
-        def aggregation() -> None:
-            for mode in AGGREGATION_MODES:  # all four: the per-mode metric costs them all
-                weights = token_weights(mask, groups, mode, float(seq_len) if
-                                        mode == "constant" else None)
-                local_weighted_sum(losses, weights).backward()
-
-        def forward_backward() -> None:
-            for start in range(0, num_seqs, MICRO_BATCH_SEQS):
-                ids = input_ids[start:start + MICRO_BATCH_SEQS]
-                logits = model(input_ids=ids).logits[:, :-1]
-                token_log_probs(logits, ids[:, 1:]).sum().backward()
-
-        agg = best_of(aggregation)
-        fwd_bwd = best_of(forward_backward, repeats=1 if tokens > 1 << 17 else 2)
+        agg = best_of(partial(aggregation, mask, groups, losses))
+        fwd_bwd = best_of(partial(forward_backward, model, input_ids),
+                          repeats=1 if tokens > 1 << 17 else 2)
         print(f"{tokens:>9,} {agg * 1e3:>15.2f} {fwd_bwd * 1e3:>11.1f} "
               f"{agg / fwd_bwd:>8.2%} {agg / tokens * 1e9:>13.1f}")
         tokens *= 4
