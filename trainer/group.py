@@ -28,13 +28,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def worker_class(backend: str) -> type:
+    """The rank actor of a backend; every backend exposes the same verbs."""
+    if backend == "fsdp":
+        return TrainerWorker
+    if backend == "megatron":
+        from trainer.backends.megatron.worker import MegatronWorker
+
+        return MegatronWorker
+    raise ValueError(f"trainer.backend: unknown backend {backend!r}")
+
+
 class TrainerGroup:
     def __init__(self, config: TrainerConfig, model_path: str, total_steps: int,
                  max_response_len: int | None = None, strategy: str = "STRICT_PACK",
                  env_vars: dict[str, str] | None = None) -> None:
-        if config.backend != "fsdp":
-            raise ValueError(f"trainer.backend: {config.backend!r} is not available in this "
-                             "build; use 'fsdp'")
         self.config, self.max_response_len = config, max_response_len
         bundle = {"CPU": config.num_cpus_per_rank}
         if config.num_gpus_per_rank:
@@ -42,7 +50,7 @@ class TrainerGroup:
         self.placement_group: PlacementGroup = placement_group(
             [dict(bundle) for _ in range(config.world_size)], strategy=strategy)
         ray.get(self.placement_group.ready())
-        actor_cls = ray.remote(TrainerWorker)
+        actor_cls = ray.remote(worker_class(config.backend))
         self.workers = [
             actor_cls.options(
                 num_cpus=config.num_cpus_per_rank,
