@@ -60,20 +60,23 @@ def preflight(config: JobConfig) -> None:
 
 
 def ensure_ray(num_cpus: int) -> bool:
-    """Connect to a running Ray cluster, or start a local head; True if we started it."""
+    """Connect to a running Ray cluster, or start a local head; True if we started it.
+
+    On a cluster we do not own (``ray job submit``) the job's runtime env is left alone;
+    our actors set their own environment variables.
+    """
     if ray.is_initialized():
         return False
     os.environ.update({k: v for k, v in QUIET_ENV.items() if k not in os.environ})
-    runtime_env = {"env_vars": dict(QUIET_ENV)}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env=runtime_env, log_to_driver=True)
+        ray.init(log_to_driver=True)
         return False
     try:
-        ray.init(address="auto", runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address="auto", log_to_driver=True)
         return False
     except ConnectionError:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=True, logging_level="WARNING")
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": dict(QUIET_ENV)}, logging_level="WARNING")
         return True
 
 
@@ -107,7 +110,8 @@ class Job:
             model_path = warm_start(model_path, config.rollout.dataset, config.warmup,
                                     data_dir() / "warmup", log)
         self.model_path = model_path
-        self.rollout = RolloutManagerActor.remote(config.rollout, model_path)
+        self.rollout = RolloutManagerActor.options(
+            runtime_env={"env_vars": QUIET_ENV}).remote(config.rollout, model_path)
         self.trainer = TrainerGroup(config.trainer_config(), model_path, config.num_steps,
                                     config.max_response_len, env_vars=QUIET_ENV)
         self.checkpoint_root = output_dir / "checkpoints"
