@@ -28,11 +28,17 @@ def _load(config: Path, overrides: list[str] | None):
 
 @app.command()
 def train(config: ConfigArg, set_: SetOpt = None,
-          output_dir: Annotated[Path | None, typer.Option(help="job folder")] = None) -> None:
-    """Run a job here: starts a local Ray head if none is running, stops what it started."""
+          output_dir: Annotated[Path | None, typer.Option(help="job folder")] = None,
+          address: Annotated[str | None, typer.Option(
+              help="Ray cluster to join (e.g. 127.0.0.1:6379); default: RAY_ADDRESS, "
+                   "else a local head started and stopped by this command")] = None) -> None:
+    """Run a job: joins the Ray cluster at --address / RAY_ADDRESS, or starts a local head
+    and stops it when the job ends."""
     from services.config import ConfigError
     from services.train import preflight, run_job
 
+    if address:
+        os.environ["RAY_ADDRESS"] = address
     job = _load(config, set_)
     try:
         preflight(job)
@@ -113,7 +119,7 @@ def aggregation_demo(dp: int = 2, cp: int = 2) -> None:
 @app.command()
 def demo() -> None:
     """The embedded default: the tiny model learns a synthetic task with RL (configs/demo.yaml)."""
-    train(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml", None, None)
+    train(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml", None, None, None)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,17 @@ from trainer import checkpoint
 from trainer.group import TrainerGroup
 
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TRANSFORMERS_VERBOSITY": "error",
+             "HF_HUB_DISABLE_PROGRESS_BARS": "1",
              "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
              "OMP_NUM_THREADS": "1"}
+
+
+def quiet_transformers() -> None:
+    """No per-load progress bars or advisory warnings in the driver's log."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
 
 
 def data_dir() -> Path:
@@ -60,10 +69,11 @@ def preflight(config: JobConfig) -> None:
 
 
 def ensure_ray(num_cpus: int) -> bool:
-    """Connect to a running Ray cluster, or start a local head; True if we started it.
+    """Join the cluster named by RAY_ADDRESS (set by ``ray job submit``, or by a user of
+    ``ray start --head``), else start a local head; True if we started it.
 
-    On a cluster we do not own (``ray job submit``) the job's runtime env is left alone;
-    our actors set their own environment variables.
+    We never guess with ``address="auto"``: a stale local cluster would hang the job. On a
+    cluster we do not own, the job's runtime env is left alone; our actors set theirs.
     """
     if ray.is_initialized():
         return False
@@ -71,13 +81,9 @@ def ensure_ray(num_cpus: int) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
         return False
-    try:
-        ray.init(address="auto", log_to_driver=True)
-        return False
-    except ConnectionError:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": dict(QUIET_ENV)}, logging_level="WARNING")
-        return True
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": dict(QUIET_ENV)}, logging_level="WARNING")
+    return True
 
 
 def step_metrics(batch: TrainBatch, train: dict[str, float], times: dict[str, float]
@@ -182,6 +188,7 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
             extra_sinks: list[MetricsSink] | None = None, log=print) -> list[dict[str, float]]:
     """Run a whole job; returns every step's metrics. Starts Ray if none is running."""
     preflight(config)
+    quiet_transformers()
     output_dir = output_dir or default_output_dir(config)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(config.model_dump_json(indent=2))

@@ -18,6 +18,7 @@ def ray_cluster() -> Iterator[None]:
     started = False
     if not ray.is_initialized():
         ray.init(
+            address="local",  # never join another cluster found on the machine
             num_cpus=4,
             include_dashboard=False,
             log_to_driver=False,

@@ -1,0 +1,294 @@
+"""Configuration schemas of rollout. Imports only pydantic (and the stdlib), so the
+controller validates a job at submit time without torch or Ray.
+
+Variants are discriminated unions on ``type``; every model forbids unknown keys, and
+cross-field rules are named validators whose messages start with the field's name.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TaskName = Literal["copy", "repeat", "reverse", "add", "count"]
+"""Built-in synthetic tasks (see rollout/tasks.py); `copy` is the easiest."""
+
+_FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingConfig(BaseModel):
+    """How engines sample one response per (prompt, sample) pair."""
+
+    model_config = _FROZEN
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Softmax temperature; 0 means greedy decoding."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = Field(default=-1, ge=-1)
+    """Keep only the k most likely tokens; -1 or 0 turns it off."""
+    max_new_tokens: int = Field(default=64, gt=0)
+    """Generation budget per response, EOS included."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings; the matched text stays in the response (it was sampled)."""
+
+    @model_validator(mode="after")
+    def _stop_strings_not_empty(self) -> SamplingConfig:
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop: stop strings must be non-empty")
+        return self
+
+
+class SyntheticDatasetConfig(BaseModel):
+    """Prompts generated on the fly by a built-in verifiable task (no download)."""
+
+    model_config = _FROZEN
+
+    type: Literal["synthetic"] = "synthetic"
+    """Dataset variant."""
+    task: TaskName = "copy"
+    """Which built-in task: copy, repeat, reverse, add or count."""
+    difficulty: int = Field(default=1, ge=1, le=10)
+    """Length / digit knob of the task; 1 is the easiest."""
+    num_prompts: int = Field(default=1024, gt=0)
+    """How many distinct prompts make up one epoch."""
+    seed: int = 0
+    """Seed of the prompt generator (and of the epoch shuffles)."""
+    shuffle: bool = True
+    """Reshuffle the prompt order every epoch."""
+
+
+class FileDatasetConfig(BaseModel):
+    """Prompts from a local JSONL or Parquet file, one record per line / row."""
+
+    model_config = _FROZEN
+
+    type: Literal["jsonl", "parquet"]
+    """File format."""
+    path: str = Field(min_length=1)
+    """Local file path."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt: a string, or a list of chat messages."""
+    label_key: str | None = "label"
+    """Field holding the reference answer; None when the reward needs no label."""
+    metadata_keys: list[str] | None = None
+    """Fields passed to the reward as metadata; None passes every other field."""
+    seed: int = 0
+    """Seed of the epoch shuffles."""
+    shuffle: bool = True
+    """Reshuffle the prompt order every epoch."""
+
+
+DatasetConfig = Annotated[SyntheticDatasetConfig | FileDatasetConfig, Field(discriminator="type")]
+
+
+class TorchEngineConfig(BaseModel):
+    """In-process HF causal LM inside Ray actors, with our own KV-cache sampling loop."""
+
+    model_config = _FROZEN
+
+    type: Literal["torch"] = "torch"
+    """Engine variant."""
+    num_engines: int = Field(default=1, ge=1)
+    """Engine actors; prompts are sharded across them."""
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    """Torch device of each engine: cpu, cuda or cuda:N."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations dtype (log-probs are always computed in float32)."""
+    batch_size: int = Field(default=64, gt=0)
+    """Most sequences one engine decodes together."""
+    num_threads: int = Field(default=1, ge=1)
+    """Torch intra-op threads per engine (tiny models run best on one)."""
+    num_cpus: float = Field(default=0.5, ge=0.0)
+    """Ray CPU slots reserved per engine actor."""
+    num_gpus: float = Field(default=0.0, ge=0.0)
+    """Ray GPU slots reserved per engine actor."""
+
+
+class SGLangEngineConfig(BaseModel):
+    """SGLang servers over their native HTTP API: launched here, or reached by URL."""
+
+    model_config = _FROZEN
+
+    type: Literal["sglang"] = "sglang"
+    """Engine variant."""
+    urls: list[str] | None = None
+    """Running servers to use (one engine each); None launches servers instead."""
+    num_engines: int = Field(default=1, ge=1)
+    """Servers to launch; equals len(urls) when urls are given."""
+    host: str = "127.0.0.1"
+    """Interface a launched server binds to."""
+    base_port: int = Field(default=30000, ge=1, le=65535)
+    """Port of the first launched server; engine k uses base_port + k."""
+    tp_size: int = Field(default=1, ge=1)
+    """Tensor-parallel GPUs per launched server."""
+    mem_fraction_static: float | None = Field(default=None, gt=0.0, le=1.0)
+    """SGLang's --mem-fraction-static; None keeps SGLang's default."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More command-line flags for sglang.launch_server."""
+    launch_timeout_s: float = Field(default=900.0, gt=0.0)
+    """How long to wait for a server's /health (launched, or given in urls)."""
+    request_timeout_s: float = Field(default=600.0, gt=0.0)
+    """HTTP timeout of one /generate request."""
+    max_batch_size: int = Field(default=256, gt=0)
+    """Prompts per /generate request; requests of one call are sent concurrently."""
+    sampling_seed: bool = False
+    """Send a per-request sampling_seed (only SGLang builds that accept it)."""
+    weight_sync_dir: str | None = None
+    """Directory for update_weights(state_dict) checkpoints; must be visible to the
+    servers. None uses a temporary directory on the engine's node."""
+    num_gpus: float | None = Field(default=None, ge=0.0)
+    """Ray GPU slots per engine actor (a launched server inherits them); None reserves
+    tp_size when launching and 0 when connecting to urls."""
+
+    @property
+    def actor_num_gpus(self) -> float:
+        """The GPU slots one engine actor reserves."""
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return 0.0 if self.urls is not None else float(self.tp_size)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _num_engines_from_urls(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("urls"):
+            return data
+        urls = data["urls"]
+        if "num_engines" in data and data["num_engines"] != len(urls):
+            raise ValueError(
+                f"num_engines: {data['num_engines']} does not match the {len(urls)} urls; "
+                f"leave num_engines unset when urls are given"
+            )
+        return {**data, "num_engines": len(urls)}
+
+    @model_validator(mode="after")
+    def _urls_are_http(self) -> SGLangEngineConfig:
+        if self.urls is not None:
+            if not self.urls:
+                raise ValueError("urls: give at least one URL, or null to launch servers")
+            for url in self.urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"urls: {url!r} must start with http:// or https://")
+        return self
+
+
+EngineConfig = Annotated[TorchEngineConfig | SGLangEngineConfig, Field(discriminator="type")]
+
+
+class RewardConfig(BaseModel):
+    """How a response is scored against its prompt's label."""
+
+    model_config = _FROZEN
+
+    type: Literal["exact_match", "numeric", "boxed", "custom"] = "exact_match"
+    """exact_match, numeric (last number), boxed (last \\boxed{}) or custom."""
+    custom_function: str | None = None
+    """`module:function` for type=custom: (responses, labels, metadata) -> rewards."""
+    numeric_tolerance: float = Field(default=1e-6, ge=0.0)
+    """Relative tolerance of numeric comparisons (numeric and boxed)."""
+    default_on_error: float = Field(default=0.0, allow_inf_nan=False)
+    """Reward of a sample whose reward function raised."""
+    max_error_rate: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Largest fraction of a step's samples whose reward may fail before the step fails."""
+
+    @model_validator(mode="after")
+    def _custom_function_iff_custom(self) -> RewardConfig:
+        if self.type == "custom":
+            if self.custom_function is None:
+                raise ValueError("custom_function: type=custom needs 'module:function'")
+            if not _FUNCTION_PATH.match(self.custom_function):
+                raise ValueError(
+                    f"custom_function: expected 'module:function', got {self.custom_function!r}"
+                )
+        elif self.custom_function is not None:
+            raise ValueError(
+                f"custom_function: only type=custom takes a function, but type={self.type}"
+            )
+        return self
+
+
+class AdvantageConfig(BaseModel):
+    """How rewards become per-sample advantages (see rollout/advantages.py)."""
+
+    model_config = _FROZEN
+
+    type: Literal["grpo", "reinforce_pp", "reward"] = "grpo"
+    """grpo (group baseline), reinforce_pp (group baseline + batch whitening) or reward."""
+    normalize_std: bool = True
+    """grpo only: divide by the group's reward std; False is Dr. GRPO."""
+    eps: float = Field(default=1e-6, gt=0.0)
+    """Added to every std divisor."""
+
+    @model_validator(mode="after")
+    def _normalize_std_is_grpo(self) -> AdvantageConfig:
+        if "normalize_std" in self.model_fields_set and self.type != "grpo":
+            raise ValueError(f"normalize_std: only applies to type=grpo, not type={self.type}")
+        return self
+
+
+class DynamicSamplingConfig(BaseModel):
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and draw again."""
+
+    model_config = _FROZEN
+
+    enabled: bool = False
+    """Filter zero-spread groups and refill the batch with fresh prompts."""
+    max_draws: int = Field(default=4, ge=1)
+    """Generation rounds per step, the first included; then zero-spread groups fill in."""
+
+
+class RolloutConfig(BaseModel):
+    """Everything rollout needs for one job; the driver passes it to RolloutManager."""
+
+    model_config = _FROZEN
+
+    model: str = "tiny"
+    """`tiny` (the embedded random-init model) or a local checkpoint directory."""
+    tokenizer: str | None = None
+    """Local tokenizer directory; None uses the model's."""
+    apply_chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template (chat-message prompts always are)."""
+    dataset: DatasetConfig = Field(default_factory=SyntheticDatasetConfig)
+    """Where prompts come from."""
+    engine: EngineConfig = Field(default_factory=TorchEngineConfig)
+    """Which inference engine generates responses."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Sampling parameters of every response."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """How responses are scored."""
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    """How rewards become advantages."""
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    """DAPO-style filtering of groups without reward spread."""
+    n_samples_per_prompt: int = Field(default=8, gt=0)
+    """G: responses sampled per prompt (one group)."""
+    global_batch_size: int = Field(default=64, gt=0)
+    """N: samples per optimizer step, a multiple of G (steps hold whole groups)."""
+    seed: int = 0
+    """Seed of sampling; every step derives its own seeds from (seed, step)."""
+
+    @model_validator(mode="after")
+    def _whole_groups(self) -> RolloutConfig:
+        if self.global_batch_size % self.n_samples_per_prompt:
+            raise ValueError(
+                f"global_batch_size: {self.global_batch_size} is not a multiple of "
+                f"n_samples_per_prompt={self.n_samples_per_prompt} (steps hold whole groups)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_needs_groups(self) -> RolloutConfig:
+        if self.dynamic_sampling.enabled and self.n_samples_per_prompt < 2:
+            raise ValueError(
+                "dynamic_sampling.enabled: needs n_samples_per_prompt >= 2 (a group of one "
+                "never has reward spread)"
+            )
+        return self
+
+    @property
+    def num_prompts_per_step(self) -> int:
+        """P = N / G."""
+        return self.global_batch_size // self.n_samples_per_prompt

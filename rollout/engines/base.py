@@ -1,0 +1,69 @@
+"""The engine contract: token ids in, sampled token ids with their log-probs out.
+
+Log-prob convention (both engines): the log-prob of a sampled token is taken under the
+temperature-scaled model distribution, log softmax(logits / T), *before* top-k / top-p
+truncation — what a teacher-forced forward pass of the same weights computes with
+logits / T, so the trainer can recompute it exactly (slime and verl do the same). Greedy
+decoding (T = 0) reports log softmax(logits), i.e. T = 1.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from rollout.config import SamplingConfig
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled response.
+
+    token_ids   the response, ending with the EOS / stop tokens when finish_reason="stop"
+    log_probs   one per token (see the module docstring for the convention)
+    finish_reason  "stop" (EOS or stop string), "length" (max_new_tokens) or "abort"
+    """
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.log_probs):
+            raise ValueError(
+                f"Generation: {len(self.token_ids)} tokens but {len(self.log_probs)} log-probs"
+            )
+
+
+class Engine(ABC):
+    """An inference engine; one instance lives in one Ray actor."""
+
+    @abstractmethod
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int
+    ) -> list[Generation]:
+        """One response per prompt, in prompt order; same inputs and seed, same output."""
+
+    @abstractmethod
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load new policy weights (names as in the HF model's state_dict)."""
+
+    @abstractmethod
+    def update_weights_from_disk(self, path: str) -> None:
+        """Load new policy weights from a saved HF checkpoint directory."""
+
+    weight_version: int = 0
+    """How many weight updates this engine has loaded."""
+
+    def ping(self) -> int:
+        """The weight version; also a cheap "is the actor up" call."""
+        return self.weight_version
+
+    def shutdown(self) -> None:  # noqa: B027 -- optional hook, a no-op by default
+        """Release what the engine owns (servers, memory)."""

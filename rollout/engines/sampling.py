@@ -1,0 +1,49 @@
+r"""One decoding step: pick a token per row from next-token logits, with its log-prob.
+
+For logits z ∈ ℝ^V and temperature T > 0:
+
+    log p = log_softmax(z / T)                  ← the reported log-prob (see engines/base.py)
+    q ∝ p restricted to the top-k tokens, then to the smallest prefix (by descending p)
+        whose mass reaches top_p (the top token always stays)
+    token ~ q
+
+T = 0 is greedy: token = argmax z, reported log-prob log_softmax(z)[token].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.config import SamplingConfig
+
+
+def _truncate(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits with the tokens outside top-k / top-p set to −inf."""
+    if 0 < top_k < scaled_BV.shape[-1]:
+        kth = torch.topk(scaled_BV, top_k, dim=-1).values[:, -1:]
+        scaled_BV = scaled_BV.masked_fill(scaled_BV < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True)
+        cumulative_BV = sorted_BV.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens before it already reach top_p.
+        drop_sorted_BV = (cumulative_BV - sorted_BV.softmax(dim=-1)) >= top_p
+        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
+        scaled_BV = scaled_BV.masked_fill(drop_BV, float("-inf"))
+    return scaled_BV
+
+
+def sample_next_tokens(
+    logits_BV: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], log-probs [B]) for next-token logits [B, V]."""
+    logits_BV = logits_BV.float()
+    if sampling.temperature == 0.0:
+        tokens_B = logits_BV.argmax(dim=-1)
+        log_probs_BV = logits_BV.log_softmax(dim=-1)
+    else:
+        scaled_BV = logits_BV / sampling.temperature
+        log_probs_BV = scaled_BV.log_softmax(dim=-1)
+        truncated_BV = _truncate(scaled_BV, sampling.top_k, sampling.top_p)
+        probs_BV = truncated_BV.softmax(dim=-1)
+        tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+    return tokens_B, log_probs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)

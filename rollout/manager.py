@@ -1,0 +1,281 @@
+"""RolloutManager: prompts in, one TrainBatch per step out.
+
+    dataset ─► PromptCursor ─► P prompts × G ─► shards ─► engine actors (torch | sglang)
+                                                               │ token ids + log-probs
+    TrainBatch ◄─ advantages ◄─ [dynamic sampling] ◄─ rewards ◄┘ (decoded, in prompt order)
+
+One step draws P = N / G prompts, samples G responses for each (a group), scores them
+and computes advantages over the final batch. Group indices are contiguous and keep
+increasing across steps. Sampling seeds are a hash of (seed, step, round, engine rank):
+the only mutable state is the data cursor, the next group index and the weight version,
+which is what :meth:`state_dict` saves, so a resumed run continues exactly.
+
+Use it as a Ray actor (:data:`RolloutManagerActor`, returned batches travel through the
+object store), or in-process inside a Ray driver.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from rollout.advantages import compute_advantages
+from rollout.batch import TrainBatch
+from rollout.config import RolloutConfig
+from rollout.cursor import PromptCursor
+from rollout.datasets import PromptRecord, load_prompt_dataset
+from rollout.dynamic_sampling import split_by_spread
+from rollout.engines import check_engine_available, engine_actor_options, engine_class
+from rollout.engines.base import Generation
+from rollout.rewards import RewardScorer, check_error_rate
+from rollout.tokenizer import encode_prompt, load_tokenizer
+
+
+@dataclass
+class _Group:
+    """One prompt and its G scored responses."""
+
+    prompt_ids: list[int]
+    generations: list[Generation]
+    rewards: list[float]
+
+
+@dataclass
+class _StepStats:
+    num_draws: int = 0
+    num_samples: int = 0
+    gen_tokens: int = 0
+    gen_time_s: float = 0.0
+    reward_errors: int = 0
+    first_error: str | None = None
+    all_rewards: list[float] = field(default_factory=list)
+
+
+def _shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous, balanced [start, end) slices (the first shards take the remainder)."""
+    base, extra = divmod(num_items, num_shards)
+    bounds, start = [], 0
+    for rank in range(num_shards):
+        end = start + base + (rank < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class RolloutManager:
+    """Owns the engine actors, the dataset cursor and the reward function."""
+
+    def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None) -> None:
+        check_engine_available(config)
+        self.config = config
+        self.seed = config.seed if seed is None else seed
+        tokenizer_path = config.tokenizer or model_path
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self.records: list[PromptRecord] = load_prompt_dataset(config.dataset)
+        self.cursor = PromptCursor(len(self.records), config.dataset.seed, config.dataset.shuffle)
+        self.scorer = RewardScorer(config.reward)
+        self.next_group_index = 0
+        self.weight_version = 0
+        actor_class = ray.remote(engine_class(config.engine)).options(
+            **engine_actor_options(config.engine)
+        )
+        self.engines = [
+            actor_class.remote(config.engine, model_path, tokenizer_path, rank)
+            for rank in range(config.engine.num_engines)
+        ]
+        ray.get([engine.ping.remote() for engine in self.engines])  # constructor errors here
+
+    # -- one step ---------------------------------------------------------------------
+
+    def generate_batch(self, step: int) -> TrainBatch:
+        """The step's TrainBatch: N = global_batch_size samples in whole groups."""
+        num_prompts = self.config.num_prompts_per_step
+        dynamic = self.config.dynamic_sampling
+        stats = _StepStats()
+        kept: list[_Group] = []
+        zero_spread: list[_Group] = []
+        for draw in range(dynamic.max_draws if dynamic.enabled else 1):
+            if len(kept) == num_prompts:
+                break
+            groups = self._rollout_round(
+                self.cursor.take(num_prompts - len(kept)), step, draw, stats
+            )
+            if dynamic.enabled:
+                spread, flat = split_by_spread([g.rewards for g in groups])
+                kept += [groups[i] for i in spread]
+                zero_spread += [groups[i] for i in flat]
+            else:
+                kept += groups
+        num_filled = num_prompts - len(kept)
+        kept += zero_spread[:num_filled]  # max_draws hit: see rollout/dynamic_sampling.py
+        check_error_rate(
+            stats.reward_errors, stats.num_samples, self.config.reward, step, stats.first_error
+        )
+        metadata = {
+            "rollout/num_draws": float(stats.num_draws),
+            "rollout/zero_spread_groups": float(len(zero_spread)),
+            "rollout/zero_spread_filled": float(num_filled),
+            "rollout/generated_samples": float(stats.num_samples),
+            "rollout/generated_reward_mean": _mean(stats.all_rewards),
+            "rollout/gen_tokens": float(stats.gen_tokens),
+            "rollout/gen_time_s": stats.gen_time_s,
+            "rollout/gen_tokens_per_s": stats.gen_tokens / max(stats.gen_time_s, 1e-9),
+            "rollout/reward_errors": float(stats.reward_errors),
+            "rollout/weight_version": float(self.weight_version),
+            "rollout/epoch": float(self.cursor.epoch),
+        }
+        return self._build_batch(kept, metadata)
+
+    def _seed(self, step: int, draw: int, rank: int) -> int:
+        digest = hashlib.sha256(f"{self.seed}:{step}:{draw}:{rank}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+    def _rollout_round(
+        self, indices: list[int], step: int, draw: int, stats: _StepStats
+    ) -> list[_Group]:
+        """Generate and score G responses for each of the given records."""
+        group_size = self.config.n_samples_per_prompt
+        records = [self.records[i] for i in indices]
+        prompt_ids = [
+            encode_prompt(self.tokenizer, r.prompt, self.config.apply_chat_template)
+            for r in records
+        ]
+        sample_prompts = [ids for ids in prompt_ids for _ in range(group_size)]
+        started = time.perf_counter()
+        refs = [
+            engine.generate.remote(
+                sample_prompts[start:end], self.config.sampling, self._seed(step, draw, rank)
+            )
+            for rank, (engine, (start, end)) in enumerate(
+                zip(
+                    self.engines, _shard_bounds(len(sample_prompts), len(self.engines)), strict=True
+                )
+            )
+            if end > start
+        ]
+        generations: list[Generation] = [g for shard in ray.get(refs) for g in shard]
+        stats.gen_time_s += time.perf_counter() - started
+        stats.gen_tokens += sum(len(g.token_ids) for g in generations)
+        stats.num_draws += 1
+        stats.num_samples += len(generations)
+
+        texts = self.tokenizer.batch_decode(
+            [g.token_ids for g in generations], skip_special_tokens=True
+        )
+        labels = [r.label for r in records for _ in range(group_size)]
+        metadata = [r.metadata for r in records for _ in range(group_size)]
+        result = self.scorer.score(texts, labels, metadata)
+        stats.reward_errors += result.num_errors
+        stats.first_error = stats.first_error or result.first_error
+        stats.all_rewards += result.rewards
+        return [
+            _Group(
+                prompt_ids[j],
+                generations[j * group_size : (j + 1) * group_size],
+                result.rewards[j * group_size : (j + 1) * group_size],
+            )
+            for j in range(len(records))
+        ]
+
+    def _build_batch(self, groups: list[_Group], metadata: dict[str, float]) -> TrainBatch:
+        group_size = self.config.n_samples_per_prompt
+        group_index = [
+            self.next_group_index + j for j, g in enumerate(groups) for _ in g.generations
+        ]
+        generations = [gen for g in groups for gen in g.generations]
+        rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+        advantages = compute_advantages(
+            rewards, torch.tensor(group_index, dtype=torch.int64), self.config.advantage
+        )
+        lengths = [len(gen.token_ids) for gen in generations]
+        metadata = {
+            **metadata,
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "rollout/response_length_mean": _mean(lengths),
+            "rollout/response_length_max": float(max(lengths)),
+            "rollout/truncated_fraction": _mean(
+                [gen.finish_reason == "length" for gen in generations]
+            ),
+        }
+        batch = TrainBatch.from_samples(
+            prompt_ids=[g.prompt_ids for g in groups for _ in g.generations],
+            response_ids=[gen.token_ids for gen in generations],
+            response_log_probs=[gen.log_probs for gen in generations],
+            rewards=rewards.tolist(),
+            advantages=advantages.tolist(),
+            group_index=group_index,
+            samples_per_prompt=group_size,
+            pad_token_id=self.pad_token_id,
+            metadata=metadata,
+        )
+        self.next_group_index += len(groups)
+        return batch
+
+    # -- weights, state, lifetime ----------------------------------------------------
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | ray.ObjectRef | list) -> int:
+        """Send new weights to every engine; returns the new weight version.
+
+        `weights` is a state dict (put into the object store once here), an ObjectRef of
+        one, or ``[ref]``. From a driver, call ``manager.update_weights.remote([ref])``:
+        a bare top-level ref would be fetched into this actor first, the list is not, so
+        each engine reads the one stored copy directly.
+        """
+        if isinstance(weights, list | tuple):
+            (ref,) = weights
+        elif isinstance(weights, ray.ObjectRef):
+            ref = weights
+        else:
+            ref = ray.put(dict(weights))
+        ray.get([engine.update_weights.remote(ref) for engine in self.engines])
+        self.weight_version += 1
+        return self.weight_version
+
+    def update_weights_from_disk(self, path: str) -> int:
+        """Have every engine load a saved HF checkpoint directory."""
+        ray.get([engine.update_weights_from_disk.remote(path) for engine in self.engines])
+        self.weight_version += 1
+        return self.weight_version
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs (sampling seeds are derived from seed and step)."""
+        return {
+            "cursor": self.cursor.state_dict(),
+            "next_group_index": self.next_group_index,
+            "weight_version": self.weight_version,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"seed: checkpoint was written with seed {state['seed']}, this run has "
+                f"{self.seed}; an exact resume needs the same seed"
+            )
+        self.cursor.load_state_dict(state["cursor"])
+        self.next_group_index = int(state["next_group_index"])
+        self.weight_version = int(state["weight_version"])
+
+    def shutdown(self) -> None:
+        """Stop the engines (and any servers they launched)."""
+        ray.get([engine.shutdown.remote() for engine in self.engines])
+        for engine in self.engines:
+            ray.kill(engine)
+        self.engines = []
+
+
+def _mean(values: list[float] | list[int] | list[bool]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+RolloutManagerActor = ray.remote(num_cpus=0)(RolloutManager)
+"""RolloutManager as a Ray actor class: ``RolloutManagerActor.remote(config, path)``."""

@@ -1,0 +1,120 @@
+"""TorchEngine in-process: exact log-probs, stop rules, seeds, in-place weight updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollout.config import SamplingConfig, TorchEngineConfig
+from rollout.engines.base import Generation
+from rollout.engines.sampling import sample_next_tokens
+from rollout.engines.torch_engine import TorchEngine
+
+PROMPTS = [[1, 70, 84, 4, 69, 70, 33], [1, 86, 73, 90, 4, 69, 33], [1, 69, 33], [1] + [73] * 12]
+# Single-character stops on common letters: responses end at varied lengths, so the
+# batch shrinks (finished rows leave the KV cache) while others keep decoding.
+STOPS = ["a", "e", "i", "o", "u", "s", "t"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path: str) -> TorchEngine:
+    return TorchEngine(TorchEngineConfig(batch_size=3), tiny_model_path)
+
+
+def _teacher_forced_log_probs(
+    model: torch.nn.Module, prompt: list[int], gen: Generation, temperature: float
+) -> torch.Tensor:
+    ids = torch.tensor([prompt + gen.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    log_probs = (logits / (temperature or 1.0)).log_softmax(-1)
+    return log_probs.gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(temperature=1.0, max_new_tokens=12, stop=STOPS),
+        SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, stop=STOPS),
+        SamplingConfig(temperature=0.0, max_new_tokens=6),
+    ],
+)
+def test_log_probs_match_teacher_forced_forward(
+    engine: TorchEngine, tiny_model_path: str, sampling: SamplingConfig
+) -> None:
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    generations = engine.generate(PROMPTS * 2, sampling, seed=3)
+    assert len(generations) == 2 * len(PROMPTS)
+    if sampling.stop:
+        assert len({len(g.token_ids) for g in generations}) > 1  # uneven lengths exercised
+    for prompt, gen in zip(PROMPTS * 2, generations, strict=True):
+        expected = _teacher_forced_log_probs(reference, prompt, gen, sampling.temperature)
+        assert torch.allclose(torch.tensor(gen.log_probs), expected, atol=1e-5, rtol=0)
+
+
+def test_stop_rules_and_finish_reasons(engine: TorchEngine) -> None:
+    sampling = SamplingConfig(max_new_tokens=12, stop=["ab", *STOPS[1:]])
+    stop_ids = [engine.tokenizer.encode(s, add_special_tokens=False) for s in sampling.stop]
+    generations = engine.generate(PROMPTS * 3, sampling, seed=0)
+    assert {g.finish_reason for g in generations} == {"stop", "length"}
+    for gen in generations:
+        assert 1 <= len(gen.token_ids) <= 12
+        ends = [gen.token_ids[: k + 1] for k in range(len(gen.token_ids))]
+        stopped = [
+            p[-1] in engine.eos_ids or any(p[-len(s) :] == s for s in stop_ids) for p in ends
+        ]
+        if gen.finish_reason == "stop":
+            assert stopped[-1] and not any(stopped[:-1])  # stops at the first match, kept
+        else:
+            assert gen.finish_reason == "length" and len(gen.token_ids) == 12
+            assert not any(stopped)
+
+
+def test_eos_ends_the_response(engine: TorchEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pretend half the vocabulary is EOS so that the random model emits one quickly.
+    monkeypatch.setattr(engine, "eos_ids", list(range(2, 52)))
+    generations = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=20), seed=1)
+    for gen in generations:
+        assert gen.finish_reason == "stop" and gen.token_ids[-1] in range(2, 52)
+        assert all(t >= 52 or t < 2 for t in gen.token_ids[:-1])
+
+
+def test_seeds_make_sampling_reproducible(engine: TorchEngine) -> None:
+    sampling = SamplingConfig(max_new_tokens=8)
+    first = engine.generate(PROMPTS, sampling, seed=11)
+    assert engine.generate(PROMPTS, sampling, seed=11) == first
+    assert engine.generate(PROMPTS, sampling, seed=12) != first
+
+
+def test_weight_update_changes_what_is_sampled(
+    tiny_model_path: str, other_tiny_model_path: str
+) -> None:
+    engine = TorchEngine(TorchEngineConfig(), tiny_model_path)
+    # Sampled, not greedy: the random tied-embedding model greedily repeats its last token
+    # whatever the seed, so greedy outputs would not tell two weight sets apart.
+    sampling = SamplingConfig(max_new_tokens=8)
+    before = engine.generate(PROMPTS, sampling, seed=0)
+    other = AutoModelForCausalLM.from_pretrained(other_tiny_model_path).state_dict()
+    engine.update_weights(other)
+    after = engine.generate(PROMPTS, sampling, seed=0)
+    assert [g.token_ids for g in after] != [g.token_ids for g in before]
+    assert engine.weight_version == 1
+    engine.update_weights_from_disk(tiny_model_path)  # back to the original, in place
+    assert engine.generate(PROMPTS, sampling, seed=0) == before
+    with pytest.raises(KeyError, match=r"unknown parameter names \['bogus.weight'\]"):
+        engine.update_weights({"bogus.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"lm_head\.weight has shape"):
+        engine.update_weights({"lm_head.weight": torch.zeros(3, 3)})
+
+
+def test_sampling_truncation_keeps_only_allowed_tokens() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    generator = torch.Generator().manual_seed(0)
+    top_p, lp = sample_next_tokens(logits, SamplingConfig(top_p=0.75), generator)
+    assert set(top_p.tolist()) == {0, 1}  # 0.5 < 0.75, 0.5 + 0.3 reaches it
+    assert torch.allclose(lp.exp(), torch.tensor([0.5, 0.3, 0.15, 0.05])[top_p])  # untruncated
+    top_k, _ = sample_next_tokens(logits, SamplingConfig(top_k=3), generator)
+    assert set(top_k.tolist()) == {0, 1, 2}
+    greedy, lp = sample_next_tokens(logits[:1], SamplingConfig(temperature=0.0), generator)
+    assert greedy.tolist() == [0] and lp.exp().item() == pytest.approx(0.5)
