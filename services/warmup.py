@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from rollout.config import SyntheticDatasetConfig
 from rollout.tasks import iter_task_examples
-from rollout.tokenizer import load_tokenizer
+from rollout.tokenizer import encode_completion, encode_prompt, load_tokenizer
 from services.config import WarmupConfig
 
 
@@ -69,9 +69,8 @@ def _supervised_loss(model: torch.nn.Module, tokenizer, batch: list) -> torch.Te
     """Mean next-token cross-entropy over answer tokens (and EOS)."""
     sequences, answer_masks = [], []
     for example in batch:
-        prompt = tokenizer(example.prompt)["input_ids"]
-        answer = tokenizer(example.answer, add_special_tokens=False)["input_ids"]
-        answer = [*answer, tokenizer.eos_token_id]
+        prompt = encode_prompt(tokenizer, example.prompt)
+        answer = encode_completion(tokenizer, example.answer)
         sequences.append(prompt + answer)
         answer_masks.append([0] * len(prompt) + [1] * len(answer))
     width = max(len(s) for s in sequences)
