@@ -106,6 +106,8 @@ class TorchEngineConfig(BaseModel):
     """Ray CPU slots reserved per engine actor."""
     num_gpus: float = Field(default=0.0, ge=0.0)
     """Ray GPU slots reserved per engine actor."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Extra Ray resources per engine actor (e.g. a node label resource to pin placement)."""
 
 
 class SGLangEngineConfig(BaseModel):

@@ -265,6 +265,10 @@ class RolloutManager:
         self.next_group_index = int(state["next_group_index"])
         self.weight_version = int(state["weight_version"])
 
+    def engine_nodes(self) -> list[str]:
+        """The Ray node id of each engine actor, in engine order."""
+        return ray.get([engine.node_id.remote() for engine in self.engines])
+
     def shutdown(self) -> None:
         """Stop the engines (and any servers they launched)."""
         ray.get([engine.shutdown.remote() for engine in self.engines])

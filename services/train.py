@@ -17,10 +17,12 @@ The driver owns the loop; rollout and trainer expose a few verbs each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -32,10 +34,16 @@ from rollout.engines import check_engine_available
 from rollout.manager import RolloutManagerActor
 from rollout.tiny import resolve_model_path
 from services.config import ConfigError, JobConfig, load_job_config
-from services.metrics import JsonlSink, MetricsSink, TensorBoardSink, truncate_after
+from services.metrics import (
+    METRICS_FILE,
+    JsonlSink,
+    MetricsSink,
+    TensorBoardSink,
+    truncate_after,
+)
 from services.warmup import warm_start
 from trainer import checkpoint
-from trainer.group import TrainerGroup
+from trainer.group import TrainerGroup, TrainerRankDied
 
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TRANSFORMERS_VERBOSITY": "error",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1",
@@ -49,6 +57,9 @@ def quiet_transformers() -> None:
 
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
+
+
+EVENTS_FILE = "events.jsonl"
 
 
 def data_dir() -> Path:
@@ -147,7 +158,7 @@ class Job:
                                                               "rollout": rollout_state}))
         return checkpoint.commit_checkpoint(self.checkpoint_root, step)
 
-    def restore(self) -> int:
+    def restore(self, truncate_metrics: bool = True) -> int:
         """Resume from the newest committed checkpoint; returns the next step."""
         latest = checkpoint.latest_checkpoint(self.checkpoint_root)
         if latest is None or not self.config.resume:
@@ -156,13 +167,22 @@ class Job:
         self.trainer.load_checkpoint(str(latest))
         ray.get(self.rollout.load_state_dict.remote(state["rollout"]))
         ray.get(self.rollout.update_weights.remote([self.trainer.async_export_weights()]))
-        truncate_after(self.output_dir / "metrics.jsonl", state["step"])
+        if truncate_metrics:  # a new run repeats the steps after the checkpoint
+            truncate_after(self.output_dir / METRICS_FILE, state["step"])
         self.log(f"resumed from {latest.name} (step {state['step']})")
         return state["step"] + 1
 
+    def placement(self) -> str:
+        """Where each actor landed, for the job's log and events."""
+        engine_nodes = ray.get(self.rollout.engine_nodes.remote())
+        return (f"trainer ranks on nodes {[n[:8] for n in self.trainer.worker_nodes()]}; "
+                f"rollout engines on nodes {[n[:8] for n in engine_nodes]}")
+
     def close(self) -> None:
+        """Stop every actor of the job, dead or alive, without waiting on a stuck one."""
         self.trainer.shutdown()
-        ray.get(self.rollout.shutdown.remote())
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.rollout.shutdown.remote(), timeout=60)
         ray.kill(self.rollout)
 
 
@@ -184,9 +204,24 @@ def default_output_dir(config: JobConfig) -> Path:
     return data_dir() / "jobs" / f"{config.name}-{stamp}"
 
 
+class JobFailed(RuntimeError):
+    """The job stopped for good (an actor died and the restarts are used up)."""
+
+
+def write_event(output_dir: Path, kind: str, message: str) -> None:
+    """Job events (placement, failures, restarts) for the log and the controller."""
+    with (output_dir / EVENTS_FILE).open("a", encoding="utf-8") as events:
+        events.write(json.dumps({"time": time.time(), "kind": kind, "message": message}) + "\n")
+
+
 def run_job(config: JobConfig, output_dir: Path | None = None,
-            extra_sinks: list[MetricsSink] | None = None, log=print) -> list[dict[str, float]]:
-    """Run a whole job; returns every step's metrics. Starts Ray if none is running."""
+            extra_sinks: list[MetricsSink] | None = None, log=print,
+            after_step: Callable[[int, Job], None] | None = None) -> list[dict[str, float]]:
+    """Run a whole job; returns every step's metrics. Starts Ray if none is running.
+
+    When an actor dies, the actors are started again and the job resumes from its last
+    checkpoint, at most ``max_restarts`` times; metrics already written are kept.
+    """
     preflight(config)
     quiet_transformers()
     output_dir = output_dir or default_output_dir(config)
@@ -194,30 +229,50 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
     (output_dir / "config.json").write_text(config.model_dump_json(indent=2))
     needed = config.trainer.world_size * config.trainer.num_cpus_per_rank + 2
     started_ray = ensure_ray(max(os.cpu_count() or 1, int(needed + 0.999)))
-    job = None
-    history: list[dict[str, float]] = []
+    sinks: list[MetricsSink] = [JsonlSink(output_dir), TensorBoardSink(output_dir),
+                                *(extra_sinks or [])]
+    history: dict[int, dict[str, float]] = {}
+    restarts = 0
     try:
-        job = Job(config, output_dir, log)
-        start = job.restore()
-        sinks: list[MetricsSink] = [JsonlSink(output_dir), TensorBoardSink(output_dir),
-                                    *(extra_sinks or [])]
-        log(f"job {config.name}: {config.num_steps} steps, mode={config.aggregation.mode}, "
-            f"dp={config.trainer.dp_size} cp={config.trainer.cp_size}, output {output_dir}")
-        for step in range(start, config.num_steps):
-            metrics = job.rl_step(step)
-            for sink in sinks:
-                sink.write(step, metrics)
-            history.append(metrics)
-            log(progress_line(step, config.num_steps, history))
-            last = step == config.num_steps - 1
-            if last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
-                job.save_checkpoint(step)
+        while True:
+            job = None
+            try:
+                job = Job(config, output_dir, log)
+                write_event(output_dir, "placement", job.placement())
+                start = job.restore(truncate_metrics=restarts == 0)
+                log(f"job {config.name}: steps {start + 1}..{config.num_steps}, "
+                    f"mode={config.aggregation.mode}, dp={config.trainer.dp_size} "
+                    f"cp={config.trainer.cp_size}, output {output_dir}")
+                for step in range(start, config.num_steps):
+                    metrics = {**job.rl_step(step), "job/restarts": float(restarts)}
+                    for sink in sinks:
+                        sink.write(step, metrics)
+                    history = {k: v for k, v in history.items() if k < step} | {step: metrics}
+                    log(progress_line(step, config.num_steps, list(history.values())))
+                    last = step == config.num_steps - 1
+                    if last or (config.checkpoint_every
+                                and (step + 1) % config.checkpoint_every == 0):
+                        job.save_checkpoint(step)
+                    if after_step is not None:
+                        after_step(step, job)
+                return list(history.values())
+            except (TrainerRankDied, ray.exceptions.RayActorError, TimeoutError) as err:
+                reason = str(err).splitlines()[0]
+                write_event(output_dir, "actor_failed", reason)
+                if restarts >= config.max_restarts:
+                    raise JobFailed(f"job {config.name}: {reason} (restarts used: "
+                                    f"{restarts}/{config.max_restarts})") from err
+                restarts += 1
+                write_event(output_dir, "restart", f"restart {restarts}/{config.max_restarts} "
+                            "from the last checkpoint")
+                log(f"{reason}; restarting ({restarts}/{config.max_restarts}) from the last "
+                    "checkpoint")
+            finally:
+                if job is not None:
+                    job.close()
+    finally:
         for sink in sinks:
             sink.close()
-        return history
-    finally:
-        if job is not None:
-            job.close()
         if started_ray:
             ray.shutdown()
 

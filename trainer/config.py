@@ -172,6 +172,15 @@ class TrainerConfig(BaseModel):
     """Ray CPUs reserved for each trainer rank."""
     num_gpus_per_rank: float = Field(default=0.0, ge=0)
     """Ray GPUs per trainer rank; 0 trains on CPU with gloo."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Extra Ray resources per rank bundle (e.g. a node label resource to pin placement)."""
+    allow_cross_node: bool = False
+    """Let the ranks' placement group straddle nodes (PACK); default keeps them on one
+    node (STRICT_PACK)."""
+    collective_timeout_s: float = Field(default=300.0, gt=0)
+    """torch.distributed timeout: a rank waiting on a dead peer gives up after this."""
+    call_timeout_s: float = Field(default=1800.0, gt=0)
+    """The driver fails a trainer verb (a step, a checkpoint) that takes longer than this."""
     max_tokens_per_micro_batch: int = Field(default=4096, gt=0)
     """Token budget of one micro-batch (padded tokens, per DP rank)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -28,6 +28,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class TrainerRankDied(RuntimeError):
+    """A trainer rank's actor died (its process was killed, its node was lost, ...)."""
+
+    def __init__(self, rank: int, verb: str, cause: Exception) -> None:
+        super().__init__(f"trainer rank {rank} died during {verb}: "
+                         f"{str(cause).splitlines()[0] if str(cause) else type(cause).__name__}")
+        self.rank = rank
+
+
 def worker_class(backend: str) -> type:
     """The rank actor of a backend; every backend exposes the same verbs."""
     if backend == "fsdp":
@@ -41,15 +50,23 @@ def worker_class(backend: str) -> type:
 
 class TrainerGroup:
     def __init__(self, config: TrainerConfig, model_path: str, total_steps: int,
-                 max_response_len: int | None = None, strategy: str = "STRICT_PACK",
+                 max_response_len: int | None = None,
                  env_vars: dict[str, str] | None = None) -> None:
         self.config, self.max_response_len = config, max_response_len
-        bundle = {"CPU": config.num_cpus_per_rank}
+        bundle = {"CPU": config.num_cpus_per_rank, **config.resources}
         if config.num_gpus_per_rank:
             bundle["GPU"] = config.num_gpus_per_rank
         self.placement_group: PlacementGroup = placement_group(
-            [dict(bundle) for _ in range(config.world_size)], strategy=strategy)
-        ray.get(self.placement_group.ready())
+            [dict(bundle) for _ in range(config.world_size)],
+            strategy="PACK" if config.allow_cross_node else "STRICT_PACK")
+        try:
+            ray.get(self.placement_group.ready(), timeout=config.call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"trainer: the cluster cannot place {config.world_size} ranks of {bundle}"
+                f"{'' if config.allow_cross_node else ' on one node'} within "
+                f"{config.call_timeout_s:.0f} s") from None
         actor_cls = ray.remote(worker_class(config.backend))
         self.workers = [
             actor_cls.options(
@@ -65,8 +82,26 @@ class TrainerGroup:
         self._call("setup", master_addr, master_port)
 
     def _call(self, verb: str, *args: Any) -> list[Any]:
-        """Run ``verb`` on every rank at once and wait for all of them."""
-        return ray.get([getattr(w, verb).remote(*args) for w in self.workers])
+        """Run ``verb`` on every rank at once and wait for all of them.
+
+        Fails fast: the first rank that dies raises at once (its peers may be stuck in a
+        collective waiting for it), and a verb past ``call_timeout_s`` raises too.
+        """
+        refs = [getattr(w, verb).remote(*args) for w in self.workers]
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=self.config.call_timeout_s)
+            if not ready:
+                stuck = sorted(rank_of[r] for r in pending)
+                raise TimeoutError(f"trainer: ranks {stuck} did not finish {verb} within "
+                                   f"{self.config.call_timeout_s:.0f} s")
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as err:
+                raise TrainerRankDied(rank_of[ready[0]], verb, err) from err
+        return ray.get(refs)
 
     def train(self, batch: TrainBatch | ray.ObjectRef,
               loss: LossConfig | None = None) -> dict[str, float]:
@@ -99,12 +134,14 @@ class TrainerGroup:
     def load_checkpoint(self, path: str) -> None:
         self._call("load_checkpoint", path)
 
-    def worker_locations(self) -> list[str]:
-        return ray.get([w.node_address.remote() for w in self.workers])
+    def worker_nodes(self) -> list[str]:
+        """The Ray node id of each rank, in rank order."""
+        return self._call("node_id")
 
     def shutdown(self) -> None:
-        with contextlib.suppress(ray.exceptions.RayError):  # a dead rank has nothing to do
-            self._call("shutdown")
+        """Kill every rank: a rank stuck in a collective with a dead peer would never
+        answer a polite call; its process group dies with its process."""
         for worker in self.workers:
-            ray.kill(worker)
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(worker)
         remove_placement_group(self.placement_group)

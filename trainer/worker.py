@@ -12,6 +12,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -101,6 +102,11 @@ class TrainerWorker:
 
         return ray.util.get_node_ip_address(), free_port()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def setup(self, master_addr: str, master_port: int) -> None:
         config = self.config
         torch.set_num_threads(max(1, int(os.environ.get("TALLY_TORCH_THREADS", "1"))))
@@ -110,6 +116,7 @@ class TrainerWorker:
         dist.init_process_group(
             "nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
             rank=self.rank, world_size=config.world_size,
+            timeout=timedelta(seconds=config.collective_timeout_s),
         )
         cp_groups = [dist.new_group(list(range(d * config.cp_size, (d + 1) * config.cp_size)))
                      for d in range(config.dp_size)]

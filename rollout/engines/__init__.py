@@ -52,7 +52,8 @@ def engine_actor_options(config: EngineConfig) -> dict[str, Any]:
     """Ray resources of one engine actor."""
     if isinstance(config, SGLangEngineConfig):
         return {"num_cpus": 0, "num_gpus": config.actor_num_gpus}  # the server does the work
-    return {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus}
+    return {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus,
+            "resources": dict(config.resources)}
 
 
 __all__ = [

@@ -65,5 +65,11 @@ class Engine(ABC):
         """The weight version; also a cheap "is the actor up" call."""
         return self.weight_version
 
+    def node_id(self) -> str:
+        """The Ray node this engine runs on (placement reports)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def shutdown(self) -> None:  # noqa: B027 -- optional hook, a no-op by default
         """Release what the engine owns (servers, memory)."""
