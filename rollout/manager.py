@@ -71,7 +71,10 @@ def _shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
 class RolloutManager:
     """Owns the engine actors, the dataset cursor and the reward function."""
 
-    def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None) -> None:
+    def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None,
+                 engine_placement: list[dict[str, Any]] | None = None) -> None:
+        """engine_placement: per-engine Ray options (e.g. a placement-group bundle) chosen
+        by the driver, which knows the whole job's layout; they override the defaults."""
         check_engine_available(config)
         self.config = config
         self.seed = config.seed if seed is None else seed
@@ -84,11 +87,11 @@ class RolloutManager:
         self.scorer = RewardScorer(config.reward)
         self.next_group_index = 0
         self.weight_version = 0
-        actor_class = ray.remote(engine_class(config.engine)).options(
-            **engine_actor_options(config.engine)
-        )
+        actor_class = ray.remote(engine_class(config.engine))
+        placement = engine_placement or [{} for _ in range(config.engine.num_engines)]
         self.engines = [
-            actor_class.remote(config.engine, model_path, tokenizer_path, rank)
+            actor_class.options(**{**engine_actor_options(config.engine), **placement[rank]})
+            .remote(config.engine, model_path, tokenizer_path, rank)
             for rank in range(config.engine.num_engines)
         ]
         ray.get([engine.ping.remote() for engine in self.engines])  # constructor errors here

@@ -65,6 +65,9 @@ class JobConfig(BaseModel):
     """Continue from the newest checkpoint in output_dir when there is one."""
     max_restarts: int = Field(default=1, ge=0)
     """Restart a dead actor group from the last checkpoint at most this many times."""
+    colocate: bool = False
+    """Run the rollout engines inside the trainer ranks' bundles (same node and device)
+    instead of bundles of their own."""
     num_ranks: int | None = Field(default=None, gt=0)
     """Trainer actors to start; when given it must equal dp_size × cp_size × tp_size."""
 

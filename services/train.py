@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import ray
+from ray.util.placement_group import remove_placement_group
 
 from rollout.batch import TrainBatch
 from rollout.config import SyntheticDatasetConfig
@@ -41,6 +42,7 @@ from services.metrics import (
     TensorBoardSink,
     truncate_after,
 )
+from services.placement import engine_placement
 from services.warmup import warm_start
 from trainer import checkpoint
 from trainer.group import TrainerGroup, TrainerRankDied
@@ -127,10 +129,16 @@ class Job:
             model_path = warm_start(model_path, config.rollout.dataset, config.warmup,
                                     data_dir() / "warmup", log)
         self.model_path = model_path
-        self.rollout = RolloutManagerActor.options(
-            runtime_env={"env_vars": QUIET_ENV}).remote(config.rollout, model_path)
         self.trainer = TrainerGroup(config.trainer_config(), model_path, config.num_steps,
                                     config.max_response_len, env_vars=QUIET_ENV)
+        try:
+            placement, self.engine_group = engine_placement(config,
+                                                            self.trainer.placement_group)
+        except RuntimeError:
+            self.trainer.shutdown()
+            raise
+        self.rollout = RolloutManagerActor.options(runtime_env={"env_vars": QUIET_ENV}).remote(
+            config.rollout, model_path, None, placement)
         self.checkpoint_root = output_dir / "checkpoints"
 
     def rl_step(self, step: int) -> dict[str, float]:
@@ -184,6 +192,8 @@ class Job:
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.rollout.shutdown.remote(), timeout=60)
         ray.kill(self.rollout)
+        if self.engine_group is not None:
+            remove_placement_group(self.engine_group)
 
 
 def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) -> str:

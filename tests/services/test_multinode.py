@@ -1,5 +1,6 @@
 """Two Ray nodes on this machine: trainer ranks on one, rollout engines on the other; one
-RL step completes and gives the same weights as the single-node run."""
+RL step completes and gives the same weights as the single-node run. Colocated engines
+land beside the trainer ranks."""
 
 from __future__ import annotations
 
@@ -25,4 +26,6 @@ def test_trainer_and_engines_on_different_nodes(tmp_path: Path) -> None:
                                f"rollout engines on nodes ['{node_b}']")
     assert report["together"] == (f"trainer ranks on nodes ['{node_a}', '{node_a}']; "
                                   f"rollout engines on nodes ['{node_a}']")
+    assert report["colocated"] == (f"trainer ranks on nodes ['{node_b}', '{node_b}']; "
+                                   f"rollout engines on nodes ['{node_b}']")
     assert report["max_weight_diff"] == 0.0
