@@ -16,7 +16,7 @@ TaskName = Literal["copy", "repeat", "reverse", "add", "count"]
 """Built-in synthetic tasks (see rollout/tasks.py); `copy` is the easiest."""
 
 _FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_FROZEN = ConfigDict(extra="forbid", frozen=True)
+_FROZEN = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class SamplingConfig(BaseModel):

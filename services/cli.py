@@ -100,8 +100,14 @@ def warmup(config: ConfigArg, set_: SetOpt = None) -> None:
 
 
 @app.command()
-def schema() -> None:
+def schema(markdown: Annotated[bool, typer.Option(
+        help="print the option tables of docs/configuration.md instead")] = False) -> None:
     """Print the JSON schema of job configs (for editors)."""
+    if markdown:
+        from services.config_docs import configuration_markdown
+
+        typer.echo(configuration_markdown(), nl=False)
+        return
     from services.config import job_json_schema
 
     typer.echo(job_json_schema(), nl=False)

@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 class WarmupConfig(BaseModel):
     """A short supervised pass on the synthetic task before RL (a warm start)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     enabled: bool = False
     """Run the warm-up (cached in the data folder, so only the first job pays)."""
@@ -42,7 +42,7 @@ class WarmupConfig(BaseModel):
 class JobConfig(BaseModel):
     """One RL post-training job."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     name: str = Field(default="tally-job", min_length=1, max_length=100,
                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

@@ -26,7 +26,7 @@ class AggregationConfig(BaseModel):
     See docs/loss-aggregation.md for the formulas of each mode.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     mode: AggregationMode = "sample_mean"
     """Aggregation mode: sample_mean (default), token_mean, prompt_mean or constant."""
@@ -92,7 +92,7 @@ class AggregationConfig(BaseModel):
 class LossTermConfig(BaseModel):
     """A regulariser (KL or entropy): its coefficient and, optionally, its own mode."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     coef: float = Field(default=0.0, ge=0.0)
     """Weight of this term in the total loss; 0 disables it."""
@@ -103,10 +103,11 @@ class LossTermConfig(BaseModel):
 class LossConfig(BaseModel):
     """The per-token loss terms and how each is aggregated."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     aggregation: AggregationConfig = AggregationConfig()
-    """Aggregation of the policy-gradient term (and the default for KL and entropy)."""
+    """Aggregation of the pg term (default for KL and entropy); in a job config it comes
+    from the top-level `aggregation` section and is not set here."""
     eps_clip: float = Field(default=0.2, gt=0)
     """PPO lower clip: the ratio is kept ≥ 1 − eps_clip."""
     eps_clip_high: float | None = Field(default=None, gt=0)
@@ -133,7 +134,7 @@ class LossConfig(BaseModel):
 class OptimizerConfig(BaseModel):
     """Optimizer and learning-rate schedule."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     type: Literal["adamw", "sgd"] = "adamw"
     """AdamW for training; plain SGD makes gradient-scale bugs visible in the weights."""
@@ -158,7 +159,7 @@ class OptimizerConfig(BaseModel):
 class TrainerConfig(BaseModel):
     """Trainer actors: backend, parallel layout, micro-batching, loss and optimizer."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     backend: Literal["fsdp", "megatron"] = "fsdp"
     """torch FSDP2 (default) or Megatron-core."""

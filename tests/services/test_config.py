@@ -77,3 +77,11 @@ def test_yaml_is_loaded_safely() -> None:
 def test_committed_json_schema_is_current() -> None:
     committed = (ROOT / "configs" / "tally.schema.json").read_text()
     assert committed == job_json_schema(), "run: tally schema > configs/tally.schema.json"
+
+
+def test_generated_configuration_docs_are_current() -> None:
+    from services.config_docs import configuration_markdown
+
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == configuration_markdown(), (
+        "run: tally schema --markdown > docs/configuration.md")
