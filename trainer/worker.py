@@ -17,6 +17,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from rollout.batch import TrainBatch
 from trainer.aggregation import local_weighted_sum, sum_reduction_factor
@@ -118,9 +119,10 @@ class TrainerWorker:
             rank=self.rank, world_size=config.world_size,
             timeout=timedelta(seconds=config.collective_timeout_s),
         )
-        cp_groups = [dist.new_group(list(range(d * config.cp_size, (d + 1) * config.cp_size)))
-                     for d in range(config.dp_size)]
-        self.cp_group = cp_groups[self.dp_rank]
+        # rank = dp_rank · cp_size + cp_rank: the mesh's row-major layout.
+        self.mesh = init_device_mesh(self.device.type, (config.dp_size, config.cp_size),
+                                     mesh_dim_names=("dp", "cp"))
+        self.dp_group, self.cp_group = self.mesh["dp"].get_group(), self.mesh["cp"].get_group()
         torch.manual_seed(config.seed)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             config.dtype, torch.bfloat16 if cuda else torch.float32)
