@@ -53,12 +53,14 @@ def verify_aggregation(
     config: ConfigArg, set_: SetOpt = None,
     layouts: Annotated[str, typer.Option(help="comma-separated, e.g. dp1cp1,dp2cp1,dp1cp2")]
     = "dp1cp1,dp2cp1,dp1cp2",
+    tolerance: Annotated[float, typer.Option(
+        help="exit 1 when any relative difference exceeds this")] = 1e-4,
 ) -> None:
     """One optimizer step on the same rollout batch under each layout; prints the max
     relative difference of updated weights and logged losses against the first layout."""
     import ray
 
-    from services.train import data_dir, ensure_ray
+    from services.train import ensure_ray, job_model_path, quiet_transformers
     from trainer.verify import Layout, verify_layouts
 
     job = _load(config, set_)
@@ -67,9 +69,9 @@ def verify_aggregation(
     started = ensure_ray(max(os.cpu_count() or 1, needed))
     try:
         from rollout.manager import RolloutManagerActor
-        from rollout.tiny import resolve_model_path
 
-        model_path = resolve_model_path(job.rollout.model, data_dir() / "models")
+        quiet_transformers()
+        model_path = job_model_path(job, log=lambda *_: None)
         manager = RolloutManagerActor.remote(job.rollout, model_path)
         batch = ray.get(manager.generate_batch.remote(0))
         ray.get(manager.shutdown.remote())
@@ -79,9 +81,14 @@ def verify_aggregation(
                               job.max_response_len)
         typer.echo(f"{'layout':<8} {'mode':<12} {'weights':>9} {'pg_loss':>9} {'kl':>9} "
                    f"{'entropy':>9} {'grad_norm':>9}")
+        columns = ("weights", "pg_loss", "kl", "entropy", "grad_norm")
         for row in rows:
             typer.echo(f"{row['layout']:<8} {row['mode']:<12} " + " ".join(
-                f"{row[k]:>9.1e}" for k in ("weights", "pg_loss", "kl", "entropy", "grad_norm")))
+                f"{row[k]:>9.1e}" for k in columns))
+        worst = max(float(row[k]) for row in rows for k in columns)
+        typer.echo(f"max relative difference {worst:.1e} (tolerance {tolerance:.0e})")
+        if worst > tolerance:
+            raise typer.Exit(1)
     finally:
         if started:
             ray.shutdown()
@@ -90,13 +97,9 @@ def verify_aggregation(
 @app.command()
 def warmup(config: ConfigArg, set_: SetOpt = None) -> None:
     """Run (or find cached) the supervised warm start of a job config."""
-    from rollout.tiny import resolve_model_path
-    from services.train import data_dir
-    from services.warmup import warm_start
+    from services.train import job_model_path
 
-    job = _load(config, set_)
-    model_path = resolve_model_path(job.rollout.model, data_dir() / "models")
-    typer.echo(warm_start(model_path, job.rollout.dataset, job.warmup, data_dir() / "warmup"))
+    typer.echo(job_model_path(_load(config, set_)))
 
 
 @app.command()
@@ -126,6 +129,106 @@ def aggregation_demo(dp: int = 2, cp: int = 2) -> None:
 def demo() -> None:
     """The embedded default: the tiny model learns a synthetic task with RL (configs/demo.yaml)."""
     train(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml", None, None, None)
+
+
+# ---- the controller (`tally serve`) and its clients; docs/controller.md ----------------
+
+UrlOpt = Annotated[str | None, typer.Option(
+    "--url", help="controller URL [default: $TALLY_CONTROLLER_URL or http://127.0.0.1:8000]")]
+
+
+@app.command()
+def serve(host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+          port: Annotated[int, typer.Option(help="port to bind")] = 8000,
+          log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info") -> None:
+    """Run the controller: REST API, dashboard, job store; starts a local Ray head unless
+    TALLY_RAY_ADDRESS names one. Data in TALLY_DATA_DIR (default ~/.tally)."""
+    from services.controller.server import serve as run_server
+    from services.controller.settings import Settings
+
+    try:
+        run_server(Settings.from_env(host=host, port=port), log_level)
+    except ValueError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def submit(
+    config: ConfigArg, set_: SetOpt = None, url: UrlOpt = None,
+    sweep_modes: Annotated[str | None, typer.Option(
+        help="one job per mode, grouped in a sweep: sample_mean,token_mean,prompt_mean,constant")]
+    = None,
+    sweep_set: Annotated[list[str] | None, typer.Option(
+        help="one job per value, grouped in a sweep: 'key=v;key2=v2' (repeatable)")] = None,
+) -> None:
+    """Submit a job (or a sweep) to the controller; prints the job or sweep id."""
+    from services.controller.cli_support import base_url, checked, client
+
+    text = config.read_text(encoding="utf-8")
+    body = {"config_yaml": text, "overrides": set_ or []}
+    with client(url) as http:
+        if sweep_modes or sweep_set:
+            body |= ({"modes": [m.strip() for m in sweep_modes.split(",") if m.strip()]}
+                     if sweep_modes else
+                     {"override_sets": [[o for o in s.split(";") if o] for s in sweep_set or []]})
+            sweep = checked(http.post("/api/sweeps", json=body))
+            for job in sweep["jobs"]:
+                typer.echo(f"{job['id']}  {job['sweep_label']}")
+            typer.echo(f"sweep {sweep['id']}: {base_url(url)}/sweeps/{sweep['id']}")
+        else:
+            job = checked(http.post("/api/jobs", json=body))
+            typer.echo(f"job {job['id']} {job['status']}: {base_url(url)}/jobs/{job['id']}")
+
+
+@app.command()
+def jobs(url: UrlOpt = None,
+         status: Annotated[list[str] | None, typer.Option(help="filter (repeatable)")] = None,
+         limit: Annotated[int, typer.Option(help="at most this many")] = 20) -> None:
+    """List jobs, newest first."""
+    from services.controller.cli_support import checked, client, print_jobs
+
+    with client(url) as http:
+        page = checked(http.get("/api/jobs", params={"status": status or [], "limit": limit}))
+    print_jobs(page["items"])
+
+
+@app.command()
+def status(job_id: str, url: UrlOpt = None,
+           as_json: Annotated[bool, typer.Option("--json", help="the whole record")] = False
+           ) -> None:
+    """One job: status, steps, reward, error and last log lines of a failure."""
+    import json
+
+    from services.controller.cli_support import base_url, checked, client, print_job
+
+    with client(url) as http:
+        job = checked(http.get(f"/api/jobs/{job_id}"))
+    if as_json:
+        typer.echo(json.dumps(job, indent=2))
+    else:
+        print_job(job, base_url(url))
+
+
+@app.command()
+def logs(job_id: str, url: UrlOpt = None,
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="stream until it ends")]
+         = False,
+         tail: Annotated[int | None, typer.Option(help="only the last N lines")] = None) -> None:
+    """The job's driver output (from Ray, or saved in its folder)."""
+    from services.controller.cli_support import stream_logs
+
+    stream_logs(url, job_id, follow, tail)
+
+
+@app.command()
+def cancel(job_id: str, url: UrlOpt = None) -> None:
+    """Cancel a job: its Ray job (driver and actors) is stopped."""
+    from services.controller.cli_support import checked, client
+
+    with client(url) as http:
+        job = checked(http.post(f"/api/jobs/{job_id}/cancel"))
+    typer.echo(f"job {job['id']} {job['status']}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from rollout.engines import check_engine_available
 from rollout.manager import RolloutManagerActor
 from rollout.tiny import resolve_model_path
 from services.config import ConfigError, JobConfig, load_job_config
+from services.controller_client import controller_sinks
 from services.metrics import (
     METRICS_FILE,
     JsonlSink,
@@ -118,17 +119,22 @@ def step_metrics(batch: TrainBatch, train: dict[str, float], times: dict[str, fl
     }
 
 
+def job_model_path(config: JobConfig, log=print) -> str:
+    """The local model folder a job starts from: ``tiny`` built once, a warm start cached."""
+    model_path = resolve_model_path(config.rollout.model, data_dir() / "models")
+    if config.warmup.enabled:
+        assert isinstance(config.rollout.dataset, SyntheticDatasetConfig)
+        model_path = warm_start(model_path, config.rollout.dataset, config.warmup,
+                                data_dir() / "warmup", log)
+    return model_path
+
+
 class Job:
     """The actors of one job and the verbs of its loop."""
 
     def __init__(self, config: JobConfig, output_dir: Path, log=print) -> None:
         self.config, self.output_dir, self.log = config, output_dir, log
-        model_path = resolve_model_path(config.rollout.model, data_dir() / "models")
-        if config.warmup.enabled:
-            assert isinstance(config.rollout.dataset, SyntheticDatasetConfig)
-            model_path = warm_start(model_path, config.rollout.dataset, config.warmup,
-                                    data_dir() / "warmup", log)
-        self.model_path = model_path
+        self.model_path = model_path = job_model_path(config, log)
         self.trainer = TrainerGroup(config.trainer_config(), model_path, config.num_steps,
                                     config.max_response_len, env_vars=QUIET_ENV)
         try:
@@ -302,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    run_job(config, args.output_dir)
+    output_dir = args.output_dir or default_output_dir(config)
+    with controller_sinks(config, output_dir) as sinks:  # [] unless TALLY_CONTROLLER_URL
+        run_job(config, output_dir, extra_sinks=sinks)
     return 0
 
 
