@@ -75,11 +75,16 @@ def preflight(config: JobConfig) -> None:
         check_engine_available(config.rollout)
     except RuntimeError as err:
         raise ConfigError(f"rollout.{err}") from None
-    if config.trainer.backend != "fsdp":
-        raise ConfigError(f"trainer.backend: {config.trainer.backend!r} is not available in "
-                          "this build; use 'fsdp'")
-    if config.rollout.model != "tiny" and not Path(config.rollout.model).is_dir():
+    local_model = config.rollout.model != "tiny"
+    if local_model and not Path(config.rollout.model).is_dir():
         raise ConfigError(f"rollout.model: {config.rollout.model} is not a local directory")
+    if config.trainer.backend == "megatron":
+        from trainer.backends.megatron import check_available
+
+        try:
+            check_available(config.trainer, config.rollout.model if local_model else None)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def ensure_ray(num_cpus: int) -> bool:

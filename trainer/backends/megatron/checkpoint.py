@@ -1,0 +1,108 @@
+"""Megatron trainer checkpoints in the torch backend's format, independent of TP size.
+
+The model is written as a Hugging Face folder (``trainer.checkpoint``); the optimizer
+state is written like torch's full optimizer state dict — ``{"state": {hf_name: {...}},
+"param_groups": [...]}`` — with every parameter-shaped moment (AdamW's ``exp_avg``,
+``exp_avg_sq``) converted to HF names and shapes by the same rules as the weights. A
+checkpoint can be resumed under another TP size. Megatron's RNG-tracker streams are not
+saved: the backend runs without dropout.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
+
+if TYPE_CHECKING:
+    from trainer.backends.megatron.worker import MegatronWorker
+
+
+def _moment_keys(worker: MegatronWorker) -> list[str]:
+    """Optimizer state entries shaped like their parameter (sorted: same on every rank)."""
+    keys = set()
+    for p in worker.params:
+        for key, value in worker.optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                keys.add(key)
+    return sorted(keys)
+
+
+def export_optimizer_state(worker: MegatronWorker) -> dict | None:
+    """Collective; rank 0 gets the full HF-named optimizer state dict, others None."""
+    by_param = {name: worker.optimizer.state.get(p, {})
+                for name, p in worker.weights.params.items()}
+    moments = {key: worker.weights.gather({n: s[key] for n, s in by_param.items() if key in s})
+               for key in _moment_keys(worker)}
+    if worker.rank != 0:
+        return None
+    hf_names = [n for rule in worker.weights.rules for n in rule.hf]
+    scalars = {k: v for s in by_param.values() for k, v in s.items()
+               if k not in moments and v is not None}  # e.g. AdamW's step, equal for all
+    state = {name: {**{k: v.clone() if isinstance(v, torch.Tensor) else v  # never shared:
+                       for k, v in scalars.items()},  # optimizers update `step` in place
+                    **{k: m[name] for k, m in moments.items() if name in m}}
+             for name in hf_names} if (moments or scalars) else {}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": hf_names}
+              for g in worker.optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state(worker: MegatronWorker, saved: dict | None) -> None:
+    """Collective; rank 0 passes the saved optimizer state dict."""
+    state = (saved or {}).get("state", {})
+    first = next(iter(state.values()), {})
+    meta = [{
+        "moments": sorted(k for k, v in first.items() if isinstance(v, torch.Tensor) and v.ndim),
+        "scalars": {k: v for k, v in first.items()
+                    if not (isinstance(v, torch.Tensor) and v.ndim)},
+        "hyper": {k: v for k, v in (saved or {}).get("param_groups", [{}])[0].items()
+                  if k != "params"},
+    }]
+    dist.broadcast_object_list(meta, src=0)
+    moments, scalars, hyper = meta[0]["moments"], meta[0]["scalars"], meta[0]["hyper"]
+    worker.optimizer.state.clear()
+    for key in moments:
+        hf = {name: s[key] for name, s in state.items() if key in s} if worker.rank == 0 else None
+        for rule, tensor in worker.weights.scatter(hf):
+            param = worker.weights.params[rule.megatron]
+            worker.optimizer.state[param][key] = tensor.to(param.dtype).clone()
+    for p in worker.params:
+        for key, value in scalars.items():
+            worker.optimizer.state[p][key] = (value.clone() if isinstance(value, torch.Tensor)
+                                              else value)
+    for group in worker.optimizer.param_groups:
+        group.update(hyper)
+
+
+def save(worker: MegatronWorker, path: str) -> None:
+    model_state = worker.weights.export()
+    optim = export_optimizer_state(worker)
+    if worker.rank == 0:
+        save_trainer_checkpoint(path, worker.model_path, SimpleNamespace(config=worker.hf_config),
+                                model_state, {
+            "optimizer": optim,
+            "scheduler": worker.scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                    "python": random.getstate()},
+        })
+    dist.barrier()
+
+
+def load(worker: MegatronWorker, path: str) -> None:
+    model_state, trainer_state = load_trainer_checkpoint(path) if worker.rank == 0 else ({}, {})
+    worker.weights.load(model_state if worker.rank == 0 else None)
+    load_optimizer_state(worker, trainer_state.get("optimizer"))
+    holder = [trainer_state.get("scheduler"), trainer_state.get("rng")]
+    dist.broadcast_object_list(holder, src=0)
+    scheduler_state, rng = holder
+    worker.scheduler.load_state_dict(scheduler_state)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
