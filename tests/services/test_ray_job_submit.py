@@ -55,14 +55,19 @@ def test_ray_job_submit_runs_the_demo_config(tmp_path: Path) -> None:
         wait_for_dashboard(url, head)
         runtime_env = {"env_vars": {"TALLY_DATA_DIR": str(tmp_path / "data"),
                                     "RAY_USAGE_STATS_ENABLED": "0"}}
-        result = subprocess.run(
-            [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", str(ROOT),
-             "--runtime-env-json", json.dumps(runtime_env), "--",
-             "python", "-m", "services.train", "configs/demo.yaml",
-             "--output-dir", str(tmp_path / "job"),
-             "--set", "num_steps=2", "--set", "warmup.num_steps=5",
-             "--set", "rollout.global_batch_size=16", "--set", "trainer.dp_size=1"],
-            env=env, capture_output=True, text=True, timeout=300)
+        command = [
+            str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", str(ROOT),
+            "--runtime-env-json", json.dumps(runtime_env), "--",
+            "python", "-m", "services.train", "configs/demo.yaml",
+            "--output-dir", str(tmp_path / "job"),
+            "--set", "num_steps=2", "--set", "warmup.num_steps=5",
+            "--set", "rollout.global_batch_size=16", "--set", "trainer.dp_size=1"]
+        for _ in range(6):  # the dashboard answers before its job agent is ready
+            result = subprocess.run(command, env=env, capture_output=True, text=True,
+                                    timeout=300)
+            if "No available agent to submit job" not in result.stderr + result.stdout:
+                break
+            time.sleep(5)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "step 2/2" in result.stdout
         assert "succeeded" in result.stdout.lower()
