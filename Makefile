@@ -24,6 +24,7 @@ lint: install
 	$(BIN)/ruff check .
 
 test: install lint
+	bash deploy/ci/install-system-deps.sh
 	$(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)
 
 demo: install

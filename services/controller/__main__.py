@@ -1,0 +1,5 @@
+import sys
+
+from services.controller.server import main
+
+sys.exit(main())

@@ -1,0 +1,149 @@
+"""The controller: ``create_app(settings)`` builds the FastAPI app; ``tally serve`` runs it.
+
+    tally submit / dashboard ──► /api (FastAPI) ──► Store (SQLAlchemy: jobs, metrics, sweeps)
+                                     │                  ▲            ▲
+                                     ▼                  │ status     │ metrics (ControllerSink,
+             Reconciler (background) ──► Ray job server ┘            │  back-fill from jsonl)
+                 queue · status · logs     (JobSubmissionClient)     │
+                                               └──► python -m services.train ──┘
+
+Without ``TALLY_RAY_ADDRESS`` the app starts a local Ray head on startup and stops it on
+shutdown (the embedded default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.controller.observability import (
+    BodyLimitMiddleware,
+    ControllerMetrics,
+    TimingMiddleware,
+)
+from services.controller.ray_head import LocalRayHead
+from services.controller.ray_jobs import JobBackend, RayJobBackend
+from services.controller.reconcile import Reconciler
+from services.controller.schemas import Health, JobSubmit, ValidationErrorOut
+from services.controller.settings import Settings
+from services.controller.state import Controller
+from services.controller.store import Store
+
+STATIC = Path(__file__).resolve().parent / "static"
+THREADS = 16
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc if not str(part).startswith("function-"))
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    items = [{"field": _field_path(tuple(e.get("loc", ()))) or "<body>",
+              "message": str(e.get("msg", ""))} for e in errors]
+    detail = "; ".join(f"{i['field']}: {i['message']}" for i in items) or "invalid request"
+    return JSONResponse(ValidationErrorOut(detail=detail, errors=items).model_dump(), 422)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with our single 422 shape and the submit body's two media types."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                         routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["JobSubmit"] = JobSubmit.model_json_schema(
+        ref_template="#/components/schemas/{model}")
+    components.pop("HTTPValidationError", None)
+    components.pop("ValidationError", None)
+    components.setdefault("ValidationErrorOut", ValidationErrorOut.model_json_schema(
+        ref_template="#/components/schemas/{model}"))
+    schema = json.loads(json.dumps(schema).replace(
+        "#/components/schemas/HTTPValidationError", "#/components/schemas/ValidationErrorOut"))
+    app.openapi_schema = schema
+    return schema
+
+
+def create_app(settings: Settings | None = None, backend: JobBackend | None = None) -> FastAPI:
+    """The controller app. ``backend`` replaces Ray (tests); None: Ray, per settings."""
+    from services.controller import routes_jobs, routes_stream, routes_sweeps
+
+    settings = settings or Settings.from_env()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(settings.db_url)
+    store.migrate()
+    ctl = Controller(settings, store)
+    if backend is not None:
+        ctl.reconciler = Reconciler(store, backend, settings)
+    ctl.metrics = ControllerMetrics(store.status_counts, ctl.reconcile_stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if ctl.reconciler is None:
+            address = settings.ray_address
+            if address is None:
+                ctl.head = LocalRayHead(settings.ray_num_cpus, settings.data_dir / "ray-head.log")
+                address = await asyncio.to_thread(ctl.head.start)
+            ctl.reconciler = Reconciler(store, RayJobBackend(address), settings)
+        reconciler = ctl.reconciler
+        # Few worker threads: the handlers are short and share one GIL; 40 threads (anyio's
+        # default) only add switching and tail latency.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
+        await asyncio.to_thread(reconciler.backfill_unfinished)
+        task = asyncio.create_task(reconciler.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if ctl.head is not None:
+                await asyncio.to_thread(reconciler.shutdown_embedded)
+                await asyncio.to_thread(ctl.head.stop)
+            store.close()
+
+    app = FastAPI(title="Tally controller", version="0.1.0", lifespan=lifespan,
+                  docs_url=None, redoc_url=None,  # both load from a CDN; see /openapi.json
+                  description="Jobs, sweeps and metrics of Tally RL post-training runs.")
+    app.state.controller = ctl
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(TimingMiddleware, metrics=lambda: ctl.metrics)
+    app.include_router(routes_jobs.router)
+    app.include_router(routes_stream.router)
+    app.include_router(routes_sweeps.router)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+
+    @app.get("/healthz", tags=["service"])
+    def healthz() -> Health:
+        """Liveness: the database answers; which Ray job server is used."""
+        database = store.ping()
+        ray = ctl.reconciler.backend.address if ctl.reconciler else "starting"
+        return Health(status="ok" if database else "degraded", database=database, ray=ray)
+
+    @app.get("/metrics", tags=["service"], response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    def prometheus() -> Response:
+        """Prometheus metrics of the controller itself."""
+        return Response(generate_latest(ctl.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    for path in ("/", "/jobs/{job_id}", "/sweeps/{sweep_id}"):
+        app.add_api_route(path, page, include_in_schema=False, methods=["GET"])
+    return app

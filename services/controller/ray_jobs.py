@@ -1,0 +1,121 @@
+"""Ray jobs behind a small interface: submit, status, stop, logs, follow.
+
+:class:`RayJobBackend` wraps ``ray.job_submission.JobSubmissionClient`` against one job
+server address. Its calls block (HTTP): the API and the reconcile loop run them in
+threads. Tests of the API use a fake with the same methods.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+RAY_TO_TALLY = {"PENDING": "pending", "RUNNING": "running", "SUCCEEDED": "succeeded",
+                "FAILED": "failed", "STOPPED": "cancelled"}
+
+
+class BackendUnavailable(RuntimeError):
+    """The Ray job server cannot be reached (nothing about the job is known)."""
+
+
+@dataclass(frozen=True)
+class RayJobInfo:
+    status: str
+    """A Tally status: pending, running, succeeded, failed or cancelled."""
+    message: str | None = None
+    ray_job_id: str | None = None
+
+
+class JobBackend(Protocol):
+    address: str
+
+    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str],
+               metadata: dict[str, str]) -> str: ...
+    def info(self, submission_id: str) -> RayJobInfo | None: ...
+    def stop(self, submission_id: str) -> bool: ...
+    def logs(self, submission_id: str) -> str | None: ...
+    def follow(self, submission_id: str) -> AsyncIterator[str]: ...
+    def find_submission(self, ray_job_id: str, driver_pid: int) -> str | None: ...
+
+
+def _not_found(err: Exception) -> bool:
+    text = str(err)
+    return "404" in text or "does not exist" in text or "not found" in text.lower()
+
+
+class RayJobBackend:
+    """JobSubmissionClient, created on first use and re-created after a connection error."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                from ray.job_submission import JobSubmissionClient
+
+                try:
+                    self._client = JobSubmissionClient(self.address)
+                except (ConnectionError, OSError) as err:
+                    raise BackendUnavailable(f"Ray job server {self.address}: {err}") from err
+            return self._client
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        client = self._get()
+        try:
+            return getattr(client, method)(*args, **kwargs)
+        except (ConnectionError, OSError) as err:
+            with self._lock:
+                self._client = None
+            raise BackendUnavailable(f"Ray job server {self.address}: {err}") from err
+
+    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str],
+               metadata: dict[str, str]) -> str:
+        return str(self._call("submit_job", entrypoint=entrypoint, submission_id=submission_id,
+                              runtime_env={"env_vars": env_vars}, metadata=metadata))
+
+    def info(self, submission_id: str) -> RayJobInfo | None:
+        try:
+            details = self._call("get_job_info", submission_id)
+        except RuntimeError as err:
+            if isinstance(err, BackendUnavailable) or not _not_found(err):
+                raise
+            return None
+        status = str(getattr(details.status, "value", details.status))
+        return RayJobInfo(RAY_TO_TALLY.get(status, "pending"), details.message,
+                          details.job_id)
+
+    def stop(self, submission_id: str) -> bool:
+        try:
+            return bool(self._call("stop_job", submission_id))
+        except RuntimeError as err:
+            if isinstance(err, BackendUnavailable) or not _not_found(err):
+                raise
+            return False
+
+    def logs(self, submission_id: str) -> str | None:
+        try:
+            return str(self._call("get_job_logs", submission_id))
+        except RuntimeError as err:
+            if isinstance(err, BackendUnavailable) or not _not_found(err):
+                raise
+            return None
+
+    async def follow(self, submission_id: str) -> AsyncIterator[str]:
+        """The job's whole log from the start, then new chunks until it ends."""
+        async for chunk in self._get().tail_job_logs(submission_id):
+            yield chunk
+
+    def find_submission(self, ray_job_id: str, driver_pid: int) -> str | None:
+        """The submission whose driver is this (job id, pid): job ids repeat across
+        clusters, a (job id, driver pid) pair on the controller's cluster does not."""
+        for details in self._call("list_jobs"):
+            driver = details.driver_info
+            if (details.job_id == ray_job_id and details.submission_id and driver is not None
+                    and str(driver.pid) == str(driver_pid)):
+                return str(details.submission_id)
+        return None

@@ -1,0 +1,236 @@
+"""The background loop that keeps the store in step with Ray and the job folders.
+
+Each pass (every ``reconcile_interval_s``, or at once when woken by a submit):
+
+1. poll Ray for every pending/running job: new status, and on the end its logs are saved
+   to ``<job>/driver.log`` and, for a failure, the error and the last log lines stored;
+2. find the Ray submission of jobs that registered themselves (``ray job submit``);
+3. submit queued jobs while fewer than ``max_running_jobs`` run;
+4. back-fill metrics from each job's ``metrics.jsonl`` (the source of truth), so steps
+   the driver could not send while the controller was down still arrive.
+
+The calls block (Ray's HTTP client, SQLite), so a pass runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shlex
+import time
+from pathlib import Path
+
+from services.controller.auth import job_token
+from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobInfo
+from services.controller.settings import Settings
+from services.controller.store import MetricTriple, Store, clean_metrics
+from services.controller.tables import ACTIVE, TERMINAL, Job
+
+log = logging.getLogger("tally.controller")
+CONFIG_FILE = "job_config.yaml"
+LOG_FILE = "driver.log"
+TAIL_LINES = 40
+
+
+def tail(text: str, lines: int = TAIL_LINES) -> str:
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+class Reconciler:
+    def __init__(self, store: Store, backend: JobBackend, settings: Settings) -> None:
+        self.store, self.backend, self.settings = store, backend, settings
+        self.offsets: dict[str, int] = {}
+        self.errors = 0
+        self.backfilled = 0
+        self.wake = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def poke(self) -> None:
+        """Run a pass soon (callable from any thread)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.wake.set)
+
+    async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await asyncio.to_thread(self.tick)
+            except Exception:  # keep the loop alive; the next pass retries
+                self.errors += 1
+                log.exception("reconcile pass failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), self.settings.reconcile_interval_s)
+            self.wake.clear()
+
+    def tick(self) -> None:
+        self.find_registered()
+        self.poll_ray()
+        self.submit_queued()
+        for job in self.store.jobs_with_status(ACTIVE):
+            self.backfill(job)
+
+    # ---- 1. status -----------------------------------------------------------------------
+
+    def poll_ray(self) -> None:
+        for job in self.store.jobs_to_poll():
+            if not job.ray_submission_id:
+                continue  # registered, run outside our Ray: its driver reports
+            try:
+                info = self.backend.info(job.ray_submission_id)
+            except BackendUnavailable:
+                self.errors += 1
+                return
+            if info is None:
+                self.lost(job)
+            elif info.status in TERMINAL:
+                self.finalize(job, info)
+            elif info.status != job.status and job.status in ACTIVE:
+                self.store.transition(job.id, info.status, ray_job_id=info.ray_job_id)
+
+    def lost(self, job: Job) -> None:
+        if job.status in ACTIVE:
+            self.backfill(job)
+            self.store.transition(job.id, "failed", log_tail="", error=(
+                "Ray has no record of this job any more (its Ray cluster was stopped or "
+                "restarted); metrics up to the last step received are kept"))
+        else:
+            self.store.update_job(job.id, log_tail="")
+
+    def finalize(self, job: Job, info: RayJobInfo) -> None:
+        """Ray says the job ended: last metrics, logs saved to the job folder, status, and
+        for a failure the error and the last log lines."""
+        self.backfill(job)
+        logs = None
+        try:
+            logs = self.backend.logs(job.ray_submission_id or "")
+        except BackendUnavailable:
+            self.errors += 1
+            return  # the next pass tries again
+        if logs is not None:
+            try:
+                Path(job.output_dir).mkdir(parents=True, exist_ok=True)
+                (Path(job.output_dir) / LOG_FILE).write_text(logs, encoding="utf-8")
+            except OSError:
+                log.warning("cannot save the logs of job %s", job.id)
+        failed = info.status == "failed" or job.status == "failed"
+        log_tail = tail(logs or "") if failed else ""
+        if job.status in TERMINAL:  # the driver (or a cancel) got there first
+            self.store.update_job(job.id, log_tail=log_tail, error=job.error or (
+                info.message if failed else None))
+            return
+        error = info.message if info.status == "failed" else None
+        self.store.transition(job.id, info.status, error=error, log_tail=log_tail)
+
+    # ---- 2. registered jobs --------------------------------------------------------------
+
+    def find_registered(self) -> None:
+        """A registered job's Ray submission, from its (Ray job id, driver PID); one that
+        ended without being found ran on another cluster: stop looking."""
+        for job in self.store.jobs_to_map():
+            try:
+                submission = self.backend.find_submission(job.ray_job_id or "",
+                                                          job.driver_pid or 0)
+            except BackendUnavailable:
+                self.errors += 1
+                return
+            if submission:
+                self.store.update_job(job.id, ray_submission_id=submission)
+            elif job.status in TERMINAL:
+                self.store.update_job(job.id, log_tail="")
+
+    # ---- 3. queue ------------------------------------------------------------------------
+
+    def submit_queued(self) -> None:
+        queued = self.store.jobs_with_status(("queued",))
+        if not queued:
+            return
+        running = sum(1 for j in self.store.jobs_with_status(ACTIVE) if j.source == "controller")
+        for job in queued[:max(0, self.settings.max_running_jobs - running)]:
+            if not self.submit(job):
+                return
+
+    def submit(self, job: Job) -> bool:
+        """Submit one queued job to Ray; False when Ray is unreachable (retry later)."""
+        config_file = Path(job.output_dir) / CONFIG_FILE
+        if not config_file.is_file():
+            self.store.transition(job.id, "failed", error=f"{config_file} is missing")
+            return True
+        submission_id = job.ray_submission_id or f"tally-{job.id}"
+        self.store.update_job(job.id, ray_submission_id=submission_id)
+        python = shlex.quote(self.settings.python)
+        entrypoint = (f"{python} -m services.train {shlex.quote(str(config_file))} "
+                      f"--output-dir {shlex.quote(job.output_dir)}")
+        env = {"TALLY_CONTROLLER_URL": self.settings.controller_url, "TALLY_JOB_ID": job.id,
+               "TALLY_DATA_DIR": str(self.settings.data_dir)}
+        if self.settings.api_token:
+            env["TALLY_JOB_TOKEN"] = job_token(self.settings.api_token, job.id)
+        try:
+            self.backend.submit(submission_id, entrypoint, env,
+                                {"tally_job_id": job.id, "name": job.name})
+        except BackendUnavailable:
+            self.errors += 1
+            return False
+        except RuntimeError as err:
+            if "already exists" not in str(err):
+                self.store.transition(job.id, "failed", error=f"Ray refused the job: {err}")
+                return True
+        job_now = self.store.transition(job.id, "pending")
+        if job_now is not None and job_now.status == "cancelled":  # cancelled meanwhile
+            self.backend.stop(submission_id)
+        return True
+
+    # ---- 4. back-fill --------------------------------------------------------------------
+
+    def backfill(self, job: Job) -> int:
+        """Insert the rows of ``metrics.jsonl`` the store does not hold yet."""
+        folder = Path(job.output_dir).resolve()
+        if not any(folder.is_relative_to(root) for root in self.settings.roots):
+            return 0  # a registered job's folder outside the allowed roots: never read
+        path = folder / "metrics.jsonl"
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return 0
+        offset = self.offsets.get(job.id, 0)
+        if size < offset:  # rewritten (a resume truncates it): read again
+            offset = 0
+        if size == offset:
+            return 0
+        with path.open("rb") as file:
+            file.seek(offset)
+            data = file.read(size - offset)
+        complete = data[:data.rfind(b"\n") + 1]
+        self.offsets[job.id] = offset + len(complete)
+        rows: list[MetricTriple] = []
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                rows.append((int(row["step"]), float(row.get("time") or time.time()),
+                             clean_metrics(row.get("metrics") or {})))
+            except (ValueError, KeyError, TypeError):
+                continue
+        if not rows:
+            return 0
+        have = set(self.store.steps_between(job.id, min(r[0] for r in rows),
+                                            max(r[0] for r in rows)))
+        missing = [row for row in rows if row[0] not in have]
+        if missing:
+            self.store.add_metrics(job.id, missing)
+            self.backfilled += len(missing)
+        return len(missing)
+
+    def backfill_unfinished(self) -> None:
+        """At startup: every job whose last step the store may lack."""
+        for job in self.store.jobs_with_status(("running", "pending", *TERMINAL)):
+            if job.last_step is None or job.last_step < job.num_steps - 1:
+                self.backfill(job)
+
+    def shutdown_embedded(self) -> None:
+        """The embedded head stops with the controller: its jobs end with it."""
+        for job in self.store.jobs_with_status(ACTIVE):
+            if job.source == "controller":
+                self.backfill(job)
+                self.store.transition(job.id, "failed", log_tail="", error=(
+                    "the controller stopped, and with it the Ray head it had started"))

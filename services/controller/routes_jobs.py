@@ -1,0 +1,242 @@
+"""``/api/jobs``: submit (JSON or YAML), list, get, cancel, metrics in and out, register."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Annotated
+
+import yaml
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from services.config import JobConfig
+from services.controller.auth import require_job_token, require_token
+from services.controller.ray_jobs import BackendUnavailable
+from services.controller.reconcile import CONFIG_FILE
+from services.controller.schemas import (
+    IngestResult,
+    JobDetail,
+    JobList,
+    JobRegister,
+    JobStatus,
+    JobSubmit,
+    Message,
+    MetricsIngest,
+    MetricsOut,
+    StatusReport,
+    ValidationErrorOut,
+)
+from services.controller.state import Controller, Ctl
+from services.controller.store import clean_metrics
+from services.controller.submission import Resolved, SubmissionError, config_texts, resolve
+from services.controller.tables import ACTIVE, TERMINAL, Job
+from services.controller.views import job_detail, job_out, metrics_out, split_names
+
+router = APIRouter(prefix="/api/jobs", tags=["jobs"])
+YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
+NOT_FOUND = {404: {"model": Message, "description": "no such job"}}
+AUTH = {401: {"model": Message, "description": "missing or wrong bearer token"}}
+INVALID = {422: {"model": ValidationErrorOut, "description": "invalid request or config"}}
+SUBMIT_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/JobSubmit"}},
+    "application/yaml": {"schema": {"type": "string", "description": "the job config YAML; "
+                                    "overrides go in ?set=key=value"}}}}}
+
+
+def json_response(model: BaseModel, status_code: int = 200) -> Response:
+    """Serialize once (FastAPI would validate a returned model again): the hot reads."""
+    return Response(model.model_dump_json(), status_code, media_type="application/json")
+
+
+def new_id() -> str:
+    return secrets.token_hex(6)
+
+
+def invalid(err: SubmissionError | ValidationError, prefix: str = "") -> JSONResponse:
+    if isinstance(err, ValidationError):
+        pairs = [(".".join(str(p) for p in e["loc"]) or "<body>", e["msg"]) for e in err.errors()]
+        detail = "; ".join(f"{f}: {m}" for f, m in pairs)
+    else:
+        pairs, detail = err.errors, err.detail
+    body = ValidationErrorOut(detail=prefix + detail,
+                              errors=[{"field": f, "message": m} for f, m in pairs])
+    return JSONResponse(body.model_dump(), 422)
+
+
+def new_job(resolved: Resolved, job_id: str, **fields: object) -> Job:
+    now = time.time()
+    config = resolved.config
+    return Job(id=job_id, name=config.name, status="queued", mode=config.aggregation.mode,
+               source="controller", config_submitted=resolved.submitted_text,
+               overrides=json.dumps(resolved.overrides),
+               config_resolved=config.model_dump_json(), output_dir=str(resolved.output_dir),
+               num_steps=config.num_steps, created_at=now, updated_at=now, **fields)
+
+
+def write_config_file(resolved: Resolved) -> None:
+    resolved.output_dir.mkdir(parents=True, exist_ok=True)
+    (resolved.output_dir / CONFIG_FILE).write_text(
+        yaml.safe_dump(resolved.file_config, sort_keys=False), encoding="utf-8")
+
+
+def parse_submit(body: bytes, content_type: str, query_overrides: list[str]) -> JobSubmit:
+    if content_type.split(";")[0].strip().lower() in YAML_TYPES:
+        text = body.decode("utf-8", errors="replace")
+        return JobSubmit(config_yaml=text, overrides=query_overrides)
+    payload = JobSubmit.model_validate_json(body or b"{}")
+    if query_overrides:
+        payload = payload.model_copy(update={"overrides": [*payload.overrides,
+                                                            *query_overrides]})
+    return payload
+
+
+@router.post("", status_code=201, response_model=JobDetail, openapi_extra=SUBMIT_BODY,
+             responses={**AUTH, **INVALID, 413: {"model": Message}},
+             dependencies=[Depends(require_token)])
+async def submit_job(request: Request, ctl: Ctl,
+                     set_: Annotated[list[str], Query(alias="set", max_length=100)] = []  # noqa: B006
+                     ) -> JobDetail | JSONResponse:
+    """Submit one job. Body: JSON (``JobSubmit``) or the config itself as YAML
+    (``Content-Type: application/yaml``, overrides in ``?set=key=value``). The job waits in
+    status ``queued`` until a Ray slot is free."""
+    body = await request.body()
+    try:
+        payload = parse_submit(body, request.headers.get("content-type", ""), set_)
+    except ValidationError as err:
+        return invalid(err)
+    job_id = new_id()
+    try:
+        parse_text, stored_text = config_texts(payload.config, payload.config_yaml)
+        resolved = await run_in_threadpool(resolve, parse_text, payload.overrides,
+                                           ctl.settings, job_id, stored_text=stored_text)
+    except SubmissionError as err:
+        return invalid(err)
+    except (yaml.YAMLError, RecursionError) as err:
+        return invalid(SubmissionError(f"config: {err}", [("config", str(err))]))
+    job = new_job(resolved, job_id)
+    await run_in_threadpool(ctl.store.add_jobs, [job])
+    try:
+        await run_in_threadpool(write_config_file, resolved)
+    except OSError as err:
+        job = ctl.store.transition(job_id, "failed", error=f"cannot write the job folder: {err}")
+    if ctl.reconciler is not None:
+        ctl.reconciler.poke()
+    return job_detail(job)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(request: Request, ctl: Ctl,
+              status: Annotated[list[JobStatus] | None, Query()] = None,
+              name: Annotated[str | None, Query(max_length=100)] = None,
+              mode: Annotated[str | None, Query(max_length=32)] = None,
+              sweep_id: Annotated[str | None, Query(max_length=32)] = None,
+              limit: Annotated[int, Query(ge=1, le=500)] = 50,
+              offset: Annotated[int, Query(ge=0, le=10**9)] = 0) -> Response:
+    """Jobs, newest first; filter by status (repeatable), name substring, mode, sweep."""
+    key, version = str(request.url.query), ctl.store.version
+    cached = ctl.list_cache.get(key)
+    if cached is not None and cached[0] == version:  # dashboards poll the same page
+        return Response(cached[1], media_type="application/json")
+    jobs, total = ctl.store.list_jobs(status=status or (), name=name, mode=mode,
+                                      sweep_id=sweep_id, limit=limit, offset=offset)
+    body = JobList(items=[job_out(j) for j in jobs], total=total, limit=limit,
+                   offset=offset).model_dump_json().encode()
+    if len(ctl.list_cache) >= 64:
+        ctl.list_cache.clear()
+    ctl.list_cache[key] = (version, body)
+    return Response(body, media_type="application/json")
+
+
+def get_or_404(ctl: Controller, job_id: str) -> Job:
+    job = ctl.store.get_job(job_id)
+    if job is None:
+        raise HTTPException(404, f"no job {job_id}")
+    return job
+
+
+@router.get("/{job_id}", response_model=JobDetail, responses=NOT_FOUND)
+def get_job(job_id: str, ctl: Ctl) -> JobDetail:
+    """One job: status, configs (as submitted and as resolved), error and last log lines."""
+    return job_detail(get_or_404(ctl, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobDetail,
+             responses={**NOT_FOUND, **AUTH, 409: {"model": Message}, 503: {"model": Message}},
+             dependencies=[Depends(require_token)])
+def cancel_job(job_id: str, ctl: Ctl) -> JobDetail:
+    """Stop the job's Ray job (its driver, and with it its actors). Idempotent."""
+    job = get_or_404(ctl, job_id)
+    if job.status in TERMINAL:
+        if job.status == "cancelled":
+            return job_detail(job)
+        raise HTTPException(409, f"job {job_id} already {job.status}")
+    if job.ray_submission_id and (job.status in ACTIVE or job.source == "controller"):
+        try:
+            ctl.backend.stop(job.ray_submission_id)
+        except BackendUnavailable as err:
+            raise HTTPException(503, f"cannot reach Ray to stop the job: {err}") from None
+    return job_detail(ctl.store.transition(job_id, "cancelled", error="cancelled by the user"))
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsOut, responses=NOT_FOUND)
+def job_metrics(job_id: str, ctl: Ctl,
+                names: Annotated[list[str] | None, Query(max_length=200)] = None,
+                start: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+                end: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+                max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000) -> Response:
+    """Per-step metrics, column-oriented; ``names`` (repeatable or comma-separated) picks
+    series, ``start``/``end`` a step range, ``max_points`` downsamples long runs."""
+    get_or_404(ctl, job_id)
+    rows = ctl.store.read_metrics(job_id, start, end)
+    return json_response(metrics_out(job_id, rows, split_names(names), max_points))
+
+
+@router.post("/{job_id}/metrics", response_model=IngestResult,
+             responses={**NOT_FOUND, **AUTH}, dependencies=[Depends(require_job_token)])
+def ingest_metrics(job_id: str, batch: MetricsIngest, ctl: Ctl) -> IngestResult:
+    """Steps from the job's driver (ControllerSink); a repeated step replaces the old one."""
+    job = get_or_404(ctl, job_id)
+    rows = [(r.step, r.time if r.time is not None else time.time(), clean_metrics(r.metrics))
+            for r in batch.rows]
+    accepted = ctl.store.add_metrics(job_id, rows)
+    ctl.metrics.ingested.inc(accepted)
+    if batch.ray_job_id and not job.ray_job_id:
+        ctl.store.update_job(job_id, ray_job_id=batch.ray_job_id, driver_pid=batch.driver_pid)
+    if job.status == "pending" and rows:  # the driver runs, whatever Ray said last
+        ctl.store.transition(job_id, "running")
+    return IngestResult(accepted=accepted)
+
+
+@router.post("/{job_id}/status", response_model=JobDetail,
+             responses={**NOT_FOUND, **AUTH}, dependencies=[Depends(require_job_token)])
+def report_status(job_id: str, report: StatusReport, ctl: Ctl) -> JobDetail:
+    """A driver reports its start or its end (ignored once the job has ended)."""
+    get_or_404(ctl, job_id)
+    job = ctl.store.transition(job_id, report.status, **(
+        {"error": report.error} if report.error else {}))
+    return job_detail(job)
+
+
+@router.post("/register", status_code=201, response_model=JobDetail,
+             responses={**AUTH, **INVALID}, dependencies=[Depends(require_token)])
+def register_job(payload: JobRegister, ctl: Ctl) -> JobDetail | JSONResponse:
+    """A job started elsewhere (``ray job submit ... python -m services.train``) announces
+    itself so it appears on the dashboard; it then posts its metrics like any job."""
+    try:
+        config = JobConfig.model_validate(payload.config)
+    except ValidationError as err:
+        return invalid(err, "config: ")
+    except (ValueError, TypeError) as err:
+        return invalid(SubmissionError(str(err), [("config", str(err))]))
+    now = time.time()
+    job = Job(id=new_id(), name=config.name, status="running", mode=config.aggregation.mode,
+              source="registered", config_submitted=json.dumps(payload.config, indent=2),
+              overrides="[]", config_resolved=config.model_dump_json(),
+              output_dir=payload.output_dir, num_steps=config.num_steps, created_at=now,
+              started_at=now, updated_at=now)
+    ctl.store.add_jobs([job])
+    return job_detail(job)

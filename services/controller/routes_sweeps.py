@@ -1,0 +1,152 @@
+"""``/api/sweeps``: one config and a list of aggregation modes (or of override sets) ->
+one job each, grouped, compared side by side on the dashboard's sweep page."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import yaml
+from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi.responses import JSONResponse
+
+from services.config import ConfigError, parse_job_config
+from services.controller.auth import require_token
+from services.controller.ray_jobs import BackendUnavailable
+from services.controller.routes_jobs import (
+    AUTH,
+    INVALID,
+    invalid,
+    new_id,
+    new_job,
+    write_config_file,
+)
+from services.controller.schemas import (
+    Message,
+    SweepList,
+    SweepMetricsOut,
+    SweepOut,
+    SweepRun,
+    SweepSubmit,
+)
+from services.controller.state import Controller, Ctl
+from services.controller.submission import (
+    SubmissionError,
+    config_texts,
+    from_config_error,
+    refuse_yaml_aliases,
+    resolve,
+)
+from services.controller.sweeps import variants
+from services.controller.tables import ACTIVE, Sweep
+from services.controller.views import CHART_METRICS, columns, group_status, job_out, split_names
+
+router = APIRouter(prefix="/api/sweeps", tags=["sweeps"])
+NOT_FOUND = {404: {"model": Message, "description": "no such sweep"}}
+
+
+def sweep_out(ctl: Controller, sweep: Sweep) -> SweepOut:
+    jobs = ctl.store.sweep_jobs(sweep.id)
+    axis = json.loads(sweep.spec).get("axis", "modes")
+    return SweepOut(id=sweep.id, name=sweep.name, created_at=sweep.created_at, axis=axis,
+                    status=group_status([j.status for j in jobs]),
+                    jobs=[job_out(j) for j in jobs])
+
+
+def sweep_or_404(ctl: Controller, sweep_id: str) -> Sweep:
+    sweep = ctl.store.get_sweep(sweep_id)
+    if sweep is None:
+        raise HTTPException(404, f"no sweep {sweep_id}")
+    return sweep
+
+
+@router.post("", status_code=201, response_model=SweepOut, responses={**AUTH, **INVALID},
+             dependencies=[Depends(require_token)])
+def submit_sweep(payload: SweepSubmit, ctl: Ctl) -> SweepOut | JSONResponse:
+    """Validate every job of the sweep first; store and queue them only if all are valid."""
+    try:
+        parse_text, stored_text = config_texts(payload.config, payload.config_yaml)
+        refuse_yaml_aliases(parse_text)
+        base = parse_job_config(parse_text, payload.overrides)
+    except ConfigError as err:
+        return invalid(from_config_error(err))
+    except SubmissionError as err:
+        return invalid(err)
+    except (ValueError, TypeError, RecursionError, yaml.YAMLError) as err:
+        return invalid(SubmissionError(str(err), [("<config>", str(err))]))
+    sweep_id, resolved = new_id(), []
+    for label, extra in variants(base, payload.modes, payload.override_sets):
+        job_id = new_id()
+        try:
+            resolved.append((label, job_id, resolve(
+                parse_text, [*payload.overrides, *extra], ctl.settings, job_id,
+                output_suffix=job_id, stored_text=stored_text)))
+        except SubmissionError as err:
+            return invalid(err, f"sweep run {label!r}: ")
+    spec = {"axis": "modes" if payload.modes else "override_sets", "config": stored_text,
+            "overrides": payload.overrides, "modes": payload.modes,
+            "override_sets": payload.override_sets}
+    sweep = Sweep(id=sweep_id, name=payload.name or base.name, spec=json.dumps(spec),
+                  created_at=time.time())
+    jobs = [new_job(r, job_id, sweep_id=sweep_id, sweep_label=label)
+            for label, job_id, r in resolved]
+    ctl.store.add_jobs(jobs, sweep)
+    for _, job_id, r in resolved:
+        try:
+            write_config_file(r)
+        except OSError as err:
+            ctl.store.transition(job_id, "failed", error=f"cannot write the job folder: {err}")
+    if ctl.reconciler is not None:
+        ctl.reconciler.poke()
+    return sweep_out(ctl, sweep)
+
+
+@router.get("", response_model=SweepList)
+def list_sweeps(ctl: Ctl, limit: Annotated[int, Query(ge=1, le=500)] = 50,
+                offset: Annotated[int, Query(ge=0, le=10**9)] = 0) -> SweepList:
+    """Sweeps, newest first."""
+    sweeps, total = ctl.store.list_sweeps(limit, offset)
+    return SweepList(items=[sweep_out(ctl, s) for s in sweeps], total=total)
+
+
+@router.get("/{sweep_id}", response_model=SweepOut, responses=NOT_FOUND)
+def get_sweep(sweep_id: str, ctl: Ctl) -> SweepOut:
+    """A sweep and its jobs (each labelled by its mode or its overrides)."""
+    return sweep_out(ctl, sweep_or_404(ctl, sweep_id))
+
+
+@router.get("/{sweep_id}/metrics", response_model=SweepMetricsOut, responses=NOT_FOUND)
+def sweep_metrics(sweep_id: str, ctl: Ctl,
+                  names: Annotated[list[str] | None, Query(max_length=200)] = None,
+                  max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000
+                  ) -> SweepMetricsOut:
+    """Every run's metrics (default: the dashboard's charted ones), to overlay per metric."""
+    sweep_or_404(ctl, sweep_id)
+    wanted = split_names(names) or list(CHART_METRICS)
+    runs, seen = [], set()
+    for job in ctl.store.sweep_jobs(sweep_id):
+        all_names, steps, series, _ = columns(ctl.store.read_metrics(job.id), wanted,
+                                              max_points)
+        seen.update(all_names)
+        runs.append(SweepRun(job_id=job.id, label=job.sweep_label or job.name, mode=job.mode,
+                             status=job.status, steps=steps, series=series))
+    return SweepMetricsOut(sweep_id=sweep_id, names=sorted(seen), runs=runs)
+
+
+@router.post("/{sweep_id}/cancel", response_model=SweepOut,
+             responses={**NOT_FOUND, **AUTH, 503: {"model": Message}},
+             dependencies=[Depends(require_token)])
+def cancel_sweep(sweep_id: str, ctl: Ctl) -> SweepOut:
+    """Cancel every job of the sweep that has not ended."""
+    sweep = sweep_or_404(ctl, sweep_id)
+    for job in ctl.store.sweep_jobs(sweep_id):
+        if job.status not in ("queued", *ACTIVE):
+            continue
+        if job.ray_submission_id:
+            try:
+                ctl.backend.stop(job.ray_submission_id)
+            except BackendUnavailable as err:
+                raise HTTPException(503, f"cannot reach Ray: {err}") from None
+        ctl.store.transition(job.id, "cancelled", error="cancelled by the user")
+    return sweep_out(ctl, sweep)

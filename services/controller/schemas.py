@@ -1,0 +1,202 @@
+"""Request and response models of the controller's REST API (``/api``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.config import AggregationMode
+
+JobStatus = Literal["queued", "pending", "running", "succeeded", "failed", "cancelled"]
+
+
+class _Config(BaseModel):
+    """A job config: a JSON object, or YAML text, plus ``key.path=value`` overrides."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: dict[str, Any] | None = None
+    """The job config as a JSON object (the YAML file's content)."""
+    config_yaml: str | None = Field(default=None, max_length=512_000)
+    """The job config as YAML text (alternative to `config`)."""
+    overrides: list[str] = Field(default_factory=list, max_length=100)
+    """``key.path=value`` overrides, applied in order (like ``--set``)."""
+
+    @model_validator(mode="after")
+    def _one_config(self) -> _Config:
+        if self.config is not None and self.config_yaml is not None:
+            raise ValueError("give either config or config_yaml, not both")
+        if any(len(item) > 2000 for item in self.overrides):
+            raise ValueError("overrides: each override is at most 2000 characters")
+        return self
+
+
+class JobSubmit(_Config):
+    """Submit one job."""
+
+
+class SweepSubmit(_Config):
+    """One config, many jobs: one per aggregation mode, or one per set of overrides."""
+
+    name: str | None = Field(default=None, max_length=100)
+    """Sweep name (default: the config's name)."""
+    modes: list[AggregationMode] | None = Field(default=None, min_length=1, max_length=4)
+    """One job per aggregation mode (constant gets divisor max_response_len if unset)."""
+    override_sets: list[list[str]] | None = Field(default=None, min_length=1, max_length=32)
+    """One job per list of extra overrides."""
+
+    @model_validator(mode="after")
+    def _one_axis(self) -> SweepSubmit:
+        if (self.modes is None) == (self.override_sets is None):
+            raise ValueError("give exactly one of modes or override_sets")
+        if self.modes is not None and len(set(self.modes)) != len(self.modes):
+            raise ValueError("modes: each mode once")
+        for overrides in self.override_sets or []:
+            if len(overrides) > 100 or any(len(item) > 2000 for item in overrides):
+                raise ValueError("override_sets: at most 100 overrides of 2000 characters")
+        return self
+
+
+class JobRegister(BaseModel):
+    """A job started elsewhere (``ray job submit``, ``python -m services.train``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: dict[str, Any]
+    """The job's config (as the driver resolved it)."""
+    output_dir: str = Field(min_length=1, max_length=4096)
+    """The job folder holding metrics.jsonl."""
+
+
+class StatusReport(BaseModel):
+    """A driver reporting its own end (or start)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["running", "succeeded", "failed"]
+    error: str | None = Field(default=None, max_length=20_000)
+
+
+class MetricRowIn(BaseModel):
+    step: int = Field(ge=0, le=2**31 - 1)
+    time: float | None = None
+    metrics: dict[str, float | None] = Field(max_length=1000)
+
+
+class MetricsIngest(BaseModel):
+    """A batch of training steps from the driver's ControllerSink."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rows: list[MetricRowIn] = Field(max_length=5000)
+    ray_job_id: str | None = Field(default=None, max_length=64)
+    """Ray's job id (hex) once the driver joined a cluster (registered jobs)."""
+    driver_pid: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    """The driver's PID, which tells its Ray submission apart from another cluster's."""
+
+
+class IngestResult(BaseModel):
+    accepted: int
+
+
+class JobOut(BaseModel):
+    id: str
+    name: str
+    status: JobStatus
+    mode: str
+    """The chosen pg aggregation mode."""
+    source: Literal["controller", "registered"]
+    sweep_id: str | None
+    sweep_label: str | None
+    ray_submission_id: str | None
+    output_dir: str
+    num_steps: int
+    last_step: int | None
+    reward_mean: float | None
+    error: str | None
+    created_at: float
+    """Unix seconds."""
+    started_at: float | None
+    finished_at: float | None
+
+
+class JobDetail(JobOut):
+    config_submitted: str
+    overrides: list[str]
+    config_resolved: dict[str, Any]
+    log_tail: str | None
+    """The last log lines of a failed job."""
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    total: int
+    limit: int
+    offset: int
+
+
+class MetricsOut(BaseModel):
+    """Column-oriented: ``series[name][i]`` is the value at ``steps[i]``."""
+
+    job_id: str
+    names: list[str]
+    """Every metric name the job logged."""
+    steps: list[int]
+    series: dict[str, list[float | None]]
+    total_points: int
+    """Steps in the requested range before downsampling."""
+    downsampled: bool
+
+
+class SweepOut(BaseModel):
+    id: str
+    name: str
+    created_at: float
+    axis: Literal["modes", "override_sets"]
+    status: JobStatus
+    """The least finished status of its jobs."""
+    jobs: list[JobOut]
+
+
+class SweepList(BaseModel):
+    items: list[SweepOut]
+    total: int
+
+
+class SweepRun(BaseModel):
+    job_id: str
+    label: str
+    mode: str
+    status: JobStatus
+    steps: list[int]
+    series: dict[str, list[float | None]]
+
+
+class SweepMetricsOut(BaseModel):
+    sweep_id: str
+    names: list[str]
+    runs: list[SweepRun]
+
+
+class FieldError(BaseModel):
+    field: str
+    """Dotted path of the field (``rollout.global_batch_size``, ``query.limit``)."""
+    message: str
+
+
+class ValidationErrorOut(BaseModel):
+    """422: an invalid request or job config; nothing was started or stored."""
+
+    detail: str
+    errors: list[FieldError]
+
+
+class Message(BaseModel):
+    detail: str
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    database: bool
+    ray: str

@@ -1,0 +1,179 @@
+// The Tally dashboard: job list, job page (live charts over SSE), sweep page (overlays).
+"use strict";
+
+const app = document.getElementById("app");
+const conn = document.getElementById("conn");
+const ACTIVE = ["queued", "pending", "running"];
+let cleanup = [];
+
+async function api(path, options) {
+  const response = await fetch(path, options);
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error(body.detail || `${response.status} ${response.statusText}`);
+  return body;
+}
+
+const fmt = {
+  time: (t) => (t ? new Date(t * 1000).toLocaleString() : "–"),
+  num: (v, d = 3) => (v === null || v === undefined ? "–" : Number(v).toFixed(d)),
+  step: (j) => `${j.last_step === null ? 0 : j.last_step + 1}/${j.num_steps}`,
+};
+const badge = (status) => el("span", { class: `badge ${status}`, "data-status": status }, status);
+const link = (href, text) => el("a", { href, onclick: (e) => { e.preventDefault(); go(href); } },
+  text);
+function every(ms, fn) { const id = setInterval(fn, ms); cleanup.push(() => clearInterval(id)); }
+
+function go(path) { history.pushState({}, "", path); route(); }
+window.addEventListener("popstate", route);
+
+function route() {
+  cleanup.forEach((f) => f());
+  cleanup = [];
+  conn.className = "conn";
+  app.replaceChildren();
+  const [, kind, id] = location.pathname.split("/");
+  if (kind === "jobs" && id) jobPage(decodeURIComponent(id));
+  else if (kind === "sweeps" && id) sweepPage(decodeURIComponent(id));
+  else listPage();
+}
+
+// ---- job list ------------------------------------------------------------------------
+
+function listPage() {
+  document.title = "Tally — jobs";
+  const jobsBody = el("tbody");
+  const sweepsBody = el("tbody");
+  app.append(
+    el("h2", {}, "Jobs"),
+    el("table", { class: "list", id: "jobs" }, el("thead", {}, el("tr", {},
+      ["ID", "name", "status", "mode", "reward", "step", "started"].map((h) => el("th", {}, h)))),
+    jobsBody),
+    el("h2", {}, "Sweeps"),
+    el("table", { class: "list", id: "sweeps" }, el("thead", {}, el("tr", {},
+      ["ID", "name", "status", "runs", "created"].map((h) => el("th", {}, h)))), sweepsBody));
+  async function refresh() {
+    const [jobs, sweeps] = await Promise.all([api("/api/jobs?limit=100"),
+      api("/api/sweeps?limit=50")]);
+    jobsBody.replaceChildren(...jobs.items.map((j) => el("tr", { "data-job": j.id },
+      el("td", {}, link(`/jobs/${j.id}`, j.id)), el("td", {}, j.name), el("td", {}, badge(j.status)),
+      el("td", {}, j.mode), el("td", { class: "num" }, fmt.num(j.reward_mean)),
+      el("td", { class: "num" }, fmt.step(j)), el("td", {}, fmt.time(j.started_at)))));
+    if (!jobs.items.length) jobsBody.append(el("tr", {}, el("td", { colspan: 7, class: "muted" },
+      "No jobs yet: tally submit configs/demo.yaml")));
+    sweepsBody.replaceChildren(...sweeps.items.map((s) => el("tr", { "data-sweep": s.id },
+      el("td", {}, link(`/sweeps/${s.id}`, s.id)), el("td", {}, s.name), el("td", {},
+        badge(s.status)), el("td", { class: "num" }, s.jobs.length),
+      el("td", {}, fmt.time(s.created_at)))));
+  }
+  refresh().catch(showError);
+  every(3000, () => refresh().catch(() => {}));
+}
+
+function showError(err) {
+  app.append(el("p", { class: "error" }, String(err.message || err)));
+}
+
+// ---- one job ---------------------------------------------------------------------------
+
+function jobHeader(job) {
+  const facts = [["mode", job.mode], ["step", fmt.step(job)], ["reward", fmt.num(job.reward_mean)],
+    ["started", fmt.time(job.started_at)], ["finished", fmt.time(job.finished_at)],
+    ["source", job.source], ["folder", job.output_dir]];
+  const header = el("div", { class: "job-header", id: "job-header" },
+    el("h2", {}, job.name, " ", badge(job.status)),
+    el("dl", { class: "facts" }, facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)])),
+    job.sweep_id ? el("p", {}, "part of sweep ", link(`/sweeps/${job.sweep_id}`, job.sweep_id),
+      ` (${job.sweep_label})`) : null);
+  if (ACTIVE.includes(job.status)) {
+    header.append(el("button", { class: "cancel", onclick: async (e) => {
+      e.target.disabled = true;
+      try { await api(`/api/jobs/${job.id}/cancel`, { method: "POST" }); } catch (err) {
+        e.target.replaceWith(el("span", { class: "error" }, `cancel: ${err.message}`));
+      }
+    } }, "Cancel"));
+  }
+  if (job.error || job.log_tail) {
+    header.append(el("div", { class: "failure", id: "failure" },
+      job.error ? el("p", {}, el("strong", {}, "error: "), job.error) : null,
+      job.log_tail ? el("pre", { class: "logs" }, job.log_tail) : null));
+  }
+  return header;
+}
+
+async function jobPage(id) {
+  document.title = `Tally — job ${id}`;
+  let job;
+  try { job = await api(`/api/jobs/${id}`); } catch (err) { showError(err); return; }
+  let header = jobHeader(job);
+  const grid = el("div", { class: "grid" });
+  app.append(header, grid);
+  const charts = JOB_CHARTS.map((c) => new Chart(grid, c.id, c.title, c.series.map((s) => ({
+    ...s, chosen: s.mode === job.mode, dash: s.mode && s.mode !== job.mode,
+    color: s.mode ? MODE_COLOR[s.mode] : undefined }))));
+  const cols = new Columns();
+  const draw = () => charts.forEach((c) => c.setData(cols.table(c.series.map((s) => s.name))));
+  const first = await api(`/api/jobs/${id}/metrics?names=${JOB_METRICS.join(",")}&max_points=5000`);
+  cols.append(first.steps, first.series);
+  draw();
+  const last = first.steps.length ? first.steps[first.steps.length - 1] : -1;
+  const events = new EventSource(`/api/jobs/${id}/events?after=${last}`);
+  cleanup.push(() => events.close());
+  events.onopen = () => { conn.className = "conn live"; };
+  events.onerror = () => { conn.className = "conn"; };
+  events.addEventListener("metrics", (e) => { const d = JSON.parse(e.data);
+    cols.append(d.steps, d.series); draw(); });
+  events.addEventListener("status", async (e) => {
+    const state = JSON.parse(e.data);
+    if (!state) return;
+    const full = state.status !== job.status ? await api(`/api/jobs/${id}`) : { ...job, ...state };
+    job = full;
+    const fresh = jobHeader(job);
+    header.replaceWith(fresh);
+    header = fresh;
+  });
+  events.addEventListener("end", () => { events.close(); conn.className = "conn"; });
+}
+
+// ---- one sweep -------------------------------------------------------------------------
+
+async function sweepPage(id) {
+  document.title = `Tally — sweep ${id}`;
+  const head = el("div", { class: "job-header" });
+  const runsBody = el("tbody");
+  const grid = el("div", { class: "grid" });
+  app.append(head, el("table", { class: "list", id: "runs" }, el("thead", {}, el("tr", {},
+    ["run", "job", "status", "step", "reward"].map((h) => el("th", {}, h)))), runsBody), grid);
+  const charts = {};
+  async function refresh() {
+    const [sweep, data] = await Promise.all([api(`/api/sweeps/${id}`),
+      api(`/api/sweeps/${id}/metrics?names=${SWEEP_METRICS.join(",")}`)]);
+    head.replaceChildren(el("h2", {}, `sweep ${sweep.name} `, badge(sweep.status)),
+      el("p", { class: "muted" }, `${sweep.jobs.length} runs varying ${sweep.axis === "modes"
+        ? "the aggregation mode" : "overrides"}; one series per run in each chart`));
+    runsBody.replaceChildren(...sweep.jobs.map((j) => el("tr", {},
+      el("td", {}, j.sweep_label), el("td", {}, link(`/jobs/${j.id}`, j.id)),
+      el("td", {}, badge(j.status)), el("td", { class: "num" }, fmt.step(j)),
+      el("td", { class: "num" }, fmt.num(j.reward_mean)))));
+    const runs = data.runs;
+    for (const name of SWEEP_METRICS) {
+      if (!charts[name]) {
+        charts[name] = new Chart(grid, name, name, runs.map((r, i) => ({ name: r.job_id,
+          label: r.label, mode: r.mode, color: sweep.axis === "modes" ? MODE_COLOR[r.mode]
+            : PALETTE[i % PALETTE.length] })));
+      }
+      const tables = runs.map((r) => [r.steps, r.series[name] || r.steps.map(() => null)]);
+      charts[name].setData(tables.length ? uPlot.join(tables) : [[]]);
+    }
+    return ACTIVE.includes(sweep.status);
+  }
+  let active;
+  try { active = await refresh(); } catch (err) { showError(err); return; }
+  if (active) {
+    conn.className = "conn live";
+    every(3000, async () => {
+      if (!(await refresh().catch(() => true))) conn.className = "conn";
+    });
+  }
+}
+
+route();

@@ -1,0 +1,127 @@
+// Charts of the dashboard: thin helpers over uPlot (vendored, static/uPlot.iife.min.js).
+"use strict";
+
+const MODES = ["sample_mean", "token_mean", "prompt_mean", "constant"];
+const PALETTE = ["#4269d0", "#efb118", "#ff725c", "#6cc5b0", "#3ca951", "#ff8ab7",
+  "#a463f2", "#97bbf5", "#9c6b4e", "#9498a0"];
+const MODE_COLOR = Object.fromEntries(MODES.map((m, i) => [m, PALETTE[i]]));
+const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000, 10000,
+  20000, 50000, 100000, 200000, 500000, 1000000];
+
+// What a job page charts: title -> series (metric name, label).
+const JOB_CHARTS = [
+  { id: "pg_loss_modes", title: "pg loss under each aggregation mode",
+    series: MODES.map((m) => ({ name: `pg_loss/${m}`, label: m, mode: m })) },
+  { id: "reward", title: "reward (mean, std)",
+    series: [{ name: "reward/mean", label: "mean" }, { name: "reward/std", label: "std" }] },
+  { id: "kl", title: "KL", series: [{ name: "kl", label: "kl" }] },
+  { id: "entropy", title: "entropy", series: [{ name: "entropy", label: "entropy" }] },
+  { id: "clip_fraction", title: "clip fraction",
+    series: [{ name: "clip_fraction", label: "clip fraction" }] },
+  { id: "grad_norm", title: "grad norm", series: [{ name: "grad_norm", label: "grad norm" }] },
+  { id: "response_length", title: "response length (mean)",
+    series: [{ name: "response_length/mean", label: "tokens" }] },
+  { id: "tokens_per_s", title: "tokens / s",
+    series: [{ name: "perf/tokens_per_s", label: "tokens/s" }] },
+  { id: "padding_fraction", title: "padding fraction",
+    series: [{ name: "padding_fraction", label: "padding" }] },
+];
+const JOB_METRICS = [...new Set(JOB_CHARTS.flatMap((c) => c.series.map((s) => s.name)))];
+
+// What a sweep page overlays, one chart per metric, one series per run.
+const SWEEP_METRICS = ["pg_loss", "reward/mean", "reward/std", "kl", "entropy", "clip_fraction",
+  "grad_norm", "response_length/mean", "perf/tokens_per_s", "padding_fraction"];
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === null || v === undefined) continue;
+    if (k === "class") node.className = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const child of children.flat()) {
+    if (child !== null && child !== undefined) {
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+  }
+  return node;
+}
+
+// One chart card: a title, a uPlot, and data-* attributes a test (or a person) can read.
+class Chart {
+  constructor(parent, id, title, series) {
+    this.series = series;
+    this.card = el("section", { class: "card chart", "data-chart": id, "data-points": "0",
+      "data-series": String(series.length) }, el("h3", {}, title));
+    this.body = el("div", { class: "plot" });
+    this.card.append(this.body);
+    parent.append(this.card);
+    this.plot = null;
+  }
+
+  options(width) {
+    return {
+      width, height: 210, legend: { live: true },
+      cursor: { drag: { x: true, y: false } },
+      scales: { x: { time: false } },
+      axes: [{ label: "step", size: 36, incrs: STEP_INCRS }, { size: 56 }],
+      series: [{ label: "step" }, ...this.series.map((s, i) => ({
+        label: s.chosen ? `${s.label} (chosen)` : s.label,
+        stroke: s.color || PALETTE[i % PALETTE.length],
+        width: s.chosen ? 3.2 : 1.4,
+        dash: s.dash ? [5, 4] : undefined,
+        spanGaps: true,
+        points: { show: false },
+      }))],
+    };
+  }
+
+  // data = [steps, ys1, ys2, ...] (uPlot's aligned columns)
+  setData(data) {
+    const points = data.slice(1).reduce((n, ys) => n + ys.filter((v) => v !== null
+      && v !== undefined).length, 0);
+    this.card.dataset.points = String(points);
+    this.card.classList.toggle("empty", points === 0);
+    const width = Math.max(260, this.body.clientWidth || 400);
+    if (!this.plot) {
+      this.plot = new uPlot(this.options(width), data, this.body);
+      new ResizeObserver(() => {
+        const w = Math.max(260, this.body.clientWidth);
+        if (this.plot && Math.abs(w - this.plot.width) > 2) {
+          this.plot.setSize({ width: w, height: 210 });
+        }
+      }).observe(this.body);
+    } else {
+      this.plot.setData(data);
+    }
+  }
+}
+
+// Column store of one job: steps and series by name, appended to by SSE events.
+class Columns {
+  constructor() { this.steps = []; this.series = {}; }
+
+  append(steps, series) {
+    for (let i = 0; i < steps.length; i++) {
+      const step = steps[i];
+      let at = this.steps.length;
+      if (at && step <= this.steps[at - 1]) { // a resumed job repeats steps: replace them
+        at = this.steps.findIndex((s) => s >= step);
+        this.steps.length = at;
+        for (const ys of Object.values(this.series)) ys.length = at;
+      }
+      this.steps.push(step);
+      const names = new Set([...Object.keys(this.series), ...Object.keys(series)]);
+      for (const name of names) {
+        if (!this.series[name]) this.series[name] = new Array(at).fill(null);
+        const ys = series[name];
+        this.series[name].push(ys ? ys[i] ?? null : null);
+      }
+    }
+  }
+
+  table(names) {
+    return [this.steps, ...names.map((n) => this.series[n] || this.steps.map(() => null))];
+  }
+}

@@ -1,0 +1,252 @@
+"""The controller's store: SQLAlchemy 2 over SQLite by default (WAL) or any SQL URL.
+
+Every function opens its own short transaction, so the API threads and the reconcile loop
+share one Store safely. Status changes go through :meth:`Store.transition`, which never
+moves a job out of a terminal status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config as AlembicConfig
+from sqlalchemy import and_, create_engine, delete, event, func, insert, or_, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, defer, sessionmaker
+
+from services.controller.tables import ACTIVE, TERMINAL, Job, MetricRow, Sweep
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+
+RANK = {"queued": 0, "pending": 1, "running": 2, "succeeded": 3, "failed": 3, "cancelled": 3}
+"""Statuses only move forward: a late 'pending' never hides 'running'."""
+LIGHT = (defer(Job.config_submitted), defer(Job.config_resolved), defer(Job.overrides))
+"""Loader options that leave a job's (large) configs in the database."""
+MetricTriple = tuple[int, float, dict[str, float | None]]
+"""(step, unix time, {name: value}) of one training step."""
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def clean_metrics(metrics: dict[str, Any]) -> dict[str, float | None]:
+    """Non-finite or non-numeric values become null (as in metrics.jsonl)."""
+    out: dict[str, float | None] = {}
+    for name, value in metrics.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        out[str(name)] = number if math.isfinite(number) else None
+    return out
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self.version = 0
+        """Bumped after every write: readers may cache what they built from a version."""
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Session]:
+        try:
+            with self.sessions.begin() as session:
+                yield session
+        finally:
+            self.version += 1
+
+    def migrate(self) -> None:
+        """Alembic ``upgrade head`` on this database."""
+        cfg = AlembicConfig()
+        cfg.set_main_option("script_location", str(MIGRATIONS))
+        cfg.set_main_option("sqlalchemy.url", self.url.replace("%", "%%"))
+        with self.engine.begin() as connection:
+            cfg.attributes["connection"] = connection
+            command.upgrade(cfg, "head")
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def ping(self) -> bool:
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(select(1))
+            return True
+        except Exception:
+            return False
+
+    # ---- jobs ----------------------------------------------------------------------------
+
+    def add_jobs(self, jobs: Sequence[Job], sweep: Sweep | None = None) -> None:
+        with self._write() as session:
+            if sweep is not None:
+                session.add(sweep)
+                session.flush()
+            session.add_all(jobs)
+
+    def get_job(self, job_id: str) -> Job | None:
+        with self.sessions() as session:
+            return session.get(Job, job_id)
+
+    def list_jobs(self, *, status: Sequence[str] = (), name: str | None = None,
+                  mode: str | None = None, sweep_id: str | None = None,
+                  limit: int = 50, offset: int = 0) -> tuple[list[Job], int]:
+        """Newest first; ``name`` matches a substring. The configs and logs are not loaded."""
+        query = select(Job).options(*LIGHT, defer(Job.log_tail))
+        if status:
+            query = query.where(Job.status.in_(status))
+        if name:
+            query = query.where(Job.name.contains(name, autoescape=True))
+        if mode:
+            query = query.where(Job.mode == mode)
+        if sweep_id:
+            query = query.where(Job.sweep_id == sweep_id)
+        with self.sessions() as session:
+            total = session.scalar(query.with_only_columns(func.count(Job.id))
+                                   .order_by(None)) or 0
+            rows = session.scalars(query.order_by(Job.created_at.desc(), Job.id)
+                                   .limit(limit).offset(offset)).all()
+            return list(rows), total
+
+    def jobs_with_status(self, statuses: Iterable[str]) -> list[Job]:
+        """Without the configs (the reconcile loop never reads them)."""
+        with self.sessions() as session:
+            return list(session.scalars(select(Job).options(*LIGHT)
+                                        .where(Job.status.in_(list(statuses)))
+                                        .order_by(Job.created_at, Job.id)))
+
+    def jobs_to_poll(self) -> list[Job]:
+        """Jobs Ray runs, and ended ones whose end Ray has not confirmed yet (their logs
+        are not saved: ``log_tail`` is null until then)."""
+        query = select(Job).options(*LIGHT).where(or_(
+            Job.status.in_(ACTIVE),
+            and_(Job.status.in_(TERMINAL), Job.ray_submission_id.is_not(None),
+                 Job.log_tail.is_(None))))
+        with self.sessions() as session:
+            return list(session.scalars(query.order_by(Job.created_at, Job.id)))
+
+    def jobs_to_map(self) -> list[Job]:
+        """Registered jobs whose Ray submission is not known yet (and might be ours)."""
+        query = select(Job).options(*LIGHT).where(
+            Job.source == "registered", Job.ray_submission_id.is_(None),
+            Job.ray_job_id.is_not(None), Job.driver_pid.is_not(None), Job.log_tail.is_(None))
+        with self.sessions() as session:
+            return list(session.scalars(query))
+
+    def status_counts(self) -> dict[str, int]:
+        with self.sessions() as session:
+            rows = session.execute(select(Job.status, func.count()).group_by(Job.status))
+            return {status: count for status, count in rows}
+
+    def update_job(self, job_id: str, **values: Any) -> Job | None:
+        with self._write() as session:
+            job = session.get(Job, job_id)
+            if job is None:
+                return None
+            for key, value in values.items():
+                setattr(job, key, value)
+            job.updated_at = time.time()
+            return job
+
+    def transition(self, job_id: str, status: str, **values: Any) -> Job | None:
+        """Move a job forward to ``status`` (with fields); a no-op if it is already there,
+        further on, or ended. Returns the job as stored."""
+        with self._write() as session:
+            job = session.get(Job, job_id, with_for_update=True)
+            if job is None or RANK[status] <= RANK[job.status]:
+                return job  # never backwards, never out of an end
+            now = time.time()
+            job.status = status
+            if status == "running" and job.started_at is None:
+                job.started_at = now
+            if status in TERMINAL:
+                job.finished_at = now
+            for key, value in values.items():
+                setattr(job, key, value)
+            job.updated_at = now
+            return job
+
+    # ---- metrics -------------------------------------------------------------------------
+
+    def add_metrics(self, job_id: str, rows: Sequence[MetricTriple]) -> int:
+        """Insert (or replace, for a resumed job's repeated steps) rows of one job."""
+        if not rows:
+            return 0
+        latest: dict[int, MetricTriple] = {row[0]: row for row in rows}
+        with self._write() as session:
+            job = session.get(Job, job_id)
+            if job is None:
+                raise KeyError(job_id)
+            steps = sorted(latest)
+            for start in range(0, len(steps), 500):
+                chunk = steps[start:start + 500]
+                session.execute(delete(MetricRow).where(MetricRow.job_id == job_id,
+                                                        MetricRow.step.in_(chunk)))
+            session.execute(insert(MetricRow), [
+                {"job_id": job_id, "step": step, "time": t, "values": json.dumps(values)}
+                for step, t, values in latest.values()])
+            last_step, _, last_values = latest[steps[-1]]
+            if job.last_step is None or last_step >= job.last_step:
+                job.last_step = last_step
+                job.reward_mean = last_values.get("reward/mean")
+            job.updated_at = time.time()
+        return len(latest)
+
+    def read_metrics(self, job_id: str, start: int | None = None,
+                     end: int | None = None) -> list[MetricTriple]:
+        query = select(MetricRow.step, MetricRow.time, MetricRow.values).where(
+            MetricRow.job_id == job_id)
+        if start is not None:
+            query = query.where(MetricRow.step >= start)
+        if end is not None:
+            query = query.where(MetricRow.step <= end)
+        with self.sessions() as session:
+            return [(step, t, json.loads(values)) for step, t, values in
+                    session.execute(query.order_by(MetricRow.step))]
+
+    def steps_between(self, job_id: str, first: int, last: int) -> list[int]:
+        with self.sessions() as session:
+            return list(session.scalars(select(MetricRow.step).where(
+                MetricRow.job_id == job_id, MetricRow.step >= first, MetricRow.step <= last)))
+
+    # ---- sweeps --------------------------------------------------------------------------
+
+    def get_sweep(self, sweep_id: str) -> Sweep | None:
+        with self.sessions() as session:
+            return session.get(Sweep, sweep_id)
+
+    def list_sweeps(self, limit: int = 50, offset: int = 0) -> tuple[list[Sweep], int]:
+        with self.sessions() as session:
+            total = session.scalar(select(func.count()).select_from(Sweep)) or 0
+            rows = session.scalars(select(Sweep).order_by(Sweep.created_at.desc(), Sweep.id)
+                                   .limit(limit).offset(offset)).all()
+            return list(rows), total
+
+    def sweep_jobs(self, sweep_id: str) -> list[Job]:
+        with self.sessions() as session:
+            return list(session.scalars(select(Job).where(Job.sweep_id == sweep_id)
+                                        .order_by(Job.created_at, Job.id)))

@@ -1,0 +1,68 @@
+"""Store rows -> API models: jobs, column-oriented metrics with downsampling."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from services.controller.schemas import JobDetail, JobOut, JobStatus, MetricsOut
+from services.controller.store import MetricTriple
+from services.controller.tables import Job
+
+CHART_METRICS = (
+    "pg_loss", "pg_loss/sample_mean", "pg_loss/token_mean", "pg_loss/prompt_mean",
+    "pg_loss/constant", "reward/mean", "reward/std", "kl", "entropy", "clip_fraction",
+    "grad_norm", "response_length/mean", "perf/tokens_per_s", "padding_fraction",
+)
+"""What the dashboard charts (the defaults of a sweep's metrics)."""
+
+
+def job_out(job: Job) -> JobOut:
+    return JobOut.model_validate(job, from_attributes=True)
+
+
+def job_detail(job: Job) -> JobDetail:
+    base = job_out(job).model_dump()
+    return JobDetail(**base, config_submitted=job.config_submitted,
+                     overrides=json.loads(job.overrides or "[]"),
+                     config_resolved=json.loads(job.config_resolved or "{}"),
+                     log_tail=job.log_tail or None)
+
+
+def pick_indices(count: int, max_points: int) -> list[int]:
+    """At most ``max_points`` evenly spread indices of ``range(count)``, first and last kept."""
+    if count <= max_points:
+        return list(range(count))
+    if max_points == 1:
+        return [count - 1]
+    return sorted({round(i * (count - 1) / (max_points - 1)) for i in range(max_points)})
+
+
+def split_names(names: Sequence[str] | None) -> list[str]:
+    """``?names=a,b&names=c`` -> [a, b, c]."""
+    return [n for item in names or [] for n in item.split(",") if n]
+
+
+def columns(rows: Sequence[MetricTriple], names: Sequence[str] | None, max_points: int
+            ) -> tuple[list[str], list[int], dict[str, list[float | None]], bool]:
+    """(all names, steps, series of the wanted names, downsampled?)."""
+    all_names = sorted({name for _, _, values in rows for name in values})
+    wanted = list(names) if names else all_names
+    keep = [rows[i] for i in pick_indices(len(rows), max_points)]
+    series = {name: [values.get(name) for _, _, values in keep] for name in wanted}
+    return all_names, [step for step, _, _ in keep], series, len(keep) < len(rows)
+
+
+def metrics_out(job_id: str, rows: Sequence[MetricTriple], names: Sequence[str] | None,
+                max_points: int) -> MetricsOut:
+    all_names, steps, series, downsampled = columns(rows, names, max_points)
+    return MetricsOut(job_id=job_id, names=all_names, steps=steps, series=series,
+                      total_points=len(rows), downsampled=downsampled)
+
+
+def group_status(statuses: Sequence[str]) -> JobStatus:
+    """The least finished status of a group of jobs."""
+    for status in ("running", "pending", "queued", "failed", "cancelled"):
+        if status in statuses:
+            return status  # type: ignore[return-value]
+    return "succeeded"

@@ -1,0 +1,111 @@
+"""Test doubles and helpers of the controller: a Ray job backend in memory, an app on a
+free loopback port in a thread, and a few metric rows."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from services.controller.ray_head import free_port
+from services.controller.ray_jobs import BackendUnavailable, RayJobInfo
+from services.controller.settings import Settings
+
+DEMO_OVERRIDES = ["num_steps=2", "warmup.enabled=false", "rollout.global_batch_size=16",
+                  "rollout.n_samples_per_prompt=4", "trainer.dp_size=1"]
+
+
+class FakeBackend:
+    """Ray's job server in memory: jobs stay as the test sets them."""
+
+    address = "fake://ray"
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, dict] = {}
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise BackendUnavailable("fake Ray is down")
+
+    def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str],
+               metadata: dict[str, str]) -> str:
+        self._check()
+        if submission_id in self.jobs:
+            raise RuntimeError(f"Job with submission_id {submission_id} already exists.")
+        self.jobs[submission_id] = {"status": "pending", "entrypoint": entrypoint,
+                                    "env": env_vars, "logs": "", "message": None}
+        return submission_id
+
+    def info(self, submission_id: str) -> RayJobInfo | None:
+        self._check()
+        job = self.jobs.get(submission_id)
+        return None if job is None else RayJobInfo(job["status"], job["message"], "01000000")
+
+    def stop(self, submission_id: str) -> bool:
+        self._check()
+        job = self.jobs.get(submission_id)
+        if job is None:
+            return False
+        job["status"] = "cancelled"
+        return True
+
+    def logs(self, submission_id: str) -> str | None:
+        self._check()
+        job = self.jobs.get(submission_id)
+        return None if job is None else job["logs"]
+
+    async def follow(self, submission_id: str) -> AsyncIterator[str]:
+        yield self.jobs[submission_id]["logs"]
+
+    def find_submission(self, ray_job_id: str, driver_pid: int) -> str | None:
+        return None
+
+    def finish(self, submission_id: str, status: str, logs: str = "",
+               message: str | None = None) -> None:
+        self.jobs[submission_id].update(status=status, logs=logs, message=message)
+
+
+def make_settings(tmp: Path, **overrides: object) -> Settings:
+    return Settings(data_dir=tmp / "data", reconcile_interval_s=0.2, **overrides)
+
+
+def step_rows(num_steps: int, scale: float = 1.0, start: int = 0) -> list[dict]:
+    """Plausible metric rows of ``num_steps`` steps."""
+    rows = []
+    for step in range(start, start + num_steps):
+        decay = 1.0 / (1 + step)
+        metrics = {"pg_loss": 0.5 * decay * scale, "reward/mean": 1 - decay,
+                   "reward/std": 0.2 * decay, "kl": 0.01 * step, "entropy": 3 - step * 0.01,
+                   "clip_fraction": 0.1 * decay, "grad_norm": 2 * decay,
+                   "response_length/mean": 6 + step % 3, "perf/tokens_per_s": 1500.0,
+                   "padding_fraction": 0.1, "lr": 1e-3}
+        for i, mode in enumerate(("sample_mean", "token_mean", "prompt_mean", "constant")):
+            metrics[f"pg_loss/{mode}"] = (0.5 + 0.1 * i) * decay * scale
+        rows.append({"step": step, "time": time.time(), "metrics": metrics})
+    return rows
+
+
+@contextmanager
+def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
+    """Run ``app`` with uvicorn on 127.0.0.1:<port or a free one>; yields its base URL."""
+    import uvicorn
+
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)

@@ -1,0 +1,318 @@
+"""The controller's REST API on a real SQLite file, with Ray replaced by an in-memory
+job server (tests/services/test_controller_ray.py runs the real one)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from services.controller.app import create_app
+from services.controller.auth import job_token
+from services.controller.settings import check_bind
+from tests.services.controller_fakes import DEMO_OVERRIDES, FakeBackend, make_settings, step_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = (ROOT / "configs" / "demo.yaml").read_text()
+
+
+@pytest.fixture
+def api(tmp_path: Path):
+    backend = FakeBackend()
+    app = create_app(make_settings(tmp_path), backend=backend)
+    client = TestClient(app)
+    client.backend = backend  # type: ignore[attr-defined]
+    client.ctl = app.state.controller  # type: ignore[attr-defined]
+    return client
+
+
+def submit(api: TestClient, *overrides: str) -> dict:
+    response = api.post("/api/jobs", json={"config_yaml": DEMO,
+                                           "overrides": [*DEMO_OVERRIDES, *overrides]})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def test_submit_json_queues_then_submits_to_ray(api: TestClient) -> None:
+    job = submit(api)
+    assert job["status"] == "queued" and job["mode"] == "sample_mean"
+    folder = Path(job["output_dir"])
+    assert folder.parent == api.ctl.settings.jobs_dir
+    assert (folder / "job_config.yaml").is_file()
+    assert job["config_resolved"]["num_steps"] == 2 and job["overrides"][0] == "num_steps=2"
+    api.ctl.reconciler.tick()
+    ray_job = api.backend.jobs[f"tally-{job['id']}"]
+    assert " -m services.train " in ray_job["entrypoint"]
+    assert f"--output-dir {folder}" in ray_job["entrypoint"]
+    assert ray_job["env"]["TALLY_JOB_ID"] == job["id"]
+    assert ray_job["env"]["TALLY_CONTROLLER_URL"].startswith("http://127.0.0.1:")
+    assert api.get(f"/api/jobs/{job['id']}").json()["status"] == "pending"
+
+
+def test_submit_yaml_body_with_query_overrides(api: TestClient) -> None:
+    response = api.post("/api/jobs", params={"set": ["num_steps=3", "name=yaml-job"]},
+                        content=DEMO, headers={"Content-Type": "application/yaml"})
+    assert response.status_code == 201, response.text
+    job = response.json()
+    assert (job["num_steps"], job["name"]) == (3, "yaml-job")
+    assert job["config_submitted"] == DEMO
+
+
+@pytest.mark.parametrize(("body", "field", "message"), [
+    ({"config": {"trainer": {"optimizer": {"learning_rate": 1}}}},
+     "trainer.optimizer.learning_rate", "unknown key"),
+    ({"config": {"aggregation": {"mode": "constant"}}}, "aggregation.divisor", "needs a divisor"),
+    ({"config_yaml": "name: x\nnum_steps: 3\nrollout: model: tiny\n"}, "<config>", "line 3"),
+    ({"config_yaml": "a: &x [1]\nb: *x\n"}, "<config>", "aliases"),
+    ({"config": {"output_dir": "/etc/tally"}}, "output_dir", "outside the allowed roots"),
+    ({"config": {"rollout": {"model": "../../elsewhere"}}}, "rollout.model", "outside"),
+    ({"config": {"rollout": {"dataset": {"type": "jsonl", "path": "/etc/passwd"}}}},
+     "rollout.dataset.path", "outside"),
+    ({"config": {}, "config_yaml": "name: x"}, "<body>", "either config or config_yaml"),
+])
+def test_invalid_configs_are_422_with_the_field_and_store_nothing(
+        api: TestClient, body: dict, field: str, message: str) -> None:
+    response = api.post("/api/jobs", json=body)
+    assert response.status_code == 422, response.text
+    errors = response.json()["errors"]
+    assert any(e["field"] == field and message in e["message"] for e in errors), errors
+    assert api.get("/api/jobs").json()["total"] == 0
+    assert not api.ctl.settings.jobs_dir.exists()
+
+
+def test_paths_inside_the_data_folder_are_resolved(api: TestClient) -> None:
+    data = api.ctl.settings.data_dir
+    (data / "prompts.jsonl").write_text('{"prompt": "hi", "label": "hi"}\n')
+    job = submit(api, "rollout.dataset={type: jsonl, path: prompts.jsonl}",
+                 "output_dir=runs/mine")
+    assert job["config_resolved"]["rollout"]["dataset"]["path"] == str(data / "prompts.jsonl")
+    assert job["output_dir"] == str(data / "runs" / "mine")
+
+
+def test_oversized_bodies_are_refused(api: TestClient) -> None:
+    big = "# " + "x" * (api.ctl.settings.max_body_bytes + 10)
+    response = api.post("/api/jobs", content=big, headers={"Content-Type": "application/yaml"})
+    assert response.status_code == 413
+
+
+def test_auth_on_protects_mutations_only(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    app = create_app(make_settings(tmp_path, api_token="s3cret"), backend=backend)
+    api = TestClient(app)
+    body = {"config_yaml": DEMO, "overrides": DEMO_OVERRIDES}
+    assert api.post("/api/jobs", json=body).status_code == 401
+    assert api.post("/api/jobs", json=body,
+                    headers={"Authorization": "Bearer wrong"}).status_code == 401
+    job = api.post("/api/jobs", json=body, headers={"Authorization": "Bearer s3cret"}).json()
+    assert api.get("/api/jobs").status_code == 200  # reads stay open
+    assert api.get(f"/api/jobs/{job['id']}/metrics").status_code == 200
+    assert api.post(f"/api/jobs/{job['id']}/cancel").status_code == 401
+    # a job's own token may post its metrics, and only its own
+    own = {"Authorization": f"Bearer {job_token('s3cret', job['id'])}"}
+    rows = {"rows": step_rows(1)}
+    assert api.post(f"/api/jobs/{job['id']}/metrics", json=rows, headers=own).status_code == 200
+    other = api.post("/api/jobs", json=body, headers={"Authorization": "Bearer s3cret"}).json()
+    assert api.post(f"/api/jobs/{other['id']}/metrics", json=rows,
+                    headers=own).status_code == 401
+    app.state.controller.reconciler.tick()
+    env = backend.jobs[f"tally-{job['id']}"]["env"]
+    assert env["TALLY_JOB_TOKEN"] == job_token("s3cret", job["id"])
+
+
+def test_auth_off_leaves_loopback_open_and_refuses_other_binds(tmp_path: Path) -> None:
+    check_bind(make_settings(tmp_path, host="127.0.0.1"))
+    check_bind(make_settings(tmp_path, host="::1"))
+    with pytest.raises(ValueError, match="TALLY_API_TOKEN"):
+        check_bind(make_settings(tmp_path, host="0.0.0.0"))
+    check_bind(make_settings(tmp_path, host="0.0.0.0", api_token="t"))
+
+
+def test_list_filters_and_pages(api: TestClient) -> None:
+    ids = [submit(api, f"name=job-{i}")["id"] for i in range(5)]
+    api.post(f"/api/jobs/{ids[0]}/cancel")
+    page = api.get("/api/jobs", params={"limit": 2, "offset": 1}).json()
+    assert page["total"] == 5 and [j["id"] for j in page["items"]] == ids[::-1][1:3]
+    cancelled = api.get("/api/jobs", params={"status": "cancelled"}).json()
+    assert [j["id"] for j in cancelled["items"]] == [ids[0]]
+    assert api.get("/api/jobs", params={"name": "job-3"}).json()["total"] == 1
+    assert api.get("/api/jobs", params={"limit": 0}).status_code == 422
+
+
+def test_cancel_stops_the_ray_job(api: TestClient) -> None:
+    job = submit(api)
+    api.ctl.reconciler.tick()
+    response = api.post(f"/api/jobs/{job['id']}/cancel")
+    assert response.json()["status"] == "cancelled"
+    assert api.backend.jobs[f"tally-{job['id']}"]["status"] == "cancelled"
+    assert api.post(f"/api/jobs/{job['id']}/cancel").status_code == 200  # idempotent
+    assert api.post("/api/jobs/nope/cancel").status_code == 404
+
+
+def test_metrics_in_and_out_with_names_ranges_and_downsampling(api: TestClient) -> None:
+    job_id = submit(api)["id"]
+    api.ctl.reconciler.tick()  # pending in Ray; the first metrics prove it runs
+    rows = step_rows(50)
+    rows[3]["metrics"]["kl"] = float("nan")
+    assert api.post(f"/api/jobs/{job_id}/metrics",
+                    content=json.dumps({"rows": rows}),
+                    headers={"Content-Type": "application/json"}).json() == {"accepted": 50}
+    out = api.get(f"/api/jobs/{job_id}/metrics", params={"names": "kl,pg_loss"}).json()
+    assert out["steps"] == list(range(50)) and set(out["series"]) == {"kl", "pg_loss"}
+    assert out["series"]["kl"][3] is None and "pg_loss/prompt_mean" in out["names"]
+    window = api.get(f"/api/jobs/{job_id}/metrics",
+                     params={"names": "kl", "start": 10, "end": 19}).json()
+    assert window["steps"] == list(range(10, 20))
+    small = api.get(f"/api/jobs/{job_id}/metrics", params={"max_points": 7}).json()
+    assert len(small["steps"]) == 7 and small["steps"][0] == 0 and small["steps"][-1] == 49
+    assert small["downsampled"] and small["total_points"] == 50
+    again = step_rows(1, scale=10.0, start=49)  # a resumed job repeats step 49
+    api.post(f"/api/jobs/{job_id}/metrics", json={"rows": again})
+    last = api.get(f"/api/jobs/{job_id}/metrics", params={"names": "pg_loss", "start": 49})
+    assert last.json()["series"]["pg_loss"] == [pytest.approx(0.1)]
+    detail = api.get(f"/api/jobs/{job_id}").json()
+    assert detail["last_step"] == 49 and detail["status"] == "running"
+
+
+def test_a_failed_job_shows_its_error_and_last_log_lines(api: TestClient) -> None:
+    job = submit(api)
+    api.ctl.reconciler.tick()
+    logs = "".join(f"line {i}\n" for i in range(100)) + "ValueError: boom\n"
+    api.backend.finish(f"tally-{job['id']}", "failed", logs, "Job entrypoint command failed")
+    api.ctl.reconciler.tick()
+    failed = api.get(f"/api/jobs/{job['id']}").json()
+    assert failed["status"] == "failed" and "entrypoint command failed" in failed["error"]
+    assert failed["log_tail"].endswith("ValueError: boom") and "line 60" not in failed["log_tail"]
+    assert (Path(job["output_dir"]) / "driver.log").read_text() == logs
+    tail = api.get(f"/api/jobs/{job['id']}/logs", params={"tail": 2}).text
+    assert tail == "line 99\nValueError: boom\n"
+
+
+def test_logs_are_saved_once_ray_confirms_a_driver_reported_end(api: TestClient) -> None:
+    job = submit(api)
+    api.ctl.reconciler.tick()
+    api.post(f"/api/jobs/{job['id']}/status", json={"status": "succeeded"})
+    api.ctl.reconciler.tick()  # Ray still says pending: nothing to save yet
+    assert not (Path(job["output_dir"]) / "driver.log").exists()
+    api.backend.finish(f"tally-{job['id']}", "succeeded", "step 2/2\n")
+    api.ctl.reconciler.tick()
+    assert (Path(job["output_dir"]) / "driver.log").read_text() == "step 2/2\n"
+    assert api.get(f"/api/jobs/{job['id']}").json()["log_tail"] is None
+    assert api.ctl.store.jobs_to_poll() == []
+
+
+def test_a_job_ray_forgot_fails_with_a_reason(api: TestClient) -> None:
+    job = submit(api)
+    api.ctl.reconciler.tick()
+    api.backend.jobs.clear()  # e.g. the Ray cluster was restarted
+    api.ctl.reconciler.tick()
+    assert "no record" in api.get(f"/api/jobs/{job['id']}").json()["error"]
+
+
+def test_metrics_back_fill_from_the_jobs_jsonl(api: TestClient) -> None:
+    job = submit(api)
+    api.ctl.reconciler.tick()
+    api.post(f"/api/jobs/{job['id']}/metrics", json={"rows": step_rows(2)})
+    lines = [json.dumps(row) for row in step_rows(5)]
+    path = Path(job["output_dir"]) / "metrics.jsonl"
+    path.write_text("\n".join(lines) + "\n" + '{"step": 5, "ti')  # torn last line
+    api.ctl.reconciler.tick()
+    out = api.get(f"/api/jobs/{job['id']}/metrics", params={"names": "kl"}).json()
+    assert out["steps"] == [0, 1, 2, 3, 4]
+    assert api.ctl.reconciler.backfilled == 3
+
+
+def test_queue_keeps_at_most_max_running_jobs_in_ray(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    app = create_app(make_settings(tmp_path, max_running_jobs=1), backend=backend)
+    api = TestClient(app)
+    first, second = submit(api)["id"], submit(api)["id"]
+    reconciler = app.state.controller.reconciler
+    reconciler.tick()
+    assert list(backend.jobs) == [f"tally-{first}"]
+    backend.finish(f"tally-{first}", "succeeded")
+    reconciler.tick()
+    assert f"tally-{second}" in backend.jobs
+    assert api.get(f"/api/jobs/{first}").json()["status"] == "succeeded"
+
+
+def test_sweep_of_the_four_modes(api: TestClient) -> None:
+    modes = ["sample_mean", "token_mean", "prompt_mean", "constant"]
+    response = api.post("/api/sweeps", json={"config_yaml": DEMO, "overrides": DEMO_OVERRIDES,
+                                             "modes": modes, "name": "ablation"})
+    assert response.status_code == 201, response.text
+    sweep = response.json()
+    assert [j["sweep_label"] for j in sweep["jobs"]] == modes
+    assert [j["mode"] for j in sweep["jobs"]] == modes
+    constant = api.get(f"/api/jobs/{sweep['jobs'][3]['id']}").json()
+    assert constant["config_resolved"]["aggregation"]["divisor"] == "max_response_len"
+    for i, job in enumerate(sweep["jobs"]):
+        api.post(f"/api/jobs/{job['id']}/metrics", json={"rows": step_rows(3, scale=i + 1)})
+    metrics = api.get(f"/api/sweeps/{sweep['id']}/metrics", params={"names": "pg_loss"}).json()
+    assert [r["label"] for r in metrics["runs"]] == modes
+    assert [r["series"]["pg_loss"][0] for r in metrics["runs"]] == [0.5, 1.0, 1.5, 2.0]
+    listed = api.get("/api/jobs", params={"sweep_id": sweep["id"]}).json()
+    assert listed["total"] == 4
+    assert api.post(f"/api/sweeps/{sweep['id']}/cancel").json()["status"] == "cancelled"
+
+
+def test_an_invalid_sweep_stores_nothing(api: TestClient) -> None:
+    response = api.post("/api/sweeps", json={
+        "config_yaml": DEMO, "override_sets": [["num_steps=2"], ["num_steps=-1"]]})
+    assert response.status_code == 422
+    assert "sweep run 'num_steps=-1'" in response.json()["detail"]
+    assert api.get("/api/sweeps").json()["total"] == 0
+    assert api.get("/api/jobs").json()["total"] == 0
+
+
+def test_register_then_report(api: TestClient) -> None:
+    config = {"name": "outside", "num_steps": 3}
+    response = api.post("/api/jobs/register", json={"config": config, "output_dir": "/x/y"})
+    job = response.json()
+    assert response.status_code == 201 and job["source"] == "registered"
+    assert job["status"] == "running"
+    api.post(f"/api/jobs/{job['id']}/metrics",
+             json={"rows": step_rows(3), "ray_job_id": "05000000", "driver_pid": 42})
+    api.post(f"/api/jobs/{job['id']}/status", json={"status": "succeeded"})
+    done = api.get(f"/api/jobs/{job['id']}").json()
+    assert done["status"] == "succeeded" and done["last_step"] == 2
+    late = api.post(f"/api/jobs/{job['id']}/status", json={"status": "failed", "error": "x"})
+    assert late.json()["status"] == "succeeded"  # an ended job stays ended
+
+
+def test_events_stream_metrics_status_and_end(api: TestClient) -> None:
+    job = submit(api)
+    api.post(f"/api/jobs/{job['id']}/metrics", json={"rows": step_rows(4)})
+    api.post(f"/api/jobs/{job['id']}/cancel")
+    with api.stream("GET", f"/api/jobs/{job['id']}/events", params={"after": 1}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        text = response.read().decode()
+    events = [block.split("\n") for block in text.strip().split("\n\n")]
+    kinds = [lines[0].removeprefix("event: ") for lines in events]
+    assert kinds == ["metrics", "status", "end"]
+    assert json.loads(events[0][1].removeprefix("data: "))["steps"] == [2, 3]
+
+
+def test_health_prometheus_dashboard_and_openapi(api: TestClient) -> None:
+    submit(api)
+    assert api.get("/healthz").json() == {"status": "ok", "database": True,
+                                          "ray": "fake://ray"}
+    metrics = api.get("/metrics").text
+    assert 'tally_jobs{status="queued"} 1.0' in metrics
+    assert 'tally_http_requests_total{method="POST",route="/api/jobs",status="201"}' in metrics
+    assert "uPlot.iife.min.js" in api.get("/jobs/abc").text
+    assert api.get("/static/uPlot.iife.min.js").status_code == 200
+    schema = api.get("/openapi.json").json()
+    submit_body = schema["paths"]["/api/jobs"]["post"]["requestBody"]["content"]
+    assert set(submit_body) == {"application/json", "application/yaml"}
+    assert "HTTPValidationError" not in json.dumps(schema)
+
+
+def test_the_store_survives_a_restart(tmp_path: Path) -> None:
+    api = TestClient(create_app(make_settings(tmp_path), backend=FakeBackend()))
+    job = submit(api)
+    api.post(f"/api/jobs/{job['id']}/metrics", json={"rows": step_rows(3)})
+    again = TestClient(create_app(make_settings(tmp_path), backend=FakeBackend()))
+    assert again.get(f"/api/jobs/{job['id']}").json()["last_step"] == 2
+    assert again.get(f"/api/jobs/{job['id']}/metrics").json()["steps"] == [0, 1, 2]
