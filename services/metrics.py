@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Protocol
 
 METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
+"""Job events (placement, actor failures, restarts), one JSON object per line."""
 
 
 class MetricsSink(Protocol):

@@ -37,6 +37,7 @@ from rollout.tiny import resolve_model_path
 from services.config import ConfigError, JobConfig, load_job_config
 from services.controller_client import controller_sinks
 from services.metrics import (
+    EVENTS_FILE,
     METRICS_FILE,
     JsonlSink,
     MetricsSink,
@@ -60,9 +61,6 @@ def quiet_transformers() -> None:
 
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
-
-
-EVENTS_FILE = "events.jsonl"
 
 
 def data_dir() -> Path:

@@ -121,12 +121,22 @@ class JobOut(BaseModel):
     finished_at: float | None
 
 
+class JobEvent(BaseModel):
+    """Something the driver recorded about the job's actors (placement, failure, restart)."""
+
+    time: float
+    kind: str
+    message: str
+
+
 class JobDetail(JobOut):
     config_submitted: str
     overrides: list[str]
     config_resolved: dict[str, Any]
     log_tail: str | None
     """The last log lines of a failed job."""
+    events: list[JobEvent] = []
+    """The driver's events.jsonl in the job folder: where actors landed, restarts."""
 
 
 class JobList(BaseModel):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
-from services.controller.schemas import JobDetail, JobOut, JobStatus, MetricsOut
+from services.controller.schemas import JobDetail, JobEvent, JobOut, JobStatus, MetricsOut
 from services.controller.store import MetricTriple
 from services.controller.tables import Job
+from services.metrics import EVENTS_FILE
 
 CHART_METRICS = (
     "pg_loss", "pg_loss/sample_mean", "pg_loss/token_mean", "pg_loss/prompt_mean",
@@ -21,12 +23,26 @@ def job_out(job: Job) -> JobOut:
     return JobOut.model_validate(job, from_attributes=True)
 
 
+def job_events(output_dir: str | None, limit: int = 200) -> list[JobEvent]:
+    """The last events the driver wrote to <job folder>/events.jsonl (torn lines skipped)."""
+    path = Path(output_dir or "") / EVENTS_FILE
+    if not output_dir or not path.is_file():
+        return []
+    events = []
+    for line in path.read_text(encoding="utf-8").splitlines()[-limit:]:
+        try:
+            events.append(JobEvent.model_validate_json(line))
+        except ValueError:
+            continue
+    return events
+
+
 def job_detail(job: Job) -> JobDetail:
     base = job_out(job).model_dump()
     return JobDetail(**base, config_submitted=job.config_submitted,
                      overrides=json.loads(job.overrides or "[]"),
                      config_resolved=json.loads(job.config_resolved or "{}"),
-                     log_tail=job.log_tail or None)
+                     log_tail=job.log_tail or None, events=job_events(job.output_dir))
 
 
 def pick_indices(count: int, max_points: int) -> list[int]:

@@ -316,3 +316,15 @@ def test_the_store_survives_a_restart(tmp_path: Path) -> None:
     again = TestClient(create_app(make_settings(tmp_path), backend=FakeBackend()))
     assert again.get(f"/api/jobs/{job['id']}").json()["last_step"] == 2
     assert again.get(f"/api/jobs/{job['id']}/metrics").json()["steps"] == [0, 1, 2]
+
+
+def test_job_shows_the_drivers_events_including_restarts(api: TestClient) -> None:
+    job = submit(api)
+    events = [{"time": 1.0, "kind": "placement", "message": "trainer ranks on nodes ['a']"},
+              {"time": 2.0, "kind": "actor_failed", "message": "trainer rank 1 died"},
+              {"time": 3.0, "kind": "restart", "message": "restart 1/1 from the last checkpoint"}]
+    lines = [json.dumps(e) for e in events]
+    (Path(job["output_dir"]) / "events.jsonl").write_text("\n".join(lines) + "\n{torn")
+    shown = api.get(f"/api/jobs/{job['id']}").json()["events"]
+    assert [e["kind"] for e in shown] == ["placement", "actor_failed", "restart"]
+    assert shown[2]["message"] == "restart 1/1 from the last checkpoint"

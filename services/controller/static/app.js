@@ -92,6 +92,12 @@ function jobHeader(job) {
       }
     } }, "Cancel"));
   }
+  if (job.events && job.events.length) {
+    header.append(el("details", { class: "events", id: "events" },
+      el("summary", {}, `events (${job.events.filter((e) => e.kind === "restart").length} restarts)`),
+      el("ul", {}, ...job.events.map((e) => el("li", {},
+        `${new Date(e.time * 1000).toLocaleTimeString()} ${e.kind}: ${e.message}`)))));
+  }
   if (job.error || job.log_tail) {
     header.append(el("div", { class: "failure", id: "failure" },
       job.error ? el("p", {}, el("strong", {}, "error: "), job.error) : null,
