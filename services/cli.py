@@ -35,7 +35,8 @@ def train(config: ConfigArg, set_: SetOpt = None,
     """Run a job: joins the Ray cluster at --address / RAY_ADDRESS, or starts a local head
     and stops it when the job ends."""
     from services.config import ConfigError
-    from services.train import preflight, run_job
+    from services.preflight import preflight
+    from services.train import run_job
 
     if address:
         os.environ["RAY_ADDRESS"] = address

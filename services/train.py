@@ -31,7 +31,6 @@ from ray.util.placement_group import remove_placement_group
 
 from rollout.batch import TrainBatch
 from rollout.config import SyntheticDatasetConfig
-from rollout.engines import check_engine_available
 from rollout.manager import RolloutManagerActor
 from rollout.tiny import resolve_model_path
 from services.config import ConfigError, JobConfig, load_job_config
@@ -45,6 +44,7 @@ from services.metrics import (
     truncate_after,
 )
 from services.placement import engine_placement
+from services.preflight import preflight
 from services.warmup import warm_start
 from trainer import checkpoint
 from trainer.group import TrainerGroup, TrainerRankDied
@@ -65,24 +65,6 @@ def quiet_transformers() -> None:
 
 def data_dir() -> Path:
     return Path(os.environ.get("TALLY_DATA_DIR", Path.home() / ".tally"))
-
-
-def preflight(config: JobConfig) -> None:
-    """What pydantic cannot see: optional packages and local paths. Raises ConfigError."""
-    try:
-        check_engine_available(config.rollout)
-    except RuntimeError as err:
-        raise ConfigError(f"rollout.{err}") from None
-    local_model = config.rollout.model != "tiny"
-    if local_model and not Path(config.rollout.model).is_dir():
-        raise ConfigError(f"rollout.model: {config.rollout.model} is not a local directory")
-    if config.trainer.backend == "megatron":
-        from trainer.backends.megatron import check_available
-
-        try:
-            check_available(config.trainer, config.rollout.model if local_model else None)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
 
 
 def ensure_ray(num_cpus: int) -> bool:

@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from rollout.engines import EngineUnavailableError, check_engine_available
 from services.config import ConfigError, JobConfig, parse_job_config
 from services.controller.settings import Settings
+from services.preflight import preflight
 
 INNER_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.+)$", re.DOTALL)
 
@@ -116,14 +116,12 @@ def resolve_paths(config: JobConfig, data: dict[str, Any], settings: Settings,
 
 
 def check_runnable(config: JobConfig) -> None:
-    """What pydantic cannot see and needs no torch: the engine's package, the backend."""
+    """What pydantic cannot see (packages, paths): the driver's own preflight."""
     try:
-        check_engine_available(config.rollout)
-    except EngineUnavailableError as err:
-        raise SubmissionError(f"rollout.{err}", [("rollout.engine.type", str(err))]) from None
-    if config.trainer.backend != "fsdp":
-        message = f"{config.trainer.backend!r} is not available in this build; use 'fsdp'"
-        raise SubmissionError(f"trainer.backend: {message}", [("trainer.backend", message)])
+        preflight(config)
+    except ConfigError as err:
+        field_path, _, message = str(err).partition(": ")
+        raise SubmissionError(str(err), [(field_path, message)]) from None
 
 
 def resolve(text: str, overrides: list[str], settings: Settings, job_id: str,
@@ -138,7 +136,6 @@ def resolve(text: str, overrides: list[str], settings: Settings, job_id: str,
         raise from_config_error(err) from None
     except (ValueError, TypeError, RecursionError) as err:
         raise SubmissionError(f"{source}: {err}", [("<config>", str(err))]) from None
-    check_runnable(config)
     data = config.model_dump(mode="json", exclude_unset=True)
     output_dir = resolve_paths(config, data, settings, settings.jobs_dir / job_id)
     if output_suffix and config.output_dir:
@@ -148,6 +145,7 @@ def resolve(text: str, overrides: list[str], settings: Settings, job_id: str,
         final = JobConfig.model_validate(data)
     except ValidationError as err:  # a resolved path broke a rule: report, never 500
         raise SubmissionError(f"{source}: {err}", [("<config>", str(err))]) from None
+    check_runnable(final)  # after path resolution: paths are checked where they will be read
     return Resolved(final, data, output_dir, stored_text or text, list(overrides))
 
 

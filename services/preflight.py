@@ -1,0 +1,28 @@
+"""Checks a job needs before anything starts that pydantic cannot see: optional packages
+and local paths. Free of torch and Ray, so the controller runs them at submit time and the
+driver again at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollout.engines import check_engine_available
+from services.config import ConfigError, JobConfig
+
+
+def preflight(config: JobConfig) -> None:
+    """Raises ConfigError naming the field."""
+    try:
+        check_engine_available(config.rollout)
+    except RuntimeError as err:
+        raise ConfigError(f"rollout.{err}") from None
+    local_model = config.rollout.model != "tiny"
+    if local_model and not Path(config.rollout.model).is_dir():
+        raise ConfigError(f"rollout.model: {config.rollout.model} is not a local directory")
+    if config.trainer.backend == "megatron":
+        from trainer.backends.megatron import check_available
+
+        try:
+            check_available(config.trainer, config.rollout.model if local_model else None)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
