@@ -8,13 +8,9 @@ neighbour's token to know its target.
 
 from __future__ import annotations
 
-import os
-import random
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -26,6 +22,7 @@ from trainer.config import TrainerConfig
 from trainer.context_parallel import zigzag_positions, zigzag_shard
 from trainer.losses import entropy_from_logits, kl_penalty, policy_gradient_loss, token_log_probs
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.rank import init_rank, restore_schedule_and_rng, trainer_state
 from trainer.step_plan import MODE_METRIC_PREFIX, StepPlan
 
 
@@ -110,15 +107,8 @@ class TrainerWorker:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         config = self.config
-        torch.set_num_threads(max(1, int(os.environ.get("TALLY_TORCH_THREADS", "1"))))
-        cuda = config.num_gpus_per_rank > 0 and torch.cuda.is_available()
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if cuda
-                       else torch.device("cpu"))
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank, world_size=config.world_size,
-            timeout=timedelta(seconds=config.collective_timeout_s),
-        )
+        self.device = init_rank(config, self.rank, master_addr, master_port)
+        cuda = self.device.type == "cuda"
         # rank = dp_rank · cp_size + cp_rank: the mesh's row-major layout.
         self.mesh = init_device_mesh(self.device.type, (config.dp_size, config.cp_size),
                                      mesh_dim_names=("dp", "cp"))
@@ -235,28 +225,18 @@ class TrainerWorker:
         model_state = fsdp.export_full_state_dict(self.model)
         optim_state = fsdp.export_optimizer_state(self.model, self.optimizer)
         if self.rank == 0:
-            save_trainer_checkpoint(path, self.model_path, self.model, model_state, {
-                "optimizer": optim_state,
-                "scheduler": self.scheduler.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                        "python": random.getstate()},
-            })
+            save_trainer_checkpoint(path, self.model_path, self.model, model_state,
+                                    trainer_state(optim_state, self.scheduler))
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
         """Collective; rank 0 reads, FSDP broadcasts to the other ranks."""
         from trainer.checkpoint import load_trainer_checkpoint
 
-        model_state, trainer_state = load_trainer_checkpoint(path) if self.rank == 0 else ({}, {})
+        model_state, saved = load_trainer_checkpoint(path) if self.rank == 0 else ({}, {})
         fsdp.load_full_state_dict(self.model, model_state)
-        fsdp.load_optimizer_state(self.model, self.optimizer, trainer_state.get("optimizer", {}))
-        holder = [trainer_state.get("scheduler"), trainer_state.get("rng")]
-        dist.broadcast_object_list(holder, src=0)
-        scheduler_state, rng = holder
-        self.scheduler.load_state_dict(scheduler_state)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
+        fsdp.load_optimizer_state(self.model, self.optimizer, saved.get("optimizer", {}))
+        restore_schedule_and_rng(saved, self.scheduler)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

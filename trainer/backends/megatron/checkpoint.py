@@ -10,15 +10,14 @@ saved: the backend runs without dropout.
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
+from trainer.rank import restore_schedule_and_rng, trainer_state
 
 if TYPE_CHECKING:
     from trainer.backends.megatron.worker import MegatronWorker
@@ -86,23 +85,12 @@ def save(worker: MegatronWorker, path: str) -> None:
     optim = export_optimizer_state(worker)
     if worker.rank == 0:
         save_trainer_checkpoint(path, worker.model_path, SimpleNamespace(config=worker.hf_config),
-                                model_state, {
-            "optimizer": optim,
-            "scheduler": worker.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                    "python": random.getstate()},
-        })
+                                model_state, trainer_state(optim, worker.scheduler))
     dist.barrier()
 
 
 def load(worker: MegatronWorker, path: str) -> None:
-    model_state, trainer_state = load_trainer_checkpoint(path) if worker.rank == 0 else ({}, {})
+    model_state, saved = load_trainer_checkpoint(path) if worker.rank == 0 else ({}, {})
     worker.weights.load(model_state if worker.rank == 0 else None)
-    load_optimizer_state(worker, trainer_state.get("optimizer"))
-    holder = [trainer_state.get("scheduler"), trainer_state.get("rng")]
-    dist.broadcast_object_list(holder, src=0)
-    scheduler_state, rng = holder
-    worker.scheduler.load_state_dict(scheduler_state)
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
+    load_optimizer_state(worker, saved.get("optimizer"))
+    restore_schedule_and_rng(saved, worker.scheduler)

@@ -13,7 +13,6 @@ global grad norm over TP shards, and a torch optimizer step from ``trainer/optim
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Iterator
 
@@ -34,6 +33,7 @@ from trainer.backends.megatron.model import build_gpt_model, model_shape
 from trainer.backends.megatron.weights import WeightMover
 from trainer.config import TrainerConfig
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.rank import init_rank
 from trainer.step_plan import MODE_METRIC_PREFIX, StepPlan
 from trainer.worker import MicroBatch, slice_micro_batch
 
@@ -76,13 +76,8 @@ class MegatronWorker:
         from transformers import AutoConfig
 
         config = self.config
-        torch.set_num_threads(max(1, int(os.environ.get("TALLY_TORCH_THREADS", "1"))))
-        cuda = config.num_gpus_per_rank > 0 and torch.cuda.is_available()
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if cuda
-                       else torch.device("cpu"))
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank, world_size=config.world_size)
+        self.device = init_rank(config, self.rank, master_addr, master_port)
+        cuda = self.device.type == "cuda"
         ps.initialize_model_parallel(tensor_model_parallel_size=config.tp_size,
                                      context_parallel_size=config.cp_size,
                                      create_gloo_process_groups=False)

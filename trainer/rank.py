@@ -1,0 +1,48 @@
+"""What every trainer rank does the same way, whatever its backend: join the process
+group (bounded timeout, so a rank waiting on a dead peer gives up), and carry its
+scheduler and RNG state through a checkpoint."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer.config import TrainerConfig
+
+
+def init_rank(config: TrainerConfig, rank: int, master_addr: str, master_port: int
+              ) -> torch.device:
+    """Threads, device and the world process group (nccl on GPU, gloo on CPU)."""
+    torch.set_num_threads(max(1, int(os.environ.get("TALLY_TORCH_THREADS", "1"))))
+    cuda = config.num_gpus_per_rank > 0 and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank, world_size=config.world_size,
+        timeout=timedelta(seconds=config.collective_timeout_s))
+    return device
+
+
+def trainer_state(optimizer_state: dict, scheduler: torch.optim.lr_scheduler.LRScheduler
+                  ) -> dict:
+    """What a checkpoint keeps besides the weights."""
+    return {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                    "python": random.getstate()}}
+
+
+def restore_schedule_and_rng(state: dict, scheduler: torch.optim.lr_scheduler.LRScheduler
+                             ) -> None:
+    """Collective: rank 0 read ``state``; every rank restores its scheduler and RNG."""
+    holder = [state.get("scheduler"), state.get("rng")]
+    dist.broadcast_object_list(holder, src=0)
+    scheduler_state, rng = holder
+    scheduler.load_state_dict(scheduler_state)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
