@@ -48,7 +48,10 @@ def test_ray_job_submit_runs_the_demo_config(tmp_path: Path) -> None:
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs_port}",
          "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard_port}", "--num-cpus=4", "--disable-usage-stats"],
+         f"--dashboard-port={dashboard_port}", "--num-cpus=4", "--disable-usage-stats",
+         # Another Ray node on this machine (the session's test cluster) may hold the
+         # agent's default port; without its agent the head cannot take jobs.
+         f"--dashboard-agent-listen-port={free_port()}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dashboard_port}"
     try:
@@ -62,7 +65,7 @@ def test_ray_job_submit_runs_the_demo_config(tmp_path: Path) -> None:
             "--output-dir", str(tmp_path / "job"),
             "--set", "num_steps=2", "--set", "warmup.num_steps=5",
             "--set", "rollout.global_batch_size=16", "--set", "trainer.dp_size=1"]
-        for _ in range(6):  # the dashboard answers before its job agent is ready
+        for _ in range(12):  # the dashboard answers before its job agent is ready
             result = subprocess.run(command, env=env, capture_output=True, text=True,
                                     timeout=300)
             if "No available agent to submit job" not in result.stderr + result.stdout:
