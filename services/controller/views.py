@@ -25,11 +25,14 @@ def job_out(job: Job) -> JobOut:
 
 def job_events(output_dir: str | None, limit: int = 200) -> list[JobEvent]:
     """The last events the driver wrote to <job folder>/events.jsonl (torn lines skipped)."""
-    path = Path(output_dir or "") / EVENTS_FILE
-    if not output_dir or not path.is_file():
+    if not output_dir:
+        return []
+    try:  # a registered job's folder may be anything: unreadable means no events
+        lines = (Path(output_dir) / EVENTS_FILE).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
         return []
     events = []
-    for line in path.read_text(encoding="utf-8").splitlines()[-limit:]:
+    for line in lines[-limit:]:
         try:
             events.append(JobEvent.model_validate_json(line))
         except ValueError:
