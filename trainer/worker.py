@@ -84,7 +84,8 @@ def slice_micro_batch(
 
 class TrainerWorker:
     """Verbs: setup, train_step (forward_backward + optimizer_step), export_weights,
-    save_checkpoint, load_checkpoint."""
+    load_weights, save_checkpoint, load_checkpoint. The group stops a rank by killing its
+    actor (a rank stuck in a collective could not answer a polite call)."""
 
     def __init__(self, config: TrainerConfig, model_path: str, rank: int, total_steps: int,
                  max_response_len: int | None = None) -> None:
@@ -237,7 +238,3 @@ class TrainerWorker:
         fsdp.load_full_state_dict(self.model, model_state)
         fsdp.load_optimizer_state(self.model, self.optimizer, saved.get("optimizer", {}))
         restore_schedule_and_rng(saved, self.scheduler)
-
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()

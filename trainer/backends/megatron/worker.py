@@ -57,7 +57,7 @@ def average_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup
 
 class MegatronWorker:
     """Verbs: setup, train_step, export_weights, load_weights, save_checkpoint,
-    load_checkpoint, shutdown (the same as ``trainer.worker.TrainerWorker``)."""
+    load_checkpoint (the same as ``trainer.worker.TrainerWorker``)."""
 
     def __init__(self, config: TrainerConfig, model_path: str, rank: int, total_steps: int,
                  max_response_len: int | None = None) -> None:
@@ -200,11 +200,3 @@ class MegatronWorker:
     def load_checkpoint(self, path: str) -> None:
         """Collective; rank 0 reads, every rank takes its slices."""
         megatron_checkpoint.load(self, path)
-
-    def shutdown(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
