@@ -8,6 +8,8 @@ packages' ``config`` modules, so the controller validates a job without torch or
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +17,50 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollout.config import RolloutConfig, SyntheticDatasetConfig
-from trainer.config import AggregationConfig, TrainerConfig
+from trainer.config import AggregationConfig, ObjectiveConfig, TrainerConfig
+
+RULE_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.+)$", re.DOTALL)
+"""How every rule here names its field: ``field.path: message``."""
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with a job config."""
+
+    field: str
+    """Full dotted path of the field at fault (``aggregation.divisor``); "" when it is the
+    whole input (YAML syntax with its line and column, not a mapping, no such file)."""
+    message: str
+    """What is wrong, without the field."""
+
+    @classmethod
+    def from_rule(cls, text: str, section: str = "") -> ConfigProblem:
+        """A rule's ``field.path: message`` raised inside ``section`` (a dotted path, ""
+        for the job); a text naming no field is about the section itself."""
+        named = RULE_FIELD.match(text)
+        if not named:
+            return cls(section, text)
+        return cls(f"{section}.{named[1]}" if section else named[1], named[2])
 
 
 class ConfigError(ValueError):
-    """A job config that cannot run; the message names the field or the line."""
+    """A job config that cannot run; ``problems`` name the field (or the line) of each.
+
+    ``source`` is where the config came from (a path, ``<config>``, ``--set key``), "" for a
+    check of a config already validated. The text is ``text`` when given, else one line per
+    problem: ``source: message``, or ``field: message`` without a source.
+    """
+
+    def __init__(self, source: str, problems: list[ConfigProblem],
+                 text: str | None = None) -> None:
+        self.source, self.problems = source, list(problems)
+        if text is None:
+            text = "\n".join(f"{source or p.field}: {p.message}" if source or p.field
+                             else p.message for p in self.problems)
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, list[ConfigProblem], str]]:
+        return type(self), (self.source, self.problems, str(self))  # crosses Ray intact
 
 
 class WarmupConfig(BaseModel):
@@ -71,11 +112,22 @@ class JobConfig(BaseModel):
     num_ranks: int | None = Field(default=None, gt=0)
     """Trainer actors to start; when given it must equal dp_size × cp_size × tp_size."""
 
-    @model_validator(mode="after")
-    def _aggregation_set_once(self) -> JobConfig:
-        if "aggregation" in self.trainer.loss.model_fields_set:
+    @model_validator(mode="before")
+    @classmethod
+    def _aggregation_set_once(cls, data: object) -> object:
+        """The pg aggregation has one home: the top-level `aggregation:`."""
+        loss = (data.get("trainer") or {}).get("loss") if isinstance(data, dict) else None
+        if isinstance(loss, dict) and "aggregation" in loss:
             raise ValueError("trainer.loss.aggregation: set the pg aggregation at the top-level "
                              "'aggregation:' of the job")
+        return data
+
+    @model_validator(mode="after")
+    def _trainable_temperature(self) -> JobConfig:
+        if self.rollout.sampling.temperature == 0:
+            raise ValueError("rollout.sampling.temperature: 0 (greedy) cannot be trained on: "
+                             "the policy gradient needs the log-probs of a sampling "
+                             "distribution softmax(logits / T); use T > 0 (e.g. 1.0)")
         return self
 
     @model_validator(mode="after")
@@ -106,38 +158,45 @@ class JobConfig(BaseModel):
         """The rollout's generation budget (resolves divisor: max_response_len)."""
         return self.rollout.sampling.max_new_tokens
 
-    def trainer_config(self) -> TrainerConfig:
-        """The trainer's own config, with the job's pg aggregation in place."""
-        loss = self.trainer.loss.model_copy(update={"aggregation": self.aggregation})
-        return self.trainer.model_copy(update={"loss": loss})
+    def objective_config(self) -> ObjectiveConfig:
+        """The trainer's objective: every aggregation with `max_response_len` resolved to
+        the rollout's budget (once, here) and the sampling temperature."""
+        return ObjectiveConfig.compose(self.aggregation, self.trainer.loss,
+                                       self.max_response_len, self.rollout.sampling.temperature)
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid job config"]
+def _validation_error(err: ValidationError, source: str) -> ConfigError:
+    """One problem per pydantic error, with the full field path (a section's rule adds its
+    own field); the text keeps pydantic's location: ``  aggregation: divisor: ...``."""
+    problems, lines = [], [f"{source}: invalid job config"]
     for item in err.errors():
-        path = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-"))
+        where = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-"))
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key"
-        lines.append(f"  {path or '<root>'}: {message}")
-    return "\n".join(lines)
+        problems.append(ConfigProblem.from_rule(message, where))
+        lines.append(f"  {where or '<root>'}: {message}")
+    return ConfigError(source, problems, "\n".join(lines))
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict in place."""
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"--set {override!r}: expected key.path=value")
+        raise ConfigError(f"--set {override!r}",
+                          [ConfigProblem(key.strip(), "expected key.path=value")])
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as err:
-        raise ConfigError(f"--set {key}: value is not valid YAML: {err}") from err
+        raise ConfigError(f"--set {key}", [ConfigProblem(
+            key.strip(), f"value is not valid YAML: {err}")]) from err
     node = data
     parts = key.strip().split(".")
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {key}: {part!r} is not a section")
+            raise ConfigError(f"--set {key}", [ConfigProblem(
+                key.strip(), f"{part!r} is not a section")])
         node = child
     node[parts[-1]] = value
 
@@ -149,23 +208,24 @@ def parse_job_config(text: str, overrides: list[str] | None = None,
         data = yaml.safe_load(text) if text.strip() else {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{source}:{where} not valid YAML: "
-                          f"{getattr(err, 'problem', None) or err}") from err
+        where = f"line {mark.line + 1}, column {mark.column + 1} " if mark else ""
+        message = f"{where}not valid YAML: {getattr(err, 'problem', None) or err}"
+        raise ConfigError(source, [ConfigProblem("", message)]) from err
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: a job config is a mapping of keys, got {type(data).__name__}")
+        raise ConfigError(source, [ConfigProblem(
+            "", f"a job config is a mapping of keys, got {type(data).__name__}")])
     for override in overrides or []:
         apply_override(data, override)
     try:
         return JobConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise _validation_error(err, source) from None
 
 
 def load_job_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: no such config file")
+        raise ConfigError(str(path), [ConfigProblem("", "no such config file")])
     return parse_job_config(path.read_text(), overrides, source=str(path))
 
 

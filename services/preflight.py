@@ -7,22 +7,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollout.engines import check_engine_available
-from services.config import ConfigError, JobConfig
+from services.config import ConfigError, ConfigProblem, JobConfig
 
 
 def preflight(config: JobConfig) -> None:
-    """Raises ConfigError naming the field."""
+    """Raises ConfigError naming the field (source "": the config is already parsed)."""
     try:
         check_engine_available(config.rollout)
     except RuntimeError as err:
-        raise ConfigError(f"rollout.{err}") from None
+        raise ConfigError("", [ConfigProblem.from_rule(str(err), "rollout")]) from None
     local_model = config.rollout.model != "tiny"
     if local_model and not Path(config.rollout.model).is_dir():
-        raise ConfigError(f"rollout.model: {config.rollout.model} is not a local directory")
+        raise ConfigError("", [ConfigProblem(
+            "rollout.model", f"{config.rollout.model} is not a local directory")])
     if config.trainer.backend == "megatron":
         from trainer.backends.megatron import check_available
 
         try:
             check_available(config.trainer, config.rollout.model if local_model else None)
         except ValueError as err:
-            raise ConfigError(str(err)) from None
+            raise ConfigError("", [ConfigProblem.from_rule(str(err))]) from None

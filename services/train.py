@@ -120,8 +120,8 @@ class Job:
     def __init__(self, config: JobConfig, output_dir: Path, log=print) -> None:
         self.config, self.output_dir, self.log = config, output_dir, log
         self.model_path = model_path = job_model_path(config, log)
-        self.trainer = TrainerGroup(config.trainer_config(), model_path, config.num_steps,
-                                    config.max_response_len, env_vars=QUIET_ENV)
+        self.trainer = TrainerGroup(config.trainer, config.objective_config(), model_path,
+                                    config.num_steps, env_vars=QUIET_ENV)
         try:
             placement, self.engine_group = engine_placement(config,
                                                             self.trainer.placement_group)
@@ -140,7 +140,7 @@ class Job:
         generated = time.perf_counter()
         if batch.num_valid_tokens == 0:  # nothing to learn from: skip, never NaN
             return {"skipped": 1.0, "reward/mean": float(batch.rewards.mean())}
-        train_metrics = self.trainer.train(batch_ref)
+        train_metrics = self.trainer.train(batch, batch_ref)  # fetched once, planned here
         trained = time.perf_counter()
         ray.get(self.rollout.update_weights.remote([self.trainer.async_export_weights()]))
         synced = time.perf_counter()
@@ -278,6 +278,24 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
             ray.shutdown()
 
 
+def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
+                   output_dir: Path | None = None) -> int:
+    """The one entry point of a job from a command line (``tally train`` and
+    ``python -m services.train``): load and preflight the config (a ConfigError goes to
+    stderr, exit code 2), then run it, reporting to the controller when
+    ``TALLY_CONTROLLER_URL`` is set. Returns the exit code."""
+    try:
+        config = load_job_config(config_path, overrides or [])
+        preflight(config)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    output_dir = output_dir or default_output_dir(config)
+    with controller_sinks(config, output_dir) as sinks:  # [] unless TALLY_CONTROLLER_URL
+        run_job(config, output_dir, extra_sinks=sinks)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.train",
                                      description="Run one Tally RL job.")
@@ -287,16 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a field, e.g. trainer.optimizer.lr=1e-5")
     parser.add_argument("--output-dir", type=Path, default=None)
     args = parser.parse_args(argv)
-    try:
-        config = load_job_config(args.config, args.overrides)
-        preflight(config)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
-    output_dir = args.output_dir or default_output_dir(config)
-    with controller_sinks(config, output_dir) as sinks:  # [] unless TALLY_CONTROLLER_URL
-        run_job(config, output_dir, extra_sinks=sinks)
-    return 0
+    return train_from_cli(args.config, args.overrides, args.output_dir)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ built-in mode for the pg term. Its signature is::
 
     def my_weights(loss_mask: Tensor[N, T], group_index: Tensor[N]) -> Tensor[N, T]
 
-It receives the whole step's mask and groups and returns the per-token weights w_it
-(finite, 0 where the mask is 0), which keeps it exact under every layout.
+It receives copies of the whole step's mask and groups and returns the per-token weights
+w_it (a finite float tensor; weights where the mask is 0 are dropped), which keeps it
+exact under every layout. Built-in modes ship only c_i per sample (w_it = m_it · c_i).
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ __all__ = [
     "IncompleteGroupError",
     "aggregate",
     "aggregate_all_modes",
+    "custom_reducer_weights",
     "load_custom_reducer",
     "local_weighted_sum",
     "sample_coefficients",
     "sample_ids_from_cu_seqlens",
     "sum_reduction_factor",
     "token_weights",
-    "weights_for_config",
 ]
 
 WeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -256,28 +257,23 @@ def load_custom_reducer(path: str) -> WeightFn:
     return fn
 
 
-def weights_for_config(
-    config: AggregationConfig,
-    loss_mask: torch.Tensor,
-    group_index: torch.Tensor,
-    *,
-    max_response_len: int | None = None,
-    group_size: int | None = None,
-    use_custom_reducer: bool = True,
-) -> torch.Tensor:
-    """token_weights for a configured term; the custom reducer, if any, takes precedence."""
-    if use_custom_reducer and config.custom_reducer is not None:
-        weights = load_custom_reducer(config.custom_reducer)(loss_mask, group_index)
-        if weights.shape != loss_mask.shape or not torch.isfinite(weights).all():
-            raise ValueError(
-                f"custom_reducer: {config.custom_reducer} must return finite weights of "
-                f"shape {tuple(loss_mask.shape)}, got {tuple(weights.shape)}"
-            )
-        return weights.to(torch.float64) * (loss_mask != 0)
-    return token_weights(
-        loss_mask,
-        group_index,
-        config.mode,
-        config.resolved_divisor(max_response_len),
-        group_size=group_size,
-    )
+def custom_reducer_weights(path: str, loss_mask: torch.Tensor,
+                           group_index: torch.Tensor) -> torch.Tensor:
+    """The weights of a user's reducer (``module:function``) for a whole step, float64.
+
+    It gets copies of the mask and groups (it cannot corrupt the batch) and must return a
+    floating-point tensor shaped like the mask, finite; weights where the mask is 0 are
+    dropped. Anything else raises a ``ValueError`` naming the field.
+    """
+    weights = load_custom_reducer(path)(loss_mask.clone(), group_index.clone())
+    field = f"custom_reducer: {path}"
+    if not isinstance(weights, torch.Tensor):
+        raise ValueError(f"{field} must return a torch.Tensor, got {type(weights).__name__}")
+    if not weights.is_floating_point():
+        raise ValueError(f"{field} must return floating-point weights, got {weights.dtype}")
+    if weights.shape != loss_mask.shape or not torch.isfinite(weights).all():
+        raise ValueError(
+            f"{field} must return finite weights of shape {tuple(loss_mask.shape)}, got "
+            f"{tuple(weights.shape)}"
+        )
+    return weights.detach().to(torch.float64) * (loss_mask != 0)

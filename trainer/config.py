@@ -20,8 +20,8 @@ MAX_RESPONSE_LEN = "max_response_len"
 _REDUCER_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-class AggregationConfig(BaseModel):
-    """How per-token losses of one optimizer step become one scalar objective J.
+class TermAggregationConfig(BaseModel):
+    """How the per-token values of one term (KL, entropy) become its J for a step.
 
     See docs/loss-aggregation.md for the formulas of each mode.
     """
@@ -33,6 +33,48 @@ class AggregationConfig(BaseModel):
     divisor: float | Literal["max_response_len"] | None = None
     """Constant L for mode=constant: a finite number > 0, or `max_response_len`
     (Dr. GRPO's generation budget, resolved against the rollout's max new tokens)."""
+
+    @model_validator(mode="after")
+    def _divisor_matches_mode(self) -> TermAggregationConfig:
+        if self.mode == "constant":
+            if self.divisor is None:
+                raise ValueError(
+                    "divisor: mode=constant needs a divisor (a finite number > 0, or "
+                    "'max_response_len')"
+                )
+            if isinstance(self.divisor, float) and not (
+                math.isfinite(self.divisor) and self.divisor > 0
+            ):
+                raise ValueError(
+                    f"divisor: must be finite and > 0 for mode=constant, got {self.divisor}"
+                )
+        elif self.divisor is not None:
+            raise ValueError(
+                f"divisor: only mode=constant takes a divisor, but mode={self.mode}"
+            )
+        return self
+
+    def resolved(self, max_response_len: int) -> TermAggregationConfig:
+        """A copy whose divisor is a number: `max_response_len` becomes the budget."""
+        if self.divisor == MAX_RESPONSE_LEN:
+            return self.model_copy(update={"divisor": float(max_response_len)})
+        return self
+
+    @property
+    def numeric_divisor(self) -> float | None:
+        """L as a number; a divisor still spelled `max_response_len` is a bug upstream."""
+        if self.divisor == MAX_RESPONSE_LEN:
+            raise ValueError("divisor: 'max_response_len' must be resolved when the job "
+                             "config is composed")
+        return self.divisor
+
+
+class AggregationConfig(TermAggregationConfig):
+    """How per-token losses of one optimizer step become one scalar objective J.
+
+    See docs/loss-aggregation.md for the formulas of each mode.
+    """
+
     calculate_per_token_loss: bool = False
     """Legacy spelling of mode=token_mean (slime's --calculate-per-token-loss)."""
     custom_reducer: str | None = None
@@ -55,49 +97,12 @@ class AggregationConfig(BaseModel):
         return {**data, "mode": "token_mean"}
 
     @model_validator(mode="after")
-    def _divisor_matches_mode(self) -> AggregationConfig:
-        if self.mode == "constant":
-            if self.divisor is None:
-                raise ValueError(
-                    "divisor: mode=constant needs a divisor (a finite number > 0, or "
-                    "'max_response_len')"
-                )
-            if isinstance(self.divisor, float) and not (
-                math.isfinite(self.divisor) and self.divisor > 0
-            ):
-                raise ValueError(
-                    f"divisor: must be finite and > 0 for mode=constant, got {self.divisor}"
-                )
-        elif self.divisor is not None:
-            raise ValueError(
-                f"divisor: only mode=constant takes a divisor, but mode={self.mode}"
-            )
+    def _reducer_path(self) -> AggregationConfig:
         if self.custom_reducer is not None and not _REDUCER_PATH.match(self.custom_reducer):
             raise ValueError(
                 f"custom_reducer: expected 'module:function', got {self.custom_reducer!r}"
             )
         return self
-
-    def resolved_divisor(self, max_response_len: int | None = None) -> float | None:
-        """The numeric L, resolving `max_response_len` against the rollout's budget."""
-        if self.divisor == MAX_RESPONSE_LEN:
-            if max_response_len is None:
-                raise ValueError(
-                    "divisor: 'max_response_len' needs the rollout's max new tokens"
-                )
-            return float(max_response_len)
-        return self.divisor
-
-
-class LossTermConfig(BaseModel):
-    """A regulariser (KL or entropy): its coefficient and, optionally, its own mode."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    coef: float = Field(default=0.0, ge=0.0)
-    """Weight of this term in the total loss; 0 disables it."""
-    aggregation: AggregationConfig | None = None
-    """Aggregation for this term; defaults to the pg term's (without its custom reducer)."""
 
 
 class LossConfig(BaseModel):
@@ -105,9 +110,6 @@ class LossConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    aggregation: AggregationConfig = AggregationConfig()
-    """Aggregation of the pg term (default for KL and entropy); in a job config it comes
-    from the top-level `aggregation` section and is not set here."""
     eps_clip: float = Field(default=0.2, gt=0)
     """PPO lower clip: the ratio is kept ≥ 1 − eps_clip."""
     eps_clip_high: float | None = Field(default=None, gt=0)
@@ -123,12 +125,13 @@ class LossConfig(BaseModel):
     """Coefficient of the KL-to-reference loss term; 0 disables the reference model."""
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     """KL estimator (Schulman's k1/k2/k3; low_var_kl is k3 clamped to [-10, 10])."""
-    kl_aggregation: AggregationConfig | None = None
-    """Aggregation of the KL term; defaults to the pg term's built-in mode."""
+    kl_aggregation: TermAggregationConfig | None = None
+    """Aggregation of the KL term; defaults to the pg term's built-in mode and divisor."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Coefficient of the entropy bonus (subtracted from the loss)."""
-    entropy_aggregation: AggregationConfig | None = None
-    """Aggregation of the entropy term; defaults to the pg term's built-in mode."""
+    entropy_aggregation: TermAggregationConfig | None = None
+    """Aggregation of the entropy term; defaults to the pg term's built-in mode and
+    divisor."""
 
 
 class OptimizerConfig(BaseModel):
@@ -184,8 +187,11 @@ class TrainerConfig(BaseModel):
     """The driver fails a trainer verb (a step, a checkpoint) that takes longer than this."""
     max_tokens_per_micro_batch: int = Field(default=4096, gt=0)
     """Token budget of one micro-batch (padded tokens, per DP rank)."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Parameter dtype: auto is fp32 on CPU and bf16 on GPU."""
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
+    """Compute dtype of the forward and backward (auto: fp32 on CPU, bf16 on GPU).
+    Parameters, reduced gradients and optimizer state stay fp32 whatever it is (fp64
+    with float64, which `verify-aggregation` uses on FSDP); log-probs and the loss are
+    computed from logits in fp32 or better."""
     loss: LossConfig = LossConfig()
     """Loss terms and their aggregation."""
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -202,3 +208,48 @@ class TrainerConfig(BaseModel):
     @property
     def world_size(self) -> int:
         return self.dp_size * self.cp_size * self.tp_size
+
+
+class ObjectiveConfig(BaseModel):
+    """The step objective exactly as the trainer runs it, composed once from the job
+    (``services/config.py``): every divisor is a number and the temperature is the one
+    the rollout samples at."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    pg: AggregationConfig = AggregationConfig()
+    """Aggregation of the pg term (the job's top-level `aggregation`)."""
+    kl: TermAggregationConfig = TermAggregationConfig()
+    """Aggregation of the KL term."""
+    entropy: TermAggregationConfig = TermAggregationConfig()
+    """Aggregation of the entropy term."""
+    metric_divisor: float = Field(default=1.0, gt=0)
+    """L of the logged `pg_loss/constant` when the pg term is not constant (the budget)."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature T: log-probs and entropy are taken of softmax(logits / T)."""
+    gradient_of: Literal["all", "pg", "kl", "entropy"] = "all"
+    """Terms the backward takes: all (training), or one term with coefficient 1 (the
+    verifier compares each term's gradient on its own)."""
+
+    @model_validator(mode="after")
+    def _divisors_are_numbers(self) -> ObjectiveConfig:
+        for name in ("pg", "kl", "entropy"):
+            if getattr(self, name).divisor == MAX_RESPONSE_LEN:
+                raise ValueError(f"{name}.divisor: resolve 'max_response_len' to a number "
+                                 "before building the objective")
+        return self
+
+    @classmethod
+    def compose(cls, pg: AggregationConfig, loss: LossConfig, max_response_len: int,
+                temperature: float) -> ObjectiveConfig:
+        """Each term's aggregation (KL and entropy default to the pg mode) with
+        `max_response_len` resolved against the rollout's budget, once."""
+
+        def built_in(term: TermAggregationConfig | None) -> TermAggregationConfig:
+            if term is None:
+                term = TermAggregationConfig(mode=pg.mode, divisor=pg.divisor)
+            return term.resolved(max_response_len)
+
+        return cls(pg=pg.resolved(max_response_len), kl=built_in(loss.kl_aggregation),
+                   entropy=built_in(loss.entropy_aggregation),
+                   metric_divisor=float(max_response_len), temperature=temperature)

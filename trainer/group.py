@@ -1,7 +1,7 @@
 """The trainer group: one Ray actor per DP × CP rank, driven in lock step.
 
-The group makes the step plan (aggregation weights from whole-step metadata, micro-batch
-assignment) once, ships it through the object store, and calls the same verb on every
+The group makes the step plan (aggregation coefficients from whole-step metadata,
+micro-batch assignment) once, ships it through the object store, and calls the same verb on every
 rank. Actors sit in a placement group: one bundle per rank, packed on one node unless
 the cluster cannot hold them (``STRICT_PACK`` by default).
 """
@@ -9,7 +9,6 @@ the cluster cannot hold them (``STRICT_PACK`` by default).
 from __future__ import annotations
 
 import contextlib
-import socket
 from typing import Any
 
 import ray
@@ -17,15 +16,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.batch import TrainBatch
-from trainer.config import LossConfig, TrainerConfig
-from trainer.step_plan import plan_step
-from trainer.worker import TrainerWorker
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+from trainer.config import ObjectiveConfig, TrainerConfig
+from trainer.step_plan import StepPlan, plan_step
 
 
 class TrainerRankDied(RuntimeError):
@@ -40,7 +32,9 @@ class TrainerRankDied(RuntimeError):
 def worker_class(backend: str) -> type:
     """The rank actor of a backend; every backend exposes the same verbs."""
     if backend == "fsdp":
-        return TrainerWorker
+        from trainer.backends.fsdp.worker import FSDPWorker
+
+        return FSDPWorker
     if backend == "megatron":
         from trainer.backends.megatron.worker import MegatronWorker
 
@@ -49,10 +43,9 @@ def worker_class(backend: str) -> type:
 
 
 class TrainerGroup:
-    def __init__(self, config: TrainerConfig, model_path: str, total_steps: int,
-                 max_response_len: int | None = None,
-                 env_vars: dict[str, str] | None = None) -> None:
-        self.config, self.max_response_len = config, max_response_len
+    def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
+                 total_steps: int, env_vars: dict[str, str] | None = None) -> None:
+        self.config, self.objective = config, objective
         bundle = {"CPU": config.num_cpus_per_rank, **config.resources}
         if config.num_gpus_per_rank:
             bundle["GPU"] = config.num_gpus_per_rank
@@ -75,7 +68,7 @@ class TrainerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank),
                 runtime_env={"env_vars": env_vars or {}},
-            ).remote(config, model_path, rank, total_steps, max_response_len)
+            ).remote(config, objective, model_path, rank, total_steps)
             for rank in range(config.world_size)
         ]
         master_addr, master_port = ray.get(self.workers[0].node_address.remote())
@@ -103,18 +96,32 @@ class TrainerGroup:
                 raise TrainerRankDied(rank_of[ready[0]], verb, err) from err
         return ray.get(refs)
 
-    def train(self, batch: TrainBatch | ray.ObjectRef,
-              loss: LossConfig | None = None) -> dict[str, float]:
+    def plan(self, batch: TrainBatch, objective: ObjectiveConfig | None = None) -> StepPlan:
+        """The step plan of ``batch`` for this group's layout (``objective`` overrides the
+        configured one for this step only)."""
+        return plan_step(batch, objective or self.objective, self.config.dp_size,
+                         self.config.cp_size, self.config.max_tokens_per_micro_batch)
+
+    def train(self, batch: TrainBatch, batch_ref: ray.ObjectRef | None = None,
+              objective: ObjectiveConfig | None = None) -> dict[str, float]:
         """One optimizer step on a whole rollout batch; returns the step's exact metrics.
 
-        ``loss`` overrides the configured loss terms' aggregation for this step only.
+        The driver holds the batch already (it plans the step); ``batch_ref`` is the same
+        batch in the object store, so the ranks fetch it without another copy.
         """
-        batch_ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
-        batch = ray.get(batch_ref) if isinstance(batch, ray.ObjectRef) else batch
-        plan = plan_step(batch, loss or self.config.loss, self.config.dp_size,
-                         self.config.cp_size, self.config.max_tokens_per_micro_batch,
-                         self.max_response_len)
-        return self._call("train_step", batch_ref, ray.put(plan))[0]
+        plan = self.plan(batch, objective)
+        ref = batch_ref if batch_ref is not None else ray.put(batch)
+        return self._call("train_step", ref, ray.put(plan))[0]
+
+    def gradients(self, batch: TrainBatch, objective: ObjectiveConfig | None = None
+                  ) -> tuple[dict[str, float], dict[str, Any]]:
+        """One step's logged sums and full summed gradients, without an update."""
+        objective = objective or self.objective
+        return self._call("gradients", ray.put(batch), ray.put(self.plan(batch, objective)),
+                          objective)[0]
+
+    def reset_optimizer(self) -> None:
+        self._call("reset_optimizer")
 
     def async_export_weights(self) -> ray.ObjectRef:
         """Gather the full weights (collective); the ref holds rank 0's state dict."""

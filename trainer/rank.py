@@ -1,11 +1,12 @@
-"""What every trainer rank does the same way, whatever its backend: join the process
-group (bounded timeout, so a rank waiting on a dead peer gives up), and carry its
-scheduler and RNG state through a checkpoint."""
+"""What every trainer rank does the same way, whatever its backend: tell the group where
+it runs, join the process group (bounded timeout, so a rank waiting on a dead peer gives
+up), pick its compute dtype, and carry its scheduler and RNG state through a checkpoint."""
 
 from __future__ import annotations
 
 import os
 import random
+import socket
 from datetime import timedelta
 
 import numpy as np
@@ -13,6 +14,34 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import TrainerConfig
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class RankInfo:
+    """The verbs every rank actor answers before its process group exists."""
+
+    def node_address(self) -> tuple[str, int]:
+        """Address and a free port on this actor's node, for the rendezvous of rank 0."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+def compute_dtype(config: TrainerConfig, device: torch.device) -> torch.dtype:
+    """``trainer.dtype``: auto is bf16 on GPU and fp32 on CPU (parameters stay fp32)."""
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, config.dtype)
 
 
 def init_rank(config: TrainerConfig, rank: int, master_addr: str, master_port: int

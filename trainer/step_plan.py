@@ -1,33 +1,47 @@
 """The plan of one optimizer step, made once before the step is split across ranks.
 
-It fixes the aggregation weights of every loss term from whole-step metadata (so the
+It fixes the aggregation coefficients of every loss term from whole-step metadata (so the
 layout cannot change J) and assigns samples to DP ranks and token-budget micro-batches.
+Built-in modes ship one coefficient per sample (w_it = m_it · c_i, built on each rank);
+only a custom reducer ships dense [N, S] weights.
 FSDP's collectives need every rank to run the same number of forwards, so ranks that
 get fewer micro-batches run empty ones (weight 0).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rollout.batch import TrainBatch
-from trainer.aggregation import AGGREGATION_MODES, token_weights, weights_for_config
-from trainer.config import AggregationConfig, LossConfig
+from trainer.aggregation import AGGREGATION_MODES, custom_reducer_weights, sample_coefficients
+from trainer.config import ObjectiveConfig, TermAggregationConfig
 
 MODE_METRIC_PREFIX = "pg_loss/"
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    weights: dict[str, torch.Tensor]
-    """Per-token weights [N, S] aligned with input_ids: "pg", "kl", "entropy" and one per
-    aggregation mode (``pg_loss/<mode>``) for the dashboard's per-mode metric."""
+    coefficients: dict[str, torch.Tensor]
+    """Per-sample c_i [N] float64: "pg", "kl", "entropy" and one per aggregation mode
+    (``pg_loss/<mode>``) for the dashboard's per-mode metric."""
     micro_batches: list[list[list[int]]]
     """[dp_rank][micro_batch] -> sample indices; every rank has the same count."""
     padding_fraction: float
     """Share of the padded micro-batch tokens that are padding."""
+    dense_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-token weights [N, S] aligned with input_ids, only for a custom pg reducer."""
+
+    @property
+    def terms(self) -> list[str]:
+        """Every weighted term, in a fixed order (the order of the logged sums)."""
+        return [*self.coefficients, *(t for t in self.dense_weights
+                                      if t not in self.coefficients)]
+
+    @property
+    def mode_metric_names(self) -> list[str]:
+        return [t for t in self.terms if t.startswith(MODE_METRIC_PREFIX)]
 
 
 def assign_micro_batches(
@@ -79,36 +93,33 @@ def padding_fraction(
 
 def plan_step(
     batch: TrainBatch,
-    loss: LossConfig,
+    objective: ObjectiveConfig,
     dp_size: int,
     cp_size: int,
     max_tokens_per_micro_batch: int,
-    max_response_len: int | None = None,
 ) -> StepPlan:
-    """Weights for every term and the micro-batch assignment of one step."""
+    """Coefficients for every term and the micro-batch assignment of one step."""
 
-    def weights_of(config: AggregationConfig | None, use_custom_reducer: bool) -> torch.Tensor:
-        return weights_for_config(
-            config or loss.aggregation,
-            batch.loss_mask,
-            batch.group_index,
-            max_response_len=max_response_len,
-            group_size=batch.samples_per_prompt,
-            use_custom_reducer=use_custom_reducer,
-        )
+    counts = batch.loss_mask.to(torch.float64).sum(dim=-1)  # M_i
 
-    weights = {
-        "pg": weights_of(loss.aggregation, use_custom_reducer=True),
-        "kl": weights_of(loss.kl_aggregation, use_custom_reducer=False),
-        "entropy": weights_of(loss.entropy_aggregation, use_custom_reducer=False),
-    }
-    configured = loss.aggregation.resolved_divisor(max_response_len)
-    divisor = configured or float(max_response_len or batch.input_ids.shape[1])
+    def coefficients_of(term: TermAggregationConfig) -> torch.Tensor:
+        return sample_coefficients(counts, batch.group_index, term.mode,
+                                   term.numeric_divisor, group_size=batch.samples_per_prompt)
+
+    coefficients: dict[str, torch.Tensor] = {}
+    dense_weights: dict[str, torch.Tensor] = {}
+    if objective.pg.custom_reducer is not None:
+        dense_weights["pg"] = custom_reducer_weights(objective.pg.custom_reducer,
+                                                     batch.loss_mask, batch.group_index)
+    else:
+        coefficients["pg"] = coefficients_of(objective.pg)
+    coefficients["kl"] = coefficients_of(objective.kl)
+    coefficients["entropy"] = coefficients_of(objective.entropy)
+    divisor = objective.pg.numeric_divisor or objective.metric_divisor
     for mode in AGGREGATION_MODES:
-        weights[MODE_METRIC_PREFIX + mode] = token_weights(
-            batch.loss_mask, batch.group_index, mode, divisor if mode == "constant" else None,
-            group_size=batch.samples_per_prompt,
-        )
+        coefficients[MODE_METRIC_PREFIX + mode] = coefficients_of(TermAggregationConfig(
+            mode=mode, divisor=divisor if mode == "constant" else None))
     lengths = batch.sequence_lengths.tolist()
     micro_batches = assign_micro_batches(lengths, dp_size, max_tokens_per_micro_batch)
-    return StepPlan(weights, micro_batches, padding_fraction(lengths, micro_batches, cp_size))
+    return StepPlan(coefficients, micro_batches,
+                    padding_fraction(lengths, micro_batches, cp_size), dense_weights)

@@ -1,6 +1,18 @@
-"""Check that parallel layouts agree: one optimizer step on the same batch under each
-layout, compared with the first. Users run it (``tally verify-aggregation``) to trust a
-new parallel setup; the tests run it too."""
+r"""Check that parallel layouts agree, with a check that can fail.
+
+For every layout, aggregation mode and term (pg, KL, entropy) the trainer computes one
+step's summed gradient — what the optimizer would see, with no optimizer in the way —
+and the term's logged J, and compares them with the first layout's:
+
+    |Δg| ≤ rtol·|g_ref| + atol·‖g_ref‖∞        (elementwise, per parameter tensor)
+    |ΔJ| ≤ rtol·|J_ref| + atol·Σ|w·ℓ|_ref      (the term's own magnitude)
+
+so a J that is 0 in exact arithmetic (sample_mean with GRPO advantages at ratio 1) is
+judged against its scale, not against itself. The policy starts perturbed away from the
+reference model, so KL and its gradient are not zero; each term's gradient is taken on
+its own (coefficient 1), so a KL weighting bug cannot hide under a small ``kl_coef``.
+FSDP computes in float64 for this; Megatron in fp32 (looser default tolerance).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from rollout.batch import TrainBatch
-from trainer.config import AGGREGATION_MODES, AggregationConfig, TrainerConfig
-from trainer.group import TrainerGroup
+from trainer.config import AGGREGATION_MODES, AggregationConfig, ObjectiveConfig, TrainerConfig
 
-LOGGED_TERMS = ("pg_loss", "kl", "entropy", "grad_norm")
+TERMS = {"pg": "pg_loss", "kl": "kl", "entropy": "entropy"}
+"""Term -> its logged J."""
 
 
 @dataclass(frozen=True)
@@ -34,57 +46,128 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class StepResult:
-    metrics: dict[str, float]
-    weights: dict[str, torch.Tensor]
+class TermResult:
+    value: float
+    magnitude: float
+    gradients: dict[str, torch.Tensor]
 
 
-def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """max over tensors of ‖a − b‖∞ / max(‖b‖∞, tiny)."""
-    return max(
-        float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp(
-            min=1e-30))
-        for k in b
-    )
+@dataclass(frozen=True)
+class Row:
+    """One (layout, mode, term) comparison against the reference layout."""
+
+    layout: str
+    mode: str
+    term: str
+    grad_abs: float
+    grad_rel: float
+    value_abs: float
+    value_rel: float
+    ok: bool
 
 
-def run_layout(config: TrainerConfig, model_path: str, batch: TrainBatch, layout: Layout,
-               modes: tuple[str, ...], max_response_len: int | None) -> dict[str, StepResult]:
-    """One optimizer step per mode, each from the same initial weights."""
+def default_tolerance(config: TrainerConfig) -> tuple[float, float]:
+    """(rtol, atol): float64 on FSDP leaves ~1e-15 of rounding; fp32 on Megatron ~1e-6."""
+    return (1e-7, 1e-7) if config.backend == "fsdp" else (1e-4, 1e-4)
+
+
+def verification_config(config: TrainerConfig) -> TrainerConfig:
+    """The job's trainer in float64 where the backend allows, with a reference model."""
+    loss = config.loss.model_copy(update={"kl_coef": config.loss.kl_coef or 1.0})
+    update: dict[str, object] = {"loss": loss}
+    if config.backend == "fsdp":
+        update["dtype"] = "float64"
+    return config.model_copy(update=update)
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int = 0, scale: float = 0.05
+              ) -> dict[str, torch.Tensor]:
+    """The policy moved off the reference: each float tensor + scale·std·noise."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, value in state.items():
+        if value.is_floating_point() and value.numel() > 1:
+            noise = torch.randn(value.shape, generator=gen, dtype=torch.float64)
+            value = (value.double() + scale * value.double().std() * noise).to(value.dtype)
+        out[name] = value
+    return out
+
+
+def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
+               batch: TrainBatch, layout: Layout, modes: tuple[str, ...],
+               policy_state: dict[str, torch.Tensor] | None = None,
+               env_vars: dict[str, str] | None = None,
+               ) -> tuple[dict[tuple[str, str], TermResult], dict[str, torch.Tensor]]:
+    """Every (mode, term) gradient and J under one layout, from ``policy_state`` (the
+    perturbed policy; made from the first layout's weights when None)."""
+    import ray
+
+    from trainer.group import TrainerGroup
+
     config = config.model_copy(update={"dp_size": layout.dp_size, "cp_size": layout.cp_size})
-    group = TrainerGroup(config, model_path, total_steps=1, max_response_len=max_response_len)
+    group = TrainerGroup(config, objective, model_path, total_steps=1, env_vars=env_vars)
     try:
-        initial = group.async_export_weights()
+        if policy_state is None:
+            policy_state = perturbed(ray.get(group.async_export_weights()))
+        group.load_weights(policy_state)
         results = {}
         for mode in modes:
-            group.load_weights(initial)
-            divisor = "max_response_len" if mode == "constant" else None
-            loss = config.loss.model_copy(
-                update={"aggregation": AggregationConfig(mode=mode, divisor=divisor)})
-            metrics = group.train(batch, loss)
-            import ray
-
-            results[mode] = StepResult(metrics, ray.get(group.async_export_weights()))
-        return results
+            pg = AggregationConfig(mode=mode, divisor=objective.metric_divisor
+                                   if mode == "constant" else None)
+            for term, logged in TERMS.items():
+                sums, grads = group.gradients(batch, objective.model_copy(
+                    update={"pg": pg, "gradient_of": term}))
+                results[mode, term] = TermResult(sums[logged], sums[f"magnitude/{logged}"],
+                                                 grads)
+        return results, policy_state
     finally:
         group.shutdown()
 
 
-def verify_layouts(config: TrainerConfig, model_path: str, batch: TrainBatch,
-                   layouts: list[Layout], max_response_len: int | None,
-                   modes: tuple[str, ...] = AGGREGATION_MODES) -> list[dict[str, object]]:
-    """Rows of (layout, mode, weight diff, per-term loss diffs) against the first layout."""
-    reference = run_layout(config, model_path, batch, layouts[0], modes, max_response_len)
+def compare(ref: TermResult, got: TermResult, rtol: float, atol: float
+            ) -> tuple[float, float, float, float, bool]:
+    """(max |Δg|, max |Δg|/|g_ref|∞, |ΔJ|, |ΔJ|/|J_ref|, within tolerance)."""
+    grad_abs = grad_rel = 0.0
+    ok = True
+    for name, g_ref in ref.gradients.items():
+        delta = (got.gradients[name] - g_ref).abs()
+        scale = float(g_ref.abs().max()) if g_ref.numel() else 0.0
+        grad_abs = max(grad_abs, float(delta.max()) if delta.numel() else 0.0)
+        grad_rel = max(grad_rel, grad_abs / scale if scale > 0 else 0.0)
+        ok &= bool((delta <= rtol * g_ref.abs() + atol * scale).all())
+    value_abs = abs(got.value - ref.value)
+    value_rel = value_abs / abs(ref.value) if ref.value else 0.0
+    ok &= value_abs <= rtol * abs(ref.value) + atol * ref.magnitude
+    return grad_abs, grad_rel, value_abs, value_rel, ok
+
+
+def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
+                   batch: TrainBatch, layouts: list[Layout],
+                   modes: tuple[str, ...] = AGGREGATION_MODES,
+                   tolerance: tuple[float, float] | None = None,
+                   env_for_layout: dict[str, dict[str, str]] | None = None) -> list[Row]:
+    """Rows of (layout, mode, term) against the first layout; ``env_for_layout`` is a
+    test hook (environment of one layout's ranks, e.g. a planted reduction error)."""
+    config = verification_config(config)
+    rtol, atol = tolerance or default_tolerance(config)
+    env_for_layout = env_for_layout or {}
+    reference, policy = run_layout(config, objective, model_path, batch, layouts[0], modes,
+                                   env_vars=env_for_layout.get(str(layouts[0])))
     rows = []
-    for layout in layouts:
-        results = (reference if layout == layouts[0] else
-                   run_layout(config, model_path, batch, layout, modes, max_response_len))
-        for mode in modes:
-            ref, got = reference[mode], results[mode]
-            row: dict[str, object] = {"layout": str(layout), "mode": mode,
-                                      "weights": max_relative_difference(got.weights, ref.weights)}
-            for term in LOGGED_TERMS:
-                denominator = max(abs(ref.metrics[term]), 1e-30)
-                row[term] = abs(got.metrics[term] - ref.metrics[term]) / denominator
-            rows.append(row)
+    for layout in layouts[1:]:
+        results, _ = run_layout(config, objective, model_path, batch, layout, modes, policy,
+                                env_vars=env_for_layout.get(str(layout)))
+        for (mode, term), got in results.items():
+            rows.append(Row(str(layout), mode, term,
+                            *compare(reference[mode, term], got, rtol, atol)))
     return rows
+
+
+def format_rows(rows: list[Row]) -> list[str]:
+    """The table the CLI prints: absolute and relative differences per row."""
+    lines = [f"{'layout':<8} {'mode':<12} {'term':<8} {'|Δgrad|':>9} {'rel':>9} "
+             f"{'|ΔJ|':>9} {'rel':>9}  result"]
+    lines += [f"{r.layout:<8} {r.mode:<12} {r.term:<8} {r.grad_abs:>9.1e} {r.grad_rel:>9.1e} "
+              f"{r.value_abs:>9.1e} {r.value_rel:>9.1e}  {'ok' if r.ok else 'FAIL'}"
+              for r in rows]
+    return lines

@@ -9,7 +9,6 @@ relative paths are taken from the data folder and written back absolute.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,6 @@ from pydantic import ValidationError
 from services.config import ConfigError, JobConfig, parse_job_config
 from services.controller.settings import Settings
 from services.preflight import preflight
-
-INNER_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.+)$", re.DOTALL)
 
 
 class SubmissionError(ValueError):
@@ -45,21 +42,9 @@ class Resolved:
 
 
 def from_config_error(err: ConfigError) -> SubmissionError:
-    """ConfigError's ``  field.path: message`` lines -> (field, message) pairs. A rule of a
-    section that names its own field (``aggregation: divisor: ...``) gives the full path."""
-    lines = str(err).splitlines()
-    errors = []
-    for line in lines[1:] if len(lines) > 1 else lines:
-        path, sep, message = line.strip().partition(": ")
-        if not sep or " " in path:
-            errors.append(("<config>", line.strip()))
-            continue
-        inner = INNER_FIELD.match(message)
-        if inner:
-            path = inner[1] if path == "<root>" else f"{path}.{inner[1]}"
-            message = inner[2]
-        errors.append((path, message))
-    return SubmissionError(str(err), errors)
+    """ConfigError's problems -> (field path, message) pairs; a problem of the whole input
+    (YAML syntax, not a mapping) is ``<config>``'s."""
+    return SubmissionError(str(err), [(p.field or "<config>", p.message) for p in err.problems])
 
 
 def refuse_yaml_aliases(text: str) -> None:
@@ -120,8 +105,7 @@ def check_runnable(config: JobConfig) -> None:
     try:
         preflight(config)
     except ConfigError as err:
-        field_path, _, message = str(err).partition(": ")
-        raise SubmissionError(str(err), [(field_path, message)]) from None
+        raise from_config_error(err) from None
 
 
 def resolve(text: str, overrides: list[str], settings: Settings, job_id: str,

@@ -40,6 +40,22 @@ def test_train_rejects_a_bad_config_naming_the_field(tmp_path: Path) -> None:
         result.output)
 
 
+def test_tally_train_and_python_m_services_train_share_one_entry_point(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.train import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("aggregation: {mode: constant}\n")
+    args = [str(bad), "--set", "num_steps=3", "--output-dir", str(tmp_path / "out")]
+    result = runner.invoke(app, ["train", *args])
+    assert main(args) == 2
+    module_err = capsys.readouterr().err
+    assert result.exit_code == 2
+    assert result.stderr == module_err  # the same function printed both
+    assert "aggregation: divisor: mode=constant needs a divisor" in module_err
+    assert not (tmp_path / "out").exists()
+
+
 def test_schema_commands_print_the_committed_files() -> None:
     assert runner.invoke(app, ["schema"]).output == (
         ROOT / "configs" / "tally.schema.json").read_text()

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from services.config import ConfigError, job_json_schema, load_job_config, parse_job_config
+from services.config import (
+    ConfigError,
+    ConfigProblem,
+    job_json_schema,
+    load_job_config,
+    parse_job_config,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,17 +62,66 @@ def test_overrides_apply_and_are_validated() -> None:
     config = parse_job_config("name: x\n", ["trainer.optimizer.lr=1e-5",
                                             "aggregation.mode=token_mean"])
     assert config.trainer.optimizer.lr == 1e-5
-    assert config.trainer_config().loss.aggregation.mode == "token_mean"
+    assert config.objective_config().pg.mode == "token_mean"
     with pytest.raises(ConfigError, match=r"--set .trainer.: expected key\.path=value"):
         parse_job_config("name: x\n", ["trainer"])
     with pytest.raises(ConfigError, match=r"trainer\.optimizer\.lr: Input should be greater"):
         parse_job_config("name: x\n", ["trainer.optimizer.lr=-1"])
 
 
+def problems_of(text: str, overrides: list[str] | None = None) -> list[ConfigProblem]:
+    with pytest.raises(ConfigError) as caught:
+        parse_job_config(text, overrides)
+    return caught.value.problems
+
+
+def test_errors_carry_each_field_with_its_full_path() -> None:
+    assert problems_of("trainer:\n  optimizer:\n    learning_rate: 0.1\n") == [
+        ConfigProblem("trainer.optimizer.learning_rate", "unknown key")]
+    # a section's rule names its own field: the problem has the whole path
+    problems = problems_of("aggregation: {mode: constant}\ntrainer: {dp_size: 0}\n")
+    assert [p.field for p in problems] == ["aggregation.divisor", "trainer.dp_size"]
+    assert problems[0].message.startswith("mode=constant needs a divisor")
+
+
+def test_cross_field_rule_names_its_field() -> None:
+    [problem] = problems_of("aggregation: {mode: prompt_mean}\n"
+                            "rollout: {n_samples_per_prompt: 4, global_batch_size: 10}\n")
+    assert problem.field == "rollout.global_batch_size"
+    assert problem.message.startswith("10 is not a multiple of n_samples_per_prompt=4")
+    [problem] = problems_of("num_ranks: 3\ntrainer: {dp_size: 2, cp_size: 2}\n")
+    assert problem.field == "num_ranks" and problem.message.startswith("3 trainer actors")
+
+
+def test_yaml_syntax_error_is_a_problem_of_the_whole_file() -> None:
+    [problem] = problems_of("name: x\nnum_steps: 3\nrollout: model: tiny\n")
+    assert problem.field == ""
+    assert problem.message.startswith("line 3, column 15 not valid YAML: mapping values")
+
+
+def test_bad_overrides_name_their_key() -> None:
+    assert problems_of("name: x\n", ["trainer"]) == [
+        ConfigProblem("trainer", "expected key.path=value")]
+    [problem] = problems_of("name: x\n", ["trainer.optimizer.lr=[1"])
+    assert problem.field == "trainer.optimizer.lr"
+    assert problem.message.startswith("value is not valid YAML")
+    assert problems_of("name: x\n", ["name.first=1"]) == [
+        ConfigProblem("name.first", "'name' is not a section")]
+    assert problems_of("name: x\n", ["trainer.optimizer.lr=-1"]) == [
+        ConfigProblem("trainer.optimizer.lr", "Input should be greater than 0")]
+
+
 def test_constant_max_response_len_resolves_to_rollout_budget() -> None:
     config = parse_job_config("aggregation: {mode: constant, divisor: max_response_len}\n"
-                              "rollout: {sampling: {max_new_tokens: 12}}\n")
-    assert config.aggregation.resolved_divisor(config.max_response_len) == 12.0
+                              "rollout: {sampling: {max_new_tokens: 12, temperature: 0.7}}\n")
+    objective = config.objective_config()
+    assert (objective.pg.divisor, objective.kl.divisor) == (12.0, 12.0)
+    assert objective.temperature == 0.7
+
+
+def test_greedy_sampling_cannot_be_trained() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.temperature: 0 \(greedy\)"):
+        parse_job_config("rollout: {sampling: {temperature: 0}}\n")
 
 
 def test_yaml_is_loaded_safely() -> None:

@@ -13,7 +13,7 @@ from trainer.aggregation import (
     local_weighted_sum,
     sum_reduction_factor,
     token_weights,
-    weights_for_config,
+    custom_reducer_weights,
 )
 from trainer.config import AggregationConfig
 
@@ -99,41 +99,38 @@ def test_all_modes_helper_and_default_constant_divisor() -> None:
     assert values["constant"] == pytest.approx(31 / 32)
 
 
-def test_custom_reducer_takes_precedence(tmp_path, monkeypatch) -> None:
+def test_custom_reducer_weights(tmp_path, monkeypatch) -> None:
     (tmp_path / "my_reducers.py").write_text(
         "import torch\n"
         "def first_token_only(loss_mask, group_index):\n"
         "    w = torch.zeros_like(loss_mask, dtype=torch.float64)\n"
         "    w[:, 0] = loss_mask[:, 0]\n"
+        "    loss_mask.zero_()  # a copy: the batch is unharmed\n"
         "    return w\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    config = AggregationConfig(mode="token_mean", custom_reducer="my_reducers:first_token_only")
-    weights = weights_for_config(config, MASK, GROUPS)
+    mask = MASK.clone()
+    weights = custom_reducer_weights("my_reducers:first_token_only", mask, GROUPS)
     assert float(local_weighted_sum(LOSS, weights)) == 1.0 + 5.0 + 2.0
-    # Other terms (KL, entropy) keep the built-in mode.
-    plain = weights_for_config(config, MASK, GROUPS, use_custom_reducer=False)
-    assert float(local_weighted_sum(LOSS, plain)) == pytest.approx(EXPECTED["token_mean"])
+    assert torch.equal(mask, MASK)
 
 
 def test_custom_reducer_errors_name_the_field(tmp_path, monkeypatch) -> None:
     (tmp_path / "bad_reducers.py").write_text(
-        "import torch\ndef wrong_shape(loss_mask, group_index):\n    return loss_mask[:, :1]\n"
+        "import torch\n"
+        "def wrong_shape(loss_mask, group_index):\n    return loss_mask[:, :1]\n"
+        "def a_list(loss_mask, group_index):\n    return loss_mask.tolist()\n"
+        "def integers(loss_mask, group_index):\n    return loss_mask.long()\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"custom_reducer: .* must return finite weights"):
-        weights_for_config(AggregationConfig(custom_reducer="bad_reducers:wrong_shape"),
-                           MASK, GROUPS)
+        custom_reducer_weights("bad_reducers:wrong_shape", MASK, GROUPS)
+    with pytest.raises(ValueError, match=r"custom_reducer: .* must return a torch.Tensor, got list"):
+        custom_reducer_weights("bad_reducers:a_list", MASK, GROUPS)
+    with pytest.raises(ValueError, match=r"custom_reducer: .* floating-point weights, got torch.int64"):
+        custom_reducer_weights("bad_reducers:integers", MASK, GROUPS)
     with pytest.raises(ValueError, match="custom_reducer: cannot import module"):
-        weights_for_config(AggregationConfig(custom_reducer="no_such_module:f"), MASK, GROUPS)
-
-
-def test_max_response_len_divisor_resolves_against_rollout_budget() -> None:
-    config = AggregationConfig(mode="constant", divisor="max_response_len")
-    weights = weights_for_config(config, MASK, GROUPS, max_response_len=4)
-    assert float(local_weighted_sum(LOSS, weights)) == pytest.approx(EXPECTED["constant"])
-    with pytest.raises(ValueError, match="divisor: 'max_response_len' needs"):
-        weights_for_config(config, MASK, GROUPS)
+        custom_reducer_weights("no_such_module:f", MASK, GROUPS)
 
 
 def test_sum_reduction_factor_undoes_averaging() -> None:

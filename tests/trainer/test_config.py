@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from trainer.config import AggregationConfig
+from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
 
 
 def test_default_is_sample_mean() -> None:
@@ -41,9 +41,25 @@ def test_legacy_flag_alone_becomes_token_mean() -> None:
     assert AggregationConfig(mode="token_mean", calculate_per_token_loss=True).mode == "token_mean"
 
 
-def test_constant_accepts_max_response_len() -> None:
+def test_max_response_len_resolves_once_when_the_objective_is_composed() -> None:
     config = AggregationConfig(mode="constant", divisor="max_response_len")
-    assert config.resolved_divisor(512) == 512.0
+    objective = ObjectiveConfig.compose(config, LossConfig(), 512, 0.8)
+    assert objective.pg.divisor == 512.0 and objective.kl.divisor == 512.0
+    assert objective.temperature == 0.8
+    with pytest.raises(ValueError, match="must be resolved"):
+        _ = config.numeric_divisor
+    with pytest.raises(ValidationError, match="pg.divisor: resolve 'max_response_len'"):
+        ObjectiveConfig(pg=config)
+
+
+def test_kl_and_entropy_aggregation_accept_only_what_they_honour() -> None:
+    with pytest.raises(ValidationError, match="custom_reducer"):
+        LossConfig(kl_aggregation={"mode": "token_mean", "custom_reducer": "m:f"})
+    with pytest.raises(ValidationError, match="aggregation"):
+        LossConfig(aggregation={"mode": "token_mean"})
+    loss = LossConfig(entropy_aggregation={"mode": "constant", "divisor": 4})
+    objective = ObjectiveConfig.compose(AggregationConfig(mode="token_mean"), loss, 9, 1.0)
+    assert (objective.kl.mode, objective.entropy.mode) == ("token_mean", "constant")
 
 
 def test_unknown_mode_and_unknown_key_are_named() -> None:

@@ -6,13 +6,22 @@ import pytest
 import torch
 
 from trainer.config import LossConfig
-from trainer.losses import entropy_from_logits, kl_penalty, policy_gradient_loss
+from trainer.losses import (
+    entropy_from_logits,
+    kl_penalty,
+    log_probs_and_entropy,
+    policy_gradient_loss,
+    token_log_probs,
+)
+
+ONE = torch.ones(1)
 
 
 def test_ppo_clip_takes_the_pessimistic_branch() -> None:
     log_ratio = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7]))
     advantages = torch.tensor([1.0, -1.0, 1.0, 1.0])
-    terms = policy_gradient_loss(log_ratio, torch.zeros(4), advantages, LossConfig(eps_clip=0.2))
+    terms = policy_gradient_loss(log_ratio, torch.zeros(4), advantages, LossConfig(eps_clip=0.2),
+                                 torch.ones(4))
     # A>0, ρ=1.5: max(-1.5, -1.2) = -1.2 (clipped); A<0, ρ=0.5: max(0.5, 0.8) = 0.8 (clipped)
     # A>0, ρ=1.1: inside the range; A>0, ρ=0.7: max(-0.7, -0.8) = -0.7 (not clipped)
     assert terms.pg_loss.tolist() == pytest.approx([-1.2, 0.8, -1.1, -0.7])
@@ -23,7 +32,7 @@ def test_clip_higher_and_dual_clip() -> None:
     log_ratio = torch.log(torch.tensor([1.5, 5.0]))
     advantages = torch.tensor([1.0, -1.0])
     config = LossConfig(eps_clip=0.2, eps_clip_high=0.28, dual_clip_c=3.0)
-    terms = policy_gradient_loss(log_ratio, torch.zeros(2), advantages, config)
+    terms = policy_gradient_loss(log_ratio, torch.zeros(2), advantages, config, torch.ones(2))
     # ρ=1.5 clipped at 1.28; ρ=5 with A<0: max(5, 1.2)=5, dual clip bounds it at c=3.
     assert terms.pg_loss.tolist() == pytest.approx([-1.28, 3.0])
 
@@ -32,20 +41,70 @@ def test_truncated_importance_sampling_weight() -> None:
     log_probs = torch.log(torch.tensor([0.5, 0.5]))
     rollout = torch.log(torch.tensor([0.25, 0.4]))  # π_trainer/π_rollout = 2 and 1.25
     config = LossConfig(tis_cap=1.5)
-    terms = policy_gradient_loss(log_probs, log_probs, torch.ones(2), config, rollout)
+    terms = policy_gradient_loss(log_probs, log_probs, torch.ones(2), config, torch.ones(2),
+                                 rollout)
     assert terms.pg_loss.tolist() == pytest.approx([-1.5, -1.25])
 
 
 def test_kl_estimators() -> None:
     log_probs, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
     delta = math.log(0.25) - math.log(0.5)
-    assert kl_penalty(log_probs, ref, "k1").item() == pytest.approx(-delta)
-    assert kl_penalty(log_probs, ref, "k2").item() == pytest.approx(0.5 * delta**2)
-    assert kl_penalty(log_probs, ref, "k3").item() == pytest.approx(math.exp(delta) - 1 - delta)
-    big = kl_penalty(torch.tensor([0.0]), torch.tensor([30.0]), "low_var_kl")
+    assert kl_penalty(log_probs, ref, "k1", ONE).item() == pytest.approx(-delta)
+    assert kl_penalty(log_probs, ref, "k2", ONE).item() == pytest.approx(0.5 * delta**2)
+    assert kl_penalty(log_probs, ref, "k3", ONE).item() == pytest.approx(math.exp(delta) - 1 - delta)
+    big = kl_penalty(torch.tensor([0.0]), torch.tensor([30.0]), "low_var_kl", ONE)
     assert big.item() == 10.0
 
 
 def test_entropy_of_uniform_is_log_vocab() -> None:
     entropy = entropy_from_logits(torch.zeros(2, 3, 7))
     assert entropy.flatten().tolist() == pytest.approx([math.log(7)] * 6)
+
+
+def test_masked_overflow_gives_finite_gradients_everywhere() -> None:
+    """Masked positions hold garbage log-probs (ref − logp ≫ 88.7, exp overflows in fp32);
+    an unmasked one sits just past the clamp. Every term and every gradient stays finite."""
+    log_probs = torch.tensor([[-200.0, -1.0, -120.0, -0.5]], requires_grad=True)
+    ref = torch.tensor([[0.0, -1.2, 0.0, -150.0]])
+    old = torch.tensor([[0.0, -1.1, 0.0, -0.4]])
+    rollout = torch.tensor([[0.0, -1.0, 0.0, -90.0]])
+    mask = torch.tensor([[0.0, 1.0, 0.0, 1.0]])
+    config = LossConfig(tis_cap=2.0, dual_clip_c=3.0)
+    for estimator in ("k1", "k2", "k3", "low_var_kl"):
+        kl = kl_penalty(log_probs, ref, estimator, mask)
+        pg = policy_gradient_loss(log_probs, old, -torch.ones(1, 4), config, mask, rollout)
+        (kl.sum() + pg.pg_loss.sum()).backward()
+        assert torch.isfinite(kl).all() and torch.isfinite(pg.pg_loss).all(), estimator
+        assert torch.isfinite(log_probs.grad).all(), estimator
+        assert (log_probs.grad[mask == 0] == 0).all(), estimator  # nothing leaks
+        assert kl[mask == 0].eq(0).all() and pg.pg_loss[mask == 0].eq(0).all()
+        log_probs.grad = None
+
+
+def test_plain_exp_of_the_masked_overflow_would_be_nan() -> None:
+    """The failure the guard exists for: where() after exp() back-propagates 0·inf."""
+    log_probs = torch.tensor([-200.0], requires_grad=True)
+    k3 = torch.exp(torch.tensor([0.0]) - log_probs) - 1
+    torch.where(torch.tensor([False]), k3, 0.0).sum().backward()
+    assert torch.isnan(log_probs.grad).all()
+
+
+def test_entropy_ignores_minus_inf_logits() -> None:
+    logits = torch.tensor([[0.0, 0.0, -torch.inf]], requires_grad=True)
+    entropy = entropy_from_logits(logits)
+    entropy.sum().backward()
+    assert entropy.item() == pytest.approx(math.log(2))
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_temperature_divides_the_logits() -> None:
+    logits = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(token_log_probs(logits, targets, 0.7), expected)
+    assert not torch.allclose(token_log_probs(logits, targets, 1.0), expected)
+    log_probs, entropy = log_probs_and_entropy(logits, targets, 0.7, with_entropy_grad=False)
+    assert torch.allclose(log_probs, expected)
+    assert torch.allclose(entropy, entropy_from_logits(logits / 0.7))
+    # bf16 logits are promoted: the log-probs come out in fp32.
+    assert token_log_probs(logits.bfloat16(), targets, 0.7).dtype == torch.float32

@@ -1,6 +1,7 @@
 """Megatron trainer checkpoints in the torch backend's format, independent of TP size.
 
-The model is written as a Hugging Face folder (``trainer.checkpoint``); the optimizer
+The model is written as a Hugging Face folder (``trainer.checkpoint``) of the fp32 main
+params (never the compute-dtype copy the model runs, ``main_params.py``); the optimizer
 state is written like torch's full optimizer state dict — ``{"state": {hf_name: {...}},
 "param_groups": [...]}`` — with every parameter-shaped moment (AdamW's ``exp_avg``,
 ``exp_avg_sq``) converted to HF names and shapes by the same rules as the weights. A
@@ -91,6 +92,6 @@ def save(worker: MegatronWorker, path: str) -> None:
 
 def load(worker: MegatronWorker, path: str) -> None:
     model_state, saved = load_trainer_checkpoint(path) if worker.rank == 0 else ({}, {})
-    worker.weights.load(model_state if worker.rank == 0 else None)
+    worker.load_weights(model_state if worker.rank == 0 else None)  # main params + model
     load_optimizer_state(worker, saved.get("optimizer"))
     restore_schedule_and_rng(saved, worker.scheduler)

@@ -171,4 +171,7 @@ def build_gpt_model(hf_config: object, shape: ModelShape, cp_size: int, dtype: t
         rope_scaling=rope_scaling_factor is not None,
         rope_scaling_factor=rope_scaling_factor or 8.0,
     )
-    return model.to(device)
+    # Megatron's local spec builds its norms with torch's default dtype; on GPU its
+    # Float16Module would cast them. Here every parameter is the compute dtype, and the
+    # fp32 main copies live in main_params.py.
+    return model.to(device=device, dtype=dtype)

@@ -44,11 +44,14 @@ def checkpoint_reader(model_path: str) -> Callable[[str], torch.Tensor]:
 class WeightMover:
     """Named access to one rank's Megatron parameters, in HF terms."""
 
-    def __init__(self, model: torch.nn.Module, shape: ModelShape, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, shape: ModelShape, device: torch.device,
+                 params: dict[str, torch.Tensor] | None = None) -> None:
+        """``params``: the tensors it reads and writes, by the model's Megatron names (the
+        worker passes its fp32 main params); the model's own parameters by default."""
         from megatron.core import parallel_state as ps
 
         self.shape, self.device = shape, device
-        self.params = dict(model.named_parameters())
+        self.params = params if params is not None else dict(model.named_parameters())
         fused_norms = any(n.endswith("layer_norm_weight") for n in self.params)
         self.rules = rules(shape, fused_norms)
         self.fused_norms = fused_norms

@@ -1,13 +1,15 @@
-"""One Megatron trainer rank (a Ray actor) with the verbs and metrics of ``TrainerWorker``.
+"""One Megatron trainer rank (a Ray actor) with the verbs and metrics of ``FSDPWorker``.
 
 Rank layout (Megatron's order tp-cp-dp): rank = (dp_rank · cp + cp_rank) · tp + tp_rank.
 TP ranks of one DP×CP rank see the same tokens; DP ranks take ``plan.micro_batches
 [dp_rank]`` and CP ranks the zigzag shard of each sequence (``slice_micro_batch``).
 
 One step: micro-batches run through Megatron's ``get_forward_backward_func`` schedule (on
-CPU inside ``cpu_bridge``), the loss function in Megatron's contract (``loss.loss_func``)
-scaled by ``loss.megatron_sum_factor``, then :func:`average_gradients` over DP×CP, the
-global grad norm over TP shards, and a torch optimizer step from ``trainer/optim.py``.
+CPU inside ``cpu_bridge``) in the compute dtype, the loss function in Megatron's contract
+(``loss.loss_func``: log-probs of π_T, then ``trainer/objective.py``) scaled by
+``loss.megatron_sum_factor``; gradients land in fp32 main params (``main_params.py``), are
+averaged over DP×CP, clipped by the global norm over TP shards, and a torch optimizer
+from ``trainer/optim.py`` steps the main params, which are then copied into the model.
 """
 
 from __future__ import annotations
@@ -18,58 +20,37 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from rollout.batch import TrainBatch
 from trainer.backends.megatron import checkpoint as megatron_checkpoint
+from trainer.backends.megatron.convert import HF_TIED_HEAD
 from trainer.backends.megatron.cpu_bridge import cpu_bridge, install_rng_tracker
-from trainer.backends.megatron.loss import (
-    REPORTED,
-    loss_func,
-    megatron_sum_factor,
-    vocab_parallel_log_probs,
+from trainer.backends.megatron.loss import loss_func, megatron_sum_factor, vocab_parallel_log_probs
+from trainer.backends.megatron.main_params import (
+    MainParams,
+    average_gradients,
+    clip_gradients,
+    grad_norm,
 )
 from trainer.backends.megatron.model import build_gpt_model, model_shape
 from trainer.backends.megatron.weights import WeightMover
-from trainer.config import TrainerConfig
+from trainer.config import ObjectiveConfig, TrainerConfig
+from trainer.micro_batch import MicroBatch, slice_micro_batch
+from trainer.objective import planted_error_term, step_metrics
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.rank import init_rank
-from trainer.step_plan import MODE_METRIC_PREFIX, StepPlan
-from trainer.worker import MicroBatch, slice_micro_batch
+from trainer.rank import RankInfo, compute_dtype, init_rank
+from trainer.step_plan import StepPlan
 
 
-def average_gradients(params: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Megatron DDP's reduction: every gradient becomes its MEAN over the DP×CP ranks
-    (one flat all-reduce). ``loss.megatron_sum_factor`` turns that mean back into a SUM."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    flat /= size
-    for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-        grad.copy_(synced)
+class MegatronWorker(RankInfo):
+    """Verbs: setup, train_step (forward_backward + optimizer_step), gradients,
+    export_weights, load_weights, reset_optimizer, save_checkpoint, load_checkpoint (the
+    same as ``FSDPWorker``)."""
 
-
-class MegatronWorker:
-    """Verbs: setup, train_step, export_weights, load_weights, save_checkpoint,
-    load_checkpoint (the same as ``trainer.worker.TrainerWorker``)."""
-
-    def __init__(self, config: TrainerConfig, model_path: str, rank: int, total_steps: int,
-                 max_response_len: int | None = None) -> None:
-        self.config, self.model_path, self.rank = config, model_path, rank
-        self.total_steps, self.max_response_len = total_steps, max_response_len
-
-    def node_address(self) -> tuple[str, int]:
-        import ray
-
-        from trainer.group import free_port
-
-        return ray.util.get_node_ip_address(), free_port()
+    def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
+                 rank: int, total_steps: int) -> None:
+        self.config, self.objective, self.model_path = config, objective, model_path
+        self.rank, self.total_steps = rank, total_steps
 
     def setup(self, master_addr: str, master_port: int) -> None:
         from megatron.core import parallel_state as ps
@@ -77,7 +58,6 @@ class MegatronWorker:
 
         config = self.config
         self.device = init_rank(config, self.rank, master_addr, master_port)
-        cuda = self.device.type == "cuda"
         ps.initialize_model_parallel(tensor_model_parallel_size=config.tp_size,
                                      context_parallel_size=config.cp_size,
                                      create_gloo_process_groups=False)
@@ -86,41 +66,48 @@ class MegatronWorker:
         self.tp_group = ps.get_tensor_model_parallel_group()
         torch.manual_seed(config.seed)
         install_rng_tracker(config.seed, self.device)
+        # Every TP rank of DP×CP rank 0 computes that replica's loss, so all of them carry
+        # the planted factor (FSDP plants it on rank 0, which owns its tokens alone).
+        self.planted_term = (planted_error_term() if self.dp_rank == 0 and self.cp_rank == 0
+                             else None)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.shape = model_shape(self.hf_config, config.tp_size)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            config.dtype, torch.bfloat16 if cuda else torch.float32)
-        self.model, self.weights = self._build(dtype)
+        self.compute_dtype = compute_dtype(config, self.device)
+        self.model = self._build()
+        self.main = MainParams(self.model, self.compute_dtype)
+        self.params = self.main.values()
+        self.weights = WeightMover(self.model, self.shape, self.device, self.main.params)
+        self.weights.read_checkpoint(self.model_path)  # into the main params, unrounded
+        self.main.copy_to_model()
         self.ref_model = None
-        if config.loss.kl_coef > 0:
-            self.ref_model, _ = self._build(dtype)
+        if config.loss.kl_coef > 0:  # no grads, no main params: it only computes
+            self.ref_model = self._build()
+            WeightMover(self.ref_model, self.shape, self.device).read_checkpoint(
+                self.model_path)
             self.ref_model.requires_grad_(False)
-        self.params = list(self.model.parameters())
-        self.optimizer = build_optimizer(self.params, config.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, config.optimizer, self.total_steps)
+        self.reset_optimizer()
 
-    def _build(self, dtype: torch.dtype) -> tuple[torch.nn.Module, WeightMover]:
+    def _build(self) -> torch.nn.Module:
         with cpu_bridge(self.device):
-            model = build_gpt_model(self.hf_config, self.shape, self.config.cp_size, dtype,
-                                    self.device)
-        weights = WeightMover(model, self.shape, self.device)
-        weights.read_checkpoint(self.model_path)
-        return model, weights
+            return build_gpt_model(self.hf_config, self.shape, self.config.cp_size,
+                                   self.compute_dtype, self.device)
 
     def _forward_step(self, scale: int, mode_names: list[str],
                       data_iterator: Iterator[MicroBatch], model: torch.nn.Module
                       ) -> tuple[torch.Tensor, functools.partial]:
         """Megatron's forward_step_func: (vocab-parallel logits, the loss function)."""
         micro = next(data_iterator)
+        temperature = self.objective.temperature
         ref_log_probs = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logits = self.ref_model(micro.input_ids, micro.position_ids, None)
                 ref_log_probs, _ = vocab_parallel_log_probs(ref_logits, micro.targets,
-                                                            self.shape)
+                                                            self.shape, temperature)
         logits = model(micro.input_ids, micro.position_ids, None)
         return logits, functools.partial(loss_func, micro, ref_log_probs, self.config.loss,
-                                         self.shape, scale, mode_names)
+                                         self.shape, temperature, scale, mode_names,
+                                         self.planted_term)
 
     def train_step(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
         started = time.perf_counter()
@@ -131,13 +118,14 @@ class MegatronWorker:
         return sums
 
     def forward_backward(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
-        """Σ w·ℓ over this rank's tokens, backpropagated; returns the step's exact terms."""
+        """Σ w·ℓ over this rank's tokens, backpropagated into the main params' fp32 grads
+        and averaged over DP×CP; returns the step's exact terms."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         samples_per_micro_batch = plan.micro_batches[self.dp_rank]
         num_micro_batches = len(samples_per_micro_batch)  # the same on every DP rank
         scale = megatron_sum_factor(self.config.dp_size, num_micro_batches)
-        mode_names = [k for k in plan.weights if k.startswith(MODE_METRIC_PREFIX)]
+        mode_names = plan.mode_metric_names
         micros = [slice_micro_batch(batch, plan, samples, self.config.cp_size,
                                     self.cp_rank).to(self.device)
                   for samples in samples_per_micro_batch]
@@ -153,48 +141,55 @@ class MegatronWorker:
         average_gradients(self.params, self.dp_cp_group)
         totals = torch.stack([r["sums"] for r in reported]).sum(dim=0).cpu()
         dist.all_reduce(totals, group=self.dp_cp_group)  # TP ranks hold identical sums
-        names = [*REPORTED, *mode_names]
-        values = dict(zip(names, totals.tolist(), strict=True))
-        num_valid = max(values["valid_tokens"], 1)
-        values["clip_fraction"] = values.pop("clipped_tokens") / num_valid
-        values["mismatch/log_prob_abs_diff"] = values.pop("log_prob_abs_diff") / num_valid
-        return values
+        return step_metrics(totals, mode_names)
 
-    def _grad_norm(self) -> torch.Tensor:
-        """‖∇‖ over the whole model: TP-sharded parameters summed over the TP group,
-        TP-replicated ones (norms) counted once."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.weights.params.items():
-            if p.grad is not None and (self.weights.tp_sharded[name] or self.weights.tp_rank == 0):
-                squares += p.grad.double().square().sum()
-        if self.config.tp_size > 1:
-            dist.all_reduce(squares, group=self.tp_group)
-        return squares.sqrt()
+    def gradients(self, batch: TrainBatch, plan: StepPlan
+                  ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
+        """Collective, no update: the step's sums and, on rank 0, the full summed fp64
+        gradient of every HF parameter (what the optimizer would see); grads are cleared.
+
+        Keys are those of the HF model's ``named_parameters()``: a tied model has no
+        ``lm_head.weight`` (its gradient is part of the embeddings')."""
+        sums = self.forward_backward(batch, plan)
+        grads = self.weights.gather({name: p.grad if p.grad is not None else torch.zeros_like(p)
+                                     for name, p in self.weights.params.items()})
+        self.main.zero_grad()
+        if self.rank != 0:
+            return sums, None
+        if self.shape.tied_embeddings:
+            grads.pop(HF_TIED_HEAD, None)
+        return sums, {name: g.double() for name, g in grads.items()}
 
     def optimizer_step(self) -> dict[str, float]:
-        grad_norm = float(self._grad_norm())
-        clip = self.config.optimizer.grad_clip
-        if clip is not None:  # as torch.nn.utils.clip_grad_norm_
-            coefficient = min(1.0, clip / (grad_norm + 1e-6))
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coefficient)
+        norm = float(grad_norm(self.weights.params, self.weights.tp_sharded,
+                               self.weights.tp_rank, self.tp_group, self.config.tp_size))
+        clip_gradients(self.params, norm, self.config.optimizer.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.main.copy_to_model()
         self.scheduler.step()
-        return {"grad_norm": grad_norm, "lr": lr}
+        return {"grad_norm": norm, "lr": lr}
+
+    def reset_optimizer(self) -> None:
+        """Fresh optimizer state and schedule over the main params (the verifier starts
+        every mode anew)."""
+        self.optimizer = build_optimizer(self.params, self.config.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, self.config.optimizer,
+                                         self.total_steps)
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """Collective; rank 0 returns the full Hugging Face state dict, others None."""
+        """Collective; rank 0 returns the full Hugging Face state dict of the main params
+        (fp32: engines never see weights rounded to the compute dtype), others None."""
         return self.weights.export()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None) -> None:
         """Collective; rank 0 passes the full HF state dict, the others None."""
         self.weights.load(state_dict if self.rank == 0 else None)
+        self.main.copy_to_model()
 
     def save_checkpoint(self, path: str) -> None:
-        """Collective; rank 0 writes the model (HF safetensors) and the trainer state."""
+        """Collective; rank 0 writes the main params (HF safetensors) and trainer state."""
         megatron_checkpoint.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:

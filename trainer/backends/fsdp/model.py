@@ -1,5 +1,10 @@
 """torch FSDP2 backend: load a Hugging Face causal LM, shard it, move whole state dicts.
 
+Precision: parameters (and so AdamW's state) are fp32 master weights; FSDP2's
+``MixedPrecisionPolicy`` casts them to the compute dtype for each forward/backward and
+reduces gradients in fp32 (``param_dtype=compute, reduce_dtype=fp32``). A step of
+lr 1e-6 therefore changes a weight near 0.02 even though bf16 could not represent it.
+
 Parameters are sharded with ``fully_shard`` over every DP × CP rank (as torchtitan does
 with its dp_shard × cp mesh), so one reduce-scatter sums gradients over DP and CP. FSDP
 divides that sum by the world size; the trainer scales its local loss by
@@ -15,25 +20,34 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
-    """A causal LM from a local Hugging Face folder (safetensors), in eval-free train mode."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+def master_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """Parameters are fp32 (fp64 when computing in fp64, for verification)."""
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+
+def load_model(model_path: str, compute_dtype: torch.dtype, device: torch.device
+               ) -> PreTrainedModel:
+    """A causal LM from a local Hugging Face folder (safetensors), master-weight dtype."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=master_dtype(compute_dtype))
     model.config.use_cache = False
     return model.to(device)
 
 
-def shard_model(model: PreTrainedModel) -> PreTrainedModel:
-    """FSDP2: one shard group per decoder layer, then the root (embeddings, head)."""
+def shard_model(model: PreTrainedModel, compute_dtype: torch.dtype) -> PreTrainedModel:
+    """FSDP2: one shard group per decoder layer, then the root (embeddings, head), each
+    casting its fp32 parameters to ``compute_dtype`` and reducing gradients in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                  reduce_dtype=master_dtype(compute_dtype))
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
 
 

@@ -1,0 +1,75 @@
+"""The layout verifier on real Ray actors and process groups: DP=2 and CP=2 give the
+gradients and terms of DP=1 for every mode and term, and a factor-2 error planted in one
+layout's reduction is caught for every mode and for KL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.tiny import create_tiny_checkpoint
+from tests.trainer.helpers import random_train_batch
+from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig, TrainerConfig
+from trainer.objective import PLANTED_ERROR_ENV
+from trainer.verify import Layout, TermResult, compare, perturbed, verify_layouts
+
+MODES = ("sample_mean", "token_mean", "prompt_mean", "constant")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model: str):
+    from transformers import AutoConfig
+
+    return random_train_batch(AutoConfig.from_pretrained(tiny_model).vocab_size,
+                              num_prompts=3, group_size=2)
+
+
+CONFIG = TrainerConfig(loss=LossConfig(kl_coef=0.1, entropy_coef=0.01, old_log_probs="rollout"),
+                       max_tokens_per_micro_batch=20)
+OBJECTIVE = ObjectiveConfig.compose(AggregationConfig(), CONFIG.loss, 8, 0.7)
+
+
+def test_dp2_and_cp2_equal_dp1_for_every_mode_and_term(
+        ray_cluster: None, tiny_model: str, batch) -> None:
+    rows = verify_layouts(CONFIG, OBJECTIVE, tiny_model, batch,
+                          [Layout(1, 1), Layout(2, 1), Layout(1, 2)])
+    assert {(r.layout, r.mode, r.term) for r in rows} == {
+        (layout, mode, term) for layout in ("dp2cp1", "dp1cp2") for mode in MODES
+        for term in ("pg", "kl", "entropy")}
+    for row in rows:
+        assert row.ok, row
+        assert row.grad_rel < 1e-9, row  # float64: rounding only
+
+
+def test_a_planted_reduction_error_fails_every_mode_and_kl(
+        ray_cluster: None, tiny_model: str, batch) -> None:
+    rows = verify_layouts(CONFIG, OBJECTIVE, tiny_model, batch, [Layout(1, 1), Layout(2, 1)],
+                          env_for_layout={"dp2cp1": {PLANTED_ERROR_ENV: "pg,kl"}})
+    failed = {(r.mode, r.term) for r in rows if not r.ok}
+    # Each term's gradient is checked on its own: the untouched entropy term still passes.
+    assert failed == {(mode, term) for mode in MODES for term in ("pg", "kl")}, rows
+
+
+def test_tolerance_scales_with_the_terms_own_magnitude() -> None:
+    grads = {"w": torch.tensor([1.0, -2.0])}
+    zero_j = TermResult(value=1e-9, magnitude=0.5, gradients=grads)  # J = 0 up to rounding
+    noisy = TermResult(value=3e-9, magnitude=0.5, gradients=grads)
+    *_, ok = compare(zero_j, noisy, rtol=1e-7, atol=1e-7)
+    assert ok  # a relative-only check would see a difference of 2.0 here
+    doubled = TermResult(value=1e-9, magnitude=0.5, gradients={"w": torch.tensor([2.0, -2.0])})
+    grad_abs, grad_rel, *_, ok = compare(zero_j, doubled, rtol=1e-7, atol=1e-7)
+    assert not ok and grad_abs == 1.0 and grad_rel == 0.5
+
+
+def test_perturbation_moves_the_policy_off_the_reference() -> None:
+    state = {"w": torch.randn(4, 4, generator=torch.Generator().manual_seed(0)),
+             "step": torch.tensor(3)}
+    moved = perturbed(state)
+    assert not torch.equal(moved["w"], state["w"])
+    assert torch.equal(moved["step"], state["step"])
+    assert torch.equal(perturbed(state)["w"], moved["w"])  # seeded: every layout the same

@@ -1,0 +1,187 @@
+"""One FSDP2 trainer rank (a Ray actor): a few small verbs the driver calls in lock step.
+
+Rank layout: rank = dp_rank · cp_size + cp_rank. Every rank of a DP group sees the same
+samples (``plan.micro_batches[dp_rank]``); its CP rank keeps the zigzag shard of each
+sequence (``trainer/micro_batch.py``). The backend only produces log-probs and entropy
+of π_T; ``trainer/objective.py`` turns them into the loss and the logged sums.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from rollout.batch import TrainBatch
+from trainer.aggregation import sum_reduction_factor
+from trainer.backends.fsdp import model as fsdp
+from trainer.config import ObjectiveConfig, TrainerConfig
+from trainer.losses import log_probs_and_entropy, token_log_probs
+from trainer.micro_batch import MicroBatch, slice_micro_batch
+from trainer.objective import (
+    TokenLogProbs,
+    micro_batch_objective,
+    planted_error_terms,
+    step_metrics,
+    term_coefficients,
+)
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.rank import (
+    RankInfo,
+    compute_dtype,
+    init_rank,
+    restore_schedule_and_rng,
+    trainer_state,
+)
+from trainer.step_plan import StepPlan
+
+
+class FSDPWorker(RankInfo):
+    """Verbs: setup, train_step (forward_backward + optimizer_step), gradients,
+    export_weights, load_weights, save_checkpoint, load_checkpoint. The group stops a
+    rank by killing its actor (a rank stuck in a collective could not answer)."""
+
+    def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
+                 rank: int, total_steps: int) -> None:
+        self.config, self.objective, self.model_path = config, objective, model_path
+        self.rank, self.total_steps = rank, total_steps
+        self.cp_rank, self.dp_rank = rank % config.cp_size, rank // config.cp_size
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        config = self.config
+        self.device = init_rank(config, self.rank, master_addr, master_port)
+        # rank = dp_rank · cp_size + cp_rank: the mesh's row-major layout.
+        self.mesh = init_device_mesh(self.device.type, (config.dp_size, config.cp_size),
+                                     mesh_dim_names=("dp", "cp"))
+        self.dp_group, self.cp_group = self.mesh["dp"].get_group(), self.mesh["cp"].get_group()
+        torch.manual_seed(config.seed)
+        self.compute_dtype = compute_dtype(config, self.device)
+        self.planted_terms = planted_error_terms() if self.rank == 0 else frozenset()
+        self.model = self._build()
+        self.ref_model = self._build() if config.loss.kl_coef > 0 else None
+        if self.ref_model is not None:
+            self.ref_model.requires_grad_(False)
+        self.optimizer = build_optimizer(list(self.model.parameters()), config.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, config.optimizer, self.total_steps)
+
+    def _build(self) -> torch.nn.Module:
+        model = fsdp.load_model(self.model_path, self.compute_dtype, self.device)
+        if self.config.cp_size > 1:
+            from trainer.cp_attention import enable_context_parallel
+
+            enable_context_parallel(model)
+        return fsdp.shard_model(model, self.compute_dtype)
+
+    def _logits(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
+        kwargs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids}
+        if self.config.cp_size == 1:
+            return model(**kwargs).logits
+        from trainer.cp_attention import context_parallel
+
+        with context_parallel(self.cp_group, kwargs["position_ids"]):
+            return model(**kwargs).logits
+
+    def _token_log_probs(self, micro: MicroBatch) -> TokenLogProbs:
+        """log π_T(target) and H(π_T) of the policy (and π_ref,T) at fp32 or better."""
+        temperature = self.objective.temperature
+        log_probs, entropy = log_probs_and_entropy(
+            self._logits(self.model, micro), micro.targets, temperature,
+            with_entropy_grad=term_coefficients(self.config.loss,
+                                                self.objective.gradient_of)["entropy"] > 0)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = token_log_probs(self._logits(self.ref_model, micro), micro.targets,
+                                      temperature)
+        return TokenLogProbs(log_probs, entropy, ref)
+
+    def train_step(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
+        started = time.perf_counter()
+        sums = self.forward_backward(batch, plan)
+        sums.update(self.optimizer_step())
+        sums["padding_fraction"] = plan.padding_fraction
+        sums["perf/compute_s"] = time.perf_counter() - started  # rank-local fwd+bwd+step
+        return sums
+
+    def forward_backward(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
+        """Σ w·ℓ over this rank's tokens, backpropagated; returns the step's exact terms."""
+        scale = sum_reduction_factor(self.config.world_size)  # FSDP averages; we SUM
+        mode_names = plan.mode_metric_names
+        totals = None
+        self.model.train()
+        for samples in plan.micro_batches[self.dp_rank]:
+            micro = slice_micro_batch(batch, plan, samples, self.config.cp_size,
+                                      self.cp_rank).to(self.device)
+            objective, sums = micro_batch_objective(self._token_log_probs(micro), micro,
+                                                    self.config.loss, mode_names,
+                                                    self.planted_terms,
+                                                    self.objective.gradient_of)
+            (objective * scale).backward()
+            totals = sums.cpu() if totals is None else totals + sums.cpu()
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every token is owned by one rank
+        return step_metrics(totals, mode_names)
+
+    def gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
+                  ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
+        """Collective, no update: the step's sums under ``objective`` and, on rank 0, the
+        full summed gradient of every parameter (what the optimizer would see)."""
+        configured, self.objective = self.objective, objective
+        try:
+            sums = self.forward_backward(batch, plan)
+        finally:
+            self.objective = configured
+        grads = {}
+        for name, p in self.model.named_parameters():
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            grads[name] = full.detach().cpu().double()
+        self.optimizer.zero_grad(set_to_none=True)
+        return sums, grads if self.rank == 0 else None
+
+    def optimizer_step(self) -> dict[str, float]:
+        clip = self.config.optimizer.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), clip if clip is not None else float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return {"grad_norm": float(grad_norm), "lr": lr}
+
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """Collective; rank 0 returns the full Hugging Face state dict, others None."""
+        state = fsdp.export_full_state_dict(self.model)
+        return state if self.rank == 0 else None
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor] | None) -> None:
+        """Collective; rank 0 passes the full state dict, the others None."""
+        fsdp.load_full_state_dict(self.model, state_dict or {})
+
+    def reset_optimizer(self) -> None:
+        """Fresh optimizer state and schedule (the verifier starts every mode anew)."""
+        self.optimizer = build_optimizer(list(self.model.parameters()), self.config.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, self.config.optimizer,
+                                         self.total_steps)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Collective; rank 0 writes the model (HF safetensors) and the trainer state."""
+        from trainer.checkpoint import save_trainer_checkpoint
+
+        model_state = fsdp.export_full_state_dict(self.model)
+        optim_state = fsdp.export_optimizer_state(self.model, self.optimizer)
+        if self.rank == 0:
+            save_trainer_checkpoint(path, self.model_path, self.model, model_state,
+                                    trainer_state(optim_state, self.scheduler))
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Collective; rank 0 reads, FSDP broadcasts to the other ranks."""
+        from trainer.checkpoint import load_trainer_checkpoint
+
+        model_state, saved = load_trainer_checkpoint(path) if self.rank == 0 else ({}, {})
+        fsdp.load_full_state_dict(self.model, model_state)
+        fsdp.load_optimizer_state(self.model, self.optimizer, saved.get("optimizer", {}))
+        restore_schedule_and_rng(saved, self.scheduler)

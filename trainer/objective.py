@@ -1,0 +1,102 @@
+r"""The one objective of a micro-batch, for every backend.
+
+A backend produces, for the tokens this rank owns, fp32 log-probs of the sampled tokens
+and the entropy under π_T = softmax(z / T) (and the reference model's log-probs when KL
+is on). Everything else happens here, once:
+
+    J_mb = Σ w_pg·ℓ_pg + β · Σ w_kl·ℓ_kl − α · Σ w_H·H          (β = kl_coef, α = entropy_coef)
+
+with the per-token weights w = m·c of the step plan, so summing J_mb over micro-batches
+and ranks gives the step's J exactly. The logged sums (``LOGGED_SUMS`` then one
+``pg_loss/<mode>`` per aggregation mode) are unscaled Σ w·ℓ in float64; summed over
+micro-batches and ranks they are each term's exact J (:func:`step_metrics`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from trainer.aggregation import local_weighted_sum
+from trainer.config import LossConfig
+from trainer.losses import kl_penalty, policy_gradient_loss
+from trainer.micro_batch import MicroBatch
+
+LOGGED_SUMS = ("pg_loss", "kl", "entropy", "clipped_tokens", "valid_tokens",
+               "log_prob_abs_diff", "magnitude/pg_loss", "magnitude/kl", "magnitude/entropy")
+"""``magnitude/<term>`` = Σ|w·ℓ|: the scale a difference in that term is judged against."""
+PLANTED_ERROR_ENV = "TALLY_TEST_PLANTED_ERROR"
+"""Test hook (not a user option): ``<term>[,<term>]`` doubles rank 0's share of those
+terms' gradients, so tests can show ``verify-aggregation`` catching a reduction bug."""
+
+
+@dataclass
+class TokenLogProbs:
+    """What a backend computes for one micro-batch shard, [b, s] fp32 each."""
+
+    log_probs: torch.Tensor
+    """log π_T(target), differentiable."""
+    entropy: torch.Tensor
+    """H(π_T) per position; differentiable only when the entropy term is on."""
+    ref_log_probs: torch.Tensor | None = None
+    """log π_ref,T(target) without a graph, when the KL term is on."""
+
+
+def planted_error_terms() -> frozenset[str]:
+    """The terms a test planted a factor-2 reduction error in (rank 0 only)."""
+    return frozenset(t for t in os.environ.get(PLANTED_ERROR_ENV, "").split(",") if t)
+
+
+def term_coefficients(loss: LossConfig, gradient_of: str = "all") -> dict[str, float]:
+    """Coefficient of each term in the backward: the configured ones for training, or
+    1 for the one term the verifier isolates (0 for the others)."""
+    if gradient_of != "all":
+        return {term: float(term == gradient_of) for term in ("pg", "kl", "entropy")}
+    return {"pg": 1.0, "kl": loss.kl_coef, "entropy": loss.entropy_coef}
+
+
+def micro_batch_objective(
+    token: TokenLogProbs, micro: MicroBatch, loss: LossConfig, mode_names: list[str],
+    planted_terms: frozenset[str] = frozenset(), gradient_of: str = "all",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ w·ℓ of the terms for backward, the logged sums [len(LOGGED_SUMS) + modes]).
+
+    A KL or entropy sum is always logged (entropy needs no reference model); it enters
+    the backward only with a coefficient > 0."""
+    mask = micro.loss_mask
+    old = token.log_probs.detach() if loss.old_log_probs == "trainer" else micro.rollout_log_probs
+    pg = policy_gradient_loss(token.log_probs, old, micro.advantages, loss, mask,
+                              micro.rollout_log_probs)
+    pg_sum = local_weighted_sum(pg.pg_loss, micro.weights["pg"])
+    kl = torch.zeros_like(pg.pg_loss)
+    if token.ref_log_probs is not None:
+        kl = kl_penalty(token.log_probs, token.ref_log_probs, loss.kl_estimator, mask)
+    kl_sum = local_weighted_sum(kl, micro.weights["kl"])
+    entropy_sum = local_weighted_sum(token.entropy, micro.weights["entropy"])
+    signed = {"pg": pg_sum, "kl": kl_sum, "entropy": -entropy_sum}  # entropy is a bonus
+    objective = pg_sum.new_zeros(())
+    for term, coef in term_coefficients(loss, gradient_of).items():
+        if coef > 0 and signed[term].requires_grad:
+            planted = 2.0 if term in planted_terms else 1.0
+            objective = objective + planted * coef * signed[term]
+    with torch.no_grad():
+        mismatch = torch.where(mask > 0, token.log_probs - micro.rollout_log_probs, 0.0)
+        sums = torch.stack([
+            pg_sum, kl_sum, entropy_sum, pg.clipped.sum(), mask.sum(), mismatch.abs().sum(),
+            *[local_weighted_sum(value.abs(), micro.weights[term].abs()) for term, value in
+              (("pg", pg.pg_loss), ("kl", kl), ("entropy", token.entropy))],
+            *[local_weighted_sum(pg.pg_loss, micro.weights[k]) for k in mode_names],
+        ]).detach().double()
+    return objective, sums
+
+
+def step_metrics(totals: torch.Tensor, mode_names: list[str]) -> dict[str, float]:
+    """The step's metrics from the logged sums added over micro-batches and ranks."""
+    values = dict(zip([*LOGGED_SUMS, *mode_names], totals.tolist(), strict=True))
+    num_valid = max(values["valid_tokens"], 1)
+    values["clip_fraction"] = values.pop("clipped_tokens") / num_valid
+    # Train-inference mismatch: mean |log π_trainer − log π_rollout| per valid token.
+    values["mismatch/log_prob_abs_diff"] = values.pop("log_prob_abs_diff") / num_valid
+    return values
