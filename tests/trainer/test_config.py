@@ -48,7 +48,7 @@ def test_max_response_len_resolves_once_when_the_objective_is_composed() -> None
     assert objective.temperature == 0.8
     with pytest.raises(ValueError, match="must be resolved"):
         _ = config.numeric_divisor
-    with pytest.raises(ValidationError, match="pg.divisor: resolve 'max_response_len'"):
+    with pytest.raises(ValidationError, match=r"pg\.divisor: resolve 'max_response_len'"):
         ObjectiveConfig(pg=config)
 
 
