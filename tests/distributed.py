@@ -37,3 +37,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size)
         return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world_size)]
+
+
+def _rank(rank: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    torch.save(fn(rank, port, *args), Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Spawn world_size processes running fn(rank, port, *args) that join the process
+    group themselves (as a trainer rank's ``setup`` does) at 127.0.0.1:port."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_rank, args=(free_port(), out_dir, fn, args), nprocs=world_size)
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
+                for r in range(world_size)]

@@ -28,3 +28,24 @@ def random_train_batch(vocab_size: int, num_prompts: int = 3, group_size: int = 
     return TrainBatch.from_samples(prompts, responses, log_probs, rewards.tolist(),
                                    advantages.tolist(), groups, group_size,
                                    response_masks=masks)
+
+
+def sampled_train_batch(model_path: str, temperature: float, num_prompts: int = 4,
+                        group_size: int = 2, max_new_tokens: int = 10, seed: int = 0
+                        ) -> TrainBatch:
+    """A batch the torch engine sampled at ``temperature``, with the engine's log-probs."""
+    from rollout.config import SamplingConfig, TorchEngineConfig
+    from rollout.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(TorchEngineConfig(batch_size=8), model_path)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [[1, *torch.randint(30, 90, (int(torch.randint(2, 7, (1,), generator=gen)),),
+                                  generator=gen).tolist()] for _ in range(num_prompts)]
+    prompts = [p for p in prompts for _ in range(group_size)]
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens)
+    generations = engine.generate(prompts, sampling, seed=seed)
+    rewards = torch.rand(len(prompts), generator=gen)
+    return TrainBatch.from_samples(
+        prompts, [g.token_ids for g in generations], [g.log_probs for g in generations],
+        rewards.tolist(), (rewards - rewards.mean()).tolist(),
+        [i // group_size for i in range(len(prompts))], group_size)
