@@ -20,7 +20,7 @@ import torch
 
 from rollout.batch import TrainBatch
 from rollout.tiny import create_tiny_checkpoint
-from trainer.config import OptimizerConfig, TrainerConfig
+from trainer.config import ObjectiveConfig, OptimizerConfig, TrainerConfig
 from trainer.group import TrainerGroup
 
 LAYOUTS = [("fsdp", 2, 1), ("megatron", 2, 1), ("megatron", 1, 2)]  # backend, dp, tp
@@ -55,18 +55,18 @@ def measure(model_path: str, batch: TrainBatch, steps: int
     shared machine's load drifts over all layouts alike."""
     groups = [TrainerGroup(TrainerConfig(backend=backend, dp_size=dp, tp_size=tp,
                                          optimizer=OptimizerConfig(lr=1e-4)),
-                           model_path, total_steps=steps + 1)
+                           ObjectiveConfig(), model_path, total_steps=steps + 1)
               for backend, dp, tp in LAYOUTS]
     try:
         batch_ref = ray.put(batch)
         for group in groups:
-            group.train(batch_ref)  # warm-up: first-call allocations, lazy imports
+            group.train(batch, batch_ref)  # warm-up: first-call allocations, lazy imports
         wall: list[list[float]] = [[] for _ in groups]
         compute: list[list[float]] = [[] for _ in groups]
         for _ in range(steps):
             for i, group in enumerate(groups):
                 started = time.perf_counter()
-                metrics = group.train(batch_ref)
+                metrics = group.train(batch, batch_ref)
                 wall[i].append(time.perf_counter() - started)
                 compute[i].append(metrics["perf/compute_s"])
         return [(statistics.median(w), statistics.median(c)) for w, c in zip(wall, compute,

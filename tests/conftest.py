@@ -29,3 +29,15 @@ def ray_cluster() -> Iterator[None]:
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def _shared_data_path(tmp_path_factory: pytest.TempPathFactory):
+    return tmp_path_factory.mktemp("tally-data")
+
+
+@pytest.fixture
+def shared_data_dir(_shared_data_path, monkeypatch: pytest.MonkeyPatch):
+    """One TALLY_DATA_DIR for the session: the demo's warm start is computed once."""
+    monkeypatch.setenv("TALLY_DATA_DIR", str(_shared_data_path))
+    return _shared_data_path

@@ -12,7 +12,13 @@ import pytest
 from rollout.tiny import create_tiny_checkpoint
 from tests.gpu.needs import needs
 from tests.trainer.helpers import random_train_batch
-from trainer.config import LossConfig, OptimizerConfig, TrainerConfig
+from trainer.config import (
+    AggregationConfig,
+    LossConfig,
+    ObjectiveConfig,
+    OptimizerConfig,
+    TrainerConfig,
+)
 from trainer.verify import Layout, verify_layouts
 
 pytestmark = pytest.mark.gpu
@@ -28,10 +34,10 @@ def test_megatron_cp2_equals_cp1_with_te_attention(ray_cluster: None, tmp_path: 
         max_tokens_per_micro_batch=20,
     )
     batch = random_train_batch(100, num_prompts=3, group_size=2)
-    rows = verify_layouts(config, model_path, batch, [Layout(1, 1), Layout(1, 2)],
-                          max_response_len=8)
-    assert {r["layout"] for r in rows} == {"dp1cp1", "dp1cp2"}
+    objective = ObjectiveConfig.compose(AggregationConfig(), config.loss, 8, 1.0)
+    rows = verify_layouts(config, objective, model_path, batch, [Layout(1, 1), Layout(1, 2)],
+                          tolerance=(2e-2, 2e-2))  # bf16 compute
+    assert {r.layout for r in rows} == {"dp1cp2"}
+    assert len(rows) == 12  # 4 modes × (pg, KL, entropy)
     for row in rows:
-        assert row["weights"] < 2e-2, row
-        for term in ("pg_loss", "kl", "entropy", "grad_norm"):
-            assert row[term] < 2e-2, (term, row)
+        assert row.ok, row

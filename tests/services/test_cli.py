@@ -13,22 +13,49 @@ ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 
-def test_verify_aggregation_prints_a_row_per_layout_and_mode(
-        ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TALLY_DATA_DIR", str(tmp_path))
-    result = runner.invoke(app, [
-        "verify-aggregation", str(ROOT / "configs" / "demo.yaml"), "--layouts", "dp1cp1,dp2cp1",
-        "--set", "warmup.num_steps=40", "--set", "rollout.global_batch_size=8",
-        "--set", "rollout.n_samples_per_prompt=4", "--set", "trainer.optimizer.type=sgd",
-        "--set", "trainer.optimizer.grad_clip=null"])
+README_LAYOUTS = "dp1cp1,dp2cp1,dp1cp2"
+DEMO_CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("demo*.yaml"))
+# The other demo configs differ from demo.yaml in their aggregation only; a smaller batch
+# keeps the suite fast (demo.yaml runs exactly as the README says).
+SMALLER = ["--set", "rollout.global_batch_size=64"]
+
+
+def _rows(output: str) -> list[list[str]]:
+    return [line.split() for line in output.splitlines() if line.startswith("dp")]
+
+
+@pytest.mark.parametrize("config", DEMO_CONFIGS)
+def test_readme_verify_aggregation_command_passes_on_every_config(
+        ray_cluster: None, shared_data_dir: Path, config: str) -> None:
+    result = runner.invoke(app, ["verify-aggregation", str(ROOT / "configs" / config),
+                                 "--layouts", README_LAYOUTS,
+                                 *([] if config == "demo.yaml" else SMALLER)])
     assert result.exit_code == 0, result.output
-    rows = [line.split() for line in result.output.splitlines()
-            if line.startswith(("dp1cp1", "dp2cp1"))]
-    assert [(r[0], r[1]) for r in rows] == [
-        (layout, mode) for layout in ("dp1cp1", "dp2cp1")
-        for mode in ("sample_mean", "token_mean", "prompt_mean", "constant")]
-    assert all(float(value) < 1e-5 for row in rows for value in row[2:])
-    assert "max relative difference" in result.output
+    rows = _rows(result.output)
+    assert {(r[0], r[1], r[2]) for r in rows} == {
+        (layout, mode, term) for layout in ("dp2cp1", "dp1cp2")
+        for mode in ("sample_mean", "token_mean", "prompt_mean", "constant")
+        for term in ("pg", "kl", "entropy")}
+    assert all(r[-1] == "ok" for r in rows)
+    assert "24/24 comparisons within tolerance" in result.output
+
+
+def test_verify_aggregation_exits_1_on_a_planted_reduction_error(
+        ray_cluster: None, shared_data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TALLY_TEST_PLANT", "dp2cp1:pg,kl")  # rank 0 of dp2cp1 doubles them
+    result = runner.invoke(app, ["verify-aggregation", str(ROOT / "configs" / "demo.yaml"),
+                                 "--layouts", "dp1cp1,dp2cp1", *SMALLER])
+    assert result.exit_code == 1, result.output
+    header = next(line for line in result.output.splitlines() if line.startswith("layout"))
+    assert header.split() == ["layout", "mode", "term", "|Δgrad|", "rel", "|ΔJ|", "rel",
+                              "result"]
+    rows = _rows(result.output)
+    failed = {(r[1], r[2]) for r in rows if r[-1] == "FAIL"}
+    assert failed == {(mode, term) for mode in ("sample_mean", "token_mean", "prompt_mean",
+                                                "constant") for term in ("pg", "kl")}
+    for row in rows:  # absolute and relative gradient differences: large where planted
+        assert (float(row[4]) > 0.01) == (row[-1] == "FAIL"), row
+    assert "4/12 comparisons within tolerance" in result.output
 
 
 def test_train_rejects_a_bad_config_naming_the_field(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The layout verifier on real Ray actors and process groups: DP=2 and CP=2 give the
-gradients and terms of DP=1 for every mode and term, and a factor-2 error planted in one
-layout's reduction is caught for every mode and for KL."""
+gradients and terms of DP=1 for every mode and term (a planted error is caught: see
+tests/services/test_cli.py), and its tolerance judges a term against its own scale."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from rollout.tiny import create_tiny_checkpoint
 from tests.trainer.helpers import random_train_batch
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig, TrainerConfig
-from trainer.objective import PLANTED_ERROR_ENV
 from trainer.verify import Layout, TermResult, compare, perturbed, verify_layouts
 
 MODES = ("sample_mean", "token_mean", "prompt_mean", "constant")
@@ -44,15 +43,6 @@ def test_dp2_and_cp2_equal_dp1_for_every_mode_and_term(
     for row in rows:
         assert row.ok, row
         assert row.grad_rel < 1e-9, row  # float64: rounding only
-
-
-def test_a_planted_reduction_error_fails_every_mode_and_kl(
-        ray_cluster: None, tiny_model: str, batch) -> None:
-    rows = verify_layouts(CONFIG, OBJECTIVE, tiny_model, batch, [Layout(1, 1), Layout(2, 1)],
-                          env_for_layout={"dp2cp1": {PLANTED_ERROR_ENV: "pg,kl"}})
-    failed = {(r.mode, r.term) for r in rows if not r.ok}
-    # Each term's gradient is checked on its own: the untouched entropy term still passes.
-    assert failed == {(mode, term) for mode in MODES for term in ("pg", "kl")}, rows
 
 
 def test_tolerance_scales_with_the_terms_own_magnitude() -> None:

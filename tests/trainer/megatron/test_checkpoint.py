@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from rollout.tiny import create_tiny_checkpoint
 from tests.trainer.helpers import random_train_batch
+from tests.trainer.megatron.helpers import max_relative_difference, objective_for
 from trainer.config import OptimizerConfig, TrainerConfig
 from trainer.group import TrainerGroup
-from trainer.verify import max_relative_difference
 
 pytest.importorskip("megatron.core")
 
@@ -30,7 +30,7 @@ def _run(config: TrainerConfig, model_path: str, batches: list, load: str | None
          save: str | None = None) -> list[tuple[dict[str, float], dict]]:
     """Optionally resume, then train on each batch (saving after the first); the metrics
     and weights after every step."""
-    group = TrainerGroup(config, model_path, total_steps=4, max_response_len=8)
+    group = TrainerGroup(config, objective_for(config), model_path, total_steps=4)
     try:
         if load:
             group.load_checkpoint(load)

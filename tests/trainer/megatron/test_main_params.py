@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from rollout.tiny import create_tiny_checkpoint
+from tests.distributed import run_ranks
 from tests.trainer.helpers import random_train_batch
-from tests.trainer.megatron.ranks import objective_for, run_ranks, start_worker
+from tests.trainer.megatron.helpers import objective_for, start_worker
 from trainer.config import OptimizerConfig, TrainerConfig
 from trainer.step_plan import plan_step
 
@@ -34,7 +35,7 @@ def _bf16_steps(rank: int, port: int, model_path: str) -> dict:
     batch = random_train_batch(100, num_prompts=3, group_size=2)
     plan = plan_step(batch, objective, 1, 1, CONFIG.max_tokens_per_micro_batch)
     initial = worker.export_weights()
-    _, grads = worker.gradients(batch, plan)
+    _, grads = worker.gradients(batch, plan, objective)
     for _ in range(STEPS):
         worker.train_step(batch, plan)
     states = [s for s in worker.optimizer.state.values()]

@@ -3,9 +3,11 @@
     model.py       GPTModel + TransformerConfig from a Hugging Face Qwen2 / Llama config
     convert.py     HF <-> Megatron weights at any TP size (pure, exact)
     weights.py     moving whole HF state dicts in and out of the sharded model (collective)
-    loss.py        the loss in Megatron's contract, vocab-parallel log-probs, THE SUM factor
+    loss.py        Megatron's loss contract around trainer/objective.py: vocab-parallel
+                   log-probs and entropy of softmax(z / T), THE SUM factor
+    main_params.py fp32 main params under bf16 compute, DP×CP gradient mean, clipping
     cpu_bridge.py  megatron-core's CUDA assumptions, bridged on CPU only
-    worker.py      MegatronWorker, the rank actor (same verbs as trainer.worker)
+    worker.py      MegatronWorker, the rank actor (same verbs as FSDPWorker)
     checkpoint.py  checkpoints in the torch backend's format
 
 No module here imports megatron-core at import time (only inside functions), so the

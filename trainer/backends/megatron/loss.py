@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.megatron.model import ModelShape
-from trainer.config import LossConfig
+from trainer.config import LossConfig, ObjectiveConfig
 from trainer.micro_batch import MicroBatch
-from trainer.objective import TokenLogProbs, micro_batch_objective
+from trainer.objective import TokenLogProbs, micro_batch_objective, term_coefficients
 
 
 def megatron_sum_factor(dp_size: int, num_micro_batches: int) -> int:
@@ -105,16 +105,18 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, shape:
 
 
 def loss_func(micro: MicroBatch, ref_log_probs: torch.Tensor | None, loss_cfg: LossConfig,
-              shape: ModelShape, temperature: float, scale: int, mode_names: list[str],
-              planted_term: str | None, logits: torch.Tensor
+              objective: ObjectiveConfig, shape: ModelShape, scale: int, mode_names: list[str],
+              planted_terms: frozenset[str], logits: torch.Tensor
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Megatron's loss function of one micro-batch: ``(scale · Σ w·ℓ, reported sums)``.
 
     ``reported["sums"]`` holds this rank's unscaled logged sums (``objective.LOGGED_SUMS``,
     then one per aggregation mode), added up over micro-batches and DP×CP by the worker.
     """
-    log_probs, entropy = vocab_parallel_log_probs(logits, micro.targets, shape, temperature,
-                                                  entropy=loss_cfg.entropy_coef > 0)
+    entropy_grad = term_coefficients(loss_cfg, objective.gradient_of)["entropy"] > 0
+    log_probs, entropy = vocab_parallel_log_probs(logits, micro.targets, shape,
+                                                  objective.temperature, entropy=entropy_grad)
     token = TokenLogProbs(log_probs, entropy, ref_log_probs)
-    objective, sums = micro_batch_objective(token, micro, loss_cfg, mode_names, planted_term)
-    return objective * scale, {"sums": sums}
+    loss, sums = micro_batch_objective(token, micro, loss_cfg, mode_names, planted_terms,
+                                       objective.gradient_of)
+    return loss * scale, {"sums": sums}

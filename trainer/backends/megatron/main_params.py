@@ -26,6 +26,8 @@ torch optimizer on the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -52,7 +54,7 @@ class MainParams:
             p.register_post_accumulate_grad_hook(self._accumulate_into(self.params[name]))
 
     @staticmethod
-    def _accumulate_into(main: torch.Tensor):  # noqa: ANN205 (a torch hook)
+    def _accumulate_into(main: torch.Tensor) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             grad = param.grad.to(main.dtype)
             main.grad = grad if main.grad is None else main.grad.add_(grad)

@@ -36,7 +36,7 @@ from trainer.backends.megatron.model import build_gpt_model, model_shape
 from trainer.backends.megatron.weights import WeightMover
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.micro_batch import MicroBatch, slice_micro_batch
-from trainer.objective import planted_error_term, step_metrics
+from trainer.objective import planted_error_terms, step_metrics
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.rank import RankInfo, compute_dtype, init_rank
 from trainer.step_plan import StepPlan
@@ -68,8 +68,8 @@ class MegatronWorker(RankInfo):
         install_rng_tracker(config.seed, self.device)
         # Every TP rank of DP×CP rank 0 computes that replica's loss, so all of them carry
         # the planted factor (FSDP plants it on rank 0, which owns its tokens alone).
-        self.planted_term = (planted_error_term() if self.dp_rank == 0 and self.cp_rank == 0
-                             else None)
+        self.planted_terms = (planted_error_terms() if self.dp_rank == 0 and self.cp_rank == 0
+                              else frozenset())
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.shape = model_shape(self.hf_config, config.tp_size)
         self.compute_dtype = compute_dtype(config, self.device)
@@ -79,12 +79,7 @@ class MegatronWorker(RankInfo):
         self.weights = WeightMover(self.model, self.shape, self.device, self.main.params)
         self.weights.read_checkpoint(self.model_path)  # into the main params, unrounded
         self.main.copy_to_model()
-        self.ref_model = None
-        if config.loss.kl_coef > 0:  # no grads, no main params: it only computes
-            self.ref_model = self._build()
-            WeightMover(self.ref_model, self.shape, self.device).read_checkpoint(
-                self.model_path)
-            self.ref_model.requires_grad_(False)
+        self.ref_model = self._build_reference() if config.loss.kl_coef > 0 else None
         self.reset_optimizer()
 
     def _build(self) -> torch.nn.Module:
@@ -92,22 +87,28 @@ class MegatronWorker(RankInfo):
             return build_gpt_model(self.hf_config, self.shape, self.config.cp_size,
                                    self.compute_dtype, self.device)
 
+    def _build_reference(self) -> torch.nn.Module:
+        """The frozen reference policy: no grads, so no main params; it only computes."""
+        model = self._build()
+        WeightMover(model, self.shape, self.device).read_checkpoint(self.model_path)
+        return model.requires_grad_(False)
+
     def _forward_step(self, scale: int, mode_names: list[str],
                       data_iterator: Iterator[MicroBatch], model: torch.nn.Module
                       ) -> tuple[torch.Tensor, functools.partial]:
         """Megatron's forward_step_func: (vocab-parallel logits, the loss function)."""
         micro = next(data_iterator)
-        temperature = self.objective.temperature
         ref_log_probs = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logits = self.ref_model(micro.input_ids, micro.position_ids, None)
                 ref_log_probs, _ = vocab_parallel_log_probs(ref_logits, micro.targets,
-                                                            self.shape, temperature)
+                                                            self.shape,
+                                                            self.objective.temperature)
         logits = model(micro.input_ids, micro.position_ids, None)
         return logits, functools.partial(loss_func, micro, ref_log_probs, self.config.loss,
-                                         self.shape, temperature, scale, mode_names,
-                                         self.planted_term)
+                                         self.objective, self.shape, scale, mode_names,
+                                         self.planted_terms)
 
     def train_step(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
         started = time.perf_counter()
@@ -143,14 +144,19 @@ class MegatronWorker(RankInfo):
         dist.all_reduce(totals, group=self.dp_cp_group)  # TP ranks hold identical sums
         return step_metrics(totals, mode_names)
 
-    def gradients(self, batch: TrainBatch, plan: StepPlan
+    def gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
                   ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
-        """Collective, no update: the step's sums and, on rank 0, the full summed fp64
-        gradient of every HF parameter (what the optimizer would see); grads are cleared.
+        """Collective, no update: the step's sums under ``objective`` and, on rank 0, the
+        full summed fp64 gradient of every HF parameter (what the optimizer would see,
+        gathered over TP); grads are cleared.
 
         Keys are those of the HF model's ``named_parameters()``: a tied model has no
         ``lm_head.weight`` (its gradient is part of the embeddings')."""
-        sums = self.forward_backward(batch, plan)
+        configured, self.objective = self.objective, objective
+        try:
+            sums = self.forward_backward(batch, plan)
+        finally:
+            self.objective = configured
         grads = self.weights.gather({name: p.grad if p.grad is not None else torch.zeros_like(p)
                                      for name, p in self.weights.params.items()})
         self.main.zero_grad()

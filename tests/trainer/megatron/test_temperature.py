@@ -1,0 +1,83 @@
+"""Megatron at TP=2 on gloo processes (no Ray): the trainer's log-probs are those of the
+engine's sampling distribution softmax(z / T), and the vocab-parallel log-probs and
+entropy equal the full-vocabulary ones, finite with −inf logits, values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.tiny import create_tiny_checkpoint
+from tests.distributed import run_ranks
+from tests.trainer.helpers import sampled_train_batch
+from tests.trainer.megatron.helpers import objective_for, start_worker
+from trainer.config import LossConfig, TrainerConfig
+from trainer.losses import log_probs_and_entropy
+from trainer.step_plan import plan_step
+
+pytest.importorskip("megatron.core")
+
+TP = 2
+CONFIG = TrainerConfig(backend="megatron", tp_size=TP, loss=LossConfig(old_log_probs="rollout"))
+
+
+def _vocab_parallel_case(worker, temperature: float) -> dict[str, torch.Tensor]:
+    """This rank's slice of shared random logits (some −inf) through the vocab-parallel
+    path: log-probs, entropy and the gradient of their sum w.r.t. the logits."""
+    from trainer.backends.megatron.loss import vocab_parallel_log_probs
+
+    shape = worker.shape
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 5, shape.padded_vocab_size, generator=gen) * 3
+    full[0, 1, : shape.vocab_size - 1] = -torch.inf  # one finite logit left in the row
+    full[1, :, 7:40] = -torch.inf  # blocked tokens on both ranks
+    targets = torch.randint(0, shape.vocab_size, (2, 5), generator=gen)
+    targets[0, 1] = shape.vocab_size - 1
+    start = worker.weights.tp_rank * shape.vocab_per_rank
+    local = full[..., start: start + shape.vocab_per_rank].clone().requires_grad_(True)
+    log_probs, entropy = vocab_parallel_log_probs(local, targets, shape, temperature,
+                                                  entropy=True)
+    (log_probs.sum() + entropy.sum()).backward()
+    return {"full": full[..., : shape.vocab_size], "targets": targets,
+            "log_probs": log_probs.detach(), "entropy": entropy.detach(), "grad": local.grad}
+
+
+def _mismatch(rank: int, port: int, model_path: str, batch, temperatures: list[float]
+              ) -> dict[str, object]:
+    worker = start_worker(CONFIG, objective_for(CONFIG, temperatures[0]), model_path, rank,
+                          port)
+    mismatch = []
+    for temperature in temperatures:
+        objective = objective_for(CONFIG, temperature)
+        plan = plan_step(batch, objective, 1, 1, CONFIG.max_tokens_per_micro_batch)
+        sums, _ = worker.gradients(batch, plan, objective)
+        mismatch.append(sums["mismatch/log_prob_abs_diff"])
+    return {"mismatch": mismatch, "vocab_parallel": _vocab_parallel_case(worker, 0.7)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
+    model_path = create_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+    batch = sampled_train_batch(model_path, temperature=0.7)
+    return run_ranks(_mismatch, TP, model_path, batch, [0.7, 1.0])
+
+
+def test_trainer_log_probs_match_the_engine_at_its_temperature(results: list[dict]) -> None:
+    at_sampling, at_one = results[0]["mismatch"]
+    assert at_sampling < 1e-5  # mean |log π_trainer − log π_engine| per token
+    assert at_one > 1e-2  # a trainer that ignored T would be visibly off
+
+
+def test_vocab_parallel_terms_equal_full_vocabulary_and_stay_finite(results: list[dict]
+                                                                   ) -> None:
+    case = results[0]["vocab_parallel"]
+    full = case["full"].clone().requires_grad_(True)
+    log_probs, entropy = log_probs_and_entropy(full, case["targets"], 0.7,
+                                               with_entropy_grad=True)
+    (log_probs.sum() + entropy.sum()).backward()
+    assert torch.allclose(case["log_probs"], log_probs.detach(), atol=1e-5, rtol=0)
+    assert torch.allclose(case["entropy"], entropy.detach(), atol=1e-5, rtol=0)
+    assert case["entropy"][0, 1].abs() < 1e-6  # one token left: H = 0, not NaN
+    grads = torch.cat([r["vocab_parallel"]["grad"] for r in results], dim=-1)
+    assert torch.isfinite(grads).all()
+    assert torch.allclose(grads[..., : full.shape[-1]], full.grad, atol=1e-5, rtol=0)
