@@ -120,9 +120,6 @@ class TrainerGroup:
         return self._call("gradients", ray.put(batch), ray.put(self.plan(batch, objective)),
                           objective)[0]
 
-    def reset_optimizer(self) -> None:
-        self._call("reset_optimizer")
-
     def async_export_weights(self) -> ray.ObjectRef:
         """Gather the full weights (collective); the ref holds rank 0's state dict."""
         refs = [w.export_weights.remote() for w in self.workers]

@@ -160,12 +160,6 @@ class FSDPWorker(RankInfo):
         """Collective; rank 0 passes the full state dict, the others None."""
         fsdp.load_full_state_dict(self.model, state_dict or {})
 
-    def reset_optimizer(self) -> None:
-        """Fresh optimizer state and schedule (the verifier starts every mode anew)."""
-        self.optimizer = build_optimizer(list(self.model.parameters()), self.config.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, self.config.optimizer,
-                                         self.total_steps)
-
     def save_checkpoint(self, path: str) -> None:
         """Collective; rank 0 writes the model (HF safetensors) and the trainer state."""
         from trainer.checkpoint import save_trainer_checkpoint

@@ -44,7 +44,7 @@ from trainer.step_plan import StepPlan
 
 class MegatronWorker(RankInfo):
     """Verbs: setup, train_step (forward_backward + optimizer_step), gradients,
-    export_weights, load_weights, reset_optimizer, save_checkpoint, load_checkpoint (the
+    export_weights, load_weights, save_checkpoint, load_checkpoint (the
     same as ``FSDPWorker``)."""
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
@@ -80,7 +80,7 @@ class MegatronWorker(RankInfo):
         self.weights.read_checkpoint(self.model_path)  # into the main params, unrounded
         self.main.copy_to_model()
         self.ref_model = self._build_reference() if config.loss.kl_coef > 0 else None
-        self.reset_optimizer()
+        self._build_optimizer()
 
     def _build(self) -> torch.nn.Module:
         with cpu_bridge(self.device):
@@ -177,9 +177,8 @@ class MegatronWorker(RankInfo):
         self.scheduler.step()
         return {"grad_norm": norm, "lr": lr}
 
-    def reset_optimizer(self) -> None:
-        """Fresh optimizer state and schedule over the main params (the verifier starts
-        every mode anew)."""
+    def _build_optimizer(self) -> None:
+        """AdamW (or SGD) and its schedule over the fp32 main params."""
         self.optimizer = build_optimizer(self.params, self.config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, self.config.optimizer,
                                          self.total_steps)
