@@ -12,6 +12,9 @@ shifts to next-token prediction itself (the log-prob of token t comes from logit
     rewards            [N]    float32
     advantages         [N]    float32  one per sample (broadcast over its tokens)
     group_index        [N]    int64    samples of one prompt share it; increases across steps
+    old_log_probs      [N, S] float32  optional: the trainer's log-prob of each response token
+                                       under the policy at the start of the rollout (set by
+                                       the trainer when a rollout has several updates)
 
 Derived on construction (whole-step metadata of the aggregation contract):
 
@@ -22,7 +25,7 @@ Derived on construction (whole-step metadata of the aggregation contract):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -45,6 +48,7 @@ class TrainBatch:
     pad_token_id: int = 0
     metadata: dict[str, float] = field(default_factory=dict)
     """Rollout statistics for the step's metrics (draws, reward errors, tokens/s, ...)."""
+    old_log_probs: torch.Tensor | None = None
     sample_token_counts: torch.Tensor = field(init=False)
     group_ids: torch.Tensor = field(init=False)
     prompt_mask_sums: torch.Tensor = field(init=False)
@@ -63,8 +67,12 @@ class TrainBatch:
             actual = tuple(getattr(self, name).shape)
             if actual != shape:
                 raise TrainBatchError(f"{name}: expected shape {shape}, got {actual}")
-        for name in ("loss_mask", "rollout_log_probs", "rewards", "advantages"):
-            if not torch.isfinite(getattr(self, name)).all():
+        if self.old_log_probs is not None and tuple(self.old_log_probs.shape) != (
+                num_samples, seq_len):
+            raise TrainBatchError(f"old_log_probs: expected shape {(num_samples, seq_len)}, "
+                                  f"got {tuple(self.old_log_probs.shape)}")
+        for name in ("loss_mask", "rollout_log_probs", "rewards", "advantages", "old_log_probs"):
+            if getattr(self, name) is not None and not torch.isfinite(getattr(self, name)).all():
                 raise TrainBatchError(f"{name}: contains NaN or inf")
         if (self.prompt_lengths + self.response_lengths > seq_len).any():
             raise TrainBatchError("prompt_lengths + response_lengths exceed input_ids width")
@@ -109,6 +117,10 @@ class TrainBatch:
     @property
     def sequence_lengths(self) -> torch.Tensor:
         return self.prompt_lengths + self.response_lengths
+
+    def with_old_log_probs(self, old_log_probs: torch.Tensor) -> TrainBatch:
+        """The same batch carrying the trainer's start-of-rollout log-probs."""
+        return replace(self, old_log_probs=old_log_probs)
 
     def select(self, sample_indices: torch.Tensor | list[int]) -> TrainBatch:
         """A batch of whole groups picked by sample index (keeps the schema's checks)."""

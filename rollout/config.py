@@ -269,6 +269,10 @@ class RolloutConfig(BaseModel):
     """G: responses sampled per prompt (one group)."""
     global_batch_size: int = Field(default=64, gt=0)
     """N: samples per optimizer step, a multiple of G (steps hold whole groups)."""
+    rollout_batch_size: int | None = Field(default=None, gt=0)
+    """Prompts per rollout; None: global_batch_size / G (one optimizer step per rollout).
+    Its samples (× G) must be a multiple of global_batch_size: the rollout is split into
+    rollout_batch_size · G / global_batch_size optimizer steps of whole groups."""
     seed: int = 0
     """Seed of sampling; every step derives its own seeds from (seed, step)."""
 
@@ -278,6 +282,17 @@ class RolloutConfig(BaseModel):
             raise ValueError(
                 f"global_batch_size: {self.global_batch_size} is not a multiple of "
                 f"n_samples_per_prompt={self.n_samples_per_prompt} (steps hold whole groups)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _whole_steps_per_rollout(self) -> RolloutConfig:
+        samples = self.num_samples_per_rollout
+        if samples % self.global_batch_size:
+            raise ValueError(
+                f"rollout_batch_size: {self.rollout_batch_size} prompts × "
+                f"n_samples_per_prompt={self.n_samples_per_prompt} = {samples} samples per "
+                f"rollout is not a multiple of global_batch_size={self.global_batch_size}"
             )
         return self
 
@@ -292,5 +307,19 @@ class RolloutConfig(BaseModel):
 
     @property
     def num_prompts_per_step(self) -> int:
-        """P = N / G."""
+        """P = N / G of one optimizer step."""
         return self.global_batch_size // self.n_samples_per_prompt
+
+    @property
+    def num_prompts_per_rollout(self) -> int:
+        """Prompts generated per rollout (rollout_batch_size, default P of one step)."""
+        return self.rollout_batch_size or self.num_prompts_per_step
+
+    @property
+    def num_samples_per_rollout(self) -> int:
+        return self.num_prompts_per_rollout * self.n_samples_per_prompt
+
+    @property
+    def num_steps_per_rollout(self) -> int:
+        """Optimizer steps one pass over a rollout takes (× trainer.ppo_epochs in all)."""
+        return self.num_samples_per_rollout // self.global_batch_size

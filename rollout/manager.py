@@ -99,8 +99,9 @@ class RolloutManager:
     # -- one step ---------------------------------------------------------------------
 
     def generate_batch(self, step: int) -> TrainBatch:
-        """The step's TrainBatch: N = global_batch_size samples in whole groups."""
-        num_prompts = self.config.num_prompts_per_step
+        """The rollout's TrainBatch: rollout_batch_size prompts × G samples, whole groups
+        (dynamic sampling fills all of it)."""
+        num_prompts = self.config.num_prompts_per_rollout
         dynamic = self.config.dynamic_sampling
         stats = _StepStats()
         kept: list[_Group] = []

@@ -65,12 +65,13 @@ def verify_aggregation(
     atol: Annotated[float | None, typer.Option(
         help="tolerance relative to the term's own scale (‖∇‖∞, Σ|w·ℓ|)")] = None,
 ) -> None:
-    """Each term's summed gradient and J of one step on the same rollout batch under each
+    """Each term's summed gradient and J of every optimizer step of one rollout under each
     layout, against the first layout, for every aggregation mode; exit 1 on a difference
     above |Δ| ≤ rtol·|ref| + atol·scale."""
     import ray
 
     from services.train import ensure_ray, job_model_path, quiet_transformers
+    from trainer.mini_batches import rollout_updates
     from trainer.verify import Layout, default_tolerance, format_rows, verify_layouts
 
     job = _load(config, set_)
@@ -91,8 +92,12 @@ def verify_aggregation(
         typer.echo(f"batch: {batch.num_samples} samples, {batch.num_valid_tokens} valid tokens; "
                    f"reference layout {parsed[0]}; rtol {tolerance[0]:.0e}, "
                    f"atol {tolerance[1]:.0e}")
+        updates = rollout_updates(batch, job.rollout.global_batch_size,
+                                  job.trainer.ppo_epochs, job.trainer.seed, rollout_index=0)
+        typer.echo(f"{len(updates)} optimizer step(s) per rollout, each compared")
         rows = verify_layouts(job.trainer, job.objective_config(), model_path, batch, parsed,
-                              tolerance=tolerance, env_for_layout=_planted_env(parsed))
+                              tolerance=tolerance, env_for_layout=_planted_env(parsed),
+                              updates=updates)
         for line in format_rows(rows):
             typer.echo(line)
         failed = [row for row in rows if not row.ok]

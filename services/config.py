@@ -89,7 +89,8 @@ class JobConfig(BaseModel):
                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     """Job name: letters, digits, '-', '_' and '.'."""
     num_steps: int = Field(default=20, gt=0)
-    """RL optimizer steps (one rollout batch each)."""
+    """Rollouts to run; each takes rollout.num_steps_per_rollout × trainer.ppo_epochs
+    optimizer steps (the LR schedule counts optimizer steps)."""
     aggregation: AggregationConfig = AggregationConfig()
     """How the pg loss of a step is aggregated (docs/loss-aggregation.md)."""
     rollout: RolloutConfig = RolloutConfig()
@@ -116,7 +117,8 @@ class JobConfig(BaseModel):
     @classmethod
     def _aggregation_set_once(cls, data: object) -> object:
         """The pg aggregation has one home: the top-level `aggregation:`."""
-        loss = (data.get("trainer") or {}).get("loss") if isinstance(data, dict) else None
+        trainer = data.get("trainer") if isinstance(data, dict) else None
+        loss = trainer.get("loss") if isinstance(trainer, dict) else None
         if isinstance(loss, dict) and "aggregation" in loss:
             raise ValueError("trainer.loss.aggregation: set the pg aggregation at the top-level "
                              "'aggregation:' of the job")
@@ -128,14 +130,6 @@ class JobConfig(BaseModel):
             raise ValueError("rollout.sampling.temperature: 0 (greedy) cannot be trained on: "
                              "the policy gradient needs the log-probs of a sampling "
                              "distribution softmax(logits / T); use T > 0 (e.g. 1.0)")
-        return self
-
-    @model_validator(mode="after")
-    def _prompt_mean_whole_groups(self) -> JobConfig:
-        batch, group = self.rollout.global_batch_size, self.rollout.n_samples_per_prompt
-        if self.aggregation.mode == "prompt_mean" and batch % group:
-            raise ValueError(f"rollout.global_batch_size: prompt_mean needs a multiple of "
-                             f"n_samples_per_prompt={group}, got {batch}")
         return self
 
     @model_validator(mode="after")
@@ -152,6 +146,28 @@ class JobConfig(BaseModel):
             raise ValueError("warmup.enabled: the warm-up trains on the synthetic task; "
                              "use rollout.dataset.type: synthetic or disable it")
         return self
+
+    @property
+    def num_updates_per_rollout(self) -> int:
+        """Optimizer steps per rollout: mini-batches of whole groups × PPO epochs."""
+        return self.rollout.num_steps_per_rollout * self.trainer.ppo_epochs
+
+    @property
+    def num_optimizer_steps(self) -> int:
+        """What the LR schedule counts."""
+        return self.num_steps * self.num_updates_per_rollout
+
+    def warnings(self) -> list[ConfigProblem]:
+        """Options that would be inert: valid, but probably not what the user meant."""
+        loss = self.trainer.loss
+        if self.num_updates_per_rollout > 1 or loss.old_log_probs == "rollout":
+            return []
+        why = ("has no effect: with one update per rollout and old_log_probs: trainer the "
+               "PPO ratio is exactly 1 (set rollout.rollout_batch_size or "
+               "trainer.ppo_epochs for several updates)")
+        return [ConfigProblem(f"trainer.loss.{name}", why)
+                for name in ("eps_clip_high", "dual_clip_c")
+                if getattr(loss, name) is not None]
 
     @property
     def max_response_len(self) -> int:

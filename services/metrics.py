@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Protocol
 
 METRICS_FILE = "metrics.jsonl"
+UPDATES_FILE = "updates.jsonl"
+"""Trainer metrics of every optimizer step ("step" counts optimizer steps), tagged with
+their rollout, update and epoch; metrics.jsonl has one row per rollout."""
 EVENTS_FILE = "events.jsonl"
 """Job events (placement, actor failures, restarts), one JSON object per line."""
 
@@ -22,8 +25,8 @@ class MetricsSink(Protocol):
 class JsonlSink:
     """One JSON object per step: {"step", "time", "metrics"}; appended and flushed."""
 
-    def __init__(self, output_dir: Path) -> None:
-        self.path = output_dir / METRICS_FILE
+    def __init__(self, output_dir: Path, filename: str = METRICS_FILE) -> None:
+        self.path = output_dir / filename
         self.file = self.path.open("a", encoding="utf-8")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:

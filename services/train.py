@@ -38,16 +38,18 @@ from services.controller_client import controller_sinks
 from services.metrics import (
     EVENTS_FILE,
     METRICS_FILE,
+    UPDATES_FILE,
     JsonlSink,
     MetricsSink,
     TensorBoardSink,
     truncate_after,
 )
-from services.placement import engine_placement
+from services.placement import reserve_job
 from services.preflight import preflight
 from services.warmup import warm_start
 from trainer import checkpoint
 from trainer.group import TrainerGroup, TrainerRankDied
+from trainer.mini_batches import Update, mini_batch, rollout_updates
 
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TRANSFORMERS_VERBOSITY": "error",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1",
@@ -85,14 +87,32 @@ def ensure_ray(num_cpus: int) -> bool:
     return True
 
 
-def step_metrics(batch: TrainBatch, train: dict[str, float], times: dict[str, float]
-                 ) -> dict[str, float]:
-    """Everything the dashboard plots for one step."""
+SPREAD_METRICS = ("pg_loss", "clip_fraction", "kl", "grad_norm", "ratio/mean_abs_dev")
+"""Trainer metrics that also get their min and max over a rollout's updates."""
+
+
+def rollout_train_metrics(per_update: list[dict[str, float]]) -> dict[str, float]:
+    """A rollout's trainer metrics: the mean over its updates (each update's J is exact
+    for its own mini-batch), min/max of a few, compute summed, the last lr."""
+    names = [k for k in per_update[0] if k != "valid_tokens"]
+    out = {k: sum(u[k] for u in per_update) / len(per_update) for k in names}
+    for name in SPREAD_METRICS:
+        out[f"{name}/min"] = min(u[name] for u in per_update)
+        out[f"{name}/max"] = max(u[name] for u in per_update)
+    out["perf/compute_s"] = sum(u["perf/compute_s"] for u in per_update)
+    out["lr"] = per_update[-1]["lr"]
+    out["updates"] = float(len(per_update))
+    return out
+
+
+def step_metrics(batch: TrainBatch, per_update: list[dict[str, float]],
+                 times: dict[str, float]) -> dict[str, float]:
+    """Everything the dashboard plots for one rollout."""
     step_time = sum(times.values())
     num_tokens = float(batch.sequence_lengths.sum())
     return {
         **{k: float(v) for k, v in batch.metadata.items()},
-        **{k: v for k, v in train.items() if k != "valid_tokens"},
+        **rollout_train_metrics(per_update),
         "reward/mean": float(batch.rewards.mean()),
         "reward/std": float(batch.rewards.std()) if batch.num_samples > 1 else 0.0,
         "response_length/mean": float(batch.response_lengths.float().mean()),
@@ -120,17 +140,21 @@ class Job:
     def __init__(self, config: JobConfig, output_dir: Path, log=print) -> None:
         self.config, self.output_dir, self.log = config, output_dir, log
         self.model_path = model_path = job_model_path(config, log)
-        self.trainer = TrainerGroup(config.trainer, config.objective_config(), model_path,
-                                    config.num_steps, env_vars=QUIET_ENV)
+        gang = reserve_job(config, on_wait=lambda message: (
+            log(message), write_event(output_dir, "waiting", message)))
+        self.engine_group = gang.group  # the whole job's group; close() removes it
         try:
-            placement, self.engine_group = engine_placement(config,
-                                                            self.trainer.placement_group)
-        except RuntimeError:
-            self.trainer.shutdown()
+            self.trainer = TrainerGroup(config.trainer, config.objective_config(), model_path,
+                                        config.num_optimizer_steps, env_vars=QUIET_ENV,
+                                        placement=gang.group)
+        except BaseException:
+            remove_placement_group(gang.group)
             raise
-        self.rollout = RolloutManagerActor.options(runtime_env={"env_vars": QUIET_ENV}).remote(
-            config.rollout, model_path, None, placement)
+        self.rollout = RolloutManagerActor.options(
+            runtime_env={"env_vars": QUIET_ENV}, **gang.manager_options()).remote(
+            config.rollout, model_path, None, gang.engine_options)
         self.checkpoint_root = output_dir / "checkpoints"
+        self.updates = JsonlSink(output_dir, UPDATES_FILE)  # one row per optimizer step
 
     def rl_step(self, step: int) -> dict[str, float]:
         """Generate → score → train → sync weights; returns the step's metrics."""
@@ -140,13 +164,29 @@ class Job:
         generated = time.perf_counter()
         if batch.num_valid_tokens == 0:  # nothing to learn from: skip, never NaN
             return {"skipped": 1.0, "reward/mean": float(batch.rewards.mean())}
-        train_metrics = self.trainer.train(batch, batch_ref)  # fetched once, planned here
+        updates = rollout_updates(batch, self.config.rollout.global_batch_size,
+                                  self.config.trainer.ppo_epochs, self.config.trainer.seed, step)
+        if len(updates) > 1 and self.config.trainer.loss.old_log_probs == "trainer":
+            batch = batch.with_old_log_probs(self.trainer.log_probs(batch))  # π at the start
+            batch_ref = None  # the stored batch has no old log-probs
+        per_update = []
+        for update in updates:  # fetched once; each mini-batch planned here on its own
+            mini = mini_batch(batch, update)
+            stored = batch_ref if mini is batch else None
+            per_update.append(self.trainer.train(mini, stored))
+            self.write_update(step, update, per_update[-1])
         trained = time.perf_counter()
         ray.get(self.rollout.update_weights.remote([self.trainer.async_export_weights()]))
         synced = time.perf_counter()
         times = {"rollout": generated - started, "train": trained - generated,
                  "sync": synced - trained}
-        return step_metrics(batch, train_metrics, times)
+        return step_metrics(batch, per_update, times)
+
+    def write_update(self, step: int, update: Update, metrics: dict[str, float]) -> None:
+        """One optimizer step's trainer metrics, tagged with its rollout and update."""
+        index = step * self.config.num_updates_per_rollout + update.index
+        self.updates.write(index, {**metrics, "rollout": float(step),
+                                   "update": float(update.index), "epoch": float(update.epoch)})
 
     def save_checkpoint(self, step: int) -> Path:
         """Trainer state, rollout cursor and step; written aside, then renamed."""
@@ -168,6 +208,8 @@ class Job:
         ray.get(self.rollout.update_weights.remote([self.trainer.async_export_weights()]))
         if truncate_metrics:  # a new run repeats the steps after the checkpoint
             truncate_after(self.output_dir / METRICS_FILE, state["step"])
+            truncate_after(self.output_dir / UPDATES_FILE,
+                           (state["step"] + 1) * self.config.num_updates_per_rollout - 1)
         self.log(f"resumed from {latest.name} (step {state['step']})")
         return state["step"] + 1
 
@@ -179,6 +221,7 @@ class Job:
 
     def close(self) -> None:
         """Stop every actor of the job, dead or alive, without waiting on a stuck one."""
+        self.updates.close()
         self.trainer.shutdown()
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.rollout.shutdown.remote(), timeout=60)
@@ -195,7 +238,9 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
     return (f"step {step + 1}/{num_steps} | reward {metrics['reward/mean']:.3f} "
             f"(last 10: {sum(recent) / len(recent):.3f}) "
             f"| pg_loss {metrics['pg_loss']:+.4f} | {metrics['perf/tokens_per_s']:,.0f} tok/s "
-            f"| {metrics['perf/step_time_s']:.1f} s")
+            f"| {metrics['perf/step_time_s']:.1f} s"
+            + (f" | {metrics['updates']:.0f} updates, clip ≤ {metrics['clip_fraction/max']:.3f}"
+               if metrics.get("updates", 1) > 1 else ""))
 
 
 def default_output_dir(config: JobConfig) -> Path:
@@ -228,6 +273,9 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
     output_dir = output_dir or default_output_dir(config)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.json").write_text(config.model_dump_json(indent=2))
+    for warning in config.warnings():  # inert options: run, but say so
+        log(f"warning: {warning.field}: {warning.message}")
+        write_event(output_dir, "config_warning", f"{warning.field}: {warning.message}")
     needed = config.trainer.world_size * config.trainer.num_cpus_per_rank + 2
     started_ray = ensure_ray(max(os.cpu_count() or 1, int(needed + 0.999)))
     sinks: list[MetricsSink] = [JsonlSink(output_dir), TensorBoardSink(output_dir),

@@ -196,8 +196,11 @@ class TrainerConfig(BaseModel):
     """Loss terms and their aggregation."""
     optimizer: OptimizerConfig = OptimizerConfig()
     """Optimizer and schedule."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over each rollout (verl's ppo_epochs, TRL's num_iterations); each pass
+    reshuffles the order of whole groups."""
     seed: int = 0
-    """Seed of the trainer's RNG."""
+    """Seed of the trainer's RNG (and of the order of groups within a rollout)."""
 
     @model_validator(mode="after")
     def _backend_layout(self) -> TrainerConfig:

@@ -44,22 +44,13 @@ def worker_class(backend: str) -> type:
 
 class TrainerGroup:
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
-                 total_steps: int, env_vars: dict[str, str] | None = None) -> None:
+                 total_steps: int, env_vars: dict[str, str] | None = None,
+                 placement: PlacementGroup | None = None) -> None:
+        """``placement``: a placed group whose bundles 0..world_size-1 are the ranks' (the
+        caller's, e.g. a whole job's; it stays theirs); None: the group makes its own."""
         self.config, self.objective = config, objective
-        bundle = {"CPU": config.num_cpus_per_rank, **config.resources}
-        if config.num_gpus_per_rank:
-            bundle["GPU"] = config.num_gpus_per_rank
-        self.placement_group: PlacementGroup = placement_group(
-            [dict(bundle) for _ in range(config.world_size)],
-            strategy="PACK" if config.allow_cross_node else "STRICT_PACK")
-        try:
-            ray.get(self.placement_group.ready(), timeout=config.call_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.placement_group)
-            raise RuntimeError(
-                f"trainer: the cluster cannot place {config.world_size} ranks of {bundle}"
-                f"{'' if config.allow_cross_node else ' on one node'} within "
-                f"{config.call_timeout_s:.0f} s") from None
+        self.owns_placement = placement is None
+        self.placement_group: PlacementGroup = placement or self._place(config)
         actor_cls = ray.remote(worker_class(config.backend))
         self.workers = [
             actor_cls.options(
@@ -73,6 +64,23 @@ class TrainerGroup:
         ]
         master_addr, master_port = ray.get(self.workers[0].node_address.remote())
         self._call("setup", master_addr, master_port)
+
+    @staticmethod
+    def _place(config: TrainerConfig) -> PlacementGroup:
+        bundle = {"CPU": config.num_cpus_per_rank, **config.resources}
+        if config.num_gpus_per_rank:
+            bundle["GPU"] = config.num_gpus_per_rank
+        group = placement_group([dict(bundle) for _ in range(config.world_size)],
+                                strategy="PACK" if config.allow_cross_node else "STRICT_PACK")
+        try:
+            ray.get(group.ready(), timeout=config.call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)
+            raise RuntimeError(
+                f"trainer: the cluster cannot place {config.world_size} ranks of {bundle}"
+                f"{'' if config.allow_cross_node else ' on one node'} within "
+                f"{config.call_timeout_s:.0f} s") from None
+        return group
 
     def _call(self, verb: str, *args: Any) -> list[Any]:
         """Run ``verb`` on every rank at once and wait for all of them.
@@ -104,7 +112,7 @@ class TrainerGroup:
 
     def train(self, batch: TrainBatch, batch_ref: ray.ObjectRef | None = None,
               objective: ObjectiveConfig | None = None) -> dict[str, float]:
-        """One optimizer step on a whole rollout batch; returns the step's exact metrics.
+        """One optimizer step on a mini-batch of whole groups; returns its exact metrics.
 
         The driver holds the batch already (it plans the step); ``batch_ref`` is the same
         batch in the object store, so the ranks fetch it without another copy.
@@ -113,12 +121,20 @@ class TrainerGroup:
         ref = batch_ref if batch_ref is not None else ray.put(batch)
         return self._call("train_step", ref, ray.put(plan))[0]
 
-    def gradients(self, batch: TrainBatch, objective: ObjectiveConfig | None = None
-                  ) -> tuple[dict[str, float], dict[str, Any]]:
-        """One step's logged sums and full summed gradients, without an update."""
-        objective = objective or self.objective
-        return self._call("gradients", ray.put(batch), ray.put(self.plan(batch, objective)),
-                          objective)[0]
+    def reset_optimizer(self) -> None:
+        """Fresh optimizer state and schedule on every rank (the verifier, per mode)."""
+        self._call("reset_optimizer")
+
+    def log_probs(self, batch: TrainBatch) -> Any:
+        """log π_T [N, S] of every response token under the current policy (no update)."""
+        return self._call("log_probs", ray.put(batch), ray.put(self.plan(batch)))[0]
+
+    def gradients(self, batch: TrainBatch, objectives: list[ObjectiveConfig]
+                  ) -> list[tuple[dict[str, float], dict[str, Any]]]:
+        """One step's logged sums and full summed gradients under each objective (they
+        share the pg mode, so one plan), without an update."""
+        plan = self.plan(batch, objectives[0])
+        return self._call("gradients", ray.put(batch), ray.put(plan), objectives)[0]
 
     def async_export_weights(self) -> ray.ObjectRef:
         """Gather the full weights (collective); the ref holds rank 0's state dict."""
@@ -148,4 +164,5 @@ class TrainerGroup:
         for worker in self.workers:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(worker)
-        remove_placement_group(self.placement_group)
+        if self.owns_placement:
+            remove_placement_group(self.placement_group)

@@ -25,7 +25,8 @@ from trainer.losses import kl_penalty, policy_gradient_loss
 from trainer.micro_batch import MicroBatch
 
 LOGGED_SUMS = ("pg_loss", "kl", "entropy", "clipped_tokens", "valid_tokens",
-               "log_prob_abs_diff", "magnitude/pg_loss", "magnitude/kl", "magnitude/entropy")
+               "log_prob_abs_diff", "ratio_abs_dev", "magnitude/pg_loss", "magnitude/kl",
+               "magnitude/entropy")
 """``magnitude/<term>`` = Σ|w·ℓ|: the scale a difference in that term is judged against."""
 PLANTED_ERROR_ENV = "TALLY_TEST_PLANTED_ERROR"
 """Test hook (not a user option): ``<term>[,<term>]`` doubles rank 0's share of those
@@ -66,7 +67,12 @@ def micro_batch_objective(
     A KL or entropy sum is always logged (entropy needs no reference model); it enters
     the backward only with a coefficient > 0."""
     mask = micro.loss_mask
-    old = token.log_probs.detach() if loss.old_log_probs == "trainer" else micro.rollout_log_probs
+    if loss.old_log_probs == "rollout":
+        old = micro.rollout_log_probs
+    elif micro.old_log_probs is not None:  # the policy at the start of the rollout
+        old = micro.old_log_probs
+    else:  # the one update of a rollout: the old policy is this one, ρ = 1 exactly
+        old = token.log_probs.detach()
     pg = policy_gradient_loss(token.log_probs, old, micro.advantages, loss, mask,
                               micro.rollout_log_probs)
     pg_sum = local_weighted_sum(pg.pg_loss, micro.weights["pg"])
@@ -85,6 +91,7 @@ def micro_batch_objective(
         mismatch = torch.where(mask > 0, token.log_probs - micro.rollout_log_probs, 0.0)
         sums = torch.stack([
             pg_sum, kl_sum, entropy_sum, pg.clipped.sum(), mask.sum(), mismatch.abs().sum(),
+            ((pg.ratio - 1).abs() * mask).sum(),
             *[local_weighted_sum(value.abs(), micro.weights[term].abs()) for term, value in
               (("pg", pg.pg_loss), ("kl", kl), ("entropy", token.entropy))],
             *[local_weighted_sum(pg.pg_loss, micro.weights[k]) for k in mode_names],
@@ -99,4 +106,6 @@ def step_metrics(totals: torch.Tensor, mode_names: list[str]) -> dict[str, float
     values["clip_fraction"] = values.pop("clipped_tokens") / num_valid
     # Train-inference mismatch: mean |log π_trainer − log π_rollout| per valid token.
     values["mismatch/log_prob_abs_diff"] = values.pop("log_prob_abs_diff") / num_valid
+    # Mean |ρ − 1| per valid token: 0 on a rollout's first update, growing after it.
+    values["ratio/mean_abs_dev"] = values.pop("ratio_abs_dev") / num_valid
     return values

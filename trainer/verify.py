@@ -12,6 +12,11 @@ judged against its scale, not against itself. The policy starts perturbed away f
 reference model, so KL and its gradient are not zero; each term's gradient is taken on
 its own (coefficient 1), so a KL weighting bug cannot hide under a small ``kl_coef``.
 FSDP computes in float64 for this; Megatron in fp32 (looser default tolerance).
+
+A rollout with several updates (``updates``: mini-batches × epochs) is compared update by
+update: each update's gradients on its own mini-batch, then the same optimizer step in
+every layout (from the same start, optimizer state fresh for each mode), so every update
+of the rollout is checked, with the old log-probs of the rollout's start.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from rollout.batch import TrainBatch
 from trainer.config import AGGREGATION_MODES, AggregationConfig, ObjectiveConfig, TrainerConfig
+from trainer.mini_batches import Update, mini_batch
 
 TERMS = {"pg": "pg_loss", "kl": "kl", "entropy": "entropy"}
 """Term -> its logged J."""
@@ -54,10 +60,11 @@ class TermResult:
 
 @dataclass(frozen=True)
 class Row:
-    """One (layout, mode, term) comparison against the reference layout."""
+    """One (layout, mode, update, term) comparison against the reference layout."""
 
     layout: str
     mode: str
+    update: int
     term: str
     grad_abs: float
     grad_rel: float
@@ -95,30 +102,40 @@ def perturbed(state: dict[str, torch.Tensor], seed: int = 0, scale: float = 0.05
 
 def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                batch: TrainBatch, layout: Layout, modes: tuple[str, ...],
-               policy_state: dict[str, torch.Tensor] | None = None,
+               updates: list[Update], policy_state: dict[str, torch.Tensor] | None = None,
                env_vars: dict[str, str] | None = None,
-               ) -> tuple[dict[tuple[str, str], TermResult], dict[str, torch.Tensor]]:
-    """Every (mode, term) gradient and J under one layout, from ``policy_state`` (the
-    perturbed policy; made from the first layout's weights when None)."""
+               ) -> tuple[dict[tuple[str, int, str], TermResult], dict[str, torch.Tensor]]:
+    """Every (mode, update, term) gradient and J under one layout, from ``policy_state``
+    (the perturbed policy; made from the first layout's weights when None)."""
     import ray
 
     from trainer.group import TrainerGroup
 
     config = config.model_copy(update={"dp_size": layout.dp_size, "cp_size": layout.cp_size})
-    group = TrainerGroup(config, objective, model_path, total_steps=1, env_vars=env_vars)
+    group = TrainerGroup(config, objective, model_path, total_steps=len(updates) * len(modes),
+                         env_vars=env_vars)
     try:
         if policy_state is None:
             policy_state = perturbed(ray.get(group.async_export_weights()))
-        group.load_weights(policy_state)
         results = {}
         for mode in modes:
+            group.load_weights(policy_state)
+            group.reset_optimizer()
             pg = AggregationConfig(mode=mode, divisor=objective.metric_divisor
                                    if mode == "constant" else None)
-            for term, logged in TERMS.items():
-                sums, grads = group.gradients(batch, objective.model_copy(
-                    update={"pg": pg, "gradient_of": term}))
-                results[mode, term] = TermResult(sums[logged], sums[f"magnitude/{logged}"],
-                                                 grads)
+            step_objective = objective.model_copy(update={"pg": pg})
+            rollout = batch
+            if len(updates) > 1 and config.loss.old_log_probs == "trainer":
+                rollout = batch.with_old_log_probs(group.log_probs(batch))
+            for update in updates:
+                mini = mini_batch(rollout, update)
+                per_term = group.gradients(mini, [step_objective.model_copy(
+                    update={"gradient_of": term}) for term in TERMS])
+                for (term, logged), (sums, grads) in zip(TERMS.items(), per_term, strict=True):
+                    results[mode, update.index, term] = TermResult(
+                        sums[logged], sums[f"magnitude/{logged}"], grads)
+                if len(updates) > 1:
+                    group.train(mini, objective=step_objective)
         return results, policy_state
     finally:
         group.shutdown()
@@ -145,29 +162,32 @@ def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path
                    batch: TrainBatch, layouts: list[Layout],
                    modes: tuple[str, ...] = AGGREGATION_MODES,
                    tolerance: tuple[float, float] | None = None,
-                   env_for_layout: dict[str, dict[str, str]] | None = None) -> list[Row]:
-    """Rows of (layout, mode, term) against the first layout; ``env_for_layout`` is a
-    test hook (environment of one layout's ranks, e.g. a planted reduction error)."""
+                   env_for_layout: dict[str, dict[str, str]] | None = None,
+                   updates: list[Update] | None = None) -> list[Row]:
+    """Rows of (layout, mode, update, term) against the first layout. ``updates`` splits
+    the rollout (default: one update on the whole batch); ``env_for_layout`` is a test
+    hook (environment of one layout's ranks, e.g. a planted reduction error)."""
     config = verification_config(config)
     rtol, atol = tolerance or default_tolerance(config)
     env_for_layout = env_for_layout or {}
+    updates = updates or [Update(0, 0, list(range(batch.num_samples)))]
     reference, policy = run_layout(config, objective, model_path, batch, layouts[0], modes,
-                                   env_vars=env_for_layout.get(str(layouts[0])))
+                                   updates, env_vars=env_for_layout.get(str(layouts[0])))
     rows = []
     for layout in layouts[1:]:
-        results, _ = run_layout(config, objective, model_path, batch, layout, modes, policy,
-                                env_vars=env_for_layout.get(str(layout)))
-        for (mode, term), got in results.items():
-            rows.append(Row(str(layout), mode, term,
-                            *compare(reference[mode, term], got, rtol, atol)))
+        results, _ = run_layout(config, objective, model_path, batch, layout, modes, updates,
+                                policy, env_vars=env_for_layout.get(str(layout)))
+        for (mode, update, term), got in results.items():
+            rows.append(Row(str(layout), mode, update, term,
+                            *compare(reference[mode, update, term], got, rtol, atol)))
     return rows
 
 
 def format_rows(rows: list[Row]) -> list[str]:
     """The table the CLI prints: absolute and relative differences per row."""
-    lines = [f"{'layout':<8} {'mode':<12} {'term':<8} {'|Δgrad|':>9} {'rel':>9} "
+    lines = [f"{'layout':<8} {'mode':<12} {'update':>6} {'term':<8} {'|Δgrad|':>9} {'rel':>9} "
              f"{'|ΔJ|':>9} {'rel':>9}  result"]
-    lines += [f"{r.layout:<8} {r.mode:<12} {r.term:<8} {r.grad_abs:>9.1e} {r.grad_rel:>9.1e} "
-              f"{r.value_abs:>9.1e} {r.value_rel:>9.1e}  {'ok' if r.ok else 'FAIL'}"
-              for r in rows]
+    lines += [f"{r.layout:<8} {r.mode:<12} {r.update:>6} {r.term:<8} {r.grad_abs:>9.1e} "
+              f"{r.grad_rel:>9.1e} {r.value_abs:>9.1e} {r.value_rel:>9.1e}  "
+              f"{'ok' if r.ok else 'FAIL'}" for r in rows]
     return lines

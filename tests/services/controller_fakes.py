@@ -26,6 +26,8 @@ class FakeBackend:
     def __init__(self) -> None:
         self.jobs: dict[str, dict] = {}
         self.down = False
+        self.usage: dict[str, tuple[float, float]] | None = None
+        """(used, total) per resource; None: unknown (admission by max_running_jobs)."""
 
     def _check(self) -> None:
         if self.down:
@@ -64,12 +66,17 @@ class FakeBackend:
     def find_submission(self, ray_job_id: str, driver_pid: int) -> str | None:
         return None
 
+    def resources(self) -> dict[str, tuple[float, float]] | None:
+        self._check()
+        return self.usage
+
     def finish(self, submission_id: str, status: str, logs: str = "",
                message: str | None = None) -> None:
         self.jobs[submission_id].update(status=status, logs=logs, message=message)
 
 
 def make_settings(tmp: Path, **overrides: object) -> Settings:
+    overrides.setdefault("allowed_hosts", ("testserver",))  # TestClient's Host
     return Settings(data_dir=tmp / "data", reconcile_interval_s=0.2, **overrides)
 
 
@@ -80,7 +87,8 @@ def step_rows(num_steps: int, scale: float = 1.0, start: int = 0) -> list[dict]:
         decay = 1.0 / (1 + step)
         metrics = {"pg_loss": 0.5 * decay * scale, "reward/mean": 1 - decay,
                    "reward/std": 0.2 * decay, "kl": 0.01 * step, "entropy": 3 - step * 0.01,
-                   "clip_fraction": 0.1 * decay, "grad_norm": 2 * decay,
+                   "clip_fraction": 0.1 * decay, "clip_fraction/min": 0.0,
+                   "clip_fraction/max": 0.2 * decay, "grad_norm": 2 * decay,
                    "response_length/mean": 6 + step % 3, "perf/tokens_per_s": 1500.0,
                    "padding_fraction": 0.1, "lr": 1e-3}
         for i, mode in enumerate(("sample_mean", "token_mean", "prompt_mean", "constant")):

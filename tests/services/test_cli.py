@@ -32,8 +32,8 @@ def test_readme_verify_aggregation_command_passes_on_every_config(
                                  *([] if config == "demo.yaml" else SMALLER)])
     assert result.exit_code == 0, result.output
     rows = _rows(result.output)
-    assert {(r[0], r[1], r[2]) for r in rows} == {
-        (layout, mode, term) for layout in ("dp2cp1", "dp1cp2")
+    assert {(r[0], r[1], r[2], r[3]) for r in rows} == {
+        (layout, mode, "0", term) for layout in ("dp2cp1", "dp1cp2")
         for mode in ("sample_mean", "token_mean", "prompt_mean", "constant")
         for term in ("pg", "kl", "entropy")}
     assert all(r[-1] == "ok" for r in rows)
@@ -47,14 +47,14 @@ def test_verify_aggregation_exits_1_on_a_planted_reduction_error(
                                  "--layouts", "dp1cp1,dp2cp1", *SMALLER])
     assert result.exit_code == 1, result.output
     header = next(line for line in result.output.splitlines() if line.startswith("layout"))
-    assert header.split() == ["layout", "mode", "term", "|Δgrad|", "rel", "|ΔJ|", "rel",
-                              "result"]
+    assert header.split() == ["layout", "mode", "update", "term", "|Δgrad|", "rel", "|ΔJ|",
+                              "rel", "result"]
     rows = _rows(result.output)
-    failed = {(r[1], r[2]) for r in rows if r[-1] == "FAIL"}
+    failed = {(r[1], r[3]) for r in rows if r[-1] == "FAIL"}
     assert failed == {(mode, term) for mode in ("sample_mean", "token_mean", "prompt_mean",
                                                 "constant") for term in ("pg", "kl")}
     for row in rows:  # absolute and relative gradient differences: large where planted
-        assert (float(row[4]) > 0.01) == (row[-1] == "FAIL"), row
+        assert (float(row[5]) > 0.01) == (row[-1] == "FAIL"), row
     assert "4/12 comparisons within tolerance" in result.output
 
 

@@ -140,3 +140,44 @@ def test_generated_configuration_docs_are_current() -> None:
     committed = (ROOT / "docs" / "configuration.md").read_text()
     assert committed == configuration_markdown(), (
         "run: tally schema --markdown > docs/configuration.md")
+
+
+def test_several_optimizer_steps_per_rollout() -> None:
+    config = parse_job_config("num_steps: 3\nrollout: {rollout_batch_size: 64, "
+                              "global_batch_size: 128, n_samples_per_prompt: 8}\n"
+                              "trainer: {ppo_epochs: 2}\n")
+    assert config.rollout.num_samples_per_rollout == 512
+    assert config.rollout.num_steps_per_rollout == 4
+    assert config.num_updates_per_rollout == 8
+    assert config.num_optimizer_steps == 24  # what the LR schedule counts
+    default = parse_job_config("rollout: {global_batch_size: 32, n_samples_per_prompt: 8}\n")
+    assert (default.rollout.num_prompts_per_rollout, default.num_updates_per_rollout) == (4, 1)
+
+
+@pytest.mark.parametrize(("text", "field", "message"), [
+    ("rollout: {rollout_batch_size: 6, global_batch_size: 32, n_samples_per_prompt: 8}",
+     "rollout.rollout_batch_size", "48 samples per rollout is not a multiple of "
+                                   "global_batch_size=32"),
+    ("rollout: {global_batch_size: 12, n_samples_per_prompt: 8}",  # every mode, not only
+     "rollout.global_batch_size", "is not a multiple of n_samples_per_prompt=8"),  # prompt_mean
+    ("trainer: {ppo_epochs: 0}", "trainer.ppo_epochs", "greater than or equal to 1"),
+    ("rollout: {rollout_batch_size: 0}", "rollout.rollout_batch_size", "greater than 0"),
+])
+def test_invalid_rollout_splits_are_refused_naming_the_field(text: str, field: str,
+                                                           message: str) -> None:
+    problems = problems_of(text + "\n")
+    assert [p.field for p in problems] == [field], problems
+    assert message in problems[0].message
+
+
+def test_options_inert_with_one_update_per_rollout_warn() -> None:
+    text = "trainer: {loss: {eps_clip_high: 0.28, dual_clip_c: 3.0}}\n"
+    warnings = parse_job_config(text).warnings()
+    assert [w.field for w in warnings] == ["trainer.loss.eps_clip_high",
+                                           "trainer.loss.dual_clip_c"]
+    assert "PPO ratio is exactly 1" in warnings[0].message
+    several = parse_job_config(text + "rollout: {rollout_batch_size: 16}\n")
+    assert several.warnings() == []
+    rollout_ratio = parse_job_config(
+        "trainer: {loss: {eps_clip_high: 0.28, old_log_probs: rollout}}\n")
+    assert rollout_ratio.warnings() == []

@@ -48,7 +48,16 @@ def test_resume_equals_uninterrupted(ray_cluster: None, tmp_path: Path) -> None:
                                [*SMALL, f"num_steps={num_steps}", "checkpoint_every=1"])
 
     straight = run_job(job(3), tmp_path / "straight", log=lambda *_: None)
-    run_job(job(2), tmp_path / "resumed", log=lambda *_: None)
+    class Interrupted(Exception):
+        pass
+
+    def interrupt_after_rollout_2(step: int, _job: object) -> None:
+        if step == 1:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):  # same config (same cosine schedule), stopped midway
+        run_job(job(3), tmp_path / "resumed", log=lambda *_: None,
+                after_step=interrupt_after_rollout_2)
     resumed = run_job(job(3), tmp_path / "resumed", log=lambda *_: None)
     assert len(resumed) == 1  # only step 3 ran after the resume
     for key in ("reward/mean", "pg_loss", "pg_loss/token_mean", "grad_norm", "entropy"):
@@ -83,3 +92,52 @@ def test_bad_config_fails_before_any_actor_starts(tmp_path: Path, capsys, monkey
     assert "aggregation: divisor: mode=constant needs a divisor" in err
     assert "trainer.dp_size: Input should be greater than or equal to 1" in err
     assert not (tmp_path / "out").exists()
+
+
+# The command: 64 prompts × 8 = 512 samples per rollout, 4 steps of 128, 2 epochs.
+SEVERAL_UPDATES = ["rollout.rollout_batch_size=64", "rollout.global_batch_size=128",
+                   "trainer.ppo_epochs=2", "checkpoint_every=1"]
+
+
+def test_several_updates_per_rollout_clip_and_resume_exactly(ray_cluster: None,
+                                                             tmp_path: Path) -> None:
+    from services.metrics import UPDATES_FILE, read_metrics
+
+    def job(num_steps: int):
+        return load_job_config(ROOT / "configs" / "demo.yaml",
+                               [*SEVERAL_UPDATES, f"num_steps={num_steps}"])
+
+    straight = run_job(job(3), tmp_path / "straight", log=lambda *_: None)
+    assert [m["updates"] for m in straight] == [8.0, 8.0, 8.0]
+    updates = read_metrics(tmp_path / "straight" / UPDATES_FILE)
+    assert [r["step"] for r in updates] == list(range(24))  # 3 rollouts × 8 steps
+    by_rollout = [[r["metrics"] for r in updates if r["metrics"]["rollout"] == k]
+                  for k in range(3)]
+    for rollout in by_rollout:
+        assert [u["update"] for u in rollout] == list(range(8))
+        assert [u["epoch"] for u in rollout] == [0.0] * 4 + [1.0] * 4
+        # The first update is taken at the policy that computed the old log-probs: ρ = 1.
+        assert rollout[0]["ratio/mean_abs_dev"] < 1e-6
+        assert rollout[0]["clip_fraction"] == 0.0
+    assert max(u["clip_fraction"] for r in by_rollout for u in r[1:]) > 0  # clipping acts
+    assert straight[0]["clip_fraction/max"] > 0
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt_after_rollout_2(step: int, _job: object) -> None:
+        if step == 1:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):  # same config (same cosine schedule), stopped midway
+        run_job(job(3), tmp_path / "resumed", log=lambda *_: None,
+                after_step=interrupt_after_rollout_2)
+    resumed = run_job(job(3), tmp_path / "resumed", log=lambda *_: None)
+    assert len(resumed) == 1
+    for key in ("reward/mean", "pg_loss", "clip_fraction", "grad_norm", "kl"):
+        assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-6, abs=1e-9), key
+    again = read_metrics(tmp_path / "resumed" / UPDATES_FILE)
+    assert [r["step"] for r in again] == list(range(24))
+    for got, want in zip(again[16:], updates[16:], strict=True):
+        assert got["metrics"]["pg_loss"] == pytest.approx(want["metrics"]["pg_loss"],
+                                                          rel=1e-6, abs=1e-9)

@@ -9,7 +9,13 @@ import torch
 
 from rollout.tiny import create_tiny_checkpoint
 from tests.trainer.helpers import random_train_batch
-from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig, TrainerConfig
+from trainer.config import (
+    AggregationConfig,
+    LossConfig,
+    ObjectiveConfig,
+    OptimizerConfig,
+    TrainerConfig,
+)
 from trainer.verify import Layout, TermResult, compare, perturbed, verify_layouts
 
 MODES = ("sample_mean", "token_mean", "prompt_mean", "constant")
@@ -43,6 +49,31 @@ def test_dp2_and_cp2_equal_dp1_for_every_mode_and_term(
     for row in rows:
         assert row.ok, row
         assert row.grad_rel < 1e-9, row  # float64: rounding only
+
+
+def test_every_update_of_a_rollout_matches_across_layouts(ray_cluster: None, tiny_model: str
+                                                        ) -> None:
+    """4 optimizer steps per rollout × 2 epochs: each update's J and ∇J (pg, KL, entropy,
+    every mode) on its own mini-batch equal DP=1's under DP=2 and CP=2 with several
+    micro-batches, with the rollout's old log-probs and real steps in between."""
+    from transformers import AutoConfig
+
+    from trainer.mini_batches import rollout_updates
+
+    rollout = random_train_batch(AutoConfig.from_pretrained(tiny_model).vocab_size,
+                                 num_prompts=8, group_size=2, seed=3)
+    updates = rollout_updates(rollout, samples_per_step=4, num_epochs=2, seed=0,
+                              rollout_index=0)
+    assert len(updates) == 8
+    config = TrainerConfig(
+        loss=LossConfig(kl_coef=0.1, entropy_coef=0.01), max_tokens_per_micro_batch=12,
+        optimizer=OptimizerConfig(type="sgd", lr=0.5, grad_clip=None))
+    rows = verify_layouts(config, OBJECTIVE, tiny_model, rollout,
+                          [Layout(1, 1), Layout(2, 1), Layout(1, 2)], updates=updates)
+    assert {(r.mode, r.update) for r in rows} == {(m, u) for m in MODES for u in range(8)}
+    assert len(rows) == 2 * 4 * 8 * 3
+    bad = [r for r in rows if not r.ok]
+    assert not bad, bad[:3]
 
 
 def test_tolerance_scales_with_the_terms_own_magnitude() -> None:

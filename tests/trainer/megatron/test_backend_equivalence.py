@@ -74,7 +74,7 @@ class Runs:
                              self.model_path, total_steps=1)
         try:
             initial = group.async_export_weights()
-            _, grads = group.gradients(self.batch)
+            (_, grads), = group.gradients(self.batch, [group.objective])
             steps = {}
             for mode in AGGREGATION_MODES:
                 group.load_weights(initial)

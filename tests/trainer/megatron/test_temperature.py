@@ -50,7 +50,7 @@ def _mismatch(rank: int, port: int, model_path: str, batch, temperatures: list[f
     for temperature in temperatures:
         objective = objective_for(CONFIG, temperature)
         plan = plan_step(batch, objective, 1, 1, CONFIG.max_tokens_per_micro_batch)
-        sums, _ = worker.gradients(batch, plan, objective)
+        (sums, _), = worker.gradients(batch, plan, [objective])
         mismatch.append(sums["mismatch/log_prob_abs_diff"])
     return {"mismatch": mismatch, "vocab_parallel": _vocab_parallel_case(worker, 0.7)}
 

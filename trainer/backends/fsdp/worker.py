@@ -19,7 +19,7 @@ from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.losses import log_probs_and_entropy, token_log_probs
-from trainer.micro_batch import MicroBatch, slice_micro_batch
+from trainer.micro_batch import MicroBatch, gather_log_probs, slice_micro_batch
 from trainer.objective import (
     TokenLogProbs,
     micro_batch_objective,
@@ -40,8 +40,9 @@ from trainer.step_plan import StepPlan
 
 class FSDPWorker(RankInfo):
     """Verbs: setup, train_step (forward_backward + optimizer_step), gradients,
-    export_weights, load_weights, save_checkpoint, load_checkpoint. The group stops a
-    rank by killing its actor (a rank stuck in a collective could not answer)."""
+    log_probs, export_weights, load_weights, reset_optimizer, save_checkpoint,
+    load_checkpoint. The group stops a rank by killing its actor (a rank stuck in a
+    collective could not answer)."""
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                  rank: int, total_steps: int) -> None:
@@ -123,10 +124,32 @@ class FSDPWorker(RankInfo):
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every token is owned by one rank
         return step_metrics(totals, mode_names)
 
-    def gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
-                  ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
-        """Collective, no update: the step's sums under ``objective`` and, on rank 0, the
-        full summed gradient of every parameter (what the optimizer would see)."""
+    @torch.no_grad()
+    def log_probs(self, batch: TrainBatch, plan: StepPlan) -> torch.Tensor | None:
+        """Collective, no update: log π_T of every response token under the current
+        policy, [N, S] aligned with input_ids (the old log-probs of a rollout with several
+        updates); rank 0 returns it. Same precision, temperature and mode as the loss."""
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        self.model.train()
+        for samples in plan.micro_batches[self.dp_rank]:
+            micro = slice_micro_batch(batch, plan, samples, self.config.cp_size,
+                                      self.cp_rank).to(self.device)
+            log_probs = token_log_probs(self._logits(self.model, micro), micro.targets,
+                                        self.objective.temperature)
+            gather_log_probs(batch, samples, log_probs, out, self.cp_group,
+                             self.config.cp_size, owner=self.cp_rank == 0)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
+        return out if self.rank == 0 else None
+
+    def gradients(self, batch: TrainBatch, plan: StepPlan, objectives: list[ObjectiveConfig]
+                  ) -> list[tuple[dict[str, float], dict[str, torch.Tensor] | None]]:
+        """Collective, no update: for each objective (sharing ``plan``), the step's sums
+        and, on rank 0, the full summed gradient of every parameter (what the optimizer
+        would see)."""
+        return [self._gradients(batch, plan, objective) for objective in objectives]
+
+    def _gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
+                   ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
         configured, self.objective = self.objective, objective
         try:
             sums = self.forward_backward(batch, plan)
@@ -159,6 +182,12 @@ class FSDPWorker(RankInfo):
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None) -> None:
         """Collective; rank 0 passes the full state dict, the others None."""
         fsdp.load_full_state_dict(self.model, state_dict or {})
+
+    def reset_optimizer(self) -> None:
+        """Fresh optimizer state and schedule (the verifier starts every mode anew)."""
+        self.optimizer = build_optimizer(list(self.model.parameters()), self.config.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, self.config.optimizer,
+                                         self.total_steps)
 
     def save_checkpoint(self, path: str) -> None:
         """Collective; rank 0 writes the model (HF safetensors) and the trainer state."""

@@ -35,7 +35,7 @@ from trainer.backends.megatron.main_params import (
 from trainer.backends.megatron.model import build_gpt_model, model_shape
 from trainer.backends.megatron.weights import WeightMover
 from trainer.config import ObjectiveConfig, TrainerConfig
-from trainer.micro_batch import MicroBatch, slice_micro_batch
+from trainer.micro_batch import MicroBatch, gather_log_probs, slice_micro_batch
 from trainer.objective import planted_error_terms, step_metrics
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.rank import RankInfo, compute_dtype, init_rank
@@ -44,8 +44,8 @@ from trainer.step_plan import StepPlan
 
 class MegatronWorker(RankInfo):
     """Verbs: setup, train_step (forward_backward + optimizer_step), gradients,
-    export_weights, load_weights, save_checkpoint, load_checkpoint (the
-    same as ``FSDPWorker``)."""
+    log_probs, export_weights, load_weights, reset_optimizer, save_checkpoint,
+    load_checkpoint (the same as ``FSDPWorker``)."""
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                  rank: int, total_steps: int) -> None:
@@ -80,7 +80,7 @@ class MegatronWorker(RankInfo):
         self.weights.read_checkpoint(self.model_path)  # into the main params, unrounded
         self.main.copy_to_model()
         self.ref_model = self._build_reference() if config.loss.kl_coef > 0 else None
-        self._build_optimizer()
+        self.reset_optimizer()
 
     def _build(self) -> torch.nn.Module:
         with cpu_bridge(self.device):
@@ -144,8 +144,36 @@ class MegatronWorker(RankInfo):
         dist.all_reduce(totals, group=self.dp_cp_group)  # TP ranks hold identical sums
         return step_metrics(totals, mode_names)
 
-    def gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
-                  ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
+    @torch.no_grad()
+    def log_probs(self, batch: TrainBatch, plan: StepPlan) -> torch.Tensor | None:
+        """Collective, no update: log π_T [N, S] of every response token under the current
+        policy (a rollout's old log-probs); rank 0 returns it. TP ranks hold identical
+        values after the vocab-parallel reduction, so only TP rank 0 of CP rank 0 of each
+        DP group writes."""
+        from megatron.core import parallel_state as ps
+
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        owner = self.cp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0
+        self.model.train()  # the mode of the loss's forward
+        for samples in plan.micro_batches[self.dp_rank]:
+            micro = slice_micro_batch(batch, plan, samples, self.config.cp_size,
+                                      self.cp_rank).to(self.device)
+            with cpu_bridge(self.device):
+                logits = self.model(micro.input_ids, micro.position_ids, None)
+            log_probs, _ = vocab_parallel_log_probs(logits, micro.targets, self.shape,
+                                                    self.objective.temperature)
+            gather_log_probs(batch, samples, log_probs, out, ps.get_context_parallel_group(),
+                             self.config.cp_size, owner)
+        dist.all_reduce(out)  # each sample written by exactly one rank
+        return out if self.rank == 0 else None
+
+    def gradients(self, batch: TrainBatch, plan: StepPlan, objectives: list[ObjectiveConfig]
+                  ) -> list[tuple[dict[str, float], dict[str, torch.Tensor] | None]]:
+        """For each objective (sharing ``plan``), what ``_gradients`` returns."""
+        return [self._gradients(batch, plan, objective) for objective in objectives]
+
+    def _gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
+                   ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
         """Collective, no update: the step's sums under ``objective`` and, on rank 0, the
         full summed fp64 gradient of every HF parameter (what the optimizer would see,
         gathered over TP); grads are cleared.
@@ -177,8 +205,9 @@ class MegatronWorker(RankInfo):
         self.scheduler.step()
         return {"grad_norm": norm, "lr": lr}
 
-    def _build_optimizer(self) -> None:
-        """AdamW (or SGD) and its schedule over the fp32 main params."""
+    def reset_optimizer(self) -> None:
+        """Fresh AdamW (or SGD) state and schedule over the fp32 main params (at setup,
+        and for the verifier's every mode)."""
         self.optimizer = build_optimizer(self.params, self.config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, self.config.optimizer,
                                          self.total_steps)
