@@ -52,14 +52,25 @@ def _mismatch(rank: int, port: int, model_path: str, batch, temperatures: list[f
         plan = plan_step(batch, objective, 1, 1, CONFIG.max_tokens_per_micro_batch)
         (sums, _), = worker.gradients(batch, plan, [objective])
         mismatch.append(sums["mismatch/log_prob_abs_diff"])
-    return {"mismatch": mismatch, "vocab_parallel": _vocab_parallel_case(worker, 0.7)}
+    # The old log-probs of a rollout with several updates: the log_probs verb at T.
+    objective = objective_for(CONFIG, temperatures[0])
+    worker.objective = objective
+    plan = plan_step(batch, objective, 1, 1, CONFIG.max_tokens_per_micro_batch)
+    old = worker.log_probs(batch, plan)
+    old = old if old is not None else torch.zeros_like(batch.rollout_log_probs)
+    worker.config = CONFIG.model_copy(update={"loss": LossConfig(old_log_probs="trainer")})
+    (sums, _), = worker.gradients(batch.with_old_log_probs(old), plan, [objective])
+    return {"mismatch": mismatch, "vocab_parallel": _vocab_parallel_case(worker, 0.7),
+            "old_log_probs": old, "ratio_dev": sums["ratio/mean_abs_dev"]}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
     model_path = create_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
     batch = sampled_train_batch(model_path, temperature=0.7)
-    return run_ranks(_mismatch, TP, model_path, batch, [0.7, 1.0])
+    ranks = run_ranks(_mismatch, TP, model_path, batch, [0.7, 1.0])
+    ranks[0].update(rollout_log_probs=batch.rollout_log_probs, loss_mask=batch.loss_mask)
+    return ranks
 
 
 def test_trainer_log_probs_match_the_engine_at_its_temperature(results: list[dict]) -> None:
@@ -81,3 +92,12 @@ def test_vocab_parallel_terms_equal_full_vocabulary_and_stay_finite(results: lis
     grads = torch.cat([r["vocab_parallel"]["grad"] for r in results], dim=-1)
     assert torch.isfinite(grads).all()
     assert torch.allclose(grads[..., : full.shape[-1]], full.grad, atol=1e-5, rtol=0)
+
+
+def test_old_log_probs_are_the_engines_at_temperature_and_give_ratio_one(
+        results: list[dict]) -> None:
+    old, rollout = results[0]["old_log_probs"], results[0]["rollout_log_probs"]
+    mask = results[0]["loss_mask"] > 0
+    assert torch.allclose(old[mask], rollout[mask], atol=1e-4, rtol=0)
+    assert (old[~mask] == 0).all()
+    assert results[0]["ratio_dev"] < 1e-6  # the first update: ρ = 1
