@@ -17,7 +17,7 @@ README_LAYOUTS = "dp1cp1,dp2cp1,dp1cp2"
 DEMO_CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("demo*.yaml"))
 # The other demo configs differ from demo.yaml in their aggregation only; a smaller batch
 # keeps the suite fast (demo.yaml runs exactly as the README says).
-SMALLER = ["--set", "rollout.global_batch_size=64"]
+SMALLER = ["--set", "rollout.global_batch_size=16"]
 
 
 def _rows(output: str) -> list[list[str]]:

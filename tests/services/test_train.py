@@ -42,23 +42,30 @@ def test_short_run_improves_reward(ray_cluster: None, tmp_path: Path) -> None:
     assert (tmp_path / "job" / "checkpoints" / "step_00000039" / "model" / "config.json").exists()
 
 
+class Interrupted(Exception):
+    """Stands for a job stopped from outside between two steps."""
+
+
+def interrupted_then_resumed(config, output_dir: Path) -> list[dict[str, float]]:
+    """Run ``config`` until its second step is done, stop it, run it again (same config,
+    so the same schedule): what the resumed run did."""
+
+    def stop_after_step_2(step: int, _job: object) -> None:
+        if step == 1:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        run_job(config, output_dir, log=lambda *_: None, after_step=stop_after_step_2)
+    return run_job(config, output_dir, log=lambda *_: None)
+
+
 def test_resume_equals_uninterrupted(ray_cluster: None, tmp_path: Path) -> None:
     def job(num_steps: int):
         return load_job_config(ROOT / "configs" / "demo.yaml",
                                [*SMALL, f"num_steps={num_steps}", "checkpoint_every=1"])
 
     straight = run_job(job(3), tmp_path / "straight", log=lambda *_: None)
-    class Interrupted(Exception):
-        pass
-
-    def interrupt_after_rollout_2(step: int, _job: object) -> None:
-        if step == 1:
-            raise Interrupted
-
-    with pytest.raises(Interrupted):  # same config (same cosine schedule), stopped midway
-        run_job(job(3), tmp_path / "resumed", log=lambda *_: None,
-                after_step=interrupt_after_rollout_2)
-    resumed = run_job(job(3), tmp_path / "resumed", log=lambda *_: None)
+    resumed = interrupted_then_resumed(job(3), tmp_path / "resumed")
     assert len(resumed) == 1  # only step 3 ran after the resume
     for key in ("reward/mean", "pg_loss", "pg_loss/token_mean", "grad_norm", "entropy"):
         assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-6, abs=1e-9), key
@@ -122,17 +129,7 @@ def test_several_updates_per_rollout_clip_and_resume_exactly(ray_cluster: None,
     assert max(u["clip_fraction"] for r in by_rollout for u in r[1:]) > 0  # clipping acts
     assert straight[0]["clip_fraction/max"] > 0
 
-    class Interrupted(Exception):
-        pass
-
-    def interrupt_after_rollout_2(step: int, _job: object) -> None:
-        if step == 1:
-            raise Interrupted
-
-    with pytest.raises(Interrupted):  # same config (same cosine schedule), stopped midway
-        run_job(job(3), tmp_path / "resumed", log=lambda *_: None,
-                after_step=interrupt_after_rollout_2)
-    resumed = run_job(job(3), tmp_path / "resumed", log=lambda *_: None)
+    resumed = interrupted_then_resumed(job(3), tmp_path / "resumed")
     assert len(resumed) == 1
     for key in ("reward/mean", "pg_loss", "clip_fraction", "grad_norm", "kl"):
         assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-6, abs=1e-9), key
