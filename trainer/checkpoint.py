@@ -12,7 +12,9 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -38,10 +40,40 @@ def save_hf_model(path: str | Path, model_path: str, config: object,
             shutil.copy(source, out / name)
 
 
+NDARRAY = "__ndarray__"
+"""Marks a numpy array stored as a tensor (numpy's RNG state): ``weights_only`` loads
+refuse pickled numpy objects."""
+
+
+def _to_safe(value: Any) -> Any:
+    """Numpy arrays and scalars -> tensors and numbers, recursively (what
+    ``torch.load(weights_only=True)`` accepts)."""
+    if isinstance(value, np.ndarray):
+        return {NDARRAY: torch.from_numpy(value.astype(np.int64) if value.dtype == np.uint32
+                                          else value.copy()), "dtype": str(value.dtype)}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {key: _to_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_safe(item) for item in value)
+    return value
+
+
+def _from_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        if NDARRAY in value:
+            return value[NDARRAY].numpy().astype(value["dtype"])
+        return {key: _from_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_from_safe(item) for item in value)
+    return value
+
+
 def save_trainer_checkpoint(path: str, model_path: str, model: torch.nn.Module,
                             model_state: dict[str, torch.Tensor], trainer_state: dict) -> None:
     save_hf_model(Path(path) / MODEL_DIR, model_path, model.config, model_state)
-    torch.save(trainer_state, Path(path) / TRAINER_STATE)
+    torch.save(_to_safe(trainer_state), Path(path) / TRAINER_STATE)
 
 
 def load_trainer_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -49,7 +81,8 @@ def load_trainer_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     config = json.loads((Path(path) / MODEL_DIR / "config.json").read_text())
     if config.get("tie_word_embeddings") and "lm_head.weight" not in model_state:
         model_state["lm_head.weight"] = model_state["model.embed_tokens.weight"]
-    trainer_state = torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+    # weights_only: a checkpoint folder is data, never code to run (a pickle can run any)
+    trainer_state = _from_safe(torch.load(Path(path) / TRAINER_STATE, weights_only=True))
     return model_state, trainer_state
 
 

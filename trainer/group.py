@@ -121,20 +121,16 @@ class TrainerGroup:
         ref = batch_ref if batch_ref is not None else ray.put(batch)
         return self._call("train_step", ref, ray.put(plan))[0]
 
-    def reset_optimizer(self) -> None:
-        """Fresh optimizer state and schedule on every rank (the verifier, per mode)."""
-        self._call("reset_optimizer")
-
     def log_probs(self, batch: TrainBatch) -> Any:
         """log π_T [N, S] of every response token under the current policy (no update)."""
         return self._call("log_probs", ray.put(batch), ray.put(self.plan(batch)))[0]
 
     def gradients(self, batch: TrainBatch, objectives: list[ObjectiveConfig]
                   ) -> list[tuple[dict[str, float], dict[str, Any]]]:
-        """One step's logged sums and full summed gradients under each objective (they
-        share the pg mode, so one plan), without an update."""
-        plan = self.plan(batch, objectives[0])
-        return self._call("gradients", ray.put(batch), ray.put(plan), objectives)[0]
+        """One step's logged sums and full summed gradients under each objective, without
+        an update (one call for all of them)."""
+        plans = [self.plan(batch, objective) for objective in objectives]
+        return self._call("gradients", ray.put(batch), ray.put(plans), objectives)[0]
 
     def async_export_weights(self) -> ray.ObjectRef:
         """Gather the full weights (collective); the ref holds rank 0's state dict."""

@@ -14,9 +14,9 @@ its own (coefficient 1), so a KL weighting bug cannot hide under a small ``kl_co
 FSDP computes in float64 for this; Megatron in fp32 (looser default tolerance).
 
 A rollout with several updates (``updates``: mini-batches × epochs) is compared update by
-update: each update's gradients on its own mini-batch, then the same optimizer step in
-every layout (from the same start, optimizer state fresh for each mode), so every update
-of the rollout is checked, with the old log-probs of the rollout's start.
+update: at each update every mode's and term's gradient on its own mini-batch, then the
+job's own optimizer step (its configured objective), the same in every layout, so every
+update of the rollout is checked, with the old log-probs of the rollout's start.
 """
 
 from __future__ import annotations
@@ -112,30 +112,30 @@ def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: st
     from trainer.group import TrainerGroup
 
     config = config.model_copy(update={"dp_size": layout.dp_size, "cp_size": layout.cp_size})
-    group = TrainerGroup(config, objective, model_path, total_steps=len(updates) * len(modes),
+    group = TrainerGroup(config, objective, model_path, total_steps=len(updates),
                          env_vars=env_vars)
     try:
         if policy_state is None:
             policy_state = perturbed(ray.get(group.async_export_weights()))
+        group.load_weights(policy_state)
+        rollout = batch
+        if len(updates) > 1 and config.loss.old_log_probs == "trainer":
+            rollout = batch.with_old_log_probs(group.log_probs(batch))
+        checked = [(mode, term) for mode in modes for term in TERMS]
+        objectives = [objective.model_copy(update={
+            "pg": AggregationConfig(mode=mode, divisor=objective.metric_divisor
+                                    if mode == "constant" else None),
+            "gradient_of": term}) for mode, term in checked]
         results = {}
-        for mode in modes:
-            group.load_weights(policy_state)
-            group.reset_optimizer()
-            pg = AggregationConfig(mode=mode, divisor=objective.metric_divisor
-                                   if mode == "constant" else None)
-            step_objective = objective.model_copy(update={"pg": pg})
-            rollout = batch
-            if len(updates) > 1 and config.loss.old_log_probs == "trainer":
-                rollout = batch.with_old_log_probs(group.log_probs(batch))
-            for update in updates:
-                mini = mini_batch(rollout, update)
-                per_term = group.gradients(mini, [step_objective.model_copy(
-                    update={"gradient_of": term}) for term in TERMS])
-                for (term, logged), (sums, grads) in zip(TERMS.items(), per_term, strict=True):
-                    results[mode, update.index, term] = TermResult(
-                        sums[logged], sums[f"magnitude/{logged}"], grads)
-                if len(updates) > 1:
-                    group.train(mini, objective=step_objective)
+        for update in updates:
+            mini = mini_batch(rollout, update)
+            per_check = group.gradients(mini, objectives)
+            for (mode, term), (sums, grads) in zip(checked, per_check, strict=True):
+                logged = TERMS[term]
+                results[mode, update.index, term] = TermResult(
+                    sums[logged], sums[f"magnitude/{logged}"], grads)
+            if len(updates) > 1:  # the job's own step, the same in every layout
+                group.train(mini)
         return results, policy_state
     finally:
         group.shutdown()

@@ -35,7 +35,7 @@ def _mismatch(rank: int, port: int, model_path: str, batch, temperatures: list[f
         objective = ObjectiveConfig(temperature=temperature)
         worker.objective = objective
         plan = _plan(batch, objective, world_size)
-        (sums, _), = worker.gradients(batch, plan, [objective])
+        (sums, _), = worker.gradients(batch, [plan], [objective])
         out.append(sums["mismatch/log_prob_abs_diff"])
     return out
 

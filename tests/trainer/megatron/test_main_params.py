@@ -35,7 +35,7 @@ def _bf16_steps(rank: int, port: int, model_path: str) -> dict:
     batch = random_train_batch(100, num_prompts=3, group_size=2)
     plan = plan_step(batch, objective, 1, 1, CONFIG.max_tokens_per_micro_batch)
     initial = worker.export_weights()
-    (_, grads), = worker.gradients(batch, plan, [objective])
+    (_, grads), = worker.gradients(batch, [plan], [objective])
     for _ in range(STEPS):
         worker.train_step(batch, plan)
     states = [s for s in worker.optimizer.state.values()]

@@ -50,7 +50,7 @@ def _mismatch(rank: int, port: int, model_path: str, batch, temperatures: list[f
     for temperature in temperatures:
         objective = objective_for(CONFIG, temperature)
         plan = plan_step(batch, objective, 1, 1, CONFIG.max_tokens_per_micro_batch)
-        (sums, _), = worker.gradients(batch, plan, [objective])
+        (sums, _), = worker.gradients(batch, [plan], [objective])
         mismatch.append(sums["mismatch/log_prob_abs_diff"])
     # The old log-probs of a rollout with several updates: the log_probs verb at T.
     objective = objective_for(CONFIG, temperatures[0])
@@ -59,7 +59,7 @@ def _mismatch(rank: int, port: int, model_path: str, batch, temperatures: list[f
     old = worker.log_probs(batch, plan)
     old = old if old is not None else torch.zeros_like(batch.rollout_log_probs)
     worker.config = CONFIG.model_copy(update={"loss": LossConfig(old_log_probs="trainer")})
-    (sums, _), = worker.gradients(batch.with_old_log_probs(old), plan, [objective])
+    (sums, _), = worker.gradients(batch.with_old_log_probs(old), [plan], [objective])
     return {"mismatch": mismatch, "vocab_parallel": _vocab_parallel_case(worker, 0.7),
             "old_log_probs": old, "ratio_dev": sums["ratio/mean_abs_dev"]}
 

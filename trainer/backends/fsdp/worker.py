@@ -40,9 +40,8 @@ from trainer.step_plan import StepPlan
 
 class FSDPWorker(RankInfo):
     """Verbs: setup, train_step (forward_backward + optimizer_step), gradients,
-    log_probs, export_weights, load_weights, reset_optimizer, save_checkpoint,
-    load_checkpoint. The group stops a rank by killing its actor (a rank stuck in a
-    collective could not answer)."""
+    log_probs, export_weights, load_weights, save_checkpoint, load_checkpoint. The group
+    stops a rank by killing its actor (a rank stuck in a collective could not answer)."""
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                  rank: int, total_steps: int) -> None:
@@ -141,12 +140,13 @@ class FSDPWorker(RankInfo):
         dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
         return out if self.rank == 0 else None
 
-    def gradients(self, batch: TrainBatch, plan: StepPlan, objectives: list[ObjectiveConfig]
+    def gradients(self, batch: TrainBatch, plans: list[StepPlan],
+                  objectives: list[ObjectiveConfig]
                   ) -> list[tuple[dict[str, float], dict[str, torch.Tensor] | None]]:
-        """Collective, no update: for each objective (sharing ``plan``), the step's sums
-        and, on rank 0, the full summed gradient of every parameter (what the optimizer
-        would see)."""
-        return [self._gradients(batch, plan, objective) for objective in objectives]
+        """Collective, no update: for each (plan, objective), the step's sums and, on rank
+        0, the full summed gradient of every parameter (what the optimizer would see)."""
+        return [self._gradients(batch, plan, objective)
+                for plan, objective in zip(plans, objectives, strict=True)]
 
     def _gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
                    ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
@@ -182,12 +182,6 @@ class FSDPWorker(RankInfo):
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None) -> None:
         """Collective; rank 0 passes the full state dict, the others None."""
         fsdp.load_full_state_dict(self.model, state_dict or {})
-
-    def reset_optimizer(self) -> None:
-        """Fresh optimizer state and schedule (the verifier starts every mode anew)."""
-        self.optimizer = build_optimizer(list(self.model.parameters()), self.config.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, self.config.optimizer,
-                                         self.total_steps)
 
     def save_checkpoint(self, path: str) -> None:
         """Collective; rank 0 writes the model (HF safetensors) and the trainer state."""

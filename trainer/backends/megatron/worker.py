@@ -44,8 +44,8 @@ from trainer.step_plan import StepPlan
 
 class MegatronWorker(RankInfo):
     """Verbs: setup, train_step (forward_backward + optimizer_step), gradients,
-    log_probs, export_weights, load_weights, reset_optimizer, save_checkpoint,
-    load_checkpoint (the same as ``FSDPWorker``)."""
+    log_probs, export_weights, load_weights, save_checkpoint, load_checkpoint (the same
+    as ``FSDPWorker``)."""
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                  rank: int, total_steps: int) -> None:
@@ -80,7 +80,7 @@ class MegatronWorker(RankInfo):
         self.weights.read_checkpoint(self.model_path)  # into the main params, unrounded
         self.main.copy_to_model()
         self.ref_model = self._build_reference() if config.loss.kl_coef > 0 else None
-        self.reset_optimizer()
+        self._build_optimizer()
 
     def _build(self) -> torch.nn.Module:
         with cpu_bridge(self.device):
@@ -167,10 +167,13 @@ class MegatronWorker(RankInfo):
         dist.all_reduce(out)  # each sample written by exactly one rank
         return out if self.rank == 0 else None
 
-    def gradients(self, batch: TrainBatch, plan: StepPlan, objectives: list[ObjectiveConfig]
+    def gradients(self, batch: TrainBatch, plans: list[StepPlan],
+                  objectives: list[ObjectiveConfig]
                   ) -> list[tuple[dict[str, float], dict[str, torch.Tensor] | None]]:
-        """For each objective (sharing ``plan``), what ``_gradients`` returns."""
-        return [self._gradients(batch, plan, objective) for objective in objectives]
+        """Collective, no update: for each (plan, objective), the step's sums and, on rank
+        0, the full summed gradient of every parameter (what the optimizer would see)."""
+        return [self._gradients(batch, plan, objective)
+                for plan, objective in zip(plans, objectives, strict=True)]
 
     def _gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
                    ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
@@ -205,9 +208,8 @@ class MegatronWorker(RankInfo):
         self.scheduler.step()
         return {"grad_norm": norm, "lr": lr}
 
-    def reset_optimizer(self) -> None:
-        """Fresh AdamW (or SGD) state and schedule over the fp32 main params (at setup,
-        and for the verifier's every mode)."""
+    def _build_optimizer(self) -> None:
+        """AdamW (or SGD) and its schedule over the fp32 main params."""
         self.optimizer = build_optimizer(self.params, self.config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, self.config.optimizer,
                                          self.total_steps)
