@@ -101,8 +101,9 @@ def test_bad_config_fails_before_any_actor_starts(tmp_path: Path, capsys, monkey
     assert not (tmp_path / "out").exists()
 
 
-# The command: 64 prompts × 8 = 512 samples per rollout, 4 steps of 128, 2 epochs.
-SEVERAL_UPDATES = ["rollout.rollout_batch_size=64", "rollout.global_batch_size=128",
+# The README's command (64 prompts × 8 samples per rollout, 4 steps of 128, 2 epochs) at a
+# quarter of its size: 16 prompts × 8 = 128 samples, 4 steps of 32, 2 epochs.
+SEVERAL_UPDATES = ["rollout.rollout_batch_size=16", "rollout.global_batch_size=32",
                    "trainer.ppo_epochs=2", "checkpoint_every=1"]
 
 
