@@ -198,9 +198,18 @@ class Job:
         return checkpoint.commit_checkpoint(self.checkpoint_root, step)
 
     def restore(self, truncate_metrics: bool = True) -> int:
-        """Resume from the newest committed checkpoint; returns the next step."""
-        latest = checkpoint.latest_checkpoint(self.checkpoint_root)
-        if latest is None or not self.config.resume:
+        """Resume from the newest readable committed checkpoint (an unreadable one is
+        reported as an event and the one before it tried); returns the next step."""
+        if not self.config.resume:
+            return 0
+        for latest in checkpoint.checkpoints(self.checkpoint_root):
+            reason = checkpoint.unreadable(latest)
+            if reason is None:
+                break
+            write_event(self.output_dir, "checkpoint_unreadable",
+                        f"{latest.name}: {reason}; trying the one before")
+            self.log(f"checkpoint {latest.name} is unreadable ({reason})")
+        else:
             return 0
         state = json.loads((latest / "driver_state.json").read_text())
         self.trainer.load_checkpoint(str(latest))

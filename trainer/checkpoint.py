@@ -3,7 +3,9 @@
 
 A checkpoint is written under ``<name>.tmp`` and renamed when complete (see
 ``commit_checkpoint``), so a crash never leaves a half-written checkpoint that a resume
-could load: ``latest_checkpoint`` only sees committed folders.
+could load: ``checkpoints`` only sees committed folders, newest first (a resume whose
+newest one is unreadable falls back to the one before). The trainer state loads with
+``torch.load(weights_only=True)``: a checkpoint is data, never code.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from safetensors.torch import load_file, save_file
 MODEL_DIR, TRAINER_STATE = "model", "trainer_state.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
-STEP_PREFIX, TMP_SUFFIX = "step_", ".tmp"
+STEP_PREFIX, TMP_SUFFIX, OLD_SUFFIX = "step_", ".tmp", ".old"
 
 
 def save_hf_model(path: str | Path, model_path: str, config: object,
@@ -87,28 +89,87 @@ def load_trainer_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def staging_path(root: str | Path, step: int) -> Path:
-    """Where step ``step``'s checkpoint is written before it is committed."""
-    return Path(root) / f"{STEP_PREFIX}{step:08d}{TMP_SUFFIX}"
+    """Where step ``step``'s checkpoint is written before it is committed (a stale one, from
+    a failed write, is removed first)."""
+    path = Path(root) / f"{STEP_PREFIX}{step:08d}{TMP_SUFFIX}"
+    if path.exists():
+        shutil.rmtree(path)
+    return path
+
+
+def _fsync_tree(path: Path) -> None:
+    """Files, then folders bottom-up, then the parent: the data is on disk before the
+    rename that publishes it."""
+    for folder, _, files in os.walk(path, topdown=False):
+        for name in (*files, "."):
+            descriptor = os.open(Path(folder) / name, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def commit_checkpoint(root: str | Path, step: int) -> Path:
-    """Atomically publish a fully written checkpoint (rename within one folder)."""
-    final = Path(root) / f"{STEP_PREFIX}{step:08d}"
+    """Publish a fully written checkpoint: fsync it, rename an older one of the same step
+    aside (``.old``), rename the new one in, then drop the old one; at every moment one
+    of them is there (:func:`checkpoints` reads a ``.old`` whose successor is missing)."""
+    root = Path(root)
+    final = root / f"{STEP_PREFIX}{step:08d}"
+    staging = final.with_name(final.name + TMP_SUFFIX)
+    aside = final.with_name(final.name + OLD_SUFFIX)
+    _fsync_tree(staging)
+    if aside.exists():
+        shutil.rmtree(aside)
     if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging_path(root, step), final)
+        os.replace(final, aside)
+    os.replace(staging, final)
+    _fsync_dir(root)
+    shutil.rmtree(aside, ignore_errors=True)
     return final
+
+
+def checkpoints(root: str | Path) -> list[Path]:
+    """Committed checkpoints, newest first: staging folders are ignored; an old copy set
+    aside counts only while its replacement is missing (a crash between the renames)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    names = {p.name for p in root.iterdir() if p.name.startswith(STEP_PREFIX)}
+    done = [root / n for n in names if not n.endswith((TMP_SUFFIX, OLD_SUFFIX))]
+    done += [root / n for n in names
+             if n.endswith(OLD_SUFFIX) and n.removesuffix(OLD_SUFFIX) not in names]
+    return sorted(done, key=lambda p: p.name.removesuffix(OLD_SUFFIX), reverse=True)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest committed checkpoint; staging folders are ignored."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir()
-                  if p.name.startswith(STEP_PREFIX) and not p.name.endswith(TMP_SUFFIX))
-    return done[-1] if done else None
+    found = checkpoints(root)
+    return found[0] if found else None
+
+
+def unreadable(path: str | Path) -> str | None:
+    """Why a committed checkpoint cannot be loaded (a truncated or corrupt file), or None;
+    reads the headers only (mmap), so the ranks are never asked to load a broken one."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        json.loads((path / "driver_state.json").read_text())
+        with safe_open(str(path / MODEL_DIR / "model.safetensors"), framework="pt") as weights:
+            list(weights.keys())
+        torch.load(path / TRAINER_STATE, weights_only=True, mmap=True)
+    except Exception as err:  # any failure to read is the answer
+        return f"{type(err).__name__}: {str(err).strip()[:300]}"
+    return None
 
 
 def checkpoint_step(path: str | Path) -> int:
-    return int(Path(path).name.removeprefix(STEP_PREFIX))
+    return int(Path(path).name.removeprefix(STEP_PREFIX).removesuffix(OLD_SUFFIX))

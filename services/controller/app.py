@@ -8,7 +8,8 @@
                                                └──► python -m services.train ──┘
 
 Without ``TALLY_RAY_ADDRESS`` the app starts a local Ray head on startup and stops it on
-shutdown (the embedded default).
+shutdown (the embedded default); after a controller killed without its shutdown, the next
+one re-adopts that head (``<data>/ray-head.json``) and the jobs on it run on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.controller.guard import RequestGuard
 from services.controller.observability import (
     BodyLimitMiddleware,
     ControllerMetrics,
@@ -40,9 +42,14 @@ from services.controller.schemas import Health, JobSubmit, ValidationErrorOut
 from services.controller.settings import Settings
 from services.controller.state import Controller
 from services.controller.store import Store
+from services.controller.submission import MAX_CONFIG_BYTES
 
 STATIC = Path(__file__).resolve().parent / "static"
+HEAD_MARKER = "ray-head.json"
+"""The embedded head's pid, address and temp folder: a restarted controller re-adopts it."""
 THREADS = 16
+SUBMIT_BODY_BYTES = 2 * MAX_CONFIG_BYTES + 16 * 1024
+"""A submit body: the config (JSON escaping may double it) and its overrides."""
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
@@ -94,7 +101,8 @@ def create_app(settings: Settings | None = None, backend: JobBackend | None = No
         if ctl.reconciler is None:
             address = settings.ray_address
             if address is None:
-                ctl.head = LocalRayHead(settings.ray_num_cpus, settings.data_dir / "ray-head.log")
+                ctl.head = LocalRayHead(settings.ray_num_cpus, settings.data_dir / "ray-head.log",
+                                        marker=settings.data_dir / HEAD_MARKER)
                 address = await asyncio.to_thread(ctl.head.start)
             ctl.reconciler = Reconciler(store, RayJobBackend(address), settings)
         reconciler = ctl.reconciler
@@ -119,7 +127,9 @@ def create_app(settings: Settings | None = None, backend: JobBackend | None = No
                   description="Jobs, sweeps and metrics of Tally RL post-training runs.")
     app.state.controller = ctl
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
+                       paths=dict.fromkeys(("/api/jobs", "/api/sweeps"), SUBMIT_BODY_BYTES))
+    app.add_middleware(RequestGuard, settings=settings)  # before any body is read
     app.add_middleware(TimingMiddleware, metrics=lambda: ctl.metrics)
     app.include_router(routes_jobs.router)
     app.include_router(routes_stream.router)

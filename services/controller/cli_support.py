@@ -74,6 +74,9 @@ def print_job(job: dict[str, Any], url: str) -> None:
     for key in ("created_at", "started_at", "finished_at"):
         typer.echo(f"{key + ':':<19} {when(job[key])}")
     typer.echo(f"{'dashboard:':<19} {url}/jobs/{job['id']}")
+    last = (job.get("events") or [{}])[-1]
+    if last.get("kind") == "waiting" and job["status"] in ("queued", "pending", "running"):
+        typer.echo(f"{'waiting:':<19} {last['message'].removeprefix('waiting for ')}")
     if job.get("error"):
         typer.echo(f"error:\n  {job['error']}")
     if job.get("log_tail"):

@@ -80,13 +80,14 @@ class TimingMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for a request body over ``limit`` bytes (declared or streamed)."""
+    """413 for a request body over ``limit`` bytes (declared or streamed); ``paths`` set
+    a smaller limit for some paths (the submit endpoints: no parser sees a huge config)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None) -> None:
+        self.app, self.default, self.paths = app, limit, paths or {}
 
-    async def _reject(self, send: Any) -> None:
-        body = json.dumps({"detail": f"request body over {self.limit} bytes"}).encode()
+    async def _reject(self, send: Any, limit: int) -> None:
+        body = json.dumps({"detail": f"request body over {limit} bytes"}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
@@ -96,9 +97,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
+        limit = min(self.default, self.paths.get(scope.get("path", ""), self.default))
         declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._reject(send, limit)
             return
         chunks, size, more = [], 0, True
         while more:
@@ -108,8 +110,8 @@ class BodyLimitMiddleware:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.limit:
-                await self._reject(send)
+            if size > limit:
+                await self._reject(send, limit)
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)

@@ -3,12 +3,19 @@
 ``ray start --head --block`` in its own session, from the controller's venv, with its job
 server (dashboard) on 127.0.0.1 and every fixed port chosen free, in a short temp folder
 of its own (so ``ray.init(address="auto")`` elsewhere never finds it). Stopping kills that
-process tree only: never ``ray stop``, which would end every Ray cluster of the machine.
+process tree, and any process still naming its temp folder, only: never ``ray stop``,
+which would end every Ray cluster of the machine.
+
+With a ``marker`` file (the controller's ``<data>/ray-head.json``) the head outlives a
+controller killed without its shutdown (``kill -9``): the next controller re-adopts it,
+and its jobs run on; a head that is gone (its ``ray start`` process dead or its job server
+silent) is cleaned up (every process of its temp folder killed) and a fresh one started.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -20,7 +27,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+TEMP_PREFIX = "tally-ray-"
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TRANSFORMERS_VERBOSITY": "error",
              "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
@@ -55,29 +64,97 @@ def dashboard_up(url: str) -> bool:
         return False
 
 
+def processes_of(temp_dir: str) -> list[Any]:
+    """Every live process whose command line names ``temp_dir``, and their descendants
+    (the head's own and its orphans: GCS, raylet, its agents and workers, the dashboard)."""
+    import psutil
+
+    if TEMP_PREFIX not in Path(temp_dir).name:  # never a pattern that could match others
+        return []
+    found: dict[int, Any] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(temp_dir in part for part in proc.info["cmdline"] or ()):
+                found[proc.pid] = proc
+                found.update((child.pid, child) for child in proc.children(recursive=True))
+    return list(found.values())
+
+
+def kill_all(procs: list[Any]) -> None:
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=10)
+
+
 class LocalRayHead:
     """One Ray head on this machine; ``address`` is its job server URL."""
 
-    def __init__(self, num_cpus: int = 4, log_path: Path | None = None) -> None:
+    def __init__(self, num_cpus: int = 4, log_path: Path | None = None,
+                 marker: Path | None = None) -> None:
         self.num_cpus = num_cpus
         self.log_path = log_path
+        self.marker = marker
         self.temp_dir = ""
         self.process: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
+        """The ``ray start`` process (ours, or the one an earlier controller started)."""
         self.address = ""
+        self.adopted = False
 
     def start(self, timeout_s: float = 120.0, attempts: int = 2) -> str:
-        """Start the head (a second try with fresh ports if the first one dies)."""
+        """Re-adopt the head of the marker, else start one (a second try with fresh ports
+        if the first one dies)."""
         enable_ray_token_auth()
+        if self.adopt():
+            return self.address
         for attempt in range(attempts):
             try:
-                return self._start_once(timeout_s)
+                address = self._start_once(timeout_s)
+                self._write_marker()
+                return address
             except RuntimeError:
                 if attempt == attempts - 1:
                     raise
         raise AssertionError("unreachable")
 
+    def adopt(self) -> bool:
+        """The marker's head, if it still runs; else clean up what is left of it."""
+        import psutil
+
+        if self.marker is None or not self.marker.is_file():
+            return False
+        try:
+            record = json.loads(self.marker.read_text())
+            pid, address, temp_dir = int(record["pid"]), str(record["address"]), \
+                str(record["temp_dir"])
+        except (OSError, ValueError, KeyError, TypeError):
+            self.marker.unlink(missing_ok=True)
+            return False
+        try:
+            alive = temp_dir in " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            alive = False
+        if alive and dashboard_up(address):
+            self.pid, self.address, self.temp_dir, self.adopted = pid, address, temp_dir, True
+            return True
+        kill_all(processes_of(temp_dir))
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        self.marker.unlink(missing_ok=True)
+        return False
+
+    def _write_marker(self) -> None:
+        if self.marker is None:
+            return
+        staging = self.marker.with_suffix(".tmp")
+        staging.write_text(json.dumps({"pid": self.pid, "address": self.address,
+                                       "temp_dir": self.temp_dir}))
+        os.replace(staging, self.marker)
+
     def _start_once(self, timeout_s: float) -> str:
-        self.temp_dir = tempfile.mkdtemp(prefix="tally-ray-")
+        self.temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
         dashboard_port = free_port()
         ray_bin = Path(sys.executable).parent / "ray"
         command = [
@@ -97,6 +174,7 @@ class LocalRayHead:
         with log:
             self.process = subprocess.Popen(command, env=env, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.process.pid
         self.address = f"http://127.0.0.1:{dashboard_port}"
         deadline = time.monotonic() + timeout_s
         while not dashboard_up(self.address):
@@ -107,20 +185,22 @@ class LocalRayHead:
         return self.address
 
     def stop(self) -> None:
-        """Kill the head's process tree (the job drivers and actors included)."""
-        if self.process is None:
-            return
+        """Kill the head's process tree and every process left naming its temp folder (the
+        job drivers and actors included)."""
         import psutil
 
+        if self.pid is None:
+            return
         try:
-            root = psutil.Process(self.process.pid)
+            root = psutil.Process(self.pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             procs = []
-        for proc in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.send_signal(signal.SIGKILL)
-        psutil.wait_procs(procs, timeout=10)
-        self.process.wait(timeout=10)
-        self.process = None
+        kill_all(procs)
+        kill_all(processes_of(self.temp_dir))
+        if self.process is not None:
+            self.process.wait(timeout=10)
+        self.process = self.pid = None
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self.marker is not None:
+            self.marker.unlink(missing_ok=True)

@@ -38,6 +38,7 @@ class JobBackend(Protocol):
     def logs(self, submission_id: str) -> str | None: ...
     def follow(self, submission_id: str) -> AsyncIterator[str]: ...
     def find_submission(self, ray_job_id: str, driver_pid: int) -> str | None: ...
+    def resources(self) -> dict[str, tuple[float, float]] | None: ...
 
 
 def _not_found(err: Exception) -> bool:
@@ -119,3 +120,19 @@ class RayJobBackend:
                     and str(driver.pid) == str(driver_pid)):
                 return str(details.submission_id)
         return None
+
+    def resources(self) -> dict[str, tuple[float, float]] | None:
+        """(used, total) of each cluster resource (CPU, GPU, custom ones), placement groups
+        included; None when Ray does not say (its dashboard's cluster status, through the
+        client's authenticated request helper)."""
+        try:
+            response = self._call("_do_request", "GET", "/api/cluster_status", timeout=10)
+            usage = response.json()["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
+            out = {str(name): (float(pair[0]), float(pair[1])) for name, pair in usage.items()
+                   if name not in ("memory", "objectStoreMemory")
+                   and not str(name).startswith("node:")}
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            return None  # a Ray without this report: admission by max_running_jobs only
+        if not out:  # a head just started has not reported yet: never guess "it fits"
+            raise BackendUnavailable(f"Ray at {self.address} has not reported its resources")
+        return out

@@ -5,7 +5,8 @@ Each pass (every ``reconcile_interval_s``, or at once when woken by a submit):
 1. poll Ray for every pending/running job: new status, and on the end its logs are saved
    to ``<job>/driver.log`` and, for a failure, the error and the last log lines stored;
 2. find the Ray submission of jobs that registered themselves (``ray job submit``);
-3. submit queued jobs while fewer than ``max_running_jobs`` run;
+3. submit queued jobs while fewer than ``max_running_jobs`` run and the cluster has room
+   for their whole placement group (a job that waits says so in its events);
 4. back-fill metrics from each job's ``metrics.jsonl`` (the source of truth), so steps
    the driver could not send while the controller was down still arrive.
 
@@ -22,11 +23,15 @@ import shlex
 import time
 from pathlib import Path
 
+from services.config import JobConfig
 from services.controller.auth import job_token
+from services.controller.capacity import Capacity
 from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobInfo
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
 from services.controller.tables import ACTIVE, TERMINAL, Job
+from services.metrics import EVENTS_FILE
+from services.placement import job_needs
 
 log = logging.getLogger("tally.controller")
 CONFIG_FILE = "job_config.yaml"
@@ -42,6 +47,9 @@ class Reconciler:
     def __init__(self, store: Store, backend: JobBackend, settings: Settings) -> None:
         self.store, self.backend, self.settings = store, backend, settings
         self.offsets: dict[str, int] = {}
+        self.needs_cache: dict[str, dict[str, float]] = {}
+        self.waiting: dict[str, str] = {}
+        """The last 'waiting for resources' message written per queued job."""
         self.errors = 0
         self.backfilled = 0
         self.wake = asyncio.Event()
@@ -108,7 +116,7 @@ class Reconciler:
         except BackendUnavailable:
             self.errors += 1
             return  # the next pass tries again
-        if logs is not None:
+        if logs is not None and self.settings.inside_roots(job.output_dir):
             try:
                 Path(job.output_dir).mkdir(parents=True, exist_ok=True)
                 (Path(job.output_dir) / LOG_FILE).write_text(logs, encoding="utf-8")
@@ -143,13 +151,57 @@ class Reconciler:
     # ---- 3. queue ------------------------------------------------------------------------
 
     def submit_queued(self) -> None:
+        """Queued jobs in order, while fewer than ``max_running_jobs`` run and the cluster
+        can hold them (services/controller/capacity.py)."""
         queued = self.store.jobs_with_status(("queued",))
         if not queued:
             return
-        running = sum(1 for j in self.store.jobs_with_status(ACTIVE) if j.source == "controller")
-        for job in queued[:max(0, self.settings.max_running_jobs - running)]:
+        active = [j for j in self.store.jobs_with_status(ACTIVE) if j.source == "controller"]
+        slots = self.settings.max_running_jobs - len(active)
+        if slots <= 0:
+            return
+        try:
+            usage = getattr(self.backend, "resources", lambda: None)()  # None: unknown
+            capacity = Capacity(usage, [self.needs(j) for j in active])
+        except BackendUnavailable:
+            self.errors += 1
+            return
+        for job in queued:
+            if slots <= 0:
+                return
+            needs = self.needs(job)
+            message = capacity.shortfall(needs)
+            if message is not None:
+                self.note_waiting(job, message)
+                if capacity.never_fits(needs):
+                    continue  # never blocks the queue
+                return  # first come, first served: later jobs wait behind it
             if not self.submit(job):
                 return
+            capacity.take(needs)
+            slots -= 1
+
+    def needs(self, job: Job) -> dict[str, float]:
+        """The resources of a job's whole placement group (cached; {} if unreadable)."""
+        if job.id not in self.needs_cache:
+            stored = self.store.get_job(job.id)
+            try:
+                config = JobConfig.model_validate_json(stored.config_resolved if stored else "")
+                self.needs_cache[job.id] = job_needs(config)
+            except ValueError:
+                self.needs_cache[job.id] = {}
+        return self.needs_cache[job.id]
+
+    def note_waiting(self, job: Job, message: str) -> None:
+        """A ``waiting`` event in the job's folder (where the driver writes its own), once
+        per distinct message."""
+        if self.waiting.get(job.id) == message:
+            return
+        self.waiting[job.id] = message
+        line = json.dumps({"time": time.time(), "kind": "waiting", "message": message})
+        with (contextlib.suppress(OSError),
+              (Path(job.output_dir) / EVENTS_FILE).open("a", encoding="utf-8") as events):
+            events.write(line + "\n")
 
     def submit(self, job: Job) -> bool:
         """Submit one queued job to Ray; False when Ray is unreachable (retry later)."""
@@ -185,9 +237,9 @@ class Reconciler:
 
     def backfill(self, job: Job) -> int:
         """Insert the rows of ``metrics.jsonl`` the store does not hold yet."""
-        folder = Path(job.output_dir).resolve()
-        if not any(folder.is_relative_to(root) for root in self.settings.roots):
+        if not self.settings.inside_roots(job.output_dir):
             return 0  # a registered job's folder outside the allowed roots: never read
+        folder = Path(job.output_dir).resolve()
         path = folder / "metrics.jsonl"
         try:
             size = path.stat().st_size

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
 import time
+from pathlib import Path
 from typing import Annotated
 
 import yaml
@@ -32,7 +34,13 @@ from services.controller.schemas import (
 )
 from services.controller.state import Controller, Ctl
 from services.controller.store import clean_metrics
-from services.controller.submission import Resolved, SubmissionError, config_texts, resolve
+from services.controller.submission import (
+    ConfigTooLarge,
+    Resolved,
+    SubmissionError,
+    resolve,
+    submitted_config,
+)
 from services.controller.tables import ACTIVE, TERMINAL, Job
 from services.controller.views import job_detail, job_out, metrics_out, split_names
 
@@ -102,7 +110,13 @@ async def submit_job(request: Request, ctl: Ctl,
                      ) -> JobDetail | JSONResponse:
     """Submit one job. Body: JSON (``JobSubmit``) or the config itself as YAML
     (``Content-Type: application/yaml``, overrides in ``?set=key=value``). The job waits in
-    status ``queued`` until a Ray slot is free."""
+    status ``queued`` until a Ray slot is free. With an ``Idempotency-Key`` header, a
+    submit repeating an earlier key returns that job (200) instead of a new one."""
+    key = request.headers.get("idempotency-key")
+    if key is not None and not 0 < len(key) <= 200:
+        raise HTTPException(422, "Idempotency-Key: 1 to 200 characters")
+    if key is not None and (first := await run_in_threadpool(ctl.store.job_with_key, key)):
+        return JSONResponse(job_detail(first, ctl.settings.roots).model_dump(mode="json"))
     body = await request.body()
     try:
         payload = parse_submit(body, request.headers.get("content-type", ""), set_)
@@ -110,22 +124,25 @@ async def submit_job(request: Request, ctl: Ctl,
         return invalid(err)
     job_id = new_id()
     try:
-        parse_text, stored_text = config_texts(payload.config, payload.config_yaml)
-        resolved = await run_in_threadpool(resolve, parse_text, payload.overrides,
-                                           ctl.settings, job_id, stored_text=stored_text)
+        data, stored_text = submitted_config(payload.config, payload.config_yaml)
+        taken = await run_in_threadpool(ctl.store.output_dirs)
+        resolved = await run_in_threadpool(resolve, data, payload.overrides, ctl.settings,
+                                           job_id, stored_text, taken=taken)
+    except ConfigTooLarge as err:
+        raise HTTPException(413, err.detail) from None
     except SubmissionError as err:
         return invalid(err)
-    except (yaml.YAMLError, RecursionError) as err:
-        return invalid(SubmissionError(f"config: {err}", [("config", str(err))]))
-    job = new_job(resolved, job_id)
-    await run_in_threadpool(ctl.store.add_jobs, [job])
+    job = new_job(resolved, job_id, idempotency_key=key)
+    stored = await run_in_threadpool(ctl.store.add_job_once, job)
+    if stored.id != job_id:  # the same key, submitted at the same moment: the first wins
+        return JSONResponse(job_detail(stored, ctl.settings.roots).model_dump(mode="json"))
     try:
         await run_in_threadpool(write_config_file, resolved)
     except OSError as err:
         job = ctl.store.transition(job_id, "failed", error=f"cannot write the job folder: {err}")
     if ctl.reconciler is not None:
         ctl.reconciler.poke()
-    return job_detail(job)
+    return job_detail(job, ctl.settings.roots)
 
 
 @router.get("", response_model=JobList)
@@ -161,7 +178,7 @@ def get_or_404(ctl: Controller, job_id: str) -> Job:
 @router.get("/{job_id}", response_model=JobDetail, responses=NOT_FOUND)
 def get_job(job_id: str, ctl: Ctl) -> JobDetail:
     """One job: status, configs (as submitted and as resolved), error and last log lines."""
-    return job_detail(get_or_404(ctl, job_id))
+    return job_detail(get_or_404(ctl, job_id), ctl.settings.roots)
 
 
 @router.post("/{job_id}/cancel", response_model=JobDetail,
@@ -172,14 +189,33 @@ def cancel_job(job_id: str, ctl: Ctl) -> JobDetail:
     job = get_or_404(ctl, job_id)
     if job.status in TERMINAL:
         if job.status == "cancelled":
-            return job_detail(job)
+            return job_detail(job, ctl.settings.roots)
         raise HTTPException(409, f"job {job_id} already {job.status}")
     if job.ray_submission_id and (job.status in ACTIVE or job.source == "controller"):
         try:
             ctl.backend.stop(job.ray_submission_id)
         except BackendUnavailable as err:
             raise HTTPException(503, f"cannot reach Ray to stop the job: {err}") from None
-    return job_detail(ctl.store.transition(job_id, "cancelled", error="cancelled by the user"))
+    job, changed = ctl.store.advance(job_id, "cancelled", error="cancelled by the user")
+    if job is not None and not changed and job.status != "cancelled":  # it ended meanwhile
+        raise HTTPException(409, f"job {job_id} already {job.status}")
+    return job_detail(job, ctl.settings.roots)
+
+
+@router.delete("/{job_id}", status_code=204, response_class=Response,
+               responses={**NOT_FOUND, **AUTH, 409: {"model": Message}},
+               dependencies=[Depends(require_token)])
+def delete_job(job_id: str, ctl: Ctl, folder: bool = False) -> Response:
+    """Forget an ended job: its row and metrics; with ``folder=true`` also the folder of a
+    job this controller ran (never a registered job's, never outside the allowed roots)."""
+    job = get_or_404(ctl, job_id)
+    if not ctl.store.delete_job(job_id):
+        raise HTTPException(409, f"job {job_id} has not ended ({job.status}): cancel it first")
+    path = Path(job.output_dir).resolve()
+    if (folder and job.source == "controller" and ctl.settings.inside_roots(path)
+            and path != ctl.settings.data_dir.resolve()):
+        shutil.rmtree(path, ignore_errors=True)
+    return Response(status_code=204)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsOut, responses=NOT_FOUND)
@@ -218,7 +254,7 @@ def report_status(job_id: str, report: StatusReport, ctl: Ctl) -> JobDetail:
     get_or_404(ctl, job_id)
     job = ctl.store.transition(job_id, report.status, **(
         {"error": report.error} if report.error else {}))
-    return job_detail(job)
+    return job_detail(job, ctl.settings.roots)
 
 
 @router.post("/register", status_code=201, response_model=JobDetail,
@@ -239,4 +275,4 @@ def register_job(payload: JobRegister, ctl: Ctl) -> JobDetail | JSONResponse:
               output_dir=payload.output_dir, num_steps=config.num_steps, created_at=now,
               started_at=now, updated_at=now)
     ctl.store.add_jobs([job])
-    return job_detail(job)
+    return job_detail(job, ctl.settings.roots)

@@ -7,11 +7,9 @@ import json
 import time
 from typing import Annotated
 
-import yaml
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import JSONResponse
 
-from services.config import ConfigError, parse_job_config
 from services.controller.auth import require_token
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.routes_jobs import (
@@ -32,11 +30,11 @@ from services.controller.schemas import (
 )
 from services.controller.state import Controller, Ctl
 from services.controller.submission import (
+    ConfigTooLarge,
     SubmissionError,
-    config_texts,
-    from_config_error,
-    refuse_yaml_aliases,
+    config_from_data,
     resolve,
+    submitted_config,
 )
 from services.controller.sweeps import variants
 from services.controller.tables import ACTIVE, Sweep
@@ -61,27 +59,25 @@ def sweep_or_404(ctl: Controller, sweep_id: str) -> Sweep:
     return sweep
 
 
-@router.post("", status_code=201, response_model=SweepOut, responses={**AUTH, **INVALID},
+@router.post("", status_code=201, response_model=SweepOut,
+             responses={**AUTH, **INVALID, 413: {"model": Message}},
              dependencies=[Depends(require_token)])
 def submit_sweep(payload: SweepSubmit, ctl: Ctl) -> SweepOut | JSONResponse:
     """Validate every job of the sweep first; store and queue them only if all are valid."""
-    try:
-        parse_text, stored_text = config_texts(payload.config, payload.config_yaml)
-        refuse_yaml_aliases(parse_text)
-        base = parse_job_config(parse_text, payload.overrides)
-    except ConfigError as err:
-        return invalid(from_config_error(err))
+    try:  # parsed once; every run is validated from the same data
+        data, stored_text = submitted_config(payload.config, payload.config_yaml)
+        base = config_from_data(data, payload.overrides)
+    except ConfigTooLarge as err:
+        raise HTTPException(413, err.detail) from None
     except SubmissionError as err:
         return invalid(err)
-    except (ValueError, TypeError, RecursionError, yaml.YAMLError) as err:
-        return invalid(SubmissionError(str(err), [("<config>", str(err))]))
-    sweep_id, resolved = new_id(), []
+    sweep_id, resolved, taken = new_id(), [], ctl.store.output_dirs()
     for label, extra in variants(base, payload.modes, payload.override_sets):
         job_id = new_id()
         try:
             resolved.append((label, job_id, resolve(
-                parse_text, [*payload.overrides, *extra], ctl.settings, job_id,
-                output_suffix=job_id, stored_text=stored_text)))
+                data, [*payload.overrides, *extra], ctl.settings, job_id, stored_text,
+                output_suffix=job_id, taken=taken)))
         except SubmissionError as err:
             return invalid(err, f"sweep run {label!r}: ")
     spec = {"axis": "modes" if payload.modes else "override_sets", "config": stored_text,
@@ -125,9 +121,10 @@ def sweep_metrics(sweep_id: str, ctl: Ctl,
     sweep_or_404(ctl, sweep_id)
     wanted = split_names(names) or list(CHART_METRICS)
     runs, seen = [], set()
-    for job in ctl.store.sweep_jobs(sweep_id):
+    jobs = ctl.store.sweep_jobs(sweep_id)
+    for job in jobs:
         all_names, steps, series, _ = columns(ctl.store.read_metrics(job.id), wanted,
-                                              max_points)
+                                              max_points, readers=len(jobs))
         seen.update(all_names)
         runs.append(SweepRun(job_id=job.id, label=job.sweep_label or job.name, mode=job.mode,
                              status=job.status, steps=steps, series=series))

@@ -8,6 +8,7 @@
 | ``TALLY_API_TOKEN`` | api_token | none: no auth (loopback only) |
 | ``TALLY_PUBLIC_URL`` | public_url | ``http://127.0.0.1:<port>`` |
 | ``TALLY_ALLOWED_ROOTS`` | allowed_roots | the data folder only |
+| ``TALLY_ALLOWED_HOSTS`` | allowed_hosts | loopback, bind address, public URL host |
 | ``TALLY_MAX_BODY_BYTES`` | max_body_bytes | 1 MiB |
 | ``TALLY_MAX_RUNNING_JOBS`` | max_running_jobs | 2 |
 | ``TALLY_RAY_NUM_CPUS`` | ray_num_cpus | 4 |
@@ -46,6 +47,9 @@ class Settings(BaseModel):
     """URL jobs use to reach the controller; None: http://127.0.0.1:<port>."""
     allowed_roots: tuple[Path, ...] = ()
     """Folders (besides the data folder) that job config paths may point into."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names served besides loopback, the bind address and the public URL's host
+    (DNS-rebinding guard); ``*``: any."""
     max_body_bytes: int = Field(default=1 << 20, gt=0)
     """Larger request bodies are refused with 413."""
     max_running_jobs: int = Field(default=2, gt=0)
@@ -74,6 +78,12 @@ class Settings(BaseModel):
         """Resolved folders that config paths may point into."""
         return tuple(p.expanduser().resolve() for p in (self.data_dir, *self.allowed_roots))
 
+    def inside_roots(self, path: str | Path) -> bool:
+        """Whether the controller may read or write ``path`` (a registered job's folder
+        may name anything)."""
+        resolved = Path(path).expanduser().resolve()
+        return any(resolved.is_relative_to(root) for root in self.roots)
+
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
         """Settings from ``TALLY_*`` variables; keyword arguments win."""
@@ -87,6 +97,9 @@ class Settings(BaseModel):
         for var, field in simple.items():
             if env.get(var):
                 values[field] = env[var]
+        if env.get("TALLY_ALLOWED_HOSTS"):
+            values["allowed_hosts"] = tuple(h.strip() for h in
+                                            env["TALLY_ALLOWED_HOSTS"].split(",") if h.strip())
         if env.get("TALLY_ALLOWED_ROOTS"):
             values["allowed_roots"] = tuple(Path(p) for p in
                                             env["TALLY_ALLOWED_ROOTS"].split(os.pathsep) if p)

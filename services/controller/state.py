@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Annotated
+from weakref import WeakSet
 
 from fastapi import Depends, HTTPException, Request
 
@@ -24,6 +25,8 @@ class Controller:
     metrics: ControllerMetrics = field(init=False)
     list_cache: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     """GET /api/jobs answers by query string, valid while the store's version holds."""
+    streams: dict[str, WeakSet] = field(default_factory=dict)
+    """Open SSE and log-follow streams per job (routes_stream caps them)."""
 
     @property
     def backend(self) -> JobBackend:

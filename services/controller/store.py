@@ -2,7 +2,8 @@
 
 Every function opens its own short transaction, so the API threads and the reconcile loop
 share one Store safely. Status changes go through :meth:`Store.transition`, which never
-moves a job out of a terminal status.
+moves a job out of a terminal status: each is one conditional UPDATE whose row count says
+whether it won.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config as AlembicConfig
-from sqlalchemy import and_, create_engine, delete, event, func, insert, or_, select
+from sqlalchemy import and_, create_engine, delete, event, func, insert, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, defer, sessionmaker
 
@@ -108,6 +109,38 @@ class Store:
                 session.flush()
             session.add_all(jobs)
 
+    def add_job_once(self, job: Job) -> Job:
+        """Store ``job`` unless a job with its idempotency key exists; returns the stored
+        one (the unique index settles two racing submits)."""
+        from sqlalchemy.exc import IntegrityError
+
+        try:
+            self.add_jobs([job])
+            return job
+        except IntegrityError:
+            with self.sessions() as session:
+                first = session.scalar(select(Job).where(
+                    Job.idempotency_key == job.idempotency_key))
+            if first is None:
+                raise
+            return first
+
+    def job_with_key(self, key: str) -> Job | None:
+        with self.sessions() as session:
+            return session.scalar(select(Job).where(Job.idempotency_key == key))
+
+    def delete_job(self, job_id: str) -> bool:
+        """Remove an ended job and its metric rows; False if it is not (or no longer)
+        ended. One conditional DELETE, like every status change."""
+        with self._write() as session:
+            session.execute(delete(MetricRow).where(
+                MetricRow.job_id == job_id,
+                MetricRow.job_id.in_(select(Job.id).where(Job.id == job_id,
+                                                          Job.status.in_(TERMINAL)))))
+            result = session.execute(delete(Job).where(Job.id == job_id,
+                                                       Job.status.in_(TERMINAL)))
+            return result.rowcount == 1
+
     def get_job(self, job_id: str) -> Job | None:
         with self.sessions() as session:
             return session.get(Job, job_id)
@@ -157,6 +190,11 @@ class Store:
         with self.sessions() as session:
             return list(session.scalars(query))
 
+    def output_dirs(self) -> list[str]:
+        """Every job's folder (a new job's must not overlap any)."""
+        with self.sessions() as session:
+            return list(session.scalars(select(Job.output_dir)))
+
     def status_counts(self) -> dict[str, int]:
         with self.sessions() as session:
             rows = session.execute(select(Job.status, func.count()).group_by(Job.status))
@@ -175,20 +213,26 @@ class Store:
     def transition(self, job_id: str, status: str, **values: Any) -> Job | None:
         """Move a job forward to ``status`` (with fields); a no-op if it is already there,
         further on, or ended. Returns the job as stored."""
+        return self.advance(job_id, status, **values)[0]
+
+    def advance(self, job_id: str, status: str, **values: Any) -> tuple[Job | None, bool]:
+        """:meth:`transition`, and whether this call made the change. One conditional
+        ``UPDATE ... WHERE id = ? AND status IN (<earlier statuses>)``: of two racing
+        changes (cancel vs. succeed, cancel vs. start) exactly one wins, whole."""
+        earlier = [name for name, rank in RANK.items() if rank < RANK[status]]
+        now = time.time()
+        changes: dict[str, Any] = {**values, "status": status, "updated_at": now}
+        if status == "running":
+            changes["started_at"] = func.coalesce(Job.started_at, now)
+        if status in TERMINAL:
+            changes["finished_at"] = now
         with self._write() as session:
-            job = session.get(Job, job_id, with_for_update=True)
-            if job is None or RANK[status] <= RANK[job.status]:
-                return job  # never backwards, never out of an end
-            now = time.time()
-            job.status = status
-            if status == "running" and job.started_at is None:
-                job.started_at = now
-            if status in TERMINAL:
-                job.finished_at = now
-            for key, value in values.items():
-                setattr(job, key, value)
-            job.updated_at = now
-            return job
+            result = session.execute(update(Job).where(Job.id == job_id,
+                                                       Job.status.in_(earlier))
+                                     .values(**changes).execution_options(
+                                         synchronize_session=False))
+            changed = result.rowcount == 1
+        return self.get_job(job_id), changed
 
     # ---- metrics -------------------------------------------------------------------------
 

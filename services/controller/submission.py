@@ -1,14 +1,19 @@
 """From a submitted config to the exact config a job runs, or a 422 naming the field.
 
-Safety: YAML is read with PyYAML's safe loader (``parse_job_config``) and anchors/aliases
-are refused (a few lines of aliases can expand to gigabytes); every path in the config
-must resolve inside the allowed roots (the data folder plus ``TALLY_ALLOWED_ROOTS``);
-relative paths are taken from the data folder and written back absolute.
+Bounded parsing, each step cheap before the next runs: a config over ``MAX_CONFIG_BYTES``
+is refused (413) before any parser sees it; its nesting depth is measured by a linear scan
+(over ``MAX_DEPTH``: 422); anchors and aliases are refused (a few lines of aliases can
+expand to gigabytes); then PyYAML's C safe loader reads it, once per submission (a sweep
+validates each run from the same parsed data). Every path in the config must resolve
+inside the allowed roots (the data folder plus ``TALLY_ALLOWED_ROOTS``); relative paths
+are taken from the data folder and written back absolute.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +21,16 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from services.config import ConfigError, JobConfig, parse_job_config
+from services.config import ConfigError, JobConfig, _validation_error, apply_override
 from services.controller.settings import Settings
 from services.preflight import preflight
+
+MAX_CONFIG_BYTES = 64 * 1024
+"""A job config (YAML text or JSON object) larger than this is refused with 413."""
+MAX_DEPTH = 32
+"""Deepest nesting of sections, lists and flow brackets a config may have."""
+SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's loader when PyYAML was built with it (linear time; the Python one is not)."""
 
 
 class SubmissionError(ValueError):
@@ -28,6 +40,10 @@ class SubmissionError(ValueError):
         super().__init__(detail)
         self.detail = detail
         self.errors = errors or []
+
+
+class ConfigTooLarge(SubmissionError):
+    """The config is over MAX_CONFIG_BYTES (413)."""
 
 
 @dataclass(frozen=True)
@@ -47,14 +63,116 @@ def from_config_error(err: ConfigError) -> SubmissionError:
     return SubmissionError(str(err), [(p.field or "<config>", p.message) for p in err.problems])
 
 
-def refuse_yaml_aliases(text: str) -> None:
+def _config_problem(message: str) -> SubmissionError:
+    return SubmissionError(f"<config>: {message}", [("<config>", message)])
+
+
+def text_depth(text: str) -> int:
+    """How deep ``text`` nests: block indentation levels (and ``- `` markers) plus open
+    flow brackets, in one pass; quoted scalars and comments do not count. An estimate
+    that needs no parser: it only has to tell a config from a bomb."""
+    indents: list[int] = []
+    deepest = flow = 0
+    for line in text.splitlines():
+        stripped = line.lstrip(" ")
+        if not stripped or stripped[0] == "#":
+            continue
+        if flow == 0:
+            indent = len(line) - len(stripped)
+            while indents and indents[-1] >= indent:
+                indents.pop()
+            indents.append(indent)
+        block = len(indents) + (len(stripped) - len(stripped.lstrip("- ")) + 1) // 2
+        quote, previous = "", " "
+        for char in stripped:
+            if quote:
+                quote = "" if char == quote else quote
+            elif char in "\"'" and previous in " \t[{,:":
+                quote = char
+            elif char == "#" and previous in " \t":
+                break
+            elif char in "[{":
+                flow += 1
+                deepest = max(deepest, block + flow)
+            elif char in "]}":
+                flow = max(0, flow - 1)
+            previous = char
+        deepest = max(deepest, block + flow)
+    return deepest
+
+
+def data_depth(data: Any, limit: int = MAX_DEPTH) -> int:
+    """Nesting depth of parsed data (iterative; stops looking past ``limit``)."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict | list) and depth <= limit + 1:
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1)
+                        for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def load_config_text(text: str) -> dict[str, Any]:
+    """YAML (or JSON) text -> a mapping, bounded as the module says; SubmissionError
+    (ConfigTooLarge for the size) on any problem."""
+    size = len(text.encode("utf-8", errors="replace"))
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigTooLarge(f"the job config is {size} bytes; at most {MAX_CONFIG_BYTES}")
+    if text_depth(text) > MAX_DEPTH:
+        raise _config_problem(f"nested deeper than {MAX_DEPTH} levels")
     try:
-        for token in yaml.scan(text, Loader=yaml.SafeLoader):
-            if isinstance(token, yaml.AliasToken | yaml.AnchorToken):
-                raise SubmissionError("YAML anchors and aliases are not accepted",
-                                      [("<config>", "YAML anchors and aliases are not accepted")])
-    except yaml.YAMLError:
-        return  # parse_job_config reports the line and column
+        for event in yaml.parse(text, Loader=SafeLoader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                raise _config_problem("YAML anchors and aliases are not accepted")
+        data = yaml.load(text, Loader=SafeLoader) if text.strip() else {}  # a safe loader
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1} " if mark else ""
+        raise _config_problem(f"{where}not valid YAML: "
+                              f"{getattr(err, 'problem', None) or err}") from None
+    if not isinstance(data, dict):
+        raise _config_problem(f"a job config is a mapping of keys, got {type(data).__name__}")
+    if data_depth(data) > MAX_DEPTH:  # e.g. a long "- - - -" line
+        raise _config_problem(f"nested deeper than {MAX_DEPTH} levels")
+    return data
+
+
+def load_config_object(config: dict[str, Any]) -> dict[str, Any]:
+    """A JSON object config, bounded like a text one."""
+    if data_depth(config) > MAX_DEPTH:
+        raise _config_problem(f"nested deeper than {MAX_DEPTH} levels")
+    size = len(json.dumps(config, separators=(",", ":")).encode())
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigTooLarge(f"the job config is {size} bytes; at most {MAX_CONFIG_BYTES}")
+    return config
+
+
+def submitted_config(config: dict[str, Any] | None, config_yaml: str | None
+                     ) -> tuple[dict[str, Any], str]:
+    """(parsed config, text to store as submitted), bounded; a JSON object is stored as
+    JSON."""
+    if config_yaml is not None:
+        return load_config_text(config_yaml), config_yaml
+    config = load_config_object(config or {})
+    return config, json.dumps(config, indent=2)
+
+
+def config_from_data(data: dict[str, Any], overrides: list[str],
+                     source: str = "<config>") -> JobConfig:
+    """Parsed config + ``key=value`` overrides -> a validated JobConfig (``data`` itself
+    is left as it is: a sweep builds every run from the same data)."""
+    data = copy.deepcopy(data)
+    try:
+        for override in overrides:
+            apply_override(data, override)
+        return JobConfig.model_validate(data)
+    except ConfigError as err:
+        raise from_config_error(err) from None
+    except ValidationError as err:
+        raise from_config_error(_validation_error(err, source)) from None
+    except (ValueError, TypeError, RecursionError) as err:
+        raise _config_problem(str(err)) from None
 
 
 def _inside_roots(value: str, field_path: str, settings: Settings) -> Path:
@@ -100,6 +218,31 @@ def resolve_paths(config: JobConfig, data: dict[str, Any], settings: Settings,
     return output_dir
 
 
+def check_output_dir(path: Path, value: str, settings: Settings,
+                     taken: Sequence[str]) -> None:
+    """A job's own folder: never the data folder (or one holding it), the model or
+    warm-up caches, the controller's job folders, nor a folder of another job (or one
+    inside or around it)."""
+    data = settings.data_dir.expanduser().resolve()
+
+    def refuse(why: str) -> None:
+        message = f"{value} {why}; leave output_dir unset and the job writes to its own " \
+                  f"{settings.jobs_dir}/<id>"
+        raise SubmissionError(f"output_dir: {message}", [("output_dir", message)])
+
+    if data.is_relative_to(path):
+        refuse("is the data folder, or holds it")
+    for folder, what in ((data / "models", "the model cache"),
+                         (data / "warmup", "the warm-up cache"),
+                         (data / "jobs", "the controller's job folders")):
+        if path.is_relative_to(folder):
+            refuse(f"is inside {what} ({folder})")
+    for other in taken:
+        folder = Path(other).expanduser().resolve()
+        if path.is_relative_to(folder) or folder.is_relative_to(path):
+            refuse(f"overlaps the folder of another job ({folder})")
+
+
 def check_runnable(config: JobConfig) -> None:
     """What pydantic cannot see (packages, paths): the driver's own preflight."""
     try:
@@ -108,35 +251,24 @@ def check_runnable(config: JobConfig) -> None:
         raise from_config_error(err) from None
 
 
-def resolve(text: str, overrides: list[str], settings: Settings, job_id: str,
-            source: str = "<config>", output_suffix: str | None = None,
-            stored_text: str | None = None) -> Resolved:
-    """Validate a submission; raises SubmissionError (-> 422) before anything is stored.
-    ``stored_text`` is what to keep as submitted (default: ``text``)."""
-    refuse_yaml_aliases(text)
-    try:
-        config = parse_job_config(text, overrides, source=source)
-    except ConfigError as err:
-        raise from_config_error(err) from None
-    except (ValueError, TypeError, RecursionError) as err:
-        raise SubmissionError(f"{source}: {err}", [("<config>", str(err))]) from None
+def resolve(data: dict[str, Any], overrides: list[str], settings: Settings, job_id: str,
+            stored_text: str, source: str = "<config>", output_suffix: str | None = None,
+            taken: Sequence[str] = ()) -> Resolved:
+    """Validate a submission (parsed once by :func:`submitted_config`); raises
+    SubmissionError (-> 422) before anything is stored. ``taken``: the folders of the
+    jobs already stored."""
+    config = config_from_data(data, overrides, source)
     data = config.model_dump(mode="json", exclude_unset=True)
     output_dir = resolve_paths(config, data, settings, settings.jobs_dir / job_id)
-    if output_suffix and config.output_dir:
-        output_dir = output_dir / output_suffix
-        data["output_dir"] = str(output_dir)
+    if config.output_dir:  # a sweep's runs go to <output_dir>/<job id>: both are checked
+        check_output_dir(output_dir, config.output_dir, settings, taken)
+        if output_suffix:
+            output_dir = output_dir / output_suffix
+            data["output_dir"] = str(output_dir)
+            check_output_dir(output_dir, config.output_dir, settings, taken)
     try:
         final = JobConfig.model_validate(data)
     except ValidationError as err:  # a resolved path broke a rule: report, never 500
         raise SubmissionError(f"{source}: {err}", [("<config>", str(err))]) from None
     check_runnable(final)  # after path resolution: paths are checked where they will be read
-    return Resolved(final, data, output_dir, stored_text or text, list(overrides))
-
-
-def config_texts(config: dict[str, Any] | None, config_yaml: str | None) -> tuple[str, str]:
-    """(text to parse, text to store as submitted). A JSON object is stored as JSON and
-    parsed through a YAML dump (PyYAML reads JSON's ``1e-05`` as a string)."""
-    if config_yaml is not None:
-        return config_yaml, config_yaml
-    config = config or {}
-    return yaml.safe_dump(config, sort_keys=False), json.dumps(config, indent=2)
+    return Resolved(final, data, output_dir, stored_text, list(overrides))

@@ -66,6 +66,8 @@ class Job(Base):
     started_at: Mapped[float | None] = mapped_column(Float)
     finished_at: Mapped[float | None] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True, index=True)
+    """The submit's ``Idempotency-Key`` header: the same key returns this job again."""
 
 
 class MetricRow(Base):

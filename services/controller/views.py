@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from fastapi import HTTPException
+
 from services.controller.schemas import JobDetail, JobEvent, JobOut, JobStatus, MetricsOut
 from services.controller.store import MetricTriple
 from services.controller.tables import Job
@@ -14,7 +16,8 @@ from services.metrics import EVENTS_FILE
 CHART_METRICS = (
     "pg_loss", "pg_loss/sample_mean", "pg_loss/token_mean", "pg_loss/prompt_mean",
     "pg_loss/constant", "reward/mean", "reward/std", "kl", "entropy", "clip_fraction",
-    "grad_norm", "response_length/mean", "perf/tokens_per_s", "padding_fraction",
+    "clip_fraction/min", "clip_fraction/max", "grad_norm", "response_length/mean",
+    "perf/tokens_per_s", "padding_fraction",
 )
 """What the dashboard charts (the defaults of a sweep's metrics)."""
 
@@ -23,9 +26,12 @@ def job_out(job: Job) -> JobOut:
     return JobOut.model_validate(job, from_attributes=True)
 
 
-def job_events(output_dir: str | None, limit: int = 200) -> list[JobEvent]:
-    """The last events the driver wrote to <job folder>/events.jsonl (torn lines skipped)."""
-    if not output_dir:
+def job_events(output_dir: str | None, roots: Sequence[Path], limit: int = 200
+               ) -> list[JobEvent]:
+    """The last events the driver wrote to <job folder>/events.jsonl (torn lines skipped);
+    none from a folder outside the allowed ``roots``."""
+    if not output_dir or not any(Path(output_dir).resolve().is_relative_to(root)
+                                 for root in roots):
         return []
     try:  # a registered job's folder may be anything: unreadable means no events
         lines = (Path(output_dir) / EVENTS_FILE).read_text(encoding="utf-8").splitlines()
@@ -40,12 +46,12 @@ def job_events(output_dir: str | None, limit: int = 200) -> list[JobEvent]:
     return events
 
 
-def job_detail(job: Job) -> JobDetail:
+def job_detail(job: Job, roots: Sequence[Path]) -> JobDetail:
     base = job_out(job).model_dump()
     return JobDetail(**base, config_submitted=job.config_submitted,
                      overrides=json.loads(job.overrides or "[]"),
                      config_resolved=json.loads(job.config_resolved or "{}"),
-                     log_tail=job.log_tail or None, events=job_events(job.output_dir))
+                     log_tail=job.log_tail or None, events=job_events(job.output_dir, roots))
 
 
 def pick_indices(count: int, max_points: int) -> list[int]:
@@ -57,16 +63,30 @@ def pick_indices(count: int, max_points: int) -> list[int]:
     return sorted({round(i * (count - 1) / (max_points - 1)) for i in range(max_points)})
 
 
+MAX_NAMES = 200
+"""Metric names one read may ask for."""
+MAX_CELLS = 400_000
+"""Points × series one read returns at most (max_points shrinks to fit)."""
+
+
 def split_names(names: Sequence[str] | None) -> list[str]:
-    """``?names=a,b&names=c`` -> [a, b, c]."""
-    return [n for item in names or [] for n in item.split(",") if n]
+    """``?names=a,b&names=c`` -> [a, b, c] (each once); more than MAX_NAMES: 422."""
+    split = list(dict.fromkeys(n for item in names or [] for n in item.split(",") if n))
+    if len(split) > MAX_NAMES:
+        raise HTTPException(422, f"names: at most {MAX_NAMES} metric names per request")
+    return split
 
 
-def columns(rows: Sequence[MetricTriple], names: Sequence[str] | None, max_points: int
+def columns(rows: Sequence[MetricTriple], names: Sequence[str] | None, max_points: int,
+            readers: int = 1, capped: bool = True
             ) -> tuple[list[str], list[int], dict[str, list[float | None]], bool]:
-    """(all names, steps, series of the wanted names, downsampled?)."""
+    """(all names, steps, series of the wanted names that exist, downsampled?); at most
+    MAX_CELLS values over ``readers`` such answers (a sweep's runs) when ``capped``."""
     all_names = sorted({name for _, _, values in rows for name in values})
-    wanted = list(names) if names else all_names
+    known = set(all_names)
+    wanted = [n for n in names if n in known] if names else all_names
+    if capped:
+        max_points = max(1, min(max_points, MAX_CELLS // max(1, len(wanted) * readers)))
     keep = [rows[i] for i in pick_indices(len(rows), max_points)]
     series = {name: [values.get(name) for _, _, values in keep] for name in wanted}
     return all_names, [step for step, _, _ in keep], series, len(keep) < len(rows)

@@ -1,6 +1,7 @@
 """Trainer checkpoints load with ``torch.load(weights_only=True)``: the real trainer state
 (optimizer, scheduler, torch/numpy/python RNG) round-trips, and a checkpoint file that
-carries code is refused without running it."""
+carries code is refused without running it. A commit never leaves a moment with neither
+the old nor the new checkpoint; an unreadable one is named, so a resume can skip it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from trainer.checkpoint import TRAINER_STATE, load_trainer_checkpoint, save_trainer_checkpoint
+from trainer.checkpoint import (
+    TRAINER_STATE,
+    checkpoints,
+    commit_checkpoint,
+    load_trainer_checkpoint,
+    save_trainer_checkpoint,
+    staging_path,
+    unreadable,
+)
 from trainer.rank import trainer_state
 
 
@@ -62,3 +71,36 @@ def test_a_checkpoint_that_carries_code_is_refused_unrun(tmp_path: Path) -> None
     with pytest.raises(Exception, match="Weights only load failed"):
         load_trainer_checkpoint(str(tmp_path))
     assert not marker.exists()
+
+
+def write_checkpoint(root: Path, step: int, value: float) -> Path:
+    staging = staging_path(root, step)
+    save_trainer_checkpoint(str(staging), str(root), SimpleNamespace(
+        config=PretrainedConfig()), {"w": torch.full((2,), value)}, {"step": step})
+    (staging / "driver_state.json").write_text(f'{{"step": {step}}}')
+    return commit_checkpoint(root, step)
+
+
+def test_commit_replaces_a_checkpoint_and_never_leaves_neither(tmp_path: Path) -> None:
+    first = write_checkpoint(tmp_path, 1, 1.0)
+    stale = staging_path(tmp_path, 1)  # a failed write left a staging folder behind
+    (stale / "junk").parent.mkdir(parents=True)
+    (stale / "junk").write_text("x")
+    assert not staging_path(tmp_path, 1).exists()  # asking for it again cleans it
+    write_checkpoint(tmp_path, 1, 2.0)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == \
+        ["step_00000001"]
+    assert load_trainer_checkpoint(str(first))[0]["w"].tolist() == [2.0, 2.0]
+    os.replace(first, first.with_name(first.name + ".old"))  # a crash between the renames
+    assert checkpoints(tmp_path) == [first.with_name(first.name + ".old")]
+    assert unreadable(checkpoints(tmp_path)[0]) is None
+
+
+def test_unreadable_checkpoints_are_named_and_skipped(tmp_path: Path) -> None:
+    older, newer = write_checkpoint(tmp_path, 1, 1.0), write_checkpoint(tmp_path, 2, 2.0)
+    assert checkpoints(tmp_path) == [newer, older] and unreadable(newer) is None
+    state = newer / TRAINER_STATE
+    state.write_bytes(state.read_bytes()[:20])  # truncated
+    assert unreadable(newer) is not None
+    (older / "driver_state.json").write_text("{torn")
+    assert "JSONDecodeError" in (unreadable(older) or "")

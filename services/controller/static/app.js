@@ -6,9 +6,23 @@ const conn = document.getElementById("conn");
 const ACTIVE = ["queued", "pending", "running"];
 let cleanup = [];
 
-async function api(path, options) {
-  const response = await fetch(path, options);
+// A controller with TALLY_API_TOKEN refuses changes without it: the page asks once, keeps
+// it in this browser (localStorage) and sends it as a bearer header; the server never
+// hands it out.
+const TOKEN_KEY = "tally-api-token";
+async function api(path, options = {}, asked = false) {
+  const token = localStorage.getItem(TOKEN_KEY);
+  const headers = { ...(options.headers || {}), ...(token ? { Authorization: `Bearer ${token}` } : {}) };
+  const response = await fetch(path, { ...options, headers });
   const body = await response.json().catch(() => ({}));
+  if (response.status === 401 && !asked) {
+    const given = window.prompt("This controller needs its API token (TALLY_API_TOKEN):");
+    if (given) {
+      localStorage.setItem(TOKEN_KEY, given.trim());
+      return api(path, options, true);
+    }
+  }
+  if (response.status === 401 && asked) localStorage.removeItem(TOKEN_KEY);
   if (!response.ok) throw new Error(body.detail || `${response.status} ${response.statusText}`);
   return body;
 }
@@ -91,6 +105,10 @@ function jobHeader(job) {
         e.target.replaceWith(el("span", { class: "error" }, `cancel: ${err.message}`));
       }
     } }, "Cancel"));
+  }
+  const lastEvent = job.events && job.events.length ? job.events[job.events.length - 1] : null;
+  if (lastEvent && lastEvent.kind === "waiting" && ACTIVE.includes(job.status)) {
+    header.append(el("p", { class: "waiting", id: "waiting" }, lastEvent.message));
   }
   if (job.events && job.events.length) {
     header.append(el("details", { class: "events", id: "events" },

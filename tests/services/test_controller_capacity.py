@@ -1,0 +1,98 @@
+"""Admission by cluster capacity (services/controller/capacity.py): a queued job goes to Ray
+only when the cluster can hold its whole placement group; one that waits says why in its
+events, on the API and the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from services.cli import app as cli_app
+from services.controller.app import create_app
+from tests.services.controller_fakes import (
+    DEMO_OVERRIDES,
+    FakeBackend,
+    make_settings,
+    serve_in_thread,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = (ROOT / "configs" / "demo.yaml").read_text()
+
+
+@pytest.fixture
+def api(tmp_path: Path):
+    backend = FakeBackend()
+    backend.usage = {"CPU": (0.0, 2.0)}  # an idle two-CPU cluster
+    app = create_app(make_settings(tmp_path, max_running_jobs=4), backend=backend)
+    client = TestClient(app)
+    client.backend = backend  # type: ignore[attr-defined]
+    client.ctl = app.state.controller  # type: ignore[attr-defined]
+    return client
+
+
+def submit(api: TestClient, *overrides: str) -> str:
+    response = api.post("/api/jobs", json={"config_yaml": DEMO,
+                                           "overrides": [*DEMO_OVERRIDES, *overrides]})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def status(api: TestClient, job_id: str) -> str:
+    return api.get(f"/api/jobs/{job_id}").json()["status"]
+
+
+def waiting(api: TestClient, job_id: str) -> list[str]:
+    return [e["message"] for e in api.get(f"/api/jobs/{job_id}").json()["events"]
+            if e["kind"] == "waiting"]
+
+
+def test_jobs_start_as_the_cluster_frees_up_and_a_job_too_big_never_blocks(
+        api: TestClient) -> None:
+    big = submit(api, "trainer.dp_size=2")  # 2 ranks + 1 engine: 2.5 CPU of 2
+    first, second = submit(api), submit(api)  # 1.5 CPU each
+    api.ctl.reconciler.tick()
+    assert [status(api, j) for j in (big, first, second)] == ["queued", "pending", "queued"]
+    assert waiting(api, big) == ["waiting for resources: needs 2.5 CPU, cluster has 2 in all"]
+    assert waiting(api, second) == ["waiting for resources: needs 1.5 CPU, cluster has 0.5 free"]
+    api.ctl.reconciler.tick()  # the same message is written once
+    assert len(waiting(api, second)) == 1
+    api.backend.usage = {"CPU": (1.5, 2.0)}  # Ray now holds the first job's group
+    api.ctl.reconciler.tick()
+    assert status(api, second) == "queued"
+    api.backend.finish(f"tally-{first}", "succeeded")
+    api.backend.usage = {"CPU": (0.0, 2.0)}
+    api.ctl.reconciler.tick()
+    assert status(api, first) == "succeeded"
+    api.ctl.reconciler.tick()
+    assert status(api, second) == "pending" and status(api, big) == "queued"
+
+
+def test_the_first_waiting_job_holds_the_queue(api: TestClient) -> None:
+    """First come, first served: a small job never overtakes a waiting one that fits an
+    empty cluster (no starvation of big jobs)."""
+    api.backend.usage = {"CPU": (1.0, 3.0)}
+    medium = submit(api, "trainer.dp_size=2")  # 2.5 CPU: fits 3, not the 2 free
+    small = submit(api, "colocate=true")  # 1 CPU: would fit
+    api.ctl.reconciler.tick()
+    assert [status(api, j) for j in (medium, small)] == ["queued", "queued"]
+    assert waiting(api, small) == []
+
+
+def test_unknown_capacity_admits_by_max_running_jobs(api: TestClient) -> None:
+    api.backend.usage = None
+    jobs = [submit(api) for _ in range(5)]
+    api.ctl.reconciler.tick()
+    assert [status(api, j) for j in jobs] == ["pending"] * 4 + ["queued"]
+
+
+def test_cli_status_shows_what_a_job_waits_for(api: TestClient) -> None:
+    big = submit(api, "trainer.dp_size=2")
+    api.ctl.reconciler.tick()
+    with serve_in_thread(api.app) as url:
+        result = CliRunner().invoke(cli_app, ["status", big, "--url", url])
+    assert result.exit_code == 0, result.output
+    assert "waiting:            resources: needs 2.5 CPU, cluster has 2 in all" in result.output

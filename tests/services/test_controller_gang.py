@@ -1,0 +1,68 @@
+"""The README's four-mode sweep on a two-CPU Ray head with the default max_running_jobs:
+every job reserves its trainer rank and engine in one placement group, so the jobs take
+turns instead of each holding half of what another needs; all four succeed. A job too big
+for the cluster waits, holding nothing, and says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from itertools import pairwise
+
+import httpx
+import pytest
+
+from services.controller.ray_head import LocalRayHead
+from tests.services.controller_fakes import DEMO_OVERRIDES
+from tests.services.test_controller_ray import ROOT, ControllerProcess, wait_job
+
+MODES = ["sample_mean", "token_mean", "prompt_mean", "constant"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_cpu_controller(tmp_path_factory: pytest.TempPathFactory
+                       ) -> Iterator[ControllerProcess]:
+    head = LocalRayHead(num_cpus=2, log_path=tmp_path_factory.mktemp("ray") / "head.log")
+    head.start()
+    proc = ControllerProcess(tmp_path_factory.mktemp("controller") / "data", head.address)
+    proc.env.pop("TALLY_MAX_RUNNING_JOBS")  # the default
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.stop()
+        head.stop()
+
+
+def tally(url: str, *args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "services.cli", *args, "--url", url],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_four_mode_sweep_on_two_cpus_and_a_job_that_cannot_fit(
+        two_cpu_controller: ControllerProcess) -> None:
+    url = two_cpu_controller.url
+    sets = [arg for o in DEMO_OVERRIDES for arg in ("--set", o)]
+    big = tally(url, "submit", "configs/demo.yaml", *sets, "--set", "trainer.dp_size=2",
+                "--set", "name=too-big").split()[1]  # 2 ranks + 1 engine: 2.5 CPU of 2
+    printed = tally(url, "submit", "configs/demo.yaml", "--sweep-modes", ",".join(MODES), *sets)
+    job_ids = [line.split()[0] for line in printed.splitlines()[:4]]
+    assert [line.split()[1] for line in printed.splitlines()[:4]] == MODES
+    jobs = [wait_job(url, job_id, ("succeeded",), timeout_s=600) for job_id in job_ids]
+    assert all(job["last_step"] == 1 for job in jobs)
+    spans = sorted((job["started_at"], job["finished_at"]) for job in jobs)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans)), spans
+    waited = [e["message"] for job_id in job_ids
+              for e in httpx.get(f"{url}/api/jobs/{job_id}").json()["events"]
+              if e["kind"] == "waiting"]
+    assert "waiting for resources: needs 1.5 CPU, cluster has 0.5 free" in waited
+    assert httpx.get(f"{url}/api/jobs/{big}").json()["status"] == "queued"
+    shown = tally(url, "status", big)
+    assert "waiting:            resources: needs 2.5 CPU, cluster has 2 in all" in shown
+    assert tally(url, "cancel", big).split()[-1] == "cancelled"
+

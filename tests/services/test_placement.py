@@ -1,0 +1,48 @@
+"""Gang placement on a real two-CPU Ray: a job's bundles are reserved all at once or not at
+all, a job that does not fit waits holding nothing and says what it is missing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from services.config import load_job_config
+from services.placement import describe_shortfall, job_bundles, job_needs, reserve_job
+from tests.services.controller_fakes import DEMO_OVERRIDES
+from tests.services.test_train import ROOT
+
+
+def demo(*overrides: str):
+    return load_job_config(ROOT / "configs" / "demo.yaml", [*DEMO_OVERRIDES, *overrides])
+
+
+def test_bundles_cover_ranks_and_engines() -> None:
+    assert job_bundles(demo()) == [{"CPU": 1.0}, {"CPU": 0.5}]
+    assert job_needs(demo("trainer.dp_size=2")) == {"CPU": 2.5}
+    assert job_bundles(demo("trainer.dp_size=2", "colocate=true")) == [{"CPU": 1.0}] * 2
+    assert describe_shortfall({"CPU": 2.5}, {"CPU": 2.0, "memory": 1e9}) == \
+        "waiting for resources: needs 2.5 CPU, cluster has 2 free"
+
+
+@pytest.fixture(scope="module")
+def two_cpus() -> Iterator[None]:
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_second_job_waits_holding_nothing_then_fits(two_cpus: None) -> None:
+    first = reserve_job(demo(), on_wait=pytest.fail)
+    assert ray.available_resources().get("CPU", 0.0) == pytest.approx(0.5)
+    said: list[str] = []
+    with pytest.raises(RuntimeError, match="cannot place the job within 2 s"):
+        reserve_job(demo(), on_wait=said.append, timeout_s=2)
+    assert said == ["waiting for resources: needs 1.5 CPU, cluster has 0.5 free"]
+    assert ray.available_resources().get("CPU", 0.0) == pytest.approx(0.5)  # held nothing
+    remove_placement_group(first.group)
+    second = reserve_job(demo(), on_wait=pytest.fail, timeout_s=30)
+    assert second.engine_options[0]["scheduling_strategy"].placement_group_bundle_index == 1
+    remove_placement_group(second.group)
