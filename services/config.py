@@ -43,6 +43,10 @@ class ConfigProblem:
         return cls(f"{section}.{named[1]}" if section else named[1], named[2])
 
 
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's safe loader when PyYAML has it (far faster on hostile input), else Python's."""
+
+
 class ConfigError(ValueError):
     """A job config that cannot run; ``problems`` name the field (or the line) of each.
 
@@ -221,7 +225,7 @@ def parse_job_config(text: str, overrides: list[str] | None = None,
                      source: str = "<config>") -> JobConfig:
     """YAML (or JSON) text plus ``--set`` overrides -> a validated JobConfig."""
     try:
-        data = yaml.safe_load(text) if text.strip() else {}
+        data = yaml.load(text, Loader=SAFE_LOADER) if text.strip() else {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1} " if mark else ""
