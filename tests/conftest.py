@@ -17,18 +17,25 @@ def ray_cluster() -> Iterator[None]:
 
     started = False
     if not ray.is_initialized():
-        ray.init(
-            address="local",  # never join another cluster found on the machine
-            num_cpus=4,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-            runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
-        )
+        start_shared_cluster()
         started = True
     yield
-    if started:
+    if started and ray.is_initialized():
         ray.shutdown()
+
+
+def start_shared_cluster() -> None:
+    """The session's local head: 4 CPUs on this machine only, no dashboard."""
+    import ray
+
+    ray.init(
+        address="local",  # never join another cluster found on the machine
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
+    )
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,10 @@
 """`tally serve` killed with SIGKILL mid-job, on its embedded Ray head: the restarted
 controller re-adopts the head (``<data>/ray-head.json``), the job runs on and finishes with
-every step's metrics, and the final shutdown leaves no process of that head. A head that
-is truly gone is cleaned up and replaced."""
+every step's metrics, and the final shutdown leaves no process of that head."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.test_controller_ray import DEMO, ControllerProcess, wait_job
 
 pytestmark = pytest.mark.slow
-NUM_STEPS = 10
+NUM_STEPS = 40  # long enough that the kill lands mid-job on an idle machine
 
 
 def embedded(tmp_path: Path) -> ControllerProcess:
@@ -70,23 +68,3 @@ def test_kill_9_mid_job_then_restart_loses_nothing(tmp_path: Path) -> None:
     assert processes_of(head["temp_dir"]) == []
     assert not psutil.pid_exists(head["pid"]) and not dashboard_up(head["address"])
     assert not (Path(proc.env["TALLY_DATA_DIR"]) / "ray-head.json").exists()
-
-
-def test_a_head_that_is_gone_is_cleaned_up_and_replaced(tmp_path: Path) -> None:
-    proc = embedded(tmp_path)
-    proc.start()
-    head = marker(proc)
-    kill9(proc)
-    os.kill(head["pid"], signal.SIGKILL)  # `ray start` dies; GCS, raylet... are orphans
-    time.sleep(1)
-    assert processes_of(head["temp_dir"]), "nothing was left to clean up"
-    proc.start()
-    try:
-        fresh = marker(proc)
-        assert fresh["temp_dir"] != head["temp_dir"]
-        assert processes_of(head["temp_dir"]) == []
-        assert not Path(head["temp_dir"]).exists()
-        assert httpx.get(f"{proc.url}/healthz").json()["ray"] == fresh["address"]
-    finally:
-        proc.stop()
-    assert processes_of(fresh["temp_dir"]) == []

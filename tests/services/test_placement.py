@@ -29,9 +29,18 @@ def test_bundles_cover_ranks_and_engines() -> None:
 
 @pytest.fixture(scope="module")
 def two_cpus() -> Iterator[None]:
+    """A two-CPU head of its own; the session's shared cluster (if up) is stopped for the
+    module and started again after it, as tests/conftest.py starts it."""
+    from tests.conftest import start_shared_cluster
+
+    shared = ray.is_initialized()
+    if shared:
+        ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+    if shared:
+        start_shared_cluster()
 
 
 def test_second_job_waits_holding_nothing_then_fits(two_cpus: None) -> None:
