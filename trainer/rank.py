@@ -4,16 +4,23 @@ up), pick its compute dtype, and carry its scheduler and RNG state through a che
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.config import TrainerConfig
+from trainer.config import ObjectiveConfig, TrainerConfig
+
+if TYPE_CHECKING:
+    from rollout.batch import TrainBatch
+    from trainer.step_plan import StepPlan
 
 
 def free_port() -> int:
@@ -23,7 +30,26 @@ def free_port() -> int:
 
 
 class RankInfo:
-    """The verbs every rank actor answers before its process group exists."""
+    """What every rank actor does the same way: the verbs it answers before its process
+    group exists, and ``gradients`` over the backend's own ``_gradients``."""
+
+    objective: ObjectiveConfig
+
+    def gradients(self, batch: TrainBatch, plans: list[StepPlan],
+                  objectives: list[ObjectiveConfig]) -> list[tuple[dict[str, float], Any]]:
+        """Collective, no update: for each (plan, objective), the step's sums and, on rank
+        0, the full summed gradient of every parameter (what the optimizer would see)."""
+        return [self._gradients(batch, plan, objective)
+                for plan, objective in zip(plans, objectives, strict=True)]
+
+    @contextlib.contextmanager
+    def objective_for_call(self, objective: ObjectiveConfig) -> Iterator[None]:
+        """Run one call under ``objective`` instead of the configured one."""
+        configured, self.objective = self.objective, objective
+        try:
+            yield
+        finally:
+            self.objective = configured
 
     def node_address(self) -> tuple[str, int]:
         """Address and a free port on this actor's node, for the rendezvous of rank 0."""

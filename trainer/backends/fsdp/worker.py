@@ -140,21 +140,10 @@ class FSDPWorker(RankInfo):
         dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
         return out if self.rank == 0 else None
 
-    def gradients(self, batch: TrainBatch, plans: list[StepPlan],
-                  objectives: list[ObjectiveConfig]
-                  ) -> list[tuple[dict[str, float], dict[str, torch.Tensor] | None]]:
-        """Collective, no update: for each (plan, objective), the step's sums and, on rank
-        0, the full summed gradient of every parameter (what the optimizer would see)."""
-        return [self._gradients(batch, plan, objective)
-                for plan, objective in zip(plans, objectives, strict=True)]
-
     def _gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
                    ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
-        configured, self.objective = self.objective, objective
-        try:
+        with self.objective_for_call(objective):
             sums = self.forward_backward(batch, plan)
-        finally:
-            self.objective = configured
         grads = {}
         for name, p in self.model.named_parameters():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)

@@ -167,14 +167,6 @@ class MegatronWorker(RankInfo):
         dist.all_reduce(out)  # each sample written by exactly one rank
         return out if self.rank == 0 else None
 
-    def gradients(self, batch: TrainBatch, plans: list[StepPlan],
-                  objectives: list[ObjectiveConfig]
-                  ) -> list[tuple[dict[str, float], dict[str, torch.Tensor] | None]]:
-        """Collective, no update: for each (plan, objective), the step's sums and, on rank
-        0, the full summed gradient of every parameter (what the optimizer would see)."""
-        return [self._gradients(batch, plan, objective)
-                for plan, objective in zip(plans, objectives, strict=True)]
-
     def _gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
                    ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
         """Collective, no update: the step's sums under ``objective`` and, on rank 0, the
@@ -183,11 +175,8 @@ class MegatronWorker(RankInfo):
 
         Keys are those of the HF model's ``named_parameters()``: a tied model has no
         ``lm_head.weight`` (its gradient is part of the embeddings')."""
-        configured, self.objective = self.objective, objective
-        try:
+        with self.objective_for_call(objective):
             sums = self.forward_backward(batch, plan)
-        finally:
-            self.objective = configured
         grads = self.weights.gather({name: p.grad if p.grad is not None else torch.zeros_like(p)
                                      for name, p in self.weights.params.items()})
         self.main.zero_grad()
