@@ -32,8 +32,10 @@ class SamplingConfig(BaseModel):
     """Keep only the k most likely tokens; -1 or 0 turns it off."""
     max_new_tokens: int = Field(default=64, gt=0)
     """Generation budget per response, EOS included."""
-    stop: list[str] = Field(default_factory=list)
-    """Extra stop strings; the matched text stays in the response (it was sampled)."""
+    stop: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list,
+                                                               max_length=32)
+    """Extra stop strings (at most 32, each ≤ 256 characters); the matched text stays in
+    the response (it was sampled)."""
 
     @model_validator(mode="after")
     def _stop_strings_not_empty(self) -> SamplingConfig:
@@ -74,7 +76,7 @@ class FileDatasetConfig(BaseModel):
     """Field holding the prompt: a string, or a list of chat messages."""
     label_key: str | None = "label"
     """Field holding the reference answer; None when the reward needs no label."""
-    metadata_keys: list[str] | None = None
+    metadata_keys: list[str] | None = Field(default=None, max_length=256)
     """Fields passed to the reward as metadata; None passes every other field."""
     seed: int = 0
     """Seed of the epoch shuffles."""
@@ -106,7 +108,7 @@ class TorchEngineConfig(BaseModel):
     """Ray CPU slots reserved per engine actor."""
     num_gpus: float = Field(default=0.0, ge=0.0)
     """Ray GPU slots reserved per engine actor."""
-    resources: dict[str, float] = Field(default_factory=dict)
+    resources: dict[str, float] = Field(default_factory=dict, max_length=32)
     """Extra Ray resources per engine actor (e.g. a node label resource to pin placement)."""
 
 
@@ -117,7 +119,7 @@ class SGLangEngineConfig(BaseModel):
 
     type: Literal["sglang"] = "sglang"
     """Engine variant."""
-    urls: list[str] | None = None
+    urls: list[str] | None = Field(default=None, max_length=256)
     """Running servers to use (one engine each); None launches servers instead."""
     num_engines: int = Field(default=1, ge=1)
     """Servers to launch; equals len(urls) when urls are given."""
@@ -129,8 +131,9 @@ class SGLangEngineConfig(BaseModel):
     """Tensor-parallel GPUs per launched server."""
     mem_fraction_static: float | None = Field(default=None, gt=0.0, le=1.0)
     """SGLang's --mem-fraction-static; None keeps SGLang's default."""
-    extra_args: list[str] = Field(default_factory=list)
-    """More command-line flags for sglang.launch_server."""
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list,
+                                                                      max_length=128)
+    """More command-line flags for sglang.launch_server (at most 128)."""
     launch_timeout_s: float = Field(default=900.0, gt=0.0)
     """How long to wait for a server's /health (launched, or given in urls)."""
     request_timeout_s: float = Field(default=600.0, gt=0.0)
@@ -275,6 +278,9 @@ class RolloutConfig(BaseModel):
     rollout_batch_size · G / global_batch_size optimizer steps of whole groups."""
     seed: int = 0
     """Seed of sampling; every step derives its own seeds from (seed, step)."""
+    call_timeout_s: float = Field(default=1800.0, gt=0)
+    """Longest one rollout-manager call (a batch, a weight sync) may take; past it the
+    job restarts from its last checkpoint, as for a stuck trainer call."""
 
     @model_validator(mode="after")
     def _whole_groups(self) -> RolloutConfig:

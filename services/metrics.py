@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Protocol
@@ -23,13 +24,26 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per step: {"step", "time", "metrics"}; appended and flushed."""
+    """One JSON object per step: {"step", "time", "metrics"}; appended and flushed.
+
+    A file replaced under it (``truncate_after`` on resume) is reopened before the next
+    write, so no row goes to the old, unlinked file."""
 
     def __init__(self, output_dir: Path, filename: str = METRICS_FILE) -> None:
         self.path = output_dir / filename
         self.file = self.path.open("a", encoding="utf-8")
 
+    def _reopen_if_replaced(self) -> None:
+        try:
+            replaced = os.stat(self.path).st_ino != os.fstat(self.file.fileno()).st_ino
+        except FileNotFoundError:
+            replaced = True
+        if replaced:
+            self.file.close()
+            self.file = self.path.open("a", encoding="utf-8")
+
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._reopen_if_replaced()
         clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
         self.file.write(json.dumps({"step": step, "time": time.time(), "metrics": clean}) + "\n")
         self.file.flush()
@@ -67,6 +81,20 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """Drop rows of steps > step (a resume repeats them from the checkpoint)."""
+    """Drop rows of steps > step (a resume repeats them from the checkpoint), atomically:
+    the kept rows go to a sibling file, fsynced, renamed over the original, so a crash
+    leaves either the old file or the new one, never a half-written one."""
+    if not path.exists():
+        return
     rows = [r for r in read_metrics(path) if r["step"] <= step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    staging = path.with_name(path.name + ".truncating")
+    with staging.open("w", encoding="utf-8") as out:
+        out.write("".join(json.dumps(r) + "\n" for r in rows))
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(staging, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -160,7 +161,7 @@ class Job:
         """Generate → score → train → sync weights; returns the step's metrics."""
         started = time.perf_counter()
         batch_ref = self.rollout.generate_batch.remote(step)
-        batch: TrainBatch = ray.get(batch_ref)
+        batch: TrainBatch = self.rollout_call(batch_ref, "generate_batch")
         generated = time.perf_counter()
         if batch.num_valid_tokens == 0:  # nothing to learn from: skip, never NaN
             return {"skipped": 1.0, "reward/mean": float(batch.rewards.mean())}
@@ -176,11 +177,21 @@ class Job:
             per_update.append(self.trainer.train(mini, stored))
             self.write_update(step, update, per_update[-1])
         trained = time.perf_counter()
-        ray.get(self.rollout.update_weights.remote([self.trainer.async_export_weights()]))
+        self.rollout_call(self.rollout.update_weights.remote(
+            [self.trainer.async_export_weights()]), "update_weights")
         synced = time.perf_counter()
         times = {"rollout": generated - started, "train": trained - generated,
                  "sync": synced - trained}
         return step_metrics(batch, per_update, times)
+
+    def rollout_call(self, ref: ray.ObjectRef, verb: str) -> Any:
+        """The rollout manager's answer; past rollout.call_timeout_s a TimeoutError, which
+        restarts the job from its last checkpoint like a stuck trainer call."""
+        try:
+            return ray.get(ref, timeout=self.config.rollout.call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"rollout {verb} took longer than rollout.call_timeout_s="
+                               f"{self.config.rollout.call_timeout_s:g} s") from None
 
     def write_update(self, step: int, update: Update, metrics: dict[str, float]) -> None:
         """One optimizer step's trainer metrics, tagged with its rollout and update."""
@@ -192,7 +203,7 @@ class Job:
         """Trainer state, rollout cursor and step; written aside, then renamed."""
         staging = checkpoint.staging_path(self.checkpoint_root, step)
         self.trainer.save_checkpoint(str(staging))
-        rollout_state = ray.get(self.rollout.state_dict.remote())
+        rollout_state = self.rollout_call(self.rollout.state_dict.remote(), "state_dict")
         (staging / "driver_state.json").write_text(json.dumps({"step": step,
                                                               "rollout": rollout_state}))
         return checkpoint.commit_checkpoint(self.checkpoint_root, step)
@@ -213,8 +224,10 @@ class Job:
             return 0
         state = json.loads((latest / "driver_state.json").read_text())
         self.trainer.load_checkpoint(str(latest))
-        ray.get(self.rollout.load_state_dict.remote(state["rollout"]))
-        ray.get(self.rollout.update_weights.remote([self.trainer.async_export_weights()]))
+        self.rollout_call(self.rollout.load_state_dict.remote(state["rollout"]),
+                          "load_state_dict")
+        self.rollout_call(self.rollout.update_weights.remote(
+            [self.trainer.async_export_weights()]), "update_weights")
         if truncate_metrics:  # a new run repeats the steps after the checkpoint
             truncate_after(self.output_dir / METRICS_FILE, state["step"])
             truncate_after(self.output_dir / UPDATES_FILE,
@@ -224,7 +237,7 @@ class Job:
 
     def placement(self) -> str:
         """Where each actor landed, for the job's log and events."""
-        engine_nodes = ray.get(self.rollout.engine_nodes.remote())
+        engine_nodes = self.rollout_call(self.rollout.engine_nodes.remote(), "engine_nodes")
         return (f"trainer ranks on nodes {[n[:8] for n in self.trainer.worker_nodes()]}; "
                 f"rollout engines on nodes {[n[:8] for n in engine_nodes]}")
 

@@ -176,7 +176,7 @@ class TrainerConfig(BaseModel):
     """Ray CPUs reserved for each trainer rank."""
     num_gpus_per_rank: float = Field(default=0.0, ge=0)
     """Ray GPUs per trainer rank; 0 trains on CPU with gloo."""
-    resources: dict[str, float] = Field(default_factory=dict)
+    resources: dict[str, float] = Field(default_factory=dict, max_length=32)
     """Extra Ray resources per rank bundle (e.g. a node label resource to pin placement)."""
     allow_cross_node: bool = False
     """Let the ranks' placement group straddle nodes (PACK); default keeps them on one

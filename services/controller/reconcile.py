@@ -259,8 +259,10 @@ class Reconciler:
         for line in complete.decode("utf-8", errors="replace").splitlines():
             try:
                 row = json.loads(line)
-                rows.append((int(row["step"]), float(row.get("time") or time.time()),
-                             clean_metrics(row.get("metrics") or {})))
+                step = int(row["step"])
+                if 0 <= step < job.num_steps:  # as ingest: no step the job cannot have
+                    rows.append((step, float(row.get("time") or time.time()),
+                                 clean_metrics(row.get("metrics") or {})))
             except (ValueError, KeyError, TypeError):
                 continue
         if not rows:

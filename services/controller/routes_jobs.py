@@ -42,7 +42,7 @@ from services.controller.submission import (
     submitted_config,
 )
 from services.controller.tables import ACTIVE, TERMINAL, Job
-from services.controller.views import job_detail, job_out, metrics_out, split_names
+from services.controller.views import job_detail, job_out, metrics_out, point_budget, split_names
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
@@ -227,8 +227,9 @@ def job_metrics(job_id: str, ctl: Ctl,
     """Per-step metrics, column-oriented; ``names`` (repeatable or comma-separated) picks
     series, ``start``/``end`` a step range, ``max_points`` downsamples long runs."""
     get_or_404(ctl, job_id)
-    rows = ctl.store.read_metrics(job_id, start, end)
-    return json_response(metrics_out(job_id, rows, split_names(names), max_points))
+    wanted = split_names(names)
+    rows, total = ctl.store.sample_metrics(job_id, point_budget(wanted, max_points), start, end)
+    return json_response(metrics_out(job_id, rows, total, wanted))
 
 
 @router.post("/{job_id}/metrics", response_model=IngestResult,
@@ -236,6 +237,10 @@ def job_metrics(job_id: str, ctl: Ctl,
 def ingest_metrics(job_id: str, batch: MetricsIngest, ctl: Ctl) -> IngestResult:
     """Steps from the job's driver (ControllerSink); a repeated step replaces the old one."""
     job = get_or_404(ctl, job_id)
+    beyond = [i for i, r in enumerate(batch.rows) if r.step >= job.num_steps]
+    if beyond:  # a step the job cannot have: refused whole, nothing stored
+        raise HTTPException(422, f"rows[{beyond[0]}].step: {batch.rows[beyond[0]].step} is "
+                            f"beyond the job's steps 0..{job.num_steps - 1}")
     rows = [(r.step, r.time if r.time is not None else time.time(), clean_metrics(r.metrics))
             for r in batch.rows]
     accepted = ctl.store.add_metrics(job_id, rows)

@@ -138,7 +138,7 @@ async def job_events(job_id: str, request: Request, ctl: Ctl,
             rows = await run_in_threadpool(ctl.store.read_metrics, job_id, last + 1,
                                            last + SSE_CHUNK)
             if rows:
-                _, steps, series, _ = columns(rows, None, len(rows), capped=False)
+                _, steps, series = columns(rows, ())
                 yield sse("metrics", {"steps": steps, "series": series})
                 last, quiet = steps[-1], 0.0
             state = job_out(job).model_dump() if job else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query
@@ -38,7 +39,14 @@ from services.controller.submission import (
 )
 from services.controller.sweeps import variants
 from services.controller.tables import ACTIVE, Sweep
-from services.controller.views import CHART_METRICS, columns, group_status, job_out, split_names
+from services.controller.views import (
+    CHART_METRICS,
+    columns,
+    group_status,
+    job_out,
+    point_budget,
+    split_names,
+)
 
 router = APIRouter(prefix="/api/sweeps", tags=["sweeps"])
 NOT_FOUND = {404: {"model": Message, "description": "no such sweep"}}
@@ -112,19 +120,35 @@ def get_sweep(sweep_id: str, ctl: Ctl) -> SweepOut:
     return sweep_out(ctl, sweep_or_404(ctl, sweep_id))
 
 
+def parse_after(after: Sequence[str]) -> dict[str, int]:
+    """``?after=<job id>:<step>`` (repeatable) -> {job id: last step the page holds}."""
+    seen: dict[str, int] = {}
+    for item in after:
+        job_id, _, step = item.rpartition(":")
+        if not job_id or not step.lstrip("-").isdigit():
+            raise HTTPException(422, f"after: {item[:80]!r} is not <job id>:<step>")
+        seen[job_id] = int(step)
+    return seen
+
+
 @router.get("/{sweep_id}/metrics", response_model=SweepMetricsOut, responses=NOT_FOUND)
 def sweep_metrics(sweep_id: str, ctl: Ctl,
                   names: Annotated[list[str] | None, Query(max_length=200)] = None,
-                  max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000
+                  max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000,
+                  after: Annotated[list[str] | None, Query(max_length=500)] = None
                   ) -> SweepMetricsOut:
-    """Every run's metrics (default: the dashboard's charted ones), to overlay per metric."""
+    """Every run's metrics (default: the dashboard's charted ones), to overlay per metric.
+    ``after=<job id>:<step>`` asks only for that run's steps after ``step``: the sweep page
+    fetches increments, never every run's whole history again."""
     sweep_or_404(ctl, sweep_id)
     wanted = split_names(names) or list(CHART_METRICS)
+    since = parse_after(after or [])
     runs, seen = [], set()
     jobs = ctl.store.sweep_jobs(sweep_id)
+    budget = point_budget(wanted, max_points, readers=len(jobs))
     for job in jobs:
-        all_names, steps, series, _ = columns(ctl.store.read_metrics(job.id), wanted,
-                                              max_points, readers=len(jobs))
+        rows, _ = ctl.store.sample_metrics(job.id, budget, since.get(job.id, -1) + 1)
+        all_names, steps, series = columns(rows, wanted)
         seen.update(all_names)
         runs.append(SweepRun(job_id=job.id, label=job.sweep_label or job.name, mode=job.mode,
                              status=job.status, steps=steps, series=series))

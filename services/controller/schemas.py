@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -78,10 +78,17 @@ class StatusReport(BaseModel):
     error: str | None = Field(default=None, max_length=20_000)
 
 
+MetricName = Annotated[str, Field(min_length=1, max_length=200)]
+FiniteValue = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class MetricRowIn(BaseModel):
+    """One step; a value the driver could not represent (NaN, ±inf) is sent as null,
+    so a non-finite number here is refused (422), never stored."""
+
     step: int = Field(ge=0, le=2**31 - 1)
-    time: float | None = None
-    metrics: dict[str, float | None] = Field(max_length=1000)
+    time: FiniteValue | None = None
+    metrics: dict[MetricName, FiniteValue | None] = Field(max_length=1000)
 
 
 class MetricsIngest(BaseModel):

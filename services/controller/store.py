@@ -52,6 +52,15 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+def pick_indices(count: int, max_points: int) -> list[int]:
+    """At most ``max_points`` evenly spread indices of ``range(count)``, first and last kept."""
+    if count <= max_points:
+        return list(range(count))
+    if max_points == 1:
+        return [count - 1]
+    return sorted({round(i * (count - 1) / (max_points - 1)) for i in range(max_points)})
+
+
 def clean_metrics(metrics: dict[str, Any]) -> dict[str, float | None]:
     """Non-finite or non-numeric values become null (as in metrics.jsonl)."""
     out: dict[str, float | None] = {}
@@ -271,6 +280,29 @@ class Store:
         with self.sessions() as session:
             return [(step, t, json.loads(values)) for step, t, values in
                     session.execute(query.order_by(MetricRow.step))]
+
+    def sample_metrics(self, job_id: str, max_points: int, start: int | None = None,
+                       end: int | None = None) -> tuple[list[MetricTriple], int]:
+        """(at most ``max_points`` rows evenly spread over the step range, first and last
+        kept; how many rows the range holds). Only the step column of the range is read in
+        full: the values of the rows left out never leave the database."""
+        where = [MetricRow.job_id == job_id]
+        if start is not None:
+            where.append(MetricRow.step >= start)
+        if end is not None:
+            where.append(MetricRow.step <= end)
+        with self.sessions() as session:
+            steps = list(session.scalars(select(MetricRow.step).where(*where)
+                                         .order_by(MetricRow.step)))
+            picked = [steps[i] for i in pick_indices(len(steps), max_points)]
+            rows: list[MetricTriple] = []
+            for first in range(0, len(picked), 500):  # bounded IN lists
+                chunk = picked[first:first + 500]
+                rows.extend((step, t, json.loads(values)) for step, t, values in session.execute(
+                    select(MetricRow.step, MetricRow.time, MetricRow.values)
+                    .where(MetricRow.job_id == job_id, MetricRow.step.in_(chunk))
+                    .order_by(MetricRow.step)))
+        return rows, len(steps)
 
     def steps_between(self, job_id: str, first: int, last: int) -> list[int]:
         with self.sessions() as session:

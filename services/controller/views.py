@@ -54,15 +54,6 @@ def job_detail(job: Job, roots: Sequence[Path]) -> JobDetail:
                      log_tail=job.log_tail or None, events=job_events(job.output_dir, roots))
 
 
-def pick_indices(count: int, max_points: int) -> list[int]:
-    """At most ``max_points`` evenly spread indices of ``range(count)``, first and last kept."""
-    if count <= max_points:
-        return list(range(count))
-    if max_points == 1:
-        return [count - 1]
-    return sorted({round(i * (count - 1) / (max_points - 1)) for i in range(max_points)})
-
-
 MAX_NAMES = 200
 """Metric names one read may ask for."""
 MAX_CELLS = 400_000
@@ -77,26 +68,28 @@ def split_names(names: Sequence[str] | None) -> list[str]:
     return split
 
 
-def columns(rows: Sequence[MetricTriple], names: Sequence[str] | None, max_points: int,
-            readers: int = 1, capped: bool = True
-            ) -> tuple[list[str], list[int], dict[str, list[float | None]], bool]:
-    """(all names, steps, series of the wanted names that exist, downsampled?); at most
-    MAX_CELLS values over ``readers`` such answers (a sweep's runs) when ``capped``."""
+def point_budget(names: Sequence[str], max_points: int, readers: int = 1) -> int:
+    """``max_points`` shrunk so that points × series × readers (a sweep's runs) stays
+    within MAX_CELLS; no names asked means up to MAX_NAMES series."""
+    series = len(names) or MAX_NAMES
+    return max(1, min(max_points, MAX_CELLS // (series * readers)))
+
+
+def columns(rows: Sequence[MetricTriple], names: Sequence[str]
+            ) -> tuple[list[str], list[int], dict[str, list[float | None]]]:
+    """(all names in the rows, steps, series of the wanted names that exist)."""
     all_names = sorted({name for _, _, values in rows for name in values})
     known = set(all_names)
     wanted = [n for n in names if n in known] if names else all_names
-    if capped:
-        max_points = max(1, min(max_points, MAX_CELLS // max(1, len(wanted) * readers)))
-    keep = [rows[i] for i in pick_indices(len(rows), max_points)]
-    series = {name: [values.get(name) for _, _, values in keep] for name in wanted}
-    return all_names, [step for step, _, _ in keep], series, len(keep) < len(rows)
+    series = {name: [values.get(name) for _, _, values in rows] for name in wanted}
+    return all_names, [step for step, _, _ in rows], series
 
 
-def metrics_out(job_id: str, rows: Sequence[MetricTriple], names: Sequence[str] | None,
-                max_points: int) -> MetricsOut:
-    all_names, steps, series, downsampled = columns(rows, names, max_points)
+def metrics_out(job_id: str, rows: Sequence[MetricTriple], total: int,
+                names: Sequence[str]) -> MetricsOut:
+    all_names, steps, series = columns(rows, names)
     return MetricsOut(job_id=job_id, names=all_names, steps=steps, series=series,
-                      total_points=len(rows), downsampled=downsampled)
+                      total_points=total, downsampled=len(rows) < total)
 
 
 def group_status(statuses: Sequence[str]) -> JobStatus:

@@ -151,10 +151,17 @@ def test_cancel_stops_the_ray_job(api: TestClient) -> None:
 
 
 def test_metrics_in_and_out_with_names_ranges_and_downsampling(api: TestClient) -> None:
-    job_id = submit(api)["id"]
+    job_id = submit(api, "num_steps=50")["id"]
     api.ctl.reconciler.tick()  # pending in Ray; the first metrics prove it runs
     rows = step_rows(50)
-    rows[3]["metrics"]["kl"] = float("nan")
+    rows[3]["metrics"]["kl"] = float("nan")  # the driver sends null; a NaN is refused
+    refused = api.post(f"/api/jobs/{job_id}/metrics", content=json.dumps({"rows": rows}),
+                       headers={"Content-Type": "application/json"})
+    assert refused.status_code == 422 and "rows" in refused.text
+    beyond = api.post(f"/api/jobs/{job_id}/metrics", json={"rows": step_rows(1, start=50)})
+    assert beyond.status_code == 422 and "rows[0].step: 50 is beyond" in beyond.text
+    assert api.get(f"/api/jobs/{job_id}/metrics").json()["steps"] == []  # nothing stored
+    rows[3]["metrics"]["kl"] = None
     assert api.post(f"/api/jobs/{job_id}/metrics",
                     content=json.dumps({"rows": rows}),
                     headers={"Content-Type": "application/json"}).json() == {"accepted": 50}
@@ -211,7 +218,7 @@ def test_a_job_ray_forgot_fails_with_a_reason(api: TestClient) -> None:
 
 
 def test_metrics_back_fill_from_the_jobs_jsonl(api: TestClient) -> None:
-    job = submit(api)
+    job = submit(api, "num_steps=5")
     api.ctl.reconciler.tick()
     api.post(f"/api/jobs/{job['id']}/metrics", json={"rows": step_rows(2)})
     lines = [json.dumps(row) for row in step_rows(5)]
@@ -239,7 +246,8 @@ def test_queue_keeps_at_most_max_running_jobs_in_ray(tmp_path: Path) -> None:
 
 def test_sweep_of_the_four_modes(api: TestClient) -> None:
     modes = ["sample_mean", "token_mean", "prompt_mean", "constant"]
-    response = api.post("/api/sweeps", json={"config_yaml": DEMO, "overrides": DEMO_OVERRIDES,
+    response = api.post("/api/sweeps", json={"config_yaml": DEMO,
+                                             "overrides": [*DEMO_OVERRIDES, "num_steps=3"],
                                              "modes": modes, "name": "ablation"})
     assert response.status_code == 201, response.text
     sweep = response.json()
@@ -282,7 +290,7 @@ def test_register_then_report(api: TestClient) -> None:
 
 
 def test_events_stream_metrics_status_and_end(api: TestClient) -> None:
-    job = submit(api)
+    job = submit(api, "num_steps=4")
     api.post(f"/api/jobs/{job['id']}/metrics", json={"rows": step_rows(4)})
     api.post(f"/api/jobs/{job['id']}/cancel")
     with api.stream("GET", f"/api/jobs/{job['id']}/events", params={"after": 1}) as response:
@@ -311,7 +319,7 @@ def test_health_prometheus_dashboard_and_openapi(api: TestClient) -> None:
 
 def test_the_store_survives_a_restart(tmp_path: Path) -> None:
     api = TestClient(create_app(make_settings(tmp_path), backend=FakeBackend()))
-    job = submit(api)
+    job = submit(api, "num_steps=3")
     api.post(f"/api/jobs/{job['id']}/metrics", json={"rows": step_rows(3)})
     again = TestClient(create_app(make_settings(tmp_path), backend=FakeBackend()))
     assert again.get(f"/api/jobs/{job['id']}").json()["last_step"] == 2

@@ -45,7 +45,8 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory):
                                                          "aggregation.mode=token_mean"]}).json()
         http.post(f"/api/jobs/{job['id']}/metrics", json={"rows": step_rows(40)})
         sweep = http.post("/api/sweeps", json={"config_yaml": config, "modes": MODES,
-                                               "overrides": DEMO_OVERRIDES}).json()
+                                               "overrides": [*DEMO_OVERRIDES, "num_steps=4"]}
+                          ).json()
         for i, run in enumerate(sweep["jobs"]):
             http.post(f"/api/jobs/{run['id']}/metrics",
                       json={"rows": step_rows(2, scale=1 + i)})
@@ -105,6 +106,17 @@ def test_sweep_page_overlays_one_series_per_mode(dashboard, page) -> None:
     legend = tab.locator('[data-chart="pg_loss"] .u-legend').inner_text()
     assert all(mode in legend for mode in MODES)
     assert tab.locator("#runs tbody tr").count() == 4
+    increments: list[dict] = []
+    tab.on("response", lambda r: increments.append(r.json()) if (
+        "/metrics?" in r.url and "after=" in r.url and r.ok) else None)
+    first_run = httpx.get(f"{url}/api/sweeps/{sweep_id}").json()["jobs"][0]["id"]
+    httpx.post(f"{url}/api/jobs/{first_run}/metrics", json={"rows": step_rows(2, start=2)})
+    tab.wait_for_selector('[data-chart="pg_loss"][data-points="10"]', timeout=15_000)
+    assert increments, "the live sweep page never asked for increments"
+    sent = [{run["job_id"]: run["steps"] for run in answer["runs"]} for answer in increments]
+    assert [2, 3] in [steps[first_run] for steps in sent]
+    assert all(step >= 2 for steps in sent for run in steps.values() for step in run), \
+        "a refresh sent steps the page already had"
     tab.screenshot(path=str(tmp / "sweep.png"), full_page=True)
     assert not errors
 

@@ -36,9 +36,9 @@ def server(tmp_path: Path) -> Iterator[tuple[str, httpx.Client]]:
     yield from serve(tmp_path, public_url="https://tally.example.org")
 
 
-def submit(http: httpx.Client, **kwargs) -> httpx.Response:
-    return http.post("/api/jobs", json={"config_yaml": DEMO, "overrides": DEMO_OVERRIDES},
-                     **kwargs)
+def submit(http: httpx.Client, *overrides: str, **kwargs) -> httpx.Response:
+    return http.post("/api/jobs", json={"config_yaml": DEMO,
+                                        "overrides": [*DEMO_OVERRIDES, *overrides]}, **kwargs)
 
 
 def count_jobs(http: httpx.Client) -> int:
@@ -144,7 +144,7 @@ def test_metric_reads_are_capped(server, monkeypatch: pytest.MonkeyPatch) -> Non
     from tests.services.controller_fakes import step_rows
 
     _, http = server
-    job = submit(http).json()
+    job = submit(http, "num_steps=1500").json()
     rows = step_rows(1500)
     for start in range(0, len(rows), 500):
         http.post(f"/api/jobs/{job['id']}/metrics", json={"rows": rows[start:start + 500]})

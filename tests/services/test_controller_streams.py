@@ -56,8 +56,8 @@ def test_streams_are_capped_per_job_and_freed_on_close(tmp_path: Path) -> None:
 def test_a_long_backlog_arrives_whole_in_bounded_events(tmp_path: Path) -> None:
     app = create_app(make_settings(tmp_path), backend=FakeBackend())
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
-        job = http.post("/api/jobs", json={"config_yaml": DEMO,
-                                           "overrides": DEMO_OVERRIDES}).json()
+        job = http.post("/api/jobs", json={"config_yaml": DEMO, "overrides": [
+            *DEMO_OVERRIDES, "num_steps=2500"]}).json()
         rows = step_rows(2500)
         for start in range(0, len(rows), 500):
             http.post(f"/api/jobs/{job['id']}/metrics", json={"rows": rows[start:start + 500]})

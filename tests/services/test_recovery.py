@@ -65,3 +65,14 @@ def test_no_restarts_left_fails_naming_the_actor(ray_cluster: None, tmp_path: Pa
     rows = (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [0]  # what was recorded stays
     assert events(tmp_path / "job")[-1] == "actor_failed"
+
+
+def test_a_rollout_call_past_its_timeout_fails_the_job_naming_the_field(
+        ray_cluster: None, tmp_path: Path) -> None:
+    config = load_job_config(ROOT / "configs" / "demo.yaml",
+                             [*SMALL, "num_steps=2", "max_restarts=0",
+                              "rollout.call_timeout_s=0.000001"])
+    with pytest.raises(JobFailed, match=r"rollout \w+ took longer than "
+                                        r"rollout.call_timeout_s=1e-06 s"):
+        run_job(config, tmp_path / "job", log=lambda *_: None)
+    assert events(tmp_path / "job")[-1] == "actor_failed"

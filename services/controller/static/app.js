@@ -168,9 +168,21 @@ async function sweepPage(id) {
   app.append(head, el("table", { class: "list", id: "runs" }, el("thead", {}, el("tr", {},
     ["run", "job", "status", "step", "reward"].map((h) => el("th", {}, h)))), runsBody), grid);
   const charts = {};
+  const held = {};  // job id -> {steps, series}: what the page has; refreshes add to it
   async function refresh() {
+    const after = Object.entries(held).filter(([, r]) => r.steps.length)
+      .map(([job, r]) => `&after=${job}:${r.steps[r.steps.length - 1]}`).join("");
     const [sweep, data] = await Promise.all([api(`/api/sweeps/${id}`),
-      api(`/api/sweeps/${id}/metrics?names=${SWEEP_METRICS.join(",")}`)]);
+      api(`/api/sweeps/${id}/metrics?names=${SWEEP_METRICS.join(",")}${after}`)]);
+    for (const r of data.runs) {  // only the steps after `after` came: append them
+      const run = held[r.job_id] ||= { steps: [], series: {} };
+      for (const name of SWEEP_METRICS) {
+        const values = r.series[name] || r.steps.map(() => null);
+        run.series[name] = (run.series[name] || run.steps.map(() => null)).concat(values);
+      }
+      run.steps = run.steps.concat(r.steps);
+      Object.assign(r, run);
+    }
     head.replaceChildren(el("h2", {}, `sweep ${sweep.name} `, badge(sweep.status)),
       el("p", { class: "muted" }, `${sweep.jobs.length} runs varying ${sweep.axis === "modes"
         ? "the aggregation mode" : "overrides"}; one series per run in each chart`));

@@ -1,0 +1,48 @@
+"""The driver's metrics files: truncation on resume is atomic and the sink follows it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services import metrics
+from services.metrics import JsonlSink, read_metrics, truncate_after
+
+
+def steps_in(path: Path) -> list[int]:
+    return [row["step"] for row in read_metrics(path)]
+
+
+def test_truncate_keeps_earlier_steps_and_the_open_sink_writes_to_the_new_file(
+        tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path)
+    for step in range(5):
+        sink.write(step, {"loss": float(step)})
+    truncate_after(sink.path, 2)
+    sink.write(3, {"loss": 30.0})  # the resumed run repeats step 3
+    sink.close()
+    assert steps_in(sink.path) == [0, 1, 2, 3]
+    assert read_metrics(sink.path)[-1]["metrics"] == {"loss": 30.0}
+    assert not list(tmp_path.glob("*.truncating"))
+
+
+def test_a_crash_while_truncating_leaves_the_old_file_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / metrics.METRICS_FILE
+    path.write_text("".join(json.dumps({"step": s, "time": 0.0, "metrics": {}}) + "\n"
+                            for s in range(4)))
+
+    def crash(*_args: object) -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(metrics.os, "replace", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        truncate_after(path, 1)
+    assert steps_in(path) == [0, 1, 2, 3]
+
+
+def test_truncating_a_missing_file_creates_nothing(tmp_path: Path) -> None:
+    truncate_after(tmp_path / metrics.METRICS_FILE, 3)
+    assert not (tmp_path / metrics.METRICS_FILE).exists()
