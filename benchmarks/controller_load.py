@@ -199,7 +199,8 @@ async def run(port: int, seconds: float, concurrency: int) -> list[tuple]:
     async with RawClient(port, 32) as http:
         job_ids = []
         for i in range(NUM_JOBS):
-            job = (await http.post("/api/jobs", {"config": {"name": f"bench-{i}"}})).json()
+            job = (await http.post("/api/jobs", {"config": {  # room for every ingested step
+                "name": f"bench-{i}", "num_steps": 10_000_000}})).json()
             job_ids.append(job["id"])
         for job_id in job_ids[:50]:
             await http.post(f"/api/jobs/{job_id}/metrics", {"rows": rows(0, 20)})

@@ -181,3 +181,11 @@ def test_options_inert_with_one_update_per_rollout_warn() -> None:
     rollout_ratio = parse_job_config(
         "trainer: {loss: {eps_clip_high: 0.28, old_log_probs: rollout}}\n")
     assert rollout_ratio.warnings() == []
+
+
+def test_list_fields_are_capped_naming_the_field() -> None:
+    stops = "[" + ", ".join(f"s{i}" for i in range(33)) + "]"
+    [problem] = problems_of(f"rollout: {{sampling: {{stop: {stops}}}}}\n")
+    assert problem.field == "rollout.sampling.stop" and "at most 32" in problem.message
+    [problem] = problems_of("rollout: {sampling: {stop: [" + "x" * 300 + "]}}\n")
+    assert problem.field == "rollout.sampling.stop.0"
