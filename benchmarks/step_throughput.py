@@ -1,47 +1,149 @@
-"""End-to-end tokens/s of an RL step (rollout + train + weight sync) on the tiny model on
-CPU, and the share of step time spent outside generation and forward/backward
-(orchestration: object store, planning, Ray calls, weight sync, metrics).
+"""Throughput of the RL step on the tiny model on CPU, two tables in one run:
 
-Target: overhead under 15% of step time at the demo's batch size.
+1. **Train step, padded vs packed** (one FSDP rank, no Ray): padding fraction and train
+   tokens/s (real tokens / fwd+bwd+optimizer time) of the same batch with padded
+   micro-batches and with packed rows, on the demo's batch (256 samples, responses ≤ 8
+   tokens) and on a long-tail length mix (responses 4–512 tokens, log-uniform).
+   Targets (issue #11): padding < 5% packed; tokens/s up by at least the padding saved.
+2. **End to end** (rollout + train + weight sync, real Ray): tokens/s and the share of
+   step time outside generation and forward/backward (orchestration).
 
-    .venv/bin/python benchmarks/step_throughput.py [--steps 12]
+    .venv/bin/python benchmarks/step_throughput.py [--steps 12] [--skip-e2e]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
+import torch
+
+from rollout.batch import TrainBatch
+from rollout.tiny import create_tiny_checkpoint
 from services.config import load_job_config
-from services.train import run_job
+from trainer.config import ObjectiveConfig, OptimizerConfig, TrainerConfig
+from trainer.step_plan import plan_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--batch-sizes", default="64,256")
-    args = parser.parse_args()
+def length_mix_batch(num_samples: int, group_size: int, prompt_range: tuple[int, int],
+                     response_range: tuple[int, int], log_uniform: bool, vocab: int,
+                     seed: int = 0) -> TrainBatch:
+    gen = torch.Generator().manual_seed(seed)
+    low, high = response_range
+    prompts, responses, log_probs = [], [], []
+    for _ in range(num_samples // group_size):
+        prompt = torch.randint(3, vocab, (int(torch.randint(*prompt_range, (1,),
+                                                            generator=gen)),), generator=gen)
+        for _ in range(group_size):
+            u = float(torch.rand((), generator=gen))
+            n = (round(math.exp(math.log(low) + u * (math.log(high) - math.log(low))))
+                 if log_uniform else low + int(u * (high - low + 1)))
+            prompts.append(prompt.tolist())
+            responses.append(torch.randint(3, vocab, (n,), generator=gen).tolist())
+            log_probs.append([-1.0] * n)
+    rewards = torch.rand(len(prompts), generator=gen)
+    return TrainBatch.from_samples(prompts, responses, log_probs, rewards.tolist(),
+                                   (rewards - rewards.mean()).tolist(),
+                                   [i // group_size for i in range(len(prompts))], group_size)
+
+
+def train_tokens_per_s(model_path: str, batch: TrainBatch, packed: bool, budget: int,
+                       repeats: int) -> tuple[float, float]:
+    """(padding fraction, median real tokens/s of train_step) on one in-process rank."""
+    import torch.distributed as dist
+
+    from trainer.backends.fsdp.worker import FSDPWorker
+    from trainer.rank import free_port
+
+    config = TrainerConfig(dp_size=1, max_tokens_per_micro_batch=budget, packing=packed,
+                           optimizer=OptimizerConfig(lr=1e-5))
+    objective = ObjectiveConfig()
+    worker = FSDPWorker(config, objective, model_path, 0, total_steps=repeats + 1)
+    worker.setup("127.0.0.1", free_port())
+    try:
+        plan = plan_step(batch, objective, 1, 1, budget, packed=packed)
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            worker.train_step(batch, plan)
+            times.append(time.perf_counter() - started)
+        return plan.padding_fraction, batch.sequence_lengths.sum().item() / statistics.median(
+            times[1:])
+    finally:
+        dist.destroy_process_group()
+
+
+def packing_table(repeats: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = create_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
+        config_file = Path(model_path) / "config.json"  # room for 512-token responses
+        config = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+        vocab = config["vocab_size"]
+        workloads = {
+            "demo batch (256 × ≤8 new)": (length_mix_batch(256, 8, (8, 17), (1, 8), False,
+                                                           vocab), 2048),
+            "long tail (64 × 4-512 new)": (length_mix_batch(64, 4, (16, 65), (4, 512), True,
+                                                            vocab), 4096),
+        }
+        print("train step, padded vs packed (1 FSDP rank, 2 threads, median of "
+              f"{repeats} steps)")
+        print(f"{'workload':<28} {'pad padded':>10} {'pad packed':>10} {'tok/s padded':>13} "
+              f"{'tok/s packed':>13} {'speed-up':>9} {'padding saved':>14}")
+        for name, (batch, budget) in workloads.items():
+            pad_a, speed_a = train_tokens_per_s(model_path, batch, False, budget, repeats)
+            pad_b, speed_b = train_tokens_per_s(model_path, batch, True, budget, repeats)
+            saved = (1 - pad_b) / (1 - pad_a)  # computed tokens per real token, padded/packed
+            print(f"{name:<28} {pad_a:>10.1%} {pad_b:>10.1%} {speed_a:>13,.0f} "
+                  f"{speed_b:>13,.0f} {speed_b / speed_a:>8.2f}× {saved:>13.2f}×")
+
+
+def end_to_end_table(steps: int, batch_sizes: list[int]) -> None:
+    from services.train import run_job
+
+    print(f"\nend to end (demo config, median of {steps - 2} steps)")
     print(f"{'batch':>6} {'step s':>7} {'tokens/s':>9} {'generate':>9} {'fwd+bwd':>8} "
-          f"{'overhead':>9}")
-    for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+          f"{'overhead':>9} {'padding':>8}")
+    for batch_size in batch_sizes:
         with tempfile.TemporaryDirectory() as tmp:
             os.environ.setdefault("TALLY_DATA_DIR", str(Path(tmp) / "data"))
             config = load_job_config(ROOT / "configs" / "demo.yaml", [
-                f"num_steps={args.steps}", f"rollout.global_batch_size={batch_size}",
+                f"num_steps={steps}", f"rollout.global_batch_size={batch_size}",
                 "warmup.num_steps=60"])
             history = run_job(config, Path(tmp) / "job", log=lambda *_: None)[2:]  # warm
         step = statistics.median(m["perf/step_time_s"] for m in history)
         tokens = statistics.median(m["perf/tokens_per_s"] for m in history)
         generate = statistics.median(m["rollout/gen_time_s"] for m in history)
         compute = statistics.median(m["perf/compute_s"] for m in history)
+        padding = statistics.median(m["padding_fraction"] for m in history)
         overhead = max(0.0, step - generate - compute) / step
         print(f"{batch_size:>6} {step:>7.2f} {tokens:>9,.0f} {generate / step:>9.1%} "
-              f"{compute / step:>8.1%} {overhead:>9.1%}")
+              f"{compute / step:>8.1%} {overhead:>9.1%} {padding:>8.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=12, help="end-to-end steps per run")
+    parser.add_argument("--repeats", type=int, default=5, help="train steps per packing run")
+    parser.add_argument("--batch-sizes", default="64,256")
+    parser.add_argument("--skip-e2e", action="store_true", help="only the packing table")
+    args = parser.parse_args()
+    threads = os.environ.get("TALLY_TORCH_THREADS")
+    os.environ["TALLY_TORCH_THREADS"] = "2"  # this process's rank: both cores
+    packing_table(args.repeats)
+    os.environ.pop("TALLY_TORCH_THREADS")
+    if threads is not None:
+        os.environ["TALLY_TORCH_THREADS"] = threads
+    if not args.skip_e2e:
+        end_to_end_table(args.steps, [int(b) for b in args.batch_sizes.split(",")])
 
 
 if __name__ == "__main__":

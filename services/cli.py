@@ -58,8 +58,10 @@ def _planted_env(layouts: list) -> dict[str, dict[str, str]]:
 @app.command("verify-aggregation")
 def verify_aggregation(
     config: ConfigArg, set_: SetOpt = None,
-    layouts: Annotated[str, typer.Option(help="comma-separated, e.g. dp1cp1,dp2cp1,dp1cp2")]
-    = "dp1cp1,dp2cp1,dp1cp2",
+    layouts: Annotated[str, typer.Option(
+        help="comma-separated, the first the reference, e.g. dp1cp1-padded,dp2cp1,dp1cp2 "
+             "(-padded / -packed force the micro-batch layout; plain: the job's)")]
+    = "dp1cp1-padded,dp2cp1,dp1cp2",
     rtol: Annotated[float | None, typer.Option(
         help="relative tolerance (default 1e-7 on FSDP in float64, 1e-4 on Megatron)")] = None,
     atol: Annotated[float | None, typer.Option(

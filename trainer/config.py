@@ -186,7 +186,12 @@ class TrainerConfig(BaseModel):
     call_timeout_s: float = Field(default=1800.0, gt=0)
     """The driver fails a trainer verb (a step, a checkpoint) that takes longer than this."""
     max_tokens_per_micro_batch: int = Field(default=4096, gt=0)
-    """Token budget of one micro-batch (padded tokens, per DP rank)."""
+    """Token budget of one micro-batch, per DP rank: real tokens of a packed row (each
+    sample rounded up to 2·cp), or padded tokens when not packing."""
+    packing: bool = True
+    """Pack each micro-batch's samples back to back into one row (attention never crosses
+    a sample; no padding). FSDP only: Megatron on CPU pads (its local attention has no
+    packed-sequence path). False pads every micro-batch to its longest sample."""
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     """Compute dtype of the forward and backward (auto: fp32 on CPU, bf16 on GPU).
     Parameters, reduced gradients and optimizer state stay fp32 whatever it is (fp64

@@ -34,6 +34,8 @@ def zigzag_shard(
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
     dim = dim % tensor.ndim
     seq_len = tensor.shape[dim]
+    if seq_len == 0:  # nothing to own (chunk() of an empty dim would not give 2·cp parts)
+        return tensor
     pad = padded_length(seq_len, cp_size) - seq_len
     if pad:
         # F.pad lists pads from the last dim backwards.

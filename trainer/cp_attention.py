@@ -11,8 +11,16 @@ The gather is differentiable: a rank's K/V feed every rank's loss, so the gradie
 the sum over ranks of the gradient w.r.t. the gathered tensor, sliced to its own part.
 Summing parameter gradients over the CP group then gives the full-sequence gradient.
 
+Packed rows (several samples in one sequence) add ``sequence_ids``, the sample slot of each
+token; a query then sees only keys of its own sample:
+
+    mask_ij = (seq(q_i) = seq(k_j)) ∧ (pos(q_i) ≥ pos(k_j))
+
+which is block-diagonal causal attention, with or without CP (at CP 1 nothing is gathered).
+
 Usage: ``enable_context_parallel(model)`` once, then per forward
-``with context_parallel(cp_group, position_ids): model(input_ids=..., position_ids=...)``.
+``with context_parallel(cp_group, position_ids, sequence_ids): model(input_ids=...,
+position_ids=...)``.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ class _CPState:
     group: dist.ProcessGroup
     positions_BS: torch.Tensor  # this rank's true positions [B, S_local]
     all_positions_BS: torch.Tensor  # every rank's, in rank order [B, cp·S_local]
+    sequences_BS: torch.Tensor | None = None  # packed rows: sample slot of each token
+    all_sequences_BS: torch.Tensor | None = None
 
 
 _state: ContextVar[_CPState | None] = ContextVar("tally_cp_state", default=None)
@@ -105,7 +115,10 @@ def cp_attention_forward(
         q_pos = q_pos.to(query.device).expand(query.shape[0], q_len)
         # Without a cache the keys are the queries; with one they are the whole prefix so far.
         k_pos = q_pos if kv_len == q_len else torch.arange(kv_len, device=query.device)[None]
-    mask_B1QK = (q_pos[:, :, None] >= k_pos[:, None, :]).unsqueeze(1)
+    mask_BQK = q_pos[:, :, None] >= k_pos[:, None, :]
+    if state is not None and state.sequences_BS is not None:  # packed: never across samples
+        mask_BQK &= state.sequences_BS[:, :, None] == state.all_sequences_BS[:, None, :]
+    mask_B1QK = mask_BQK.unsqueeze(1)
     num_groups = getattr(module, "num_key_value_groups", 1)
     if num_groups > 1:  # GQA: query head h reads kv head h // num_groups (HF's repeat_kv)
         key = key.repeat_interleave(num_groups, dim=1)
@@ -124,18 +137,22 @@ def enable_context_parallel(model: PreTrainedModel) -> None:
 
 
 @contextmanager
-def context_parallel(cp_group: dist.ProcessGroup, position_ids: torch.Tensor) -> Iterator[None]:
+def context_parallel(cp_group: dist.ProcessGroup, position_ids: torch.Tensor,
+                     sequence_ids: torch.Tensor | None = None) -> Iterator[None]:
     """Within this block, attention layers of CP-enabled models gather K/V over cp_group.
 
-    position_ids: [B, S_local] true positions of this rank's zigzag shard. They are gathered here,
-    once per forward, not in every layer. Run backward inside the block too when activation
-    checkpointing recomputes attention there.
+    position_ids: [B, S_local] true positions of this rank's zigzag shard; sequence_ids: the
+    sample slot of each token of a packed row (None: one sample per row). They are gathered
+    here, once per forward, not in every layer. Run backward inside the block too when
+    activation checkpointing recomputes attention there.
     """
-    if dist.get_world_size(cp_group) > 1:
-        all_positions = _all_gather_positions(position_ids, cp_group)
-    else:
-        all_positions = position_ids
-    token = _state.set(_CPState(cp_group, position_ids, all_positions))
+    gather = dist.get_world_size(cp_group) > 1
+    all_positions = _all_gather_positions(position_ids, cp_group) if gather else position_ids
+    all_sequences = sequence_ids
+    if sequence_ids is not None and gather:
+        all_sequences = _all_gather_positions(sequence_ids, cp_group)
+    token = _state.set(_CPState(cp_group, position_ids, all_positions, sequence_ids,
+                                all_sequences))
     try:
         yield
     finally:

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.batch import TrainBatch
 from trainer.config import ObjectiveConfig, TrainerConfig
-from trainer.step_plan import StepPlan, plan_step
+from trainer.step_plan import StepPlan, packs, plan_step
 
 
 class TrainerRankDied(RuntimeError):
@@ -108,7 +108,8 @@ class TrainerGroup:
         """The step plan of ``batch`` for this group's layout (``objective`` overrides the
         configured one for this step only)."""
         return plan_step(batch, objective or self.objective, self.config.dp_size,
-                         self.config.cp_size, self.config.max_tokens_per_micro_batch)
+                         self.config.cp_size, self.config.max_tokens_per_micro_batch,
+                         packed=packs(self.config))
 
     def train(self, batch: TrainBatch, batch_ref: ray.ObjectRef | None = None,
               objective: ObjectiveConfig | None = None) -> dict[str, float]:

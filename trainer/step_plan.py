@@ -2,6 +2,10 @@
 
 It fixes the aggregation coefficients of every loss term from whole-step metadata (so the
 layout cannot change J) and assigns samples to DP ranks and token-budget micro-batches.
+Packed (the default): each micro-batch is one row holding several whole samples back to
+back, filled first-fit decreasing up to the budget of real tokens (each sample rounded up
+to a multiple of 2·cp, as THD context parallelism needs); the row's ``cu_seqlens`` are the
+sample boundaries. Padded: each micro-batch is [b, longest] and the budget counts padding.
 Built-in modes ship one coefficient per sample (w_it = m_it · c_i, built on each rank);
 only a custom reducer ships dense [N, S] weights.
 FSDP's collectives need every rank to run the same number of forwards, so ranks that
@@ -16,7 +20,8 @@ import torch
 
 from rollout.batch import TrainBatch
 from trainer.aggregation import AGGREGATION_MODES, custom_reducer_weights, sample_coefficients
-from trainer.config import ObjectiveConfig, TermAggregationConfig
+from trainer.config import ObjectiveConfig, TermAggregationConfig, TrainerConfig
+from trainer.context_parallel import padded_length
 
 MODE_METRIC_PREFIX = "pg_loss/"
 
@@ -29,7 +34,12 @@ class StepPlan:
     micro_batches: list[list[list[int]]]
     """[dp_rank][micro_batch] -> sample indices; every rank has the same count."""
     padding_fraction: float
-    """Share of the padded micro-batch tokens that are padding."""
+    """Share of the computed micro-batch tokens that are padding."""
+    packed: bool = True
+    """Micro-batches are packed rows (one [1, Σ L_i] sequence each), else padded."""
+    cu_seqlens: list[list[list[int]]] = field(default_factory=list)
+    """[dp_rank][micro_batch] -> cumulative (CP-rounded) sample lengths of a packed row,
+    starting at 0; empty when padded."""
     dense_weights: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token weights [N, S] aligned with input_ids, only for a custom pg reducer."""
 
@@ -44,51 +54,89 @@ class StepPlan:
         return [t for t in self.terms if t.startswith(MODE_METRIC_PREFIX)]
 
 
-def assign_micro_batches(
-    lengths: list[int], dp_size: int, max_tokens: int
-) -> list[list[list[int]]]:
-    """Balance samples over DP ranks by tokens, then pack each rank's samples, sorted by
-    length, into micro-batches of at most ``max_tokens`` padded tokens.
-
-    A sample longer than the budget gets a micro-batch of its own.
-    """
+def balance_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
+    """Samples onto DP ranks, longest first onto the least loaded rank (by tokens); each
+    rank's list stays longest first."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     rank_samples: list[list[int]] = [[] for _ in range(dp_size)]
     rank_tokens = [0] * dp_size
-    for i in order:  # longest first onto the least loaded rank
+    for i in order:
         rank = min(range(dp_size), key=lambda r: (rank_tokens[r], len(rank_samples[r]), r))
         rank_samples[rank].append(i)
         rank_tokens[rank] += lengths[i]
-    plans: list[list[list[int]]] = []
-    for samples in rank_samples:
-        micro_batches: list[list[int]] = []
-        for i in samples:  # already longest first: the first sample sets the padded width
-            current = micro_batches[-1] if micro_batches else None
-            if current and (len(current) + 1) * lengths[current[0]] <= max_tokens:
-                current.append(i)
-            else:
-                micro_batches.append([i])
-        plans.append(micro_batches)
+    return rank_samples
+
+
+def pad_micro_batches(samples: list[int], lengths: list[int], max_tokens: int
+                      ) -> list[list[int]]:
+    """Padded micro-batches of longest-first ``samples``: at most ``max_tokens`` padded
+    tokens each (the first sample sets the width); a longer sample gets one alone."""
+    micro_batches: list[list[int]] = []
+    for i in samples:
+        current = micro_batches[-1] if micro_batches else None
+        if current and (len(current) + 1) * lengths[current[0]] <= max_tokens:
+            current.append(i)
+        else:
+            micro_batches.append([i])
+    return micro_batches
+
+
+def pack_rows(samples: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: each sample (longest first) into the first row with room for
+    it, at most ``max_tokens`` tokens a row; a sample longer than that gets a row alone."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(samples, key=lambda i: (-lengths[i], i)):
+        fit = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
+        if fit is None:
+            rows.append([i])
+            room.append(max_tokens - lengths[i])
+        else:
+            rows[fit].append(i)
+            room[fit] -= lengths[i]
+    return rows
+
+
+def assign_micro_batches(lengths: list[int], dp_size: int, max_tokens: int,
+                         packed: bool = True) -> list[list[list[int]]]:
+    """[dp_rank][micro_batch] -> samples: balanced over ranks by tokens, then packed into
+    rows (or padded micro-batches); every rank gets the same count (empty ones added)."""
+    split = pack_rows if packed else pad_micro_batches
+    plans = [split(samples, lengths, max_tokens) for samples in balance_ranks(lengths, dp_size)]
     num_micro_batches = max(1, *(len(p) for p in plans))
     for plan in plans:
         plan.extend([] for _ in range(num_micro_batches - len(plan)))
     return plans
 
 
-def padding_fraction(
-    lengths: list[int], micro_batches: list[list[list[int]]], cp_size: int
-) -> float:
-    """1 − real tokens / padded tokens over every micro-batch of every rank."""
-    chunk_multiple = 2 * cp_size if cp_size > 1 else 1
-    real = padded = 0
+def padding_fraction(lengths: list[int], micro_batches: list[list[list[int]]], cp_size: int,
+                     packed: bool = True) -> float:
+    """1 − real tokens / computed tokens over every non-empty micro-batch of every rank.
+    Packed rows compute each sample's tokens rounded up to 2·cp; padded micro-batches
+    compute b × (longest, rounded up to 2·cp)."""
+    real = computed = 0
     for plan in micro_batches:
         for samples in plan:
             if samples:
-                width = max(lengths[i] for i in samples)
-                width = -(-width // chunk_multiple) * chunk_multiple
                 real += sum(lengths[i] for i in samples)
-                padded += width * len(samples)
-    return 1.0 - real / padded if padded else 0.0
+                computed += (sum(padded_length(lengths[i], cp_size) for i in samples) if packed
+                             else padded_length(max(lengths[i] for i in samples), cp_size)
+                             * len(samples))
+    return 1.0 - real / computed if computed else 0.0
+
+
+def row_cu_seqlens(samples: list[int], lengths: list[int], cp_size: int) -> list[int]:
+    """[0, L_0, L_0 + L_1, ...] of a packed row, each L rounded up to 2·cp."""
+    bounds = [0]
+    for i in samples:
+        bounds.append(bounds[-1] + padded_length(lengths[i], cp_size))
+    return bounds
+
+
+def packs(config: TrainerConfig) -> bool:
+    """Whether the trainer computes packed rows: FSDP with ``packing`` on (Megatron's
+    local attention on CPU has no packed-sequence path, so it pads the same plan)."""
+    return config.packing and config.backend == "fsdp"
 
 
 def plan_step(
@@ -97,6 +145,7 @@ def plan_step(
     dp_size: int,
     cp_size: int,
     max_tokens_per_micro_batch: int,
+    packed: bool = True,
 ) -> StepPlan:
     """Coefficients for every term and the micro-batch assignment of one step."""
 
@@ -120,6 +169,11 @@ def plan_step(
         coefficients[MODE_METRIC_PREFIX + mode] = coefficients_of(TermAggregationConfig(
             mode=mode, divisor=divisor if mode == "constant" else None))
     lengths = batch.sequence_lengths.tolist()
-    micro_batches = assign_micro_batches(lengths, dp_size, max_tokens_per_micro_batch)
+    budget_lengths = [padded_length(n, cp_size) for n in lengths] if packed else lengths
+    micro_batches = assign_micro_batches(budget_lengths, dp_size, max_tokens_per_micro_batch,
+                                         packed)
+    cu_seqlens = [[row_cu_seqlens(row, lengths, cp_size) for row in rank]
+                  for rank in micro_batches] if packed else []
     return StepPlan(coefficients, micro_batches,
-                    padding_fraction(lengths, micro_batches, cp_size), dense_weights)
+                    padding_fraction(lengths, micro_batches, cp_size, packed),
+                    dense_weights=dense_weights, packed=packed, cu_seqlens=cu_seqlens)

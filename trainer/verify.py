@@ -13,6 +13,9 @@ reference model, so KL and its gradient are not zero; each term's gradient is ta
 its own (coefficient 1), so a KL weighting bug cannot hide under a small ``kl_coef``.
 FSDP computes in float64 for this; Megatron in fp32 (looser default tolerance).
 
+Packed rows and padded micro-batches are layouts too (``dp1cp1-padded``): the default
+reference is one padded rank, so every packed layout is checked against padding.
+
 A rollout with several updates (``updates``: mini-batches × epochs) is compared update by
 update: at each update every mode's and term's gradient on its own mini-batch, then the
 job's own optimizer step (its configured objective), the same in every layout, so every
@@ -37,18 +40,25 @@ TERMS = {"pg": "pg_loss", "kl": "kl", "entropy": "entropy"}
 class Layout:
     dp_size: int
     cp_size: int
+    packed: bool | None = None
+    """Packed rows or padded micro-batches; None: the job's ``trainer.packing``."""
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """'dp2cp1' -> Layout(2, 1)."""
+        """'dp2cp1' -> Layout(2, 1); 'dp1cp1-padded' / 'dp2cp2-packed' force the layout."""
+        shape, _, style = text.lower().partition("-")
         try:
-            dp, cp = text.lower().removeprefix("dp").split("cp")
-            return cls(int(dp), int(cp))
+            if style not in ("", "packed", "padded"):
+                raise ValueError(style)
+            dp, cp = shape.removeprefix("dp").split("cp")
+            return cls(int(dp), int(cp), None if not style else style == "packed")
         except ValueError as err:
-            raise ValueError(f"layouts: expected entries like 'dp2cp1', got {text!r}") from err
+            raise ValueError(f"layouts: expected entries like 'dp2cp1' or 'dp1cp1-padded', "
+                             f"got {text!r}") from err
 
     def __str__(self) -> str:
-        return f"dp{self.dp_size}cp{self.cp_size}"
+        style = "" if self.packed is None else "-packed" if self.packed else "-padded"
+        return f"dp{self.dp_size}cp{self.cp_size}{style}"
 
 
 @dataclass(frozen=True)
@@ -111,7 +121,9 @@ def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: st
 
     from trainer.group import TrainerGroup
 
-    config = config.model_copy(update={"dp_size": layout.dp_size, "cp_size": layout.cp_size})
+    config = config.model_copy(update={
+        "dp_size": layout.dp_size, "cp_size": layout.cp_size,
+        "packing": config.packing if layout.packed is None else layout.packed})
     group = TrainerGroup(config, objective, model_path, total_steps=len(updates),
                          env_vars=env_vars)
     try:
@@ -185,9 +197,9 @@ def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path
 
 def format_rows(rows: list[Row]) -> list[str]:
     """The table the CLI prints: absolute and relative differences per row."""
-    lines = [f"{'layout':<8} {'mode':<12} {'update':>6} {'term':<8} {'|Δgrad|':>9} {'rel':>9} "
+    lines = [f"{'layout':<13} {'mode':<12} {'update':>6} {'term':<8} {'|Δgrad|':>9} {'rel':>9} "
              f"{'|ΔJ|':>9} {'rel':>9}  result"]
-    lines += [f"{r.layout:<8} {r.mode:<12} {r.update:>6} {r.term:<8} {r.grad_abs:>9.1e} "
+    lines += [f"{r.layout:<13} {r.mode:<12} {r.update:>6} {r.term:<8} {r.grad_abs:>9.1e} "
               f"{r.grad_rel:>9.1e} {r.value_abs:>9.1e} {r.value_rel:>9.1e}  "
               f"{'ok' if r.ok else 'FAIL'}" for r in rows]
     return lines

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 
-README_LAYOUTS = "dp1cp1,dp2cp1,dp1cp2"
+README_LAYOUTS = "dp1cp1-padded,dp2cp1,dp1cp2"  # packed rows against one padded rank
 DEMO_CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("demo*.yaml"))
 # The other demo configs differ from demo.yaml in their aggregation only; a smaller batch
 # keeps the suite fast (demo.yaml runs exactly as the README says).

@@ -1,4 +1,5 @@
-"""Real gloo process groups: any DP × CP × micro-batch layout gives the reference J and ∇J.
+"""Real gloo process groups: any DP × CP × micro-batch layout, padded or packed into rows,
+gives the reference J and ∇J.
 
 Each rank owns some samples (DP, groups deliberately split across ranks), cuts them into
 micro-batches, keeps its zigzag CP shard of every sequence, backpropagates its local
@@ -14,7 +15,8 @@ import torch.distributed as dist
 
 from tests.distributed import run_distributed
 from trainer.aggregation import AGGREGATION_MODES, aggregate, local_weighted_sum, token_weights
-from trainer.context_parallel import zigzag_shard
+from trainer.context_parallel import padded_length, zigzag_shard
+from trainer.step_plan import assign_micro_batches
 
 NUM_SAMPLES, GROUP_SIZE, MAX_LEN, FEATURES = 12, 3, 9, 5
 DIVISOR = 16.0
@@ -74,7 +76,38 @@ def layout_worker(rank: int, world_size: int, cp_size: int) -> dict:
             dist.all_reduce(grad, op=dist.ReduceOp.SUM)
             dist.all_reduce(local_objective, op=dist.ReduceOp.SUM)
             results[(mode, num_micro_batches)] = (float(local_objective), grad.clone())
+        results[(mode, "packed")] = packed_rows_objective(step, weights, dp_size, dp_rank,
+                                                          cp_size, cp_rank)
     return results
+
+
+PACK_BUDGET = 8
+"""Tokens per packed row: several rows per rank, and the longest samples (9) exceed it."""
+
+
+def packed_rows_objective(step: dict[str, torch.Tensor], weights: torch.Tensor, dp_size: int,
+                          dp_rank: int, cp_size: int, cp_rank: int) -> tuple[float, torch.Tensor]:
+    """The trainer's packed layout: the step plan's rows (first-fit decreasing, equal row
+    counts per rank, empty rows added), each sample of a row rounded up to 2·cp and
+    zigzag-sharded on its own, the samples of a row back to back in one sequence."""
+    lengths = [int(n) for n in step["mask"].sum(dim=-1)]
+    budget_lengths = [padded_length(n, cp_size) for n in lengths]
+    rows = assign_micro_batches(budget_lengths, dp_size, PACK_BUDGET, packed=True)[dp_rank]
+    params = step["weights_init"].clone().requires_grad_(True)
+    objective = torch.zeros((), dtype=torch.float64)
+    for row in rows:
+        features = torch.cat([zigzag_shard(step["features"][i, :lengths[i]], cp_size, cp_rank,
+                                           dim=0) for i in row] or [torch.zeros(0, FEATURES,
+                                                                    dtype=torch.float64)])
+        row_weights = torch.cat([zigzag_shard(weights[i, :lengths[i]], cp_size, cp_rank)
+                                 for i in row] or [torch.zeros(0, dtype=torch.float64)])
+        local = local_weighted_sum(per_token_loss(features[None], params), row_weights[None])
+        local.backward()
+        objective += local.detach()
+    grad = params.grad if params.grad is not None else torch.zeros_like(params)
+    dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+    dist.all_reduce(objective, op=dist.ReduceOp.SUM)
+    return float(objective), grad.clone()
 
 
 @pytest.mark.parametrize("cp_size", [1, 2])

@@ -6,16 +6,19 @@ import torch
 from tests.trainer.helpers import random_train_batch
 from trainer.aggregation import token_weights
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
-from trainer.micro_batch import slice_micro_batch
+from trainer.context_parallel import zigzag_unshard
+from trainer.micro_batch import slice_micro_batch, slice_packed_row
 from trainer.step_plan import assign_micro_batches, padding_fraction, plan_step
 
 LENGTHS = [9, 3, 14, 5, 5, 7, 2, 11, 6, 4]
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("dp_size", [1, 2, 3])
 @pytest.mark.parametrize("budget", [8, 20, 64])
-def test_every_sample_once_within_budget_and_equal_counts(dp_size: int, budget: int) -> None:
-    plans = assign_micro_batches(LENGTHS, dp_size, budget)
+def test_every_sample_once_within_budget_and_equal_counts(dp_size: int, budget: int,
+                                                          packed: bool) -> None:
+    plans = assign_micro_batches(LENGTHS, dp_size, budget, packed)
     assert len(plans) == dp_size
     assert len({len(p) for p in plans}) == 1  # FSDP needs the same number of forwards
     seen = sorted(i for plan in plans for micro in plan for i in micro)
@@ -23,20 +26,52 @@ def test_every_sample_once_within_budget_and_equal_counts(dp_size: int, budget: 
     for plan in plans:
         for micro in plan:
             if len(micro) > 1:  # a lone over-long sample is allowed its own micro-batch
-                assert len(micro) * max(LENGTHS[i] for i in micro) <= budget
+                cost = (sum(LENGTHS[i] for i in micro) if packed
+                        else len(micro) * max(LENGTHS[i] for i in micro))
+                assert cost <= budget
+
+
+def test_first_fit_decreasing_fills_rows_and_gives_a_long_sample_its_own() -> None:
+    [rows] = assign_micro_batches([6, 30, 4, 5, 3, 2], 1, 10, packed=True)
+    assert rows == [[1], [0, 2], [3, 4, 5]]  # 30 > budget alone; 6+4; 5+3+2
+    plan_rows = assign_micro_batches(LENGTHS, 3, 12, packed=True)
+    assert [] in plan_rows[2] or len({len(p) for p in plan_rows}) == 1
+
+
+def test_packed_plan_records_cu_seqlens_and_has_no_padding_without_cp() -> None:
+    batch = random_train_batch(vocab_size=50, num_prompts=4, group_size=3)
+    objective = ObjectiveConfig.compose(AggregationConfig(), LossConfig(), 8, 1.0)
+    lengths = batch.sequence_lengths.tolist()
+    for cp_size in (1, 2):
+        plan = plan_step(batch, objective, dp_size=2, cp_size=cp_size,
+                         max_tokens_per_micro_batch=24)
+        assert plan.packed
+        for rank, bounds in zip(plan.micro_batches, plan.cu_seqlens, strict=True):
+            for samples, cu in zip(rank, bounds, strict=True):
+                rounded = [-(-lengths[i] // (2 * cp_size)) * 2 * cp_size if cp_size > 1
+                           else lengths[i] for i in samples]
+                assert cu == [0, *torch.tensor(rounded, dtype=torch.long).cumsum(0).tolist()]
+        if cp_size == 1:
+            assert plan.padding_fraction == 0.0
+        padded = plan_step(batch, objective, dp_size=2, cp_size=cp_size,
+                           max_tokens_per_micro_batch=24, packed=False)
+        assert padded.padding_fraction > plan.padding_fraction
 
 
 def test_ranks_are_balanced_by_tokens() -> None:
-    plans = assign_micro_batches(LENGTHS, 2, 1000)
+    plans = assign_micro_batches(LENGTHS, 2, 1000, packed=False)
     loads = [sum(LENGTHS[i] for micro in plan for i in micro) for plan in plans]
     assert abs(loads[0] - loads[1]) <= max(LENGTHS)
 
 
 def test_padding_fraction_counts_cp_padding() -> None:
     plans = [[[0, 1]]]  # lengths 9 and 3 padded to 9: 6 of 18 are padding
-    assert padding_fraction(LENGTHS, plans, cp_size=1) == pytest.approx(6 / 18)
+    assert padding_fraction(LENGTHS, plans, cp_size=1, packed=False) == pytest.approx(6 / 18)
     # CP=2 pads to a multiple of 4: width 12, 24 slots, 12 real.
-    assert padding_fraction(LENGTHS, plans, cp_size=2) == pytest.approx(12 / 24)
+    assert padding_fraction(LENGTHS, plans, cp_size=2, packed=False) == pytest.approx(12 / 24)
+    # packed: each sample is rounded to 4 on its own: 12 + 4 slots, 12 real
+    assert padding_fraction(LENGTHS, plans, cp_size=1) == 0.0
+    assert padding_fraction(LENGTHS, plans, cp_size=2) == pytest.approx(4 / 16)
 
 
 def test_plan_ships_per_sample_coefficients_for_terms_and_every_mode() -> None:
@@ -63,7 +98,8 @@ def test_micro_batches_rebuild_the_dense_weights_exactly() -> None:
     batch = random_train_batch(vocab_size=50)
     objective = ObjectiveConfig.compose(AggregationConfig(mode="prompt_mean"), LossConfig(),
                                         8, 1.0)
-    plan = plan_step(batch, objective, dp_size=2, cp_size=1, max_tokens_per_micro_batch=20)
+    plan = plan_step(batch, objective, dp_size=2, cp_size=1, max_tokens_per_micro_batch=20,
+                     packed=False)
     dense = token_weights(batch.loss_mask, batch.group_index, "prompt_mean")
     total = 0.0
     for rank_plan in plan.micro_batches:
@@ -84,3 +120,45 @@ def test_plan_size_is_per_sample_not_per_token() -> None:
     plan = plan_step(batch, objective, dp_size=2, cp_size=1, max_tokens_per_micro_batch=64)
     shipped = sum(c.numel() for c in plan.coefficients.values())
     assert shipped == len(plan.coefficients) * batch.num_samples
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_packed_rows_carry_each_samples_shifted_tensors_without_crossing_a_boundary(
+        cp_size: int) -> None:
+    """Every per-token tensor of a packed row, unsharded over CP ranks and cut at the
+    row's cu_seqlens, is exactly that sample's padded micro-batch row: targets, mask and
+    weights shifted within the sample, positions restarting at 0; the weights of all
+    rows sum to the dense aggregation weights."""
+    batch = random_train_batch(vocab_size=50, num_prompts=4, group_size=3, seed=1)
+    objective = ObjectiveConfig.compose(AggregationConfig(mode="token_mean"), LossConfig(),
+                                        8, 1.0)
+    plan = plan_step(batch, objective, dp_size=2, cp_size=cp_size, max_tokens_per_micro_batch=30)
+    dense = token_weights(batch.loss_mask, batch.group_index, "token_mean")
+    total = 0.0
+    for rank_rows, rank_bounds in zip(plan.micro_batches, plan.cu_seqlens, strict=True):
+        for samples, bounds in zip(rank_rows, rank_bounds, strict=True):
+            shards = [slice_packed_row(batch, plan, samples, cp_size, r) for r in range(cp_size)]
+            total += sum(float(s.weights["pg"].sum()) for s in shards)
+            if not samples:
+                assert all(float(s.weights["pg"].abs().sum()) == 0 for s in shards)
+                continue
+            offset = 0
+            for slot, i in enumerate(samples):
+                n = int(batch.sequence_lengths[i])
+                local = (bounds[slot + 1] - bounds[slot]) // cp_size
+
+                def full(name: str, term: str | None = None,
+                         shards=shards, offset=offset, local=local, n=n) -> torch.Tensor:
+                    parts = [(s.weights[term] if term else getattr(s, name))[0, offset:
+                             offset + local] for s in shards]
+                    return zigzag_unshard(parts, n)
+
+                alone = slice_micro_batch(batch, plan, [i], cp_size=1, cp_rank=0)
+                for name in ("input_ids", "targets", "loss_mask", "rollout_log_probs"):
+                    assert torch.equal(full(name), getattr(alone, name)[0, :n]), name
+                assert torch.equal(full("position_ids"), torch.arange(n))
+                assert torch.equal(full("sequence_ids"), torch.full((n,), slot))
+                assert torch.equal(full("", "pg"), alone.weights["pg"][0, :n])
+                assert float(alone.weights["pg"][0, n - 1]) == 0.0  # last token: no target
+                offset += local
+    assert total == pytest.approx(float(dense.sum()), rel=1e-12)

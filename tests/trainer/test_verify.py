@@ -1,5 +1,5 @@
-"""The layout verifier on real Ray actors and process groups: DP=2 and CP=2 give the
-gradients and terms of DP=1 for every update of a rollout, mode and term (one update per
+"""The layout verifier on real Ray actors and process groups: packed DP=2 and CP=2 give
+the gradients and terms of padded DP=1 for every update of a rollout, mode and term (one update per
 rollout and a planted error: tests/services/test_cli.py), and its tolerance judges a term
 against its own scale."""
 
@@ -35,8 +35,9 @@ OBJECTIVE = ObjectiveConfig.compose(AggregationConfig(), CONFIG.loss, 8, 0.7)
 def test_every_update_of_a_rollout_matches_across_layouts(ray_cluster: None, tiny_model: str
                                                         ) -> None:
     """4 optimizer steps per rollout × 2 epochs: each update's J and ∇J (pg, KL, entropy,
-    every mode) on its own mini-batch equal DP=1's under DP=2 and CP=2 with several
-    micro-batches, with the rollout's old log-probs and real steps in between."""
+    every mode) on its own mini-batch equal padded DP=1's under packed DP=2 and CP=2 with
+    several rows per rank (some samples longer than a row), with the rollout's old
+    log-probs and real steps in between."""
     from transformers import AutoConfig
 
     from trainer.mini_batches import rollout_updates
@@ -50,7 +51,8 @@ def test_every_update_of_a_rollout_matches_across_layouts(ray_cluster: None, tin
         loss=LossConfig(kl_coef=0.1, entropy_coef=0.01), max_tokens_per_micro_batch=12,
         optimizer=OptimizerConfig(type="sgd", lr=0.5, grad_clip=None))
     rows = verify_layouts(config, OBJECTIVE, tiny_model, rollout,
-                          [Layout(1, 1), Layout(2, 1), Layout(1, 2)], updates=updates)
+                          [Layout(1, 1, packed=False), Layout(2, 1), Layout(1, 2)],
+                          updates=updates)
     assert {(r.mode, r.update) for r in rows} == {(m, u) for m in MODES for u in range(8)}
     assert len(rows) == 2 * 4 * 8 * 3
     bad = [r for r in rows if not r.ok]
@@ -76,3 +78,11 @@ def test_perturbation_moves_the_policy_off_the_reference() -> None:
     assert not torch.equal(moved["w"], state["w"])
     assert torch.equal(moved["step"], state["step"])
     assert torch.equal(perturbed(state)["w"], moved["w"])  # seeded: every layout the same
+
+
+def test_layout_names_say_packed_or_padded() -> None:
+    assert Layout.parse("dp2cp1") == Layout(2, 1)
+    assert Layout.parse("dp1cp1-padded") == Layout(1, 1, packed=False)
+    assert str(Layout.parse("DP1CP2-packed")) == "dp1cp2-packed"
+    with pytest.raises(ValueError, match="dp1cp1-padded"):
+        Layout.parse("dp1cp1-ragged")

@@ -99,29 +99,29 @@ def test_bf16_compute_keeps_fp32_master_weights_that_move_at_lr_1e_6(tiny_model:
     assert changed / sum(b.numel() for _, b in pairs) < 0.1
 
 
-def _old_log_probs(rank: int, port: int, model_path: str, batch, dp: int, cp: int):
+def _old_log_probs(rank: int, port: int, model_path: str, batch, dp: int, cp: int,
+                   packed: bool):
     from trainer.backends.fsdp.worker import FSDPWorker
+    from trainer.step_plan import plan_step
 
-    config = TrainerConfig(dp_size=dp, cp_size=cp, max_tokens_per_micro_batch=24)
+    config = TrainerConfig(dp_size=dp, cp_size=cp, max_tokens_per_micro_batch=24,
+                           packing=packed)
     objective = ObjectiveConfig(temperature=0.7)
     worker = FSDPWorker(config, objective, model_path, rank, total_steps=1)
     worker.setup("127.0.0.1", port)
-    return worker.log_probs(batch, plan_step_for(batch, objective, dp, cp))
+    plan = plan_step(batch, objective, dp, cp, max_tokens_per_micro_batch=24, packed=packed)
+    assert len(plan.micro_batches[0]) > 1  # several micro-batches (rows) per rank
+    return worker.log_probs(batch, plan)
 
 
-def plan_step_for(batch, objective: ObjectiveConfig, dp: int, cp: int):
-    from trainer.step_plan import plan_step
-
-    return plan_step(batch, objective, dp, cp, max_tokens_per_micro_batch=24)
-
-
-@pytest.mark.parametrize(("dp", "cp"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("dp", "cp", "packed"), [(2, 1, True), (1, 2, True), (1, 2, False)])
 def test_old_log_probs_are_gathered_back_into_the_batch_layout(tiny_model: str, dp: int,
-                                                               cp: int) -> None:
-    """A rollout's old log-probs, assembled from DP ranks' micro-batches and CP shards,
-    are the engine's at its temperature, aligned with input_ids and 0 off the mask."""
+                                                               cp: int, packed: bool) -> None:
+    """A rollout's old log-probs, assembled from DP ranks' micro-batches (packed rows or
+    padded) and CP shards, are the engine's at its temperature, aligned with input_ids
+    and 0 off the mask."""
     batch = sampled_train_batch(tiny_model, temperature=0.7)
-    old = run_ranks(_old_log_probs, 2, tiny_model, batch, dp, cp)[0]
+    old = run_ranks(_old_log_probs, 2, tiny_model, batch, dp, cp, packed)[0]
     mask = batch.loss_mask > 0
     assert torch.allclose(old[mask], batch.rollout_log_probs[mask], atol=1e-5, rtol=0)
     assert (old[~mask] == 0).all()

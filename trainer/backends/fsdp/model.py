@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from trainer.config import TrainerConfig
+
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
@@ -38,6 +40,20 @@ def load_model(model_path: str, compute_dtype: torch.dtype, device: torch.device
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=master_dtype(compute_dtype))
     model.config.use_cache = False
     return model.to(device)
+
+
+def use_varlen_flash_attention(model: PreTrainedModel, config: TrainerConfig) -> bool:
+    """On GPU without CP, packed rows go through flash-attention's varlen kernel, which
+    transformers drives from position ids that restart at 0 per sample; True when it was
+    switched on. Elsewhere (CPU, CP, no flash_attn) the SDPA block-diagonal mask is used."""
+    if not (config.packing and config.cp_size == 1 and torch.cuda.is_available()):
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    model.set_attn_implementation("flash_attention_2")
+    return True
 
 
 def shard_model(model: PreTrainedModel, compute_dtype: torch.dtype) -> PreTrainedModel:

@@ -19,7 +19,7 @@ from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.losses import log_probs_and_entropy, token_log_probs
-from trainer.micro_batch import MicroBatch, gather_log_probs, slice_micro_batch
+from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
 from trainer.objective import (
     TokenLogProbs,
     micro_batch_objective,
@@ -35,7 +35,7 @@ from trainer.rank import (
     restore_schedule_and_rng,
     trainer_state,
 )
-from trainer.step_plan import StepPlan
+from trainer.step_plan import StepPlan, packs
 
 
 class FSDPWorker(RankInfo):
@@ -68,19 +68,20 @@ class FSDPWorker(RankInfo):
 
     def _build(self) -> torch.nn.Module:
         model = fsdp.load_model(self.model_path, self.compute_dtype, self.device)
-        if self.config.cp_size > 1:
+        self.varlen_flash = fsdp.use_varlen_flash_attention(model, self.config)
+        if (self.config.cp_size > 1 or packs(self.config)) and not self.varlen_flash:
             from trainer.cp_attention import enable_context_parallel
 
-            enable_context_parallel(model)
+            enable_context_parallel(model)  # attention masked by (sample, true position)
         return fsdp.shard_model(model, self.compute_dtype)
 
     def _logits(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
         kwargs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids}
-        if self.config.cp_size == 1:
-            return model(**kwargs).logits
+        if self.varlen_flash or (self.config.cp_size == 1 and micro.sequence_ids is None):
+            return model(**kwargs).logits  # varlen flash finds samples from position_ids
         from trainer.cp_attention import context_parallel
 
-        with context_parallel(self.cp_group, kwargs["position_ids"]):
+        with context_parallel(self.cp_group, micro.position_ids, micro.sequence_ids):
             return model(**kwargs).logits
 
     def _token_log_probs(self, micro: MicroBatch) -> TokenLogProbs:
@@ -112,8 +113,8 @@ class FSDPWorker(RankInfo):
         totals = None
         self.model.train()
         for samples in plan.micro_batches[self.dp_rank]:
-            micro = slice_micro_batch(batch, plan, samples, self.config.cp_size,
-                                      self.cp_rank).to(self.device)
+            micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
+                                   self.cp_rank).to(self.device)
             objective, sums = micro_batch_objective(self._token_log_probs(micro), micro,
                                                     self.config.loss, mode_names,
                                                     self.planted_terms,
@@ -131,12 +132,12 @@ class FSDPWorker(RankInfo):
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         self.model.train()
         for samples in plan.micro_batches[self.dp_rank]:
-            micro = slice_micro_batch(batch, plan, samples, self.config.cp_size,
-                                      self.cp_rank).to(self.device)
+            micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
+                                   self.cp_rank).to(self.device)
             log_probs = token_log_probs(self._logits(self.model, micro), micro.targets,
                                         self.objective.temperature)
             gather_log_probs(batch, samples, log_probs, out, self.cp_group,
-                             self.config.cp_size, owner=self.cp_rank == 0)
+                             self.config.cp_size, owner=self.cp_rank == 0, packed=plan.packed)
         dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
         return out if self.rank == 0 else None
 

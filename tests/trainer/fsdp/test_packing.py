@@ -1,0 +1,69 @@
+"""Packed rows on the real model: the logits of a row holding several samples equal each
+sample run alone, without CP and split over 2 CP ranks (real gloo groups)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.tiny import create_tiny_checkpoint
+from tests.distributed import run_distributed
+from tests.trainer.helpers import random_train_batch
+from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
+from trainer.context_parallel import zigzag_unshard
+from trainer.step_plan import plan_step
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def packed_logits(rank: int, world_size: int, model_path: str, batch, plan
+                  ) -> list[torch.Tensor]:
+    """This CP rank's logits of every packed row of DP rank 0."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from trainer.cp_attention import context_parallel, enable_context_parallel
+    from trainer.micro_batch import slice_packed_row
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    enable_context_parallel(model)
+    group = dist.new_group(list(range(world_size)))
+    out = []
+    with torch.no_grad():
+        for samples in plan.micro_batches[0]:
+            micro = slice_packed_row(batch, plan, samples, world_size, rank)
+            with context_parallel(group, micro.position_ids, micro.sequence_ids):
+                out.append(model(input_ids=micro.input_ids,
+                                 position_ids=micro.position_ids).logits[0])
+    return out
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_a_packed_row_gives_each_samples_logits_alone(tiny_model: str, cp_size: int) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab = AutoConfig.from_pretrained(tiny_model).vocab_size
+    batch = random_train_batch(vocab, num_prompts=4, group_size=3, seed=2)
+    objective = ObjectiveConfig.compose(AggregationConfig(), LossConfig(), 8, 1.0)
+    plan = plan_step(batch, objective, dp_size=1, cp_size=cp_size, max_tokens_per_micro_batch=40)
+    rows = plan.micro_batches[0]
+    assert len(rows) >= 2 and max(len(r) for r in rows) >= 3  # several rows, several samples
+    per_rank = run_distributed(packed_logits, cp_size, tiny_model, batch, plan)
+    alone_model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    checked = 0
+    for r, (samples, bounds) in enumerate(zip(rows, plan.cu_seqlens[0], strict=True)):
+        offset = 0
+        for slot, i in enumerate(samples):
+            n = int(batch.sequence_lengths[i])
+            local = (bounds[slot + 1] - bounds[slot]) // cp_size
+            got = zigzag_unshard([logits[r][offset:offset + local] for logits in per_rank], n,
+                                 dim=0)
+            offset += local
+            with torch.no_grad():
+                alone = alone_model(input_ids=batch.input_ids[i:i + 1, :n]).logits[0]
+            torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+            checked += 1
+    assert checked == batch.num_samples
