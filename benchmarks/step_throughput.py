@@ -55,9 +55,10 @@ def length_mix_batch(num_samples: int, group_size: int, prompt_range: tuple[int,
                                    [i // group_size for i in range(len(prompts))], group_size)
 
 
-def train_tokens_per_s(model_path: str, batch: TrainBatch, packed: bool, budget: int,
-                       repeats: int) -> tuple[float, float]:
-    """(padding fraction, median real tokens/s of train_step) on one in-process rank."""
+def train_step_times(model_path: str, batch: TrainBatch, packed: bool, budget: int,
+                     steps: int) -> tuple[float, list[float]]:
+    """(padding fraction, seconds of each train_step after a warm-up one) on one
+    in-process rank."""
     import torch.distributed as dist
 
     from trainer.backends.fsdp.worker import FSDPWorker
@@ -66,17 +67,16 @@ def train_tokens_per_s(model_path: str, batch: TrainBatch, packed: bool, budget:
     config = TrainerConfig(dp_size=1, max_tokens_per_micro_batch=budget, packing=packed,
                            optimizer=OptimizerConfig(lr=1e-5))
     objective = ObjectiveConfig()
-    worker = FSDPWorker(config, objective, model_path, 0, total_steps=repeats + 1)
+    worker = FSDPWorker(config, objective, model_path, 0, total_steps=steps + 1)
     worker.setup("127.0.0.1", free_port())
     try:
         plan = plan_step(batch, objective, 1, 1, budget, packed=packed)
         times = []
-        for _ in range(repeats + 1):
+        for _ in range(steps + 1):
             started = time.perf_counter()
             worker.train_step(batch, plan)
             times.append(time.perf_counter() - started)
-        return plan.padding_fraction, batch.sequence_lengths.sum().item() / statistics.median(
-            times[1:])
+        return plan.padding_fraction, times[1:]
     finally:
         dist.destroy_process_group()
 
@@ -94,13 +94,21 @@ def packing_table(repeats: int) -> None:
             "long tail (64 × 4-512 new)": (length_mix_batch(64, 4, (16, 65), (4, 512), True,
                                                             vocab), 4096),
         }
-        print("train step, padded vs packed (1 FSDP rank, 2 threads, median of "
-              f"{repeats} steps)")
+        print(f"train step, padded vs packed (1 FSDP rank, 2 threads; {repeats} rounds of "
+              "3 steps each, padded and packed alternating; medians)")
         print(f"{'workload':<28} {'pad padded':>10} {'pad packed':>10} {'tok/s padded':>13} "
               f"{'tok/s packed':>13} {'speed-up':>9} {'padding saved':>14}")
         for name, (batch, budget) in workloads.items():
-            pad_a, speed_a = train_tokens_per_s(model_path, batch, False, budget, repeats)
-            pad_b, speed_b = train_tokens_per_s(model_path, batch, True, budget, repeats)
+            times: dict[bool, list[float]] = {False: [], True: []}
+            padding: dict[bool, float] = {}
+            for _ in range(repeats):  # alternating: a noisy machine slows both alike
+                for packed in (False, True):
+                    padding[packed], more = train_step_times(model_path, batch, packed,
+                                                             budget, 3)
+                    times[packed] += more
+            tokens = float(batch.sequence_lengths.sum())
+            pad_a, speed_a = padding[False], tokens / statistics.median(times[False])
+            pad_b, speed_b = padding[True], tokens / statistics.median(times[True])
             saved = (1 - pad_b) / (1 - pad_a)  # computed tokens per real token, padded/packed
             print(f"{name:<28} {pad_a:>10.1%} {pad_b:>10.1%} {speed_a:>13,.0f} "
                   f"{speed_b:>13,.0f} {speed_b / speed_a:>8.2f}× {saved:>13.2f}×")
@@ -132,7 +140,8 @@ def end_to_end_table(steps: int, batch_sizes: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="end-to-end steps per run")
-    parser.add_argument("--repeats", type=int, default=5, help="train steps per packing run")
+    parser.add_argument("--repeats", type=int, default=4,
+                        help="alternating rounds of the packing table")
     parser.add_argument("--batch-sizes", default="64,256")
     parser.add_argument("--skip-e2e", action="store_true", help="only the packing table")
     args = parser.parse_args()

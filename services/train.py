@@ -260,7 +260,8 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
     return (f"step {step + 1}/{num_steps} | reward {metrics['reward/mean']:.3f} "
             f"(last 10: {sum(recent) / len(recent):.3f}) "
             f"| pg_loss {metrics['pg_loss']:+.4f} | {metrics['perf/tokens_per_s']:,.0f} tok/s "
-            f"| {metrics['perf/step_time_s']:.1f} s | padding {metrics.get('padding_fraction', 0.0):.1%}"
+            f"| {metrics['perf/step_time_s']:.1f} s "
+            f"| padding {metrics.get('padding_fraction', 0.0):.1%}"
             + (f" | {metrics['updates']:.0f} updates, clip ≤ {metrics['clip_fraction/max']:.3f}"
                if metrics.get("updates", 1) > 1 else ""))
 

@@ -46,6 +46,45 @@ class _CPState:
     all_positions_BS: torch.Tensor  # every rank's, in rank order [B, cp·S_local]
     sequences_BS: torch.Tensor | None = None  # packed rows: sample slot of each token
     all_sequences_BS: torch.Tensor | None = None
+    runs: _Runs | None = None  # a packed row without CP: per-sample causal attention
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """A packed row as runs of consecutive samples of equal length: (count, length) each.
+    The step plan fills rows longest first, so equal lengths sit next to each other."""
+
+    runs: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, sequence_ids_T: torch.Tensor) -> _Runs:
+        runs: list[list[int]] = []
+        for n in torch.bincount(sequence_ids_T).tolist():
+            if runs and runs[-1][1] == n:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, n])
+        return cls(tuple((count, n) for count, n in runs))
+
+
+def _per_sample_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 runs: _Runs, dropout: float, scale: float | None
+                                 ) -> torch.Tensor:
+    """Block-diagonal causal attention of one packed row [1, H, T, D]: causal SDPA over
+    each run of equal-length samples viewed as a batch [count, H, L, D] (views, no
+    gather), so the work is Σ L² and no [T, T] score matrix is ever built."""
+    heads, dim = query.shape[1], query.shape[3]
+    outputs, start = [], 0
+    for count, n in runs.runs:
+        def run_of(x: torch.Tensor, start: int = start, count: int = count, n: int = n
+                   ) -> torch.Tensor:
+            return x[0, :, start:start + count * n].reshape(heads, count, n, dim).transpose(0, 1)
+
+        out = F.scaled_dot_product_attention(run_of(query), run_of(key), run_of(value),
+                                             dropout_p=dropout, scale=scale, is_causal=True)
+        outputs.append(out.transpose(0, 1).reshape(heads, count * n, dim))
+        start += count * n
+    return torch.cat(outputs, dim=1)[None]
 
 
 _state: ContextVar[_CPState | None] = ContextVar("tally_cp_state", default=None)
@@ -115,14 +154,17 @@ def cp_attention_forward(
         q_pos = q_pos.to(query.device).expand(query.shape[0], q_len)
         # Without a cache the keys are the queries; with one they are the whole prefix so far.
         k_pos = q_pos if kv_len == q_len else torch.arange(kv_len, device=query.device)[None]
-    mask_BQK = q_pos[:, :, None] >= k_pos[:, None, :]
-    if state is not None and state.sequences_BS is not None:  # packed: never across samples
-        mask_BQK &= state.sequences_BS[:, :, None] == state.all_sequences_BS[:, None, :]
-    mask_B1QK = mask_BQK.unsqueeze(1)
     num_groups = getattr(module, "num_key_value_groups", 1)
     if num_groups > 1:  # GQA: query head h reads kv head h // num_groups (HF's repeat_kv)
         key = key.repeat_interleave(num_groups, dim=1)
         value = value.repeat_interleave(num_groups, dim=1)
+    if state is not None and state.runs is not None:
+        out = _per_sample_causal_attention(query, key, value, state.runs, dropout, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    mask_BQK = q_pos[:, :, None] >= k_pos[:, None, :]
+    if state is not None and state.sequences_BS is not None:  # packed: never across samples
+        mask_BQK &= state.sequences_BS[:, :, None] == state.all_sequences_BS[:, None, :]
+    mask_B1QK = mask_BQK.unsqueeze(1)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask_B1QK, dropout_p=dropout, scale=scaling
     )
@@ -151,8 +193,11 @@ def context_parallel(cp_group: dist.ProcessGroup, position_ids: torch.Tensor,
     all_sequences = sequence_ids
     if sequence_ids is not None and gather:
         all_sequences = _all_gather_positions(sequence_ids, cp_group)
+    runs = None
+    if sequence_ids is not None and not gather and sequence_ids.shape[0] == 1:
+        runs = _Runs.of(sequence_ids[0])
     token = _state.set(_CPState(cp_group, position_ids, all_positions, sequence_ids,
-                                all_sequences))
+                                all_sequences, runs))
     try:
         yield
     finally:

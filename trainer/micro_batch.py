@@ -93,49 +93,64 @@ def slice_micro_batch(
     )
 
 
+def packed_row_index(lengths: torch.Tensor, cp_size: int, cp_rank: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot, position) of every token of a CP rank's shard of a packed row whose samples
+    have ``lengths``: each sample rounded up to 2·cp, cut into 2·cp chunks, chunks r and
+    2·cp−1−r kept (zigzag_shard per sample, vectorized). Positions ≥ a sample's length
+    are its CP padding (they keep counting, as zigzag_positions does)."""
+    chunk = torch.tensor([padded_length(int(n), cp_size) // (2 * cp_size) if cp_size > 1
+                          else int(n) for n in lengths])
+    local = chunk * 2 if cp_size > 1 else chunk
+    slot = torch.repeat_interleave(torch.arange(len(lengths)), local)
+    within = torch.arange(int(local.sum())) - torch.repeat_interleave(
+        torch.cumsum(local, 0) - local, local)
+    if cp_size == 1:
+        return slot, within
+    c = chunk[slot]
+    first = within < c
+    position = torch.where(first, cp_rank * c + within,
+                           (2 * cp_size - 1 - cp_rank) * c + within - c)
+    return slot, position
+
+
 def slice_packed_row(
     batch: TrainBatch, plan: StepPlan, samples: list[int], cp_size: int, cp_rank: int
 ) -> MicroBatch:
     """The packed row of ``samples`` (an empty row: sample 0 with weight 0, so FSDP's
     collectives stay in step), this CP rank's zigzag shard of each sample."""
     empty = not samples
+    index = torch.tensor(samples or [0])
+    lengths = batch.sequence_lengths[index]
+    slot, position = packed_row_index(lengths, cp_size, cp_rank)
+    sample, n = index[slot], lengths[slot]
+    real, has_target = position < n, position + 1 < n
+    width = batch.input_ids.shape[1]
+    here = position.clamp(max=width - 1)
+    after = (position + 1).clamp(max=width - 1)
 
-    def pack(per_sample: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([zigzag_shard(x, cp_size, cp_rank, dim=-1) for x in per_sample],
-                         dim=-1)[None]
+    def at(x: torch.Tensor, where: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, x[sample, where], torch.zeros((), dtype=x.dtype))[None]
 
-    ids, positions, slots, masks, adv, rollout, old = [], [], [], [], [], [], []
-    weights: dict[str, list[torch.Tensor]] = {t: [] for t in (*plan.coefficients,
-                                                               *plan.dense_weights)}
-    for slot, i in enumerate(samples or [0]):
-        n = int(batch.sequence_lengths[i])
-        tokens = batch.input_ids[i:i + 1, :n]
-        mask = shift_left(batch.loss_mask[i:i + 1, :n])[0] * (0.0 if empty else 1.0)
-        ids.append(torch.stack([tokens[0], shift_left(tokens)[0]]))
-        positions.append(zigzag_positions(n, cp_size, cp_rank))
-        slots.append(torch.full((n,), slot))
-        masks.append(mask)
-        adv.append(batch.advantages[i].expand(n))
-        rollout.append(shift_left(batch.rollout_log_probs[i:i + 1, :n])[0])
-        if batch.old_log_probs is not None:
-            old.append(shift_left(batch.old_log_probs[i:i + 1, :n])[0])
-        for term, c in plan.coefficients.items():
-            weights[term].append(mask.double() * c[i])
-        for term, w in plan.dense_weights.items():
-            weights[term].append(shift_left(w[i:i + 1, :n])[0] * (0.0 if empty else 1.0))
-    tokens_and_targets = pack(ids)  # [1, 2, S_local]
-    # a sample's CP padding takes its own slot, so it is a key only of its own padding
+    loss_mask = at(batch.loss_mask, after, has_target)  # shifted: the target's mask
+    if empty:
+        loss_mask = torch.zeros_like(loss_mask)
+    weights = {term: loss_mask.double() * c[sample][None]
+               for term, c in plan.coefficients.items()}
+    weights.update({term: at(w, after, has_target) * (0.0 if empty else 1.0)
+                    for term, w in plan.dense_weights.items()})
+    old = batch.old_log_probs
     return MicroBatch(
-        input_ids=tokens_and_targets[:, 0],
-        position_ids=torch.cat(positions)[None],
-        targets=tokens_and_targets[:, 1],
-        loss_mask=pack(masks),
-        advantages=pack(adv),
-        rollout_log_probs=pack(rollout),
-        weights={term: pack(w) for term, w in weights.items()},
-        old_log_probs=pack(old) if old else None,
-        sequence_ids=torch.cat([zigzag_shard(s, cp_size, cp_rank, pad_value=slot)
-                                for slot, s in enumerate(slots)])[None],
+        input_ids=at(batch.input_ids, here, real),
+        position_ids=position[None],
+        targets=at(batch.input_ids, after, has_target),
+        loss_mask=loss_mask,
+        advantages=batch.advantages[sample][None],
+        rollout_log_probs=at(batch.rollout_log_probs, after, has_target),
+        weights=weights,
+        old_log_probs=None if old is None else at(old, after, has_target),
+        # a sample's CP padding keeps its slot: it is a key only of its own padding
+        sequence_ids=slot[None],
     )
 
 
@@ -162,14 +177,14 @@ def gather_log_probs(
         dist.all_gather(shards, log_probs.contiguous(), group=cp_group)
     if not samples or not owner:
         return
-    if packed:
-        offset = 0
-        for i in samples:  # each sample's shard sits at the same offset on every rank
-            n = int(batch.sequence_lengths[i])
-            local = padded_length(n, cp_size) // cp_size
-            values = zigzag_unshard([s[0, offset:offset + local] for s in shards], n)
-            offset += local
-            out[i, 1:n] = values[: n - 1].float().cpu() * batch.loss_mask[i, 1:n]
+    if packed:  # every rank's shard maps back through its own (slot, position)
+        index = torch.tensor(samples)
+        lengths = batch.sequence_lengths[index]
+        for rank, shard in enumerate(shards):
+            slot, position = packed_row_index(lengths, cp_size, rank)
+            keep = position + 1 < lengths[slot]
+            rows, cols = index[slot][keep], position[keep] + 1
+            out[rows, cols] = shard[0][keep].float().cpu() * batch.loss_mask[rows, cols]
         return
     log_probs = zigzag_unshard(shards, shards[0].shape[1] * cp_size, dim=1)
     index = torch.tensor(samples)
