@@ -44,12 +44,16 @@ class MicroBatch:
     """The trainer's start-of-rollout log-probs (several updates per rollout), else None."""
     sequence_ids: torch.Tensor | None = None
     """Packed rows: [1, S_local] slot of each token's sample in the row; None: padded."""
+    cu_seqlens: torch.Tensor | None = None
+    """Packed rows: int32 [n + 1] boundaries of the row's samples, each rounded up to
+    2·cp, over the whole (unsharded) row, as THD attention takes them."""
 
     def to(self, device: torch.device) -> MicroBatch:
         def move(value: object) -> object:
             if isinstance(value, dict):
                 return {k: v.to(device) for k, v in value.items()}
             return value.to(device) if isinstance(value, torch.Tensor) else value
+
 
         return MicroBatch(**{name: move(value) for name, value in vars(self).items()})
 
@@ -151,6 +155,9 @@ def slice_packed_row(
         old_log_probs=None if old is None else at(old, after, has_target),
         # a sample's CP padding keeps its slot: it is a key only of its own padding
         sequence_ids=slot[None],
+        cu_seqlens=torch.tensor([0, *torch.cumsum(torch.tensor(
+            [padded_length(int(n), cp_size) for n in lengths]), 0).tolist()],
+            dtype=torch.int32),
     )
 
 

@@ -134,9 +134,17 @@ def row_cu_seqlens(samples: list[int], lengths: list[int], cp_size: int) -> list
 
 
 def packs(config: TrainerConfig) -> bool:
-    """Whether the trainer computes packed rows: FSDP with ``packing`` on (Megatron's
-    local attention on CPU has no packed-sequence path, so it pads the same plan)."""
-    return config.packing and config.backend == "fsdp"
+    """Whether the trainer computes packed rows: FSDP with ``packing`` on, or Megatron on
+    GPU with TransformerEngine (THD through ``PackedSeqParams``). Megatron's local
+    attention on CPU has no packed-sequence path, so there it pads the same plan."""
+    if not config.packing:
+        return False
+    if config.backend == "fsdp":
+        return True
+    import importlib.util
+
+    return config.num_gpus_per_rank > 0 and importlib.util.find_spec(
+        "transformer_engine") is not None
 
 
 def plan_step(

@@ -41,3 +41,25 @@ def test_megatron_cp2_equals_cp1_with_te_attention(ray_cluster: None, tmp_path: 
     assert len(rows) == 12  # 4 modes × (pg, KL, entropy)
     for row in rows:
         assert row.ok, row
+
+
+@needs(2, ("megatron.core", "transformer_engine"))
+def test_megatron_packed_thd_rows_equal_padded_micro_batches(ray_cluster: None,
+                                                             tmp_path: Path) -> None:
+    """Packed rows through PackedSeqParams (THD) against padded micro-batches, without
+    CP and with CP=2 (each sample zigzag-sharded on its own), every mode and term."""
+    model_path = create_tiny_checkpoint(tmp_path, seed=0)
+    config = TrainerConfig(
+        backend="megatron", num_gpus_per_rank=1, dtype="bfloat16",
+        optimizer=OptimizerConfig(type="sgd", lr=1.0, grad_clip=None),
+        loss=LossConfig(kl_coef=0.1, entropy_coef=0.01, old_log_probs="rollout"),
+        max_tokens_per_micro_batch=24,
+    )
+    batch = random_train_batch(100, num_prompts=3, group_size=2)
+    objective = ObjectiveConfig.compose(AggregationConfig(), config.loss, 8, 1.0)
+    rows = verify_layouts(config, objective, model_path, batch,
+                          [Layout(1, 1, packed=False), Layout(1, 1, packed=True),
+                           Layout(1, 2, packed=True)], tolerance=(2e-2, 2e-2))
+    assert {r.layout for r in rows} == {"dp1cp1-packed", "dp1cp2-packed"}
+    for row in rows:
+        assert row.ok, row

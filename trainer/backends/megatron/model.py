@@ -99,7 +99,7 @@ def model_shape(hf_config: object, tp_size: int) -> ModelShape:
     )
 
 
-def _use_transformer_engine(device: torch.device) -> bool:
+def use_transformer_engine(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     try:
@@ -119,7 +119,7 @@ def build_gpt_model(hf_config: object, shape: ModelShape, cp_size: int, dtype: t
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer import TransformerConfig
 
-    use_te = _use_transformer_engine(device)
+    use_te = use_transformer_engine(device)
     if cp_size > 1 and not use_te:
         raise NotImplementedError(
             "cp_size: context parallelism in the Megatron backend needs TransformerEngine "

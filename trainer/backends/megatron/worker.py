@@ -2,7 +2,8 @@
 
 Rank layout (Megatron's order tp-cp-dp): rank = (dp_rank · cp + cp_rank) · tp + tp_rank.
 TP ranks of one DP×CP rank see the same tokens; DP ranks take ``plan.micro_batches
-[dp_rank]`` and CP ranks the zigzag shard of each sequence (``slice_micro_batch``).
+[dp_rank]`` and CP ranks the zigzag shard of each sequence (``slice_for_plan``: padded
+micro-batches on CPU, packed THD rows on GPU with TransformerEngine).
 
 One step: micro-batches run through Megatron's ``get_forward_backward_func`` schedule (on
 CPU inside ``cpu_bridge``) in the compute dtype, the loss function in Megatron's contract
@@ -32,10 +33,19 @@ from trainer.backends.megatron.main_params import (
     clip_gradients,
     grad_norm,
 )
-from trainer.backends.megatron.model import build_gpt_model, model_shape
+from trainer.backends.megatron.model import (
+    build_gpt_model,
+    model_shape,
+    use_transformer_engine,
+)
 from trainer.backends.megatron.weights import WeightMover
 from trainer.config import ObjectiveConfig, TrainerConfig
-from trainer.micro_batch import MicroBatch, gather_log_probs, slice_micro_batch
+from trainer.micro_batch import (
+    MicroBatch,
+    gather_log_probs,
+    slice_micro_batch,
+    slice_packed_row,
+)
 from trainer.objective import planted_error_terms, step_metrics
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.rank import RankInfo, compute_dtype, init_rank
@@ -93,6 +103,28 @@ class MegatronWorker(RankInfo):
         WeightMover(model, self.shape, self.device).read_checkpoint(self.model_path)
         return model.requires_grad_(False)
 
+    def _slice(self, batch: TrainBatch, plan: StepPlan, samples: list[int]) -> MicroBatch:
+        """A packed row where THD runs (GPU with TransformerEngine), else the same
+        samples padded: Megatron's local attention has no packed-sequence path."""
+        if plan.packed and use_transformer_engine(self.device):
+            return slice_packed_row(batch, plan, samples, self.config.cp_size, self.cp_rank)
+        return slice_micro_batch(batch, plan, samples, self.config.cp_size, self.cp_rank)
+
+    @staticmethod
+    def _logits(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
+        """Vocab-parallel logits; a packed row goes in as THD (TransformerEngine on GPU):
+        one sequence whose samples ``cu_seqlens`` separates, RoPE restarting per sample."""
+        if micro.cu_seqlens is None:
+            return model(micro.input_ids, micro.position_ids, None)
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = micro.cu_seqlens.to(device=micro.input_ids.device, dtype=torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        return model(micro.input_ids, micro.position_ids, None, packed_seq_params=packed)
+
     def _forward_step(self, scale: int, mode_names: list[str],
                       data_iterator: Iterator[MicroBatch], model: torch.nn.Module
                       ) -> tuple[torch.Tensor, functools.partial]:
@@ -101,11 +133,11 @@ class MegatronWorker(RankInfo):
         ref_log_probs = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logits = self.ref_model(micro.input_ids, micro.position_ids, None)
+                ref_logits = self._logits(self.ref_model, micro)
                 ref_log_probs, _ = vocab_parallel_log_probs(ref_logits, micro.targets,
                                                             self.shape,
                                                             self.objective.temperature)
-        logits = model(micro.input_ids, micro.position_ids, None)
+        logits = self._logits(model, micro)
         return logits, functools.partial(loss_func, micro, ref_log_probs, self.config.loss,
                                          self.objective, self.shape, scale, mode_names,
                                          self.planted_terms)
@@ -127,8 +159,7 @@ class MegatronWorker(RankInfo):
         num_micro_batches = len(samples_per_micro_batch)  # the same on every DP rank
         scale = megatron_sum_factor(self.config.dp_size, num_micro_batches)
         mode_names = plan.mode_metric_names
-        micros = [slice_micro_batch(batch, plan, samples, self.config.cp_size,
-                                    self.cp_rank).to(self.device)
+        micros = [self._slice(batch, plan, samples).to(self.device)
                   for samples in samples_per_micro_batch]
         self.model.train()
         with cpu_bridge(self.device):
@@ -156,14 +187,13 @@ class MegatronWorker(RankInfo):
         owner = self.cp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0
         self.model.train()  # the mode of the loss's forward
         for samples in plan.micro_batches[self.dp_rank]:
-            micro = slice_micro_batch(batch, plan, samples, self.config.cp_size,
-                                      self.cp_rank).to(self.device)
+            micro = self._slice(batch, plan, samples).to(self.device)
             with cpu_bridge(self.device):
-                logits = self.model(micro.input_ids, micro.position_ids, None)
+                logits = self._logits(self.model, micro)
             log_probs, _ = vocab_parallel_log_probs(logits, micro.targets, self.shape,
                                                     self.objective.temperature)
             gather_log_probs(batch, samples, log_probs, out, ps.get_context_parallel_group(),
-                             self.config.cp_size, owner)
+                             self.config.cp_size, owner, packed=micro.cu_seqlens is not None)
         dist.all_reduce(out)  # each sample written by exactly one rank
         return out if self.rank == 0 else None
 
