@@ -26,7 +26,7 @@ from trainer.context_parallel import (
     zigzag_shard,
     zigzag_unshard,
 )
-from trainer.step_plan import StepPlan
+from trainer.step_plan import StepPlan, row_cu_seqlens
 
 
 @dataclass
@@ -53,7 +53,6 @@ class MicroBatch:
             if isinstance(value, dict):
                 return {k: v.to(device) for k, v in value.items()}
             return value.to(device) if isinstance(value, torch.Tensor) else value
-
 
         return MicroBatch(**{name: move(value) for name, value in vars(self).items()})
 
@@ -155,9 +154,9 @@ def slice_packed_row(
         old_log_probs=None if old is None else at(old, after, has_target),
         # a sample's CP padding keeps its slot: it is a key only of its own padding
         sequence_ids=slot[None],
-        cu_seqlens=torch.tensor([0, *torch.cumsum(torch.tensor(
-            [padded_length(int(n), cp_size) for n in lengths]), 0).tolist()],
-            dtype=torch.int32),
+        cu_seqlens=torch.tensor(row_cu_seqlens(index.tolist(),
+                                               batch.sequence_lengths.tolist(), cp_size),
+                                dtype=torch.int32),
     )
 
 

@@ -14,6 +14,9 @@ from services.controller.ray_head import free_port
 from services.controller.ray_jobs import BackendUnavailable, RayJobInfo
 from services.controller.settings import Settings
 
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = (ROOT / "configs" / "demo.yaml").read_text()
+"""The demo job config's text, as a client would submit it."""
 DEMO_OVERRIDES = ["num_steps=2", "warmup.enabled=false", "rollout.global_batch_size=16",
                   "rollout.n_samples_per_prompt=4", "trainer.dp_size=1"]
 

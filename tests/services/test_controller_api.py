@@ -12,10 +12,13 @@ from fastapi.testclient import TestClient
 from services.controller.app import create_app
 from services.controller.auth import job_token
 from services.controller.settings import check_bind
-from tests.services.controller_fakes import DEMO_OVERRIDES, FakeBackend, make_settings, step_rows
-
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = (ROOT / "configs" / "demo.yaml").read_text()
+from tests.services.controller_fakes import (
+    DEMO,
+    DEMO_OVERRIDES,
+    FakeBackend,
+    make_settings,
+    step_rows,
+)
 
 
 @pytest.fixture

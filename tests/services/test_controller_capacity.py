@@ -13,14 +13,12 @@ from typer.testing import CliRunner
 from services.cli import app as cli_app
 from services.controller.app import create_app
 from tests.services.controller_fakes import (
+    DEMO,
     DEMO_OVERRIDES,
     FakeBackend,
     make_settings,
     serve_in_thread,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = (ROOT / "configs" / "demo.yaml").read_text()
 
 
 @pytest.fixture

@@ -15,14 +15,12 @@ from services.controller.app import create_app
 from services.controller.settings import Settings
 from services.controller.submission import text_depth
 from tests.services.controller_fakes import (
+    DEMO,
     DEMO_OVERRIDES,
     FakeBackend,
     make_settings,
     serve_in_thread,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = (ROOT / "configs" / "demo.yaml").read_text()
 
 
 def serve(tmp_path: Path, **settings: object) -> Iterator[tuple[str, httpx.Client]]:

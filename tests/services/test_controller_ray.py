@@ -16,10 +16,12 @@ import httpx
 import pytest
 
 from services.controller.ray_head import LocalRayHead, free_port
-from tests.services.controller_fakes import DEMO_OVERRIDES
+from tests.services.controller_fakes import (
+    DEMO,
+    DEMO_OVERRIDES,
+    ROOT,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = (ROOT / "configs" / "demo.yaml").read_text()
 MODES = ["sample_mean", "token_mean", "prompt_mean", "constant"]
 
 pytestmark = pytest.mark.slow

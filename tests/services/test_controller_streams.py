@@ -14,15 +14,13 @@ import httpx
 from services.controller import routes_stream
 from services.controller.app import create_app
 from tests.services.controller_fakes import (
+    DEMO,
     DEMO_OVERRIDES,
     FakeBackend,
     make_settings,
     serve_in_thread,
     step_rows,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = (ROOT / "configs" / "demo.yaml").read_text()
 
 
 def running_job(http: httpx.Client, app) -> dict:
