@@ -36,6 +36,7 @@ from rollout.manager import RolloutManagerActor
 from rollout.tiny import resolve_model_path
 from services.config import ConfigError, JobConfig, load_job_config
 from services.controller_client import controller_sinks
+from services.evaluation import eval_metrics, is_eval_step
 from services.metrics import (
     EVENTS_FILE,
     METRICS_FILE,
@@ -184,6 +185,19 @@ class Job:
                  "sync": synced - trained}
         return step_metrics(batch, per_update, times)
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out accuracy and pass@k of the weights step ``step`` starts from, at the
+        steps ``eval`` names; {} at the others."""
+        config = self.config.eval
+        if not is_eval_step(step, self.config.num_steps, config):
+            return {}
+        started = time.perf_counter()
+        temperature = config.temperature or self.config.rollout.sampling.temperature
+        outcomes = self.rollout_call(self.rollout.evaluate.remote(
+            self.config.eval_dataset(), config.num_prompts, config.num_samples, temperature,
+            step), "evaluate")
+        return {**eval_metrics(outcomes, config), "perf/eval_s": time.perf_counter() - started}
+
     def rollout_call(self, ref: ray.ObjectRef, verb: str) -> Any:
         """The rollout manager's answer; past rollout.call_timeout_s a TimeoutError, which
         restarts the job from its last checkpoint like a stuck trainer call."""
@@ -263,7 +277,11 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
             f"| {metrics['perf/step_time_s']:.1f} s "
             f"| padding {metrics.get('padding_fraction', 0.0):.1%}"
             + (f" | {metrics['updates']:.0f} updates, clip ≤ {metrics['clip_fraction/max']:.3f}"
-               if metrics.get("updates", 1) > 1 else ""))
+               if metrics.get("updates", 1) > 1 else "")
+            + (f" | eval accuracy {metrics['eval/accuracy']:.3f}"
+               + (f" pass@{metrics['eval/k']:.0f} {metrics['eval/pass@k']:.3f}"
+                  if "eval/pass@k" in metrics else "")
+               if "eval/accuracy" in metrics else ""))
 
 
 def default_output_dir(config: JobConfig) -> Path:
@@ -316,7 +334,8 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
                     f"mode={config.aggregation.mode}, dp={config.trainer.dp_size} "
                     f"cp={config.trainer.cp_size}, output {output_dir}")
                 for step in range(start, config.num_steps):
-                    metrics = {**job.rl_step(step), "job/restarts": float(restarts)}
+                    metrics = {**job.evaluate(step), **job.rl_step(step),
+                               "job/restarts": float(restarts)}
                     for sink in sinks:
                         sink.write(step, metrics)
                     history = {k: v for k, v in history.items() if k < step} | {step: metrics}
