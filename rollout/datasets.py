@@ -1,4 +1,5 @@
-"""Prompt datasets: built-in synthetic tasks, or records from a local JSONL / Parquet file.
+"""Prompt datasets: built-in synthetic tasks and math word problems, or records from a local
+JSONL / Parquet file.
 
 A record has a prompt (a string, or a list of chat messages ``{"role", "content"}``),
 an optional label (the reference answer, kept as a string) and free metadata that is
@@ -14,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout.config import DatasetConfig, FileDatasetConfig, SyntheticDatasetConfig
+from rollout.config import (
+    DatasetConfig,
+    FileDatasetConfig,
+    MathWordsDatasetConfig,
+    SyntheticDatasetConfig,
+)
+from rollout.math_words import make_math_word_problems, math_word_prompt
 from rollout.tasks import make_task_examples
 
 Prompt = str | list[dict[str, str]]
@@ -43,6 +50,8 @@ def load_prompt_dataset(config: DatasetConfig) -> list[PromptRecord]:
             PromptRecord(e.prompt, e.answer, {"task": config.task, "difficulty": config.difficulty})
             for e in examples
         ]
+    if isinstance(config, MathWordsDatasetConfig):
+        return _math_word_records(config)
     path = Path(config.path).expanduser()
     if not path.is_file():
         raise DatasetError(f"dataset.path: {path} does not exist or is not a file")
@@ -51,6 +60,20 @@ def load_prompt_dataset(config: DatasetConfig) -> list[PromptRecord]:
     if not records:
         raise DatasetError(f"{path}: no records (empty file)")
     return records
+
+
+def _math_word_records(config: MathWordsDatasetConfig) -> list[PromptRecord]:
+    problems = make_math_word_problems(
+        config.difficulties, config.num_prompts, config.seed, config.split
+    )
+    return [
+        PromptRecord(
+            [{"role": "user", "content": math_word_prompt(p, config.answer_format)}],
+            str(p.answer),
+            {"task": "math_words", "difficulty": p.difficulty},
+        )
+        for p in problems
+    ]
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
