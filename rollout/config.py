@@ -120,8 +120,28 @@ class MathWordsDatasetConfig(BaseModel):
         return self
 
 
+class ReasoningGymDatasetConfig(BaseModel):
+    """Prompts from a reasoning-gym procedural dataset (optional: pip install reasoning-gym)."""
+
+    model_config = _FROZEN
+
+    type: Literal["reasoning_gym"]
+    """Dataset variant."""
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_]+$")
+    """reasoning-gym dataset name, as for reasoning_gym.create_dataset (e.g. leg_counting)."""
+    num_prompts: int = Field(default=512, gt=0, le=20_000)
+    """How many distinct prompts make up one epoch."""
+    seed: int = 0
+    """Seed of reasoning-gym's generator (and of the epoch shuffles)."""
+    split: DatasetSplit = "train"
+    """train or heldout, by a hash of each question's text (about 20 % held out)."""
+    shuffle: bool = True
+    """Reshuffle the prompt order every epoch."""
+
+
 DatasetConfig = Annotated[
-    SyntheticDatasetConfig | FileDatasetConfig | MathWordsDatasetConfig,
+    SyntheticDatasetConfig | FileDatasetConfig | MathWordsDatasetConfig
+    | ReasoningGymDatasetConfig,
     Field(discriminator="type"),
 ]
 
