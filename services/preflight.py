@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rollout.datasets import DatasetError, check_dataset_available
 from rollout.engines import check_engine_available
 from services.config import ConfigError, ConfigProblem, JobConfig
 
@@ -15,6 +16,10 @@ def preflight(config: JobConfig) -> None:
     try:
         check_engine_available(config.rollout)
     except RuntimeError as err:
+        raise ConfigError("", [ConfigProblem.from_rule(str(err), "rollout")]) from None
+    try:
+        check_dataset_available(config.rollout.dataset)
+    except DatasetError as err:
         raise ConfigError("", [ConfigProblem.from_rule(str(err), "rollout")]) from None
     local_model = config.rollout.model != "tiny"
     if local_model and not Path(config.rollout.model).is_dir():
