@@ -40,9 +40,9 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def _require_gguf() -> None:
+def require_gguf() -> None:
     if importlib.util.find_spec("gguf") is None:
-        raise ModelImportError(f"reading GGUF needs the gguf package ({INSTALL_HINT})")
+        raise ModelImportError(f"model: reading GGUF needs the gguf package ({INSTALL_HINT})")
 
 
 def check_hf_folder(folder: Path) -> None:
@@ -63,7 +63,7 @@ def check_hf_folder(folder: Path) -> None:
 
 def import_gguf(gguf_file: Path, out_dir: Path) -> Path:
     """A plain float32 Hugging Face folder at ``out_dir`` from ``gguf_file``."""
-    _require_gguf()
+    require_gguf()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     gguf_file = Path(gguf_file).resolve()
