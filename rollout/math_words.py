@@ -63,8 +63,9 @@ _QUESTIONS = ("How many {obj} does {a} have now?", "How many {obj} does {a} have
               "How many {obj} does {a} end up with?")
 _INSTRUCTIONS: dict[str, str] = {
     "boxed": "Solve the problem step by step, then put the final answer in \\boxed{}.",
-    "last_number": "Solve the problem step by step, and end your reply with the final "
-                   "answer as a number.",
+    # Short on purpose: a 135 M model asked to reason first rarely reaches an answer
+    # within a CPU-sized budget (measured on SmolLM2-135M: 10-12 % greedy vs 27 % so).
+    "last_number": "Reply with the answer only, as a number.",
 }
 
 
