@@ -106,7 +106,8 @@ def test_records_mix_levels_evenly_and_ask_for_the_format() -> None:
     assert message["role"] == "user" and message["content"].endswith("in \\boxed{}.")
     assert records[0].label is not None and records[0].label.isdigit()
     problem = make_math_word_problems([1], 1, seed=0)[0]
-    assert math_word_prompt(problem, "last_number").endswith("\nReply with the answer only, as a number.")
+    assert math_word_prompt(problem, "last_number").endswith(
+        "\nReply with the answer only, as a number.")
 
 
 def test_config_rejects_bad_fields_by_name() -> None:
