@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TaskName = Literal["copy", "repeat", "reverse", "add", "count"]
 """Built-in synthetic tasks (see rollout/tasks.py); `copy` is the easiest."""
+DatasetSplit = Literal["train", "heldout"]
+"""The two sides of a content-hashed split (see rollout/splits.py)."""
+AnswerFormat = Literal["boxed", "last_number"]
+"""How a prompt asks for its final answer: in \\boxed{} or as the last number."""
 
 _FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _FROZEN = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -84,7 +88,62 @@ class FileDatasetConfig(BaseModel):
     """Reshuffle the prompt order every epoch."""
 
 
-DatasetConfig = Annotated[SyntheticDatasetConfig | FileDatasetConfig, Field(discriminator="type")]
+class MathWordsDatasetConfig(BaseModel):
+    """Built-in GSM8K-style arithmetic word problems, generated on the fly (no download)."""
+
+    model_config = _FROZEN
+
+    type: Literal["math_words"] = "math_words"
+    """Dataset variant (see rollout/math_words.py)."""
+    split: DatasetSplit = "train"
+    """train or heldout: about 20 % of all problems are held out, chosen by a hash of each
+    problem's text, so the two never share a problem whatever the seeds."""
+    difficulties: list[Annotated[int, Field(ge=1, le=4)]] = Field(
+        default_factory=lambda: [1, 2], min_length=1, max_length=4)
+    """Levels 1-4 (the number of solution steps), mixed evenly; 1 is one + or - on small
+    numbers, 3 and 4 add exact multiplication or division."""
+    num_prompts: int = Field(default=512, gt=0, le=20_000)
+    """How many distinct problems make up one epoch."""
+    seed: int = 0
+    """Seed of the problem generator (and of the epoch shuffles)."""
+    shuffle: bool = True
+    """Reshuffle the prompt order every epoch."""
+    answer_format: AnswerFormat = "boxed"
+    """What the prompt asks for: the answer in \\boxed{} (reward.type: boxed) or as the last
+    number of the reply (reward.type: numeric)."""
+
+    @model_validator(mode="after")
+    def _difficulties_distinct(self) -> MathWordsDatasetConfig:
+        if len(set(self.difficulties)) != len(self.difficulties):
+            raise ValueError(f"difficulties: each level at most once (they are mixed evenly), "
+                             f"got {self.difficulties}")
+        return self
+
+
+class ReasoningGymDatasetConfig(BaseModel):
+    """Prompts from a reasoning-gym procedural dataset (optional: pip install reasoning-gym)."""
+
+    model_config = _FROZEN
+
+    type: Literal["reasoning_gym"]
+    """Dataset variant."""
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_]+$")
+    """reasoning-gym dataset name, as for reasoning_gym.create_dataset (e.g. leg_counting)."""
+    num_prompts: int = Field(default=512, gt=0, le=20_000)
+    """How many distinct prompts make up one epoch."""
+    seed: int = 0
+    """Seed of reasoning-gym's generator (and of the epoch shuffles)."""
+    split: DatasetSplit = "train"
+    """train or heldout, by a hash of each question's text (about 20 % held out)."""
+    shuffle: bool = True
+    """Reshuffle the prompt order every epoch."""
+
+
+DatasetConfig = Annotated[
+    SyntheticDatasetConfig | FileDatasetConfig | MathWordsDatasetConfig
+    | ReasoningGymDatasetConfig,
+    Field(discriminator="type"),
+]
 
 
 class TorchEngineConfig(BaseModel):

@@ -1,4 +1,5 @@
-"""Prompt datasets: built-in synthetic tasks, or records from a local JSONL / Parquet file.
+"""Prompt datasets: built-in synthetic tasks and math word problems, records from a local
+JSONL / Parquet file, or a reasoning-gym dataset (when that optional package is installed).
 
 A record has a prompt (a string, or a list of chat messages ``{"role", "content"}``),
 an optional label (the reference answer, kept as a string) and free metadata that is
@@ -14,7 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout.config import DatasetConfig, FileDatasetConfig, SyntheticDatasetConfig
+from rollout.config import (
+    DatasetConfig,
+    FileDatasetConfig,
+    MathWordsDatasetConfig,
+    ReasoningGymDatasetConfig,
+    SyntheticDatasetConfig,
+)
+from rollout.math_words import make_math_word_problems, math_word_prompt
+from rollout.splits import HELDOUT_PERCENT, split_of
 from rollout.tasks import make_task_examples
 
 Prompt = str | list[dict[str, str]]
@@ -43,6 +52,10 @@ def load_prompt_dataset(config: DatasetConfig) -> list[PromptRecord]:
             PromptRecord(e.prompt, e.answer, {"task": config.task, "difficulty": config.difficulty})
             for e in examples
         ]
+    if isinstance(config, MathWordsDatasetConfig):
+        return _math_word_records(config)
+    if isinstance(config, ReasoningGymDatasetConfig):
+        return _reasoning_gym_records(config)
     path = Path(config.path).expanduser()
     if not path.is_file():
         raise DatasetError(f"dataset.path: {path} does not exist or is not a file")
@@ -51,6 +64,70 @@ def load_prompt_dataset(config: DatasetConfig) -> list[PromptRecord]:
     if not records:
         raise DatasetError(f"{path}: no records (empty file)")
     return records
+
+
+def _math_word_records(config: MathWordsDatasetConfig) -> list[PromptRecord]:
+    problems = make_math_word_problems(
+        config.difficulties, config.num_prompts, config.seed, config.split
+    )
+    return [
+        PromptRecord(
+            [{"role": "user", "content": math_word_prompt(p, config.answer_format)}],
+            str(p.answer),
+            {"task": "math_words", "difficulty": p.difficulty},
+        )
+        for p in problems
+    ]
+
+
+def check_dataset_available(config: DatasetConfig) -> None:
+    """Raise DatasetError when the dataset needs a package this environment lacks (run at
+    submit time, so a job fails before any actor starts)."""
+    if isinstance(config, ReasoningGymDatasetConfig):
+        _import_reasoning_gym()
+
+
+def _import_reasoning_gym() -> Any:
+    try:
+        import reasoning_gym  # optional, never a dependency of tally
+    except ImportError as e:
+        raise DatasetError(
+            "dataset.type: 'reasoning_gym' needs the reasoning-gym package, which is not "
+            "installed here (pip install reasoning-gym)"
+        ) from e
+    return reasoning_gym
+
+
+def _reasoning_gym_records(config: ReasoningGymDatasetConfig) -> list[PromptRecord]:
+    """``num_prompts`` distinct questions of the split, drawn in reasoning-gym's order.
+
+    reasoning-gym has no splits of its own, so questions are split by the hash of their
+    text (rollout/splits.py) and enough are drawn for the held-out share to fill up.
+    """
+    reasoning_gym = _import_reasoning_gym()
+    share = HELDOUT_PERCENT if config.split == "heldout" else 100 - HELDOUT_PERCENT
+    num_draws = config.num_prompts * 200 // share + 64
+    try:
+        entries = reasoning_gym.create_dataset(config.name, size=num_draws, seed=config.seed)
+    except Exception as e:  # an unknown name, a dataset that refuses the size
+        raise DatasetError(f"dataset.name: reasoning-gym cannot build {config.name!r} ({e})") from e
+    records: list[PromptRecord] = []
+    seen: set[str] = set()
+    for entry in entries:
+        question = str(entry["question"])
+        if question in seen or split_of(question) != config.split:
+            continue
+        seen.add(question)
+        metadata = {"task": "reasoning_gym", "name": config.name,
+                    "reasoning_gym": entry.get("metadata", {})}
+        records.append(PromptRecord([{"role": "user", "content": question}],
+                                    str(entry["answer"]), metadata))
+        if len(records) == config.num_prompts:
+            return records
+    raise DatasetError(
+        f"dataset.num_prompts: reasoning-gym's {config.name!r} gave only {len(records)} "
+        f"distinct {config.split} questions in {num_draws} draws; ask for fewer"
+    )
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:

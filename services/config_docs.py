@@ -41,16 +41,32 @@ def _type_name(annotation: Any) -> str:
         return "null"
     if isinstance(annotation, type):
         return annotation.__name__
+    if origin is list:  # the items' own limits go to the limits column
+        return f"list[{_type_name(typing.get_args(annotation)[0])}]"
     return str(annotation).replace("typing.", "")
 
 
-def _limits(field: Any) -> str:
+def _bounds(metadata: list[Any]) -> list[str]:
     parts = []
-    for meta in field.metadata:
+    for meta in metadata:
         for name, symbol in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤")):
             value = getattr(meta, name, None)
             if value is not None:
                 parts.append(f"{symbol} {value}")
+    return parts
+
+
+def _limits(field: Any) -> str:
+    parts = _bounds(field.metadata)
+    annotation = field.annotation
+    if typing.get_origin(annotation) in (Union, types.UnionType):  # list[...] | None
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is list:
+        item = typing.get_args(annotation)[0]
+        if typing.get_origin(item) is typing.Annotated:
+            item_metadata = [m for a in typing.get_args(item)[1:]
+                             for m in getattr(a, "metadata", [a])]
+            parts += [f"each {b}" for b in _bounds(item_metadata)]
     return ", ".join(parts)
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rollout.datasets import DatasetError, check_dataset_available
 from rollout.engines import check_engine_available
+from rollout.pretrained import SMOLLM2_NAME, ModelImportError, require_gguf, smollm2_gguf_path
 from services.config import ConfigError, ConfigProblem, JobConfig
 
 
@@ -16,7 +18,17 @@ def preflight(config: JobConfig) -> None:
         check_engine_available(config.rollout)
     except RuntimeError as err:
         raise ConfigError("", [ConfigProblem.from_rule(str(err), "rollout")]) from None
-    local_model = config.rollout.model != "tiny"
+    try:
+        check_dataset_available(config.rollout.dataset)
+    except DatasetError as err:
+        raise ConfigError("", [ConfigProblem.from_rule(str(err), "rollout")]) from None
+    if config.rollout.model == SMOLLM2_NAME:
+        try:
+            smollm2_gguf_path()  # imported into the data folder at start, once
+            require_gguf()
+        except ModelImportError as err:
+            raise ConfigError("", [ConfigProblem.from_rule(str(err), "rollout")]) from None
+    local_model = config.rollout.model not in ("tiny", SMOLLM2_NAME)
     if local_model and not Path(config.rollout.model).is_dir():
         raise ConfigError("", [ConfigProblem(
             "rollout.model", f"{config.rollout.model} is not a local directory")])

@@ -36,6 +36,7 @@ from rollout.manager import RolloutManagerActor
 from rollout.tiny import resolve_model_path
 from services.config import ConfigError, JobConfig, load_job_config
 from services.controller_client import controller_sinks
+from services.evaluation import eval_metrics, is_eval_step
 from services.metrics import (
     EVENTS_FILE,
     METRICS_FILE,
@@ -49,6 +50,7 @@ from services.placement import reserve_job
 from services.preflight import preflight
 from services.warmup import warm_start
 from trainer import checkpoint
+from trainer.aggregation import LENGTH_BUCKETS, length_bias
 from trainer.group import TrainerGroup, TrainerRankDied
 from trainer.mini_batches import Update, mini_batch, rollout_updates
 
@@ -106,9 +108,20 @@ def rollout_train_metrics(per_update: list[dict[str, float]]) -> dict[str, float
     return out
 
 
+def length_bias_metrics(batch: TrainBatch, constant_divisor: float) -> dict[str, float]:
+    """``length_bias/<mode>/<short|middle|long>``: each mode's share of the batch's weight
+    on its thirds of responses by valid tokens M_i (trainer.aggregation.length_bias).
+    With several updates per rollout it views the rollout's batch as one step."""
+    shares = length_bias(batch.sample_token_counts, batch.group_index, constant_divisor,
+                         group_size=batch.samples_per_prompt)
+    return {f"length_bias/{mode}/{bucket}": share for mode, by_bucket in shares.items()
+            for bucket, share in zip(LENGTH_BUCKETS, by_bucket, strict=True)}
+
+
 def step_metrics(batch: TrainBatch, per_update: list[dict[str, float]],
-                 times: dict[str, float]) -> dict[str, float]:
-    """Everything the dashboard plots for one rollout."""
+                 times: dict[str, float], constant_divisor: float) -> dict[str, float]:
+    """Everything the dashboard plots for one rollout; ``constant_divisor`` is the L of
+    the constant mode's metrics (ObjectiveConfig.mode_metric_divisor)."""
     step_time = sum(times.values())
     num_tokens = float(batch.sequence_lengths.sum())
     return {
@@ -122,6 +135,7 @@ def step_metrics(batch: TrainBatch, per_update: list[dict[str, float]],
         "perf/tokens_per_s": num_tokens / max(step_time, 1e-9),
         "perf/step_time_s": step_time,
         **{f"perf/{name}_s": value for name, value in times.items()},
+        **length_bias_metrics(batch, constant_divisor),
     }
 
 
@@ -140,12 +154,13 @@ class Job:
 
     def __init__(self, config: JobConfig, output_dir: Path, log=print) -> None:
         self.config, self.output_dir, self.log = config, output_dir, log
+        self.objective = config.objective_config()  # what the trainer runs and L of metrics
         self.model_path = model_path = job_model_path(config, log)
         gang = reserve_job(config, on_wait=lambda message: (
             log(message), write_event(output_dir, "waiting", message)))
         self.engine_group = gang.group  # the whole job's group; close() removes it
         try:
-            self.trainer = TrainerGroup(config.trainer, config.objective_config(), model_path,
+            self.trainer = TrainerGroup(config.trainer, self.objective, model_path,
                                         config.num_optimizer_steps, env_vars=QUIET_ENV,
                                         placement=gang.group)
         except BaseException:
@@ -182,7 +197,20 @@ class Job:
         synced = time.perf_counter()
         times = {"rollout": generated - started, "train": trained - generated,
                  "sync": synced - trained}
-        return step_metrics(batch, per_update, times)
+        return step_metrics(batch, per_update, times, self.objective.mode_metric_divisor)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out accuracy and pass@k of the weights step ``step`` starts from, at the
+        steps ``eval`` names; {} at the others."""
+        config = self.config.eval
+        if not is_eval_step(step, self.config.num_steps, config):
+            return {}
+        started = time.perf_counter()
+        temperature = config.temperature or self.config.rollout.sampling.temperature
+        outcomes = self.rollout_call(self.rollout.evaluate.remote(
+            self.config.eval_dataset(), config.num_prompts, config.num_samples, temperature,
+            step), "evaluate")
+        return {**eval_metrics(outcomes, config), "perf/eval_s": time.perf_counter() - started}
 
     def rollout_call(self, ref: ray.ObjectRef, verb: str) -> Any:
         """The rollout manager's answer; past rollout.call_timeout_s a TimeoutError, which
@@ -263,7 +291,11 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
             f"| {metrics['perf/step_time_s']:.1f} s "
             f"| padding {metrics.get('padding_fraction', 0.0):.1%}"
             + (f" | {metrics['updates']:.0f} updates, clip ≤ {metrics['clip_fraction/max']:.3f}"
-               if metrics.get("updates", 1) > 1 else ""))
+               if metrics.get("updates", 1) > 1 else "")
+            + (f" | eval accuracy {metrics['eval/accuracy']:.3f}"
+               + (f" pass@{metrics['eval/k']:.0f} {metrics['eval/pass@k']:.3f}"
+                  if "eval/pass@k" in metrics else "")
+               if "eval/accuracy" in metrics else ""))
 
 
 def default_output_dir(config: JobConfig) -> Path:
@@ -316,7 +348,8 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
                     f"mode={config.aggregation.mode}, dp={config.trainer.dp_size} "
                     f"cp={config.trainer.cp_size}, output {output_dir}")
                 for step in range(start, config.num_steps):
-                    metrics = {**job.rl_step(step), "job/restarts": float(restarts)}
+                    metrics = {**job.evaluate(step), **job.rl_step(step),
+                               "job/restarts": float(restarts)}
                     for sink in sinks:
                         sink.write(step, metrics)
                     history = {k: v for k, v in history.items() if k < step} | {step: metrics}

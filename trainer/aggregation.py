@@ -24,6 +24,20 @@ built-in mode for the pg term. Its signature is::
 It receives copies of the whole step's mask and groups and returns the per-token weights
 w_it (a finite float tensor; weights where the mask is 0 are dropped), which keeps it
 exact under every layout. Built-in modes ship only c_i per sample (w_it = m_it · c_i).
+
+Length bias (:func:`length_bias`, a dashboard view, no backward): sort the step's samples
+by (M_i, i) and cut them into the shortest, middle and longest third B_s, B_m, B_l (sizes
+as equal as possible and symmetric: N = 3k+1 gives the middle the extra sample, N = 3k+2
+gives one to each end). Sample i carries W_i = Σ_t w_it = c_i · M_i of the step's
+weight (0 when M_i = 0), and each mode's share of bucket B is
+
+    share_B = Σ_{i∈B} W_i / Σ_i W_i        (all shares 0 when Σ_i W_i = 0)
+
+so the three shares of a mode sum to 1. sample_mean gives each non-empty response
+W_i = 1/N: with no empty response its shares are |B|/N whatever the lengths. token_mean
+and constant both give W_i ∝ M_i, hence equal shares: they differ in scale (1/ΣM vs
+1/(L·N)), not in how the step's weight is split. prompt_mean gives W_i = M_i / (P · T_g):
+∝ M_i inside a group, 1/P for each group with a valid token.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ from trainer.config import AGGREGATION_MODES, AggregationConfig, AggregationMode
 
 __all__ = [
     "AGGREGATION_MODES",
+    "LENGTH_BUCKETS",
     "AggregationConfig",
     "AggregationMode",
     "EmptyStepError",
@@ -44,6 +59,7 @@ __all__ = [
     "aggregate",
     "aggregate_all_modes",
     "custom_reducer_weights",
+    "length_bias",
     "load_custom_reducer",
     "local_weighted_sum",
     "sample_coefficients",
@@ -242,6 +258,55 @@ def aggregate_all_modes(
         except IncompleteGroupError:
             values[mode] = float("nan")
     return values
+
+
+LENGTH_BUCKETS = ("short", "middle", "long")
+"""The thirds of a step's responses by valid-token count, in the order length_bias uses."""
+
+
+def _bucket_of_samples(sample_token_counts: torch.Tensor) -> torch.Tensor:
+    """Bucket 0/1/2 (short/middle/long) of each sample: stable sort on M_i, so ties keep
+    index order, cut into thirds; a remainder of 1 goes to the middle, of 2 to the ends
+    (so short and long always have the same size and compare like for like)."""
+    num_samples = len(sample_token_counts)
+    base, extra = divmod(num_samples, 3)
+    sizes = torch.tensor([base + (extra == 2), base + (extra == 1), base + (extra == 2)])
+    order = torch.sort(sample_token_counts, stable=True).indices
+    buckets = torch.empty(num_samples, dtype=torch.int64, device=sample_token_counts.device)
+    buckets[order] = torch.repeat_interleave(torch.arange(3), sizes).to(buckets.device)
+    return buckets
+
+
+def length_bias(
+    sample_token_counts: torch.Tensor,
+    group_index: torch.Tensor,
+    divisor: float,
+    *,
+    group_size: int | None = None,
+) -> dict[str, tuple[float, float, float]]:
+    """Each mode's share of the step's weight on its (short, middle, long) third.
+
+    sample_token_counts: M_i [N]; group_index: [N]; divisor: L of the constant mode.
+    O(N log N), from the same c_i as the objective (:func:`sample_coefficients`).
+    prompt_mean is NaN when the step holds incomplete groups, as in aggregate_all_modes.
+    """
+    counts = sample_token_counts.to(torch.float64)
+    buckets = _bucket_of_samples(counts)
+    shares: dict[str, tuple[float, float, float]] = {}
+    for mode in AGGREGATION_MODES:
+        try:
+            coefficients = sample_coefficients(counts, group_index, mode,
+                                               divisor if mode == "constant" else None,
+                                               group_size)
+        except IncompleteGroupError:
+            shares[mode] = (float("nan"),) * 3
+            continue
+        per_bucket = torch.zeros(3, dtype=torch.float64, device=counts.device)
+        per_bucket.index_add_(0, buckets, coefficients * counts)  # W_i = c_i · M_i
+        total = float(per_bucket.sum())
+        short, middle, long = (float(w) / total if total > 0 else 0.0 for w in per_bucket)
+        shares[mode] = (short, middle, long)
+    return shares
 
 
 def load_custom_reducer(path: str) -> WeightFn:

@@ -239,6 +239,12 @@ class ObjectiveConfig(BaseModel):
     """Terms the backward takes: all (training), or one term with coefficient 1 (the
     verifier compares each term's gradient on its own)."""
 
+    @property
+    def mode_metric_divisor(self) -> float:
+        """L of the per-mode metrics (`pg_loss/constant`, the length-bias view): the pg
+        term's own divisor when it is constant, else `metric_divisor`."""
+        return self.pg.numeric_divisor or self.metric_divisor
+
     @model_validator(mode="after")
     def _divisors_are_numbers(self) -> ObjectiveConfig:
         for name in ("pg", "kl", "entropy"):

@@ -172,7 +172,7 @@ def plan_step(
         coefficients["pg"] = coefficients_of(objective.pg)
     coefficients["kl"] = coefficients_of(objective.kl)
     coefficients["entropy"] = coefficients_of(objective.entropy)
-    divisor = objective.pg.numeric_divisor or objective.metric_divisor
+    divisor = objective.mode_metric_divisor
     for mode in AGGREGATION_MODES:
         coefficients[MODE_METRIC_PREFIX + mode] = coefficients_of(TermAggregationConfig(
             mode=mode, divisor=divisor if mode == "constant" else None))

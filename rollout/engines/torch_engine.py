@@ -7,9 +7,9 @@ finished rows from the batch (and the KV cache) so short answers stop costing co
 Prompts of one chunk are left-padded; position ids count real tokens only
 (cumsum(mask) − 1), so a padded row computes the same logits as the row alone. A
 response ends after EOS or a stop string (both kept: they were sampled), or after
-``max_new_tokens`` tokens. Stop strings are matched on token ids, each string encoded
-once; exact for the character tokenizer, and for BPE tokenizers whenever the model emits
-the string's canonical tokens.
+``max_new_tokens`` tokens. Stop strings are matched on the decoded text of the last
+tokens, not on token ids: a BPE model spells a string with many token sequences (" apples"
+is one token, "apples" another), and any of them ends the response.
 """
 
 from __future__ import annotations
@@ -51,15 +51,17 @@ class TorchEngine(Engine):
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.eos_ids[0])
         self.weight_version = 0
-        self._stop_cache: dict[tuple[str, ...], list[list[int]]] = {}
 
-    def _stop_sequences(self, stop: list[str]) -> list[list[int]]:
-        key = tuple(stop)
-        if key not in self._stop_cache:
-            self._stop_cache[key] = [
-                self.tokenizer.encode(s, add_special_tokens=False) for s in stop
-            ]
-        return self._stop_cache[key]
+    def _ends_with_stop(self, tokens: list[int], stops: list[str]) -> bool:
+        """Whether a stop string ends in the last token. The tail decoded is long enough
+        to hold the longest stop whatever the tokenization (a token is at least one
+        character, a multi-byte character at most four byte tokens)."""
+        if not stops:
+            return False
+        window = 4 * max(len(s) for s in stops) + 1
+        tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)
+        before = self.tokenizer.decode(tokens[-window:-1], skip_special_tokens=False)
+        return any(s in tail and s not in before for s in stops)
 
     @torch.inference_mode()
     def generate(
@@ -69,7 +71,7 @@ class TorchEngine(Engine):
         if any(not p for p in prompt_ids):
             raise ValueError("prompt_ids: every prompt needs at least one token")
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        stops = self._stop_sequences(sampling.stop)
+        stops = list(sampling.stop)
         out: list[Generation] = []
         size = self.config.batch_size
         for start in range(0, len(prompt_ids), size):
@@ -82,7 +84,7 @@ class TorchEngine(Engine):
         self,
         prompts: list[list[int]],
         sampling: SamplingConfig,
-        stops: list[list[int]],
+        stops: list[str],
         generator: torch.Generator,
     ) -> list[Generation]:
         num_rows, width = len(prompts), max(len(p) for p in prompts)
@@ -116,9 +118,7 @@ class TorchEngine(Engine):
             ):
                 tokens[row].append(token)
                 log_probs[row].append(lp)
-                if token in self.eos_ids or any(
-                    len(tokens[row]) >= len(s) and tokens[row][-len(s) :] == s for s in stops
-                ):
+                if token in self.eos_ids or self._ends_with_stop(tokens[row], stops):
                     finish[row] = "stop"
                 else:
                     keep.append(slot)

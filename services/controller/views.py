@@ -12,12 +12,16 @@ from services.controller.schemas import JobDetail, JobEvent, JobOut, JobStatus, 
 from services.controller.store import MetricTriple
 from services.controller.tables import Job
 from services.metrics import EVENTS_FILE
+from trainer.config import AGGREGATION_MODES
 
 CHART_METRICS = (
     "pg_loss", "pg_loss/sample_mean", "pg_loss/token_mean", "pg_loss/prompt_mean",
     "pg_loss/constant", "reward/mean", "reward/std", "kl", "entropy", "clip_fraction",
     "clip_fraction/min", "clip_fraction/max", "grad_norm", "response_length/mean",
     "perf/tokens_per_s", "padding_fraction",
+    *(f"length_bias/{mode}/{bucket}" for bucket in ("long", "short")
+      for mode in AGGREGATION_MODES),
+    "eval/accuracy", "eval/pass@k", "eval/k",
 )
 """What the dashboard charts (the defaults of a sweep's metrics)."""
 

@@ -1,16 +1,24 @@
-"""Prompt datasets from JSONL / Parquet, their error messages, and the resumable cursor."""
+"""Prompt datasets from JSONL / Parquet (and reasoning-gym), their error messages, and the
+resumable cursor."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
-from rollout.config import FileDatasetConfig, SyntheticDatasetConfig
+from rollout.config import FileDatasetConfig, ReasoningGymDatasetConfig, SyntheticDatasetConfig
 from rollout.cursor import PromptCursor
-from rollout.datasets import DatasetError, PromptRecord, load_prompt_dataset
+from rollout.datasets import (
+    DatasetError,
+    PromptRecord,
+    check_dataset_available,
+    load_prompt_dataset,
+)
 
 
 def _write_jsonl(path: Path, lines: list[str]) -> str:
@@ -91,6 +99,43 @@ def test_synthetic_dataset_carries_task_labels() -> None:
     assert len(records) == 5
     assert all(r.label == r.prompt[4:-1][::-1] for r in records)
     assert records[0].metadata == {"task": "reverse", "difficulty": 1}
+
+
+def test_reasoning_gym_without_the_package_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import` fails, installed or not
+    config = ReasoningGymDatasetConfig(type="reasoning_gym", name="leg_counting")
+    for call in (check_dataset_available, load_prompt_dataset):
+        with pytest.raises(DatasetError, match=r"^dataset\.type: 'reasoning_gym' needs the "
+                           r"reasoning-gym package.*\(pip install reasoning-gym\)$"):
+            call(config)
+
+
+def test_reasoning_gym_entries_become_split_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in with reasoning-gym's interface: create_dataset(name, size=, seed=) yields
+    # {"question", "answer", "metadata"} entries (the package itself is not a dependency).
+    def create_dataset(name: str, size: int, seed: int) -> list[dict]:
+        if name != "sums":
+            raise ValueError(f"Dataset '{name}' not registered")
+        return [{"question": f"{seed}: {i} + 1 = ?", "answer": i + 1, "metadata": {"i": i}}
+                for i in range(size)]
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", types.SimpleNamespace(
+        create_dataset=create_dataset))
+    splits = {}
+    for split in ("train", "heldout"):
+        config = ReasoningGymDatasetConfig(type="reasoning_gym", name="sums", num_prompts=30,
+                                           seed=4, split=split)
+        records = load_prompt_dataset(config)
+        assert len({r.prompt[0]["content"] for r in records}) == 30
+        splits[split] = {r.prompt[0]["content"] for r in records}
+    assert splits["train"].isdisjoint(splits["heldout"])
+    assert records[0].metadata["task"] == "reasoning_gym" and "i" in records[0].metadata[
+        "reasoning_gym"]
+    assert records[0].label == str(records[0].metadata["reasoning_gym"]["i"] + 1)
+    with pytest.raises(DatasetError, match=r"^dataset\.name: reasoning-gym cannot build 'x'"):
+        load_prompt_dataset(ReasoningGymDatasetConfig(type="reasoning_gym", name="x"))
 
 
 def test_cursor_epochs_and_exact_resume() -> None:

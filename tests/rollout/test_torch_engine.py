@@ -10,6 +10,7 @@ from rollout.config import SamplingConfig, TorchEngineConfig
 from rollout.engines.base import Generation
 from rollout.engines.sampling import sample_next_tokens
 from rollout.engines.torch_engine import TorchEngine
+from rollout.tokenizer import encode_prompt
 
 PROMPTS = [[1, 70, 84, 4, 69, 70, 33], [1, 86, 73, 90, 4, 69, 33], [1, 69, 33], [1] + [73] * 12]
 # Single-character stops on common letters: responses end at varied lengths, so the
@@ -55,14 +56,14 @@ def test_log_probs_match_teacher_forced_forward(
 
 def test_stop_rules_and_finish_reasons(engine: TorchEngine) -> None:
     sampling = SamplingConfig(max_new_tokens=12, stop=["ab", *STOPS[1:]])
-    stop_ids = [engine.tokenizer.encode(s, add_special_tokens=False) for s in sampling.stop]
     generations = engine.generate(PROMPTS * 3, sampling, seed=0)
     assert {g.finish_reason for g in generations} == {"stop", "length"}
     for gen in generations:
         assert 1 <= len(gen.token_ids) <= 12
         ends = [gen.token_ids[: k + 1] for k in range(len(gen.token_ids))]
         stopped = [
-            p[-1] in engine.eos_ids or any(p[-len(s) :] == s for s in stop_ids) for p in ends
+            p[-1] in engine.eos_ids or any(s in engine.tokenizer.decode(p) for s in sampling.stop)
+            for p in ends
         ]
         if gen.finish_reason == "stop":
             assert stopped[-1] and not any(stopped[:-1])  # stops at the first match, kept
@@ -118,3 +119,24 @@ def test_sampling_truncation_keeps_only_allowed_tokens() -> None:
     assert set(top_k.tolist()) == {0, 1, 2}
     greedy, lp = sample_next_tokens(logits[:1], SamplingConfig(temperature=0.0), generator)
     assert greedy.tolist() == [0] and lp.exp().item() == pytest.approx(0.5)
+
+
+def test_stop_strings_match_the_text_of_bpe_tokens(smollm2_path) -> None:
+    """SmolLM2's BPE spells " apples" as one token, not as the tokens of "apples": the
+    stop still ends the response, right after the token that completes it."""
+    engine = TorchEngine(TorchEngineConfig(), str(smollm2_path))
+    prompt = encode_prompt(engine.tokenizer, [{"role": "user", "content":
+                                              "Tom has 3 apples and buys 5 more apples. "
+                                              "How many apples does he have?"}])
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=24)
+    (free,) = engine.generate([prompt], greedy, seed=0)
+    text = engine.tokenizer.decode(free.token_ids)
+    word = next(w.strip(".,") for w in text.split()[2:] if w.strip(".,").isalpha())
+    stop_ids = engine.tokenizer.encode(word, add_special_tokens=False)
+    assert not any(free.token_ids[k:k + len(stop_ids)] == stop_ids
+                   for k in range(len(free.token_ids)))  # a token-id match would miss it
+    (stopped,) = engine.generate([prompt], greedy.model_copy(update={"stop": [word]}), seed=0)
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[:len(stopped.token_ids)]
+    assert word in engine.tokenizer.decode(stopped.token_ids)
+    assert word not in engine.tokenizer.decode(stopped.token_ids[:-1])

@@ -100,6 +100,28 @@ def step_rows(num_steps: int, scale: float = 1.0, start: int = 0) -> list[dict]:
     return rows
 
 
+def with_length_bias_and_eval(rows: list[dict], eval_every: int = 5, k: int = 4
+                              ) -> list[dict]:
+    """``rows`` plus plausible length-bias shares every step and evaluation metrics on
+    every ``eval_every``-th step only (as a driver evaluating every few steps logs them)."""
+    modes = ("sample_mean", "token_mean", "prompt_mean", "constant")
+    long_share = {"sample_mean": 1 / 3, "token_mean": 0.6, "prompt_mean": 0.55,
+                  "constant": 0.6}
+    for row in rows:
+        step = row["step"]
+        for mode in modes:
+            long = long_share[mode] - 0.001 * (step % 7)
+            short = (1 - long) / 3
+            row["metrics"] |= {f"length_bias/{mode}/long": long,
+                               f"length_bias/{mode}/middle": 1 - long - short,
+                               f"length_bias/{mode}/short": short}
+        if step % eval_every == 0:
+            accuracy = min(1.0, 0.2 + 0.02 * step)
+            row["metrics"] |= {"eval/accuracy": accuracy,
+                               "eval/pass@k": min(1.0, accuracy + 0.15), "eval/k": float(k)}
+    return rows
+
+
 @contextmanager
 def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
     """Run ``app`` with uvicorn on 127.0.0.1:<port or a free one>; yields its base URL."""

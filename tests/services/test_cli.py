@@ -90,3 +90,17 @@ def test_schema_commands_print_the_committed_files() -> None:
         ROOT / "configs" / "tally.schema.json").read_text()
     assert runner.invoke(app, ["schema", "--markdown"]).output == (
         ROOT / "docs" / "configuration.md").read_text()
+
+
+def test_import_model_copies_a_valid_folder_and_names_a_bad_source(smollm2_path: Path,
+                                                                    tmp_path: Path) -> None:
+    result = runner.invoke(app, ["import-model", str(smollm2_path), str(tmp_path / "copy")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "copy" / "config.json").read_text() == (
+        smollm2_path / "config.json").read_text()
+    assert list((tmp_path / "copy").glob("*.safetensors"))
+    again = runner.invoke(app, ["import-model", str(smollm2_path), str(tmp_path / "copy")])
+    assert again.exit_code == 2 and "already exists" in again.output
+    missing = runner.invoke(app, ["import-model", str(tmp_path / "nope.gguf"),
+                                  str(tmp_path / "out")])
+    assert missing.exit_code == 2 and "neither a .gguf file" in missing.output

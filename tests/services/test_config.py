@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,18 @@ def test_constant_max_response_len_resolves_to_rollout_budget() -> None:
 def test_greedy_sampling_cannot_be_trained() -> None:
     with pytest.raises(ConfigError, match=r"rollout\.sampling\.temperature: 0 \(greedy\)"):
         parse_job_config("rollout: {sampling: {temperature: 0}}\n")
+
+
+def test_preflight_names_a_missing_dataset_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.preflight import preflight
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import` fails, installed or not
+    config = parse_job_config("rollout: {dataset: {type: reasoning_gym, name: leg_counting}}\n")
+    with pytest.raises(ConfigError) as caught:
+        preflight(config)
+    [problem] = caught.value.problems
+    assert problem.field == "rollout.dataset.type"
+    assert "pip install reasoning-gym" in problem.message
 
 
 def test_yaml_is_loaded_safely() -> None:

@@ -18,6 +18,7 @@ from tests.services.controller_fakes import (
     FakeBackend,
     make_settings,
     step_rows,
+    with_length_bias_and_eval,
 )
 
 
@@ -185,6 +186,27 @@ def test_metrics_in_and_out_with_names_ranges_and_downsampling(api: TestClient) 
     assert detail["last_step"] == 49 and detail["status"] == "running"
 
 
+def test_length_bias_and_sparse_eval_names_go_in_and_out(api: TestClient) -> None:
+    # Metric names are free text (1-200 characters): `/` and `@` are stored as sent, and
+    # a query may spell them raw or percent-encoded (the dashboard's encodeURIComponent).
+    job_id = submit(api, "num_steps=6")["id"]
+    rows = with_length_bias_and_eval(step_rows(6), eval_every=3, k=4)
+    assert api.post(f"/api/jobs/{job_id}/metrics", json={"rows": rows}).json() == {
+        "accepted": 6}
+    names = ["eval/pass@k", "eval/accuracy", "eval/k", "length_bias/prompt_mean/long"]
+    raw = api.get(f"/api/jobs/{job_id}/metrics?names={','.join(names)}").json()
+    encoded = api.get(f"/api/jobs/{job_id}/metrics?names=eval%2Fpass%40k,eval%2Faccuracy,"
+                      "eval%2Fk,length_bias%2Fprompt_mean%2Flong").json()
+    assert raw == encoded and list(raw["series"]) == names
+    assert raw["series"]["eval/k"] == [4.0, None, None, 4.0, None, None]  # steps 0 and 3
+    assert raw["series"]["eval/pass@k"][0] == pytest.approx(0.35)
+    assert raw["series"]["length_bias/prompt_mean/long"] == [pytest.approx(
+        0.55 - 0.001 * step) for step in range(6)]
+    assert {f"length_bias/{m}/{b}" for m in ("sample_mean", "token_mean", "prompt_mean",
+                                             "constant") for b in ("short", "middle", "long")
+            } <= set(raw["names"])
+
+
 def test_a_failed_job_shows_its_error_and_last_log_lines(api: TestClient) -> None:
     job = submit(api)
     api.ctl.reconciler.tick()
@@ -259,10 +281,15 @@ def test_sweep_of_the_four_modes(api: TestClient) -> None:
     constant = api.get(f"/api/jobs/{sweep['jobs'][3]['id']}").json()
     assert constant["config_resolved"]["aggregation"]["divisor"] == "max_response_len"
     for i, job in enumerate(sweep["jobs"]):
-        api.post(f"/api/jobs/{job['id']}/metrics", json={"rows": step_rows(3, scale=i + 1)})
+        rows = with_length_bias_and_eval(step_rows(3, scale=i + 1), eval_every=2)
+        api.post(f"/api/jobs/{job['id']}/metrics", json={"rows": rows})
     metrics = api.get(f"/api/sweeps/{sweep['id']}/metrics", params={"names": "pg_loss"}).json()
     assert [r["label"] for r in metrics["runs"]] == modes
     assert [r["series"]["pg_loss"][0] for r in metrics["runs"]] == [0.5, 1.0, 1.5, 2.0]
+    charted = api.get(f"/api/sweeps/{sweep['id']}/metrics").json()  # the dashboard's set
+    assert {"pg_loss", "eval/accuracy", "length_bias/token_mean/long"} <= set(
+        charted["runs"][0]["series"])
+    assert "length_bias/token_mean/middle" not in charted["runs"][0]["series"]  # not charted
     listed = api.get("/api/jobs", params={"sweep_id": sweep["id"]}).json()
     assert listed["total"] == 4
     assert api.post(f"/api/sweeps/{sweep['id']}/cancel").json()["status"] == "cancelled"

@@ -1,7 +1,9 @@
 """The dashboard in a real browser: Debian's headless Chromium driven by Playwright.
 
-A job with metrics shows its charts with data points (the chosen mode highlighted), and
-the sweep page overlays one series per aggregation mode. Screenshots land in tmp_path.
+A job with metrics shows its charts with data points (the chosen mode highlighted; the
+length-bias charts one series per mode; evaluation, logged every few steps, drawn across
+the steps between), a job without some metrics says "no data" for those charts, and the
+sweep page overlays one series per aggregation mode. Screenshots land in tmp_path.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tests.services.controller_fakes import (
     make_settings,
     serve_in_thread,
     step_rows,
+    with_length_bias_and_eval,
 )
 
 CHROMIUM = Path(os.environ.get("TALLY_CHROMIUM", "/usr/bin/chromium"))
@@ -43,7 +46,8 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory):
         job = http.post("/api/jobs", json={"config_yaml": config,
                                            "overrides": [*DEMO_OVERRIDES, "num_steps=40",
                                                          "aggregation.mode=token_mean"]}).json()
-        http.post(f"/api/jobs/{job['id']}/metrics", json={"rows": step_rows(40)})
+        http.post(f"/api/jobs/{job['id']}/metrics",
+                  json={"rows": with_length_bias_and_eval(step_rows(40), eval_every=5)})
         sweep = http.post("/api/sweeps", json={"config_yaml": config, "modes": MODES,
                                                "overrides": [*DEMO_OVERRIDES, "num_steps=4"]}
                           ).json()
@@ -71,19 +75,77 @@ def page(dashboard):
         browser.close()
 
 
+JOB_CHARTS = ("pg_loss_modes", "length_bias_long", "length_bias_short", "reward", "eval", "kl",
+              "entropy", "clip_fraction", "grad_norm", "response_length", "tokens_per_s",
+              "padding_fraction")
+"""The job page's charts, in page order (charts.js: JOB_CHARTS)."""
+
+# Columns of a chart's canvas holding blue (the first series' colour, #4269d0), counted
+# in the page: a line bridging the sparse steps covers most columns, bare dots few.
+BLUE_COLUMNS = """(selector) => {
+  const canvas = document.querySelector(selector + " canvas");
+  const { width, height } = canvas;
+  const px = canvas.getContext("2d").getImageData(0, 0, width, height).data;
+  const columns = new Set();
+  for (let i = 0; i < px.length; i += 4) {
+    if (px[i + 3] > 0 && px[i + 2] - px[i] > 60 && px[i + 2] - px[i + 1] > 40) {
+      columns.add((i / 4) % width);
+    }
+  }
+  return [columns.size, width];
+}"""
+
+
+def points_of(tab, chart: str) -> int:
+    return int(tab.get_attribute(f'[data-chart="{chart}"]', "data-points") or -1)
+
+
 def test_job_page_draws_every_chart_with_points(dashboard, page) -> None:
     url, job_id, _, tmp, _ = dashboard
     tab, errors = page
     tab.goto(f"{url}/jobs/{job_id}")
     tab.wait_for_selector('[data-chart="pg_loss_modes"][data-points="160"]', timeout=15_000)
-    for chart in ("reward", "kl", "entropy", "clip_fraction", "grad_norm", "response_length",
-                  "tokens_per_s", "padding_fraction"):
-        points = tab.get_attribute(f'[data-chart="{chart}"]', "data-points")
-        assert points is not None and int(points) >= 40, chart
+    assert tab.eval_on_selector_all("[data-chart]", "cs => cs.map(c => c.dataset.chart)") == \
+        list(JOB_CHARTS)
+    for chart in JOB_CHARTS:
+        assert points_of(tab, chart) >= 16, chart
         assert tab.locator(f'[data-chart="{chart}"] canvas').count() == 1
+        assert not tab.locator(f'[data-chart="{chart}"] .no-data').is_visible(), chart
+    for bucket in ("long", "short"):  # one series per mode, every step
+        chart = f'[data-chart="length_bias_{bucket}"]'
+        assert (points_of(tab, f"length_bias_{bucket}"), tab.get_attribute(
+            chart, "data-series")) == (160, "4")
+        legend = tab.locator(f"{chart} .u-legend").inner_text()
+        assert "token_mean (chosen)" in legend and all(m in legend for m in MODES)
+    assert "shortest third" in tab.locator('[data-chart="length_bias_short"] h3').inner_text()
+    # Evaluation on steps 0, 5, ..., 35 only: 8 steps × 2 series, joined across the gaps.
+    assert (points_of(tab, "eval"), tab.get_attribute('[data-chart="eval"]', "data-series")) \
+        == (16, "2")
+    assert "k = 4" in tab.locator('[data-chart="eval"] h3').inner_text()
+    assert "pass@k" in tab.locator('[data-chart="eval"] .u-legend').inner_text()
+    covered, width = tab.evaluate(BLUE_COLUMNS, '[data-chart="eval"]')
+    assert covered > width / 2, (covered, width)
     legend = tab.locator('[data-chart="pg_loss_modes"] .u-legend').inner_text()
     assert "token_mean (chosen)" in legend and "sample_mean" in legend
     tab.screenshot(path=str(tmp / "job.png"), full_page=True)
+    assert not errors
+
+
+def test_charts_without_points_say_no_data(dashboard, page) -> None:
+    url, _, sweep_id, tmp, _ = dashboard
+    tab, errors = page
+    run = httpx.get(f"{url}/api/sweeps/{sweep_id}").json()["jobs"][1]["id"]  # no eval
+    tab.goto(f"{url}/jobs/{run}")
+    tab.wait_for_selector('[data-chart="pg_loss_modes"][data-points="8"]', timeout=15_000)
+    for chart in ("eval", "length_bias_long", "length_bias_short"):
+        assert points_of(tab, chart) == 0, chart
+        assert tab.locator(f'[data-chart="{chart}"] .no-data').is_visible(), chart
+    assert tab.locator('[data-chart="eval"] .no-data').inner_text() == "no evaluation logged"
+    assert tab.locator('[data-chart="eval"] h3').inner_text() == \
+        "evaluation on held-out prompts"  # no k to show
+    assert points_of(tab, "reward") == 4
+    assert not tab.locator('[data-chart="reward"] .no-data').is_visible()
+    tab.screenshot(path=str(tmp / "job-without-eval.png"), full_page=True)
     assert not errors
 
 
@@ -106,6 +168,7 @@ def test_sweep_page_overlays_one_series_per_mode(dashboard, page) -> None:
     legend = tab.locator('[data-chart="pg_loss"] .u-legend').inner_text()
     assert all(mode in legend for mode in MODES)
     assert tab.locator("#runs tbody tr").count() == 4
+    assert tab.locator('[data-chart="eval/accuracy"] .no-data').is_visible()  # no run has eval
     increments: list[dict] = []
     tab.on("response", lambda r: increments.append(r.json()) if (
         "/metrics?" in r.url and "after=" in r.url and r.ok) else None)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollout.batch import TrainBatch
 from services.config import load_job_config
-from services.train import main, run_job
+from services.train import SPREAD_METRICS, main, run_job, step_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 # A constant schedule: the cosine one depends on num_steps, which the resume test varies.
@@ -39,6 +40,8 @@ def test_short_run_improves_reward(ray_cluster: None, tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == list(range(40))
     for mode in ("sample_mean", "token_mean", "prompt_mean", "constant"):
         assert f"pg_loss/{mode}" in rows[-1]["metrics"]
+        assert sum(rows[-1]["metrics"][f"length_bias/{mode}/{bucket}"]
+                   for bucket in ("short", "middle", "long")) == pytest.approx(1.0)
     assert (tmp_path / "job" / "checkpoints" / "step_00000039" / "model" / "config.json").exists()
 
 
@@ -139,3 +142,27 @@ def test_several_updates_per_rollout_clip_and_resume_exactly(ray_cluster: None,
     for got, want in zip(again[16:], updates[16:], strict=True):
         assert got["metrics"]["pg_loss"] == pytest.approx(want["metrics"]["pg_loss"],
                                                           rel=1e-6, abs=1e-9)
+
+
+def test_step_metrics_log_the_length_bias_of_every_mode_from_the_loss_mask() -> None:
+    # Groups A (1, 2, 9 valid tokens) and B (3, 3, 4), as in tests/trainer/test_length_bias.
+    # The first response has 10 tokens of which 9 are masked (say, a tool's output): by
+    # response length it would be long, by valid tokens M_i = 1 it is short.
+    valid = [1, 2, 9, 3, 3, 4]
+    responses = [[5] * 10, *([5] * m for m in valid[1:])]
+    masks = [[1] + [0] * 9, *([1] * m for m in valid[1:])]
+    batch = TrainBatch.from_samples(
+        prompt_ids=[[1, 2]] * 6, response_ids=responses,
+        response_log_probs=[[-1.0] * len(r) for r in responses], rewards=[0.0] * 6,
+        advantages=[0.0] * 6, group_index=[0, 0, 0, 1, 1, 1], samples_per_prompt=3,
+        response_masks=masks)
+    update = {name: 0.0 for name in SPREAD_METRICS} | {"perf/compute_s": 1.0, "lr": 1e-3}
+    metrics = step_metrics(batch, [update], {"rollout": 1.0}, constant_divisor=8.0)
+    expected = {"sample_mean": (1 / 3, 1 / 3, 1 / 3),
+                "token_mean": (3 / 22, 6 / 22, 13 / 22),
+                "prompt_mean": (3 / 24, 6 / 20, 9 / 24 + 4 / 20),
+                "constant": (3 / 22, 6 / 22, 13 / 22)}
+    for mode, shares in expected.items():
+        logged = [metrics[f"length_bias/{mode}/{b}"] for b in ("short", "middle", "long")]
+        assert logged == pytest.approx(shares, rel=1e-12), mode
+    assert len([k for k in metrics if k.startswith("length_bias/")]) == 12

