@@ -61,20 +61,31 @@ def check_hf_folder(folder: Path) -> None:
         raise ModelImportError(f"{folder}: no tokenizer (tokenizer.json)")
 
 
+def gguf_architecture(gguf_file: Path) -> str:
+    """``general.architecture`` of a GGUF file, read from its header (memory-mapped)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_file)).fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
 def import_gguf(gguf_file: Path, out_dir: Path) -> Path:
     """A plain float32 Hugging Face folder at ``out_dir`` from ``gguf_file``."""
     require_gguf()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     gguf_file = Path(gguf_file).resolve()
     if not gguf_file.is_file():
         raise ModelImportError(f"{gguf_file}: no such GGUF file")
-    source, name = str(gguf_file.parent), gguf_file.name
-    config = AutoConfig.from_pretrained(source, gguf_file=name)
-    if config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelImportError(f"{gguf_file}: architecture {config.model_type!r} is not "
+    architecture = gguf_architecture(gguf_file)  # cheap: before the whole file is read
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelImportError(f"{gguf_file}: architecture {architecture!r} is not "
                                f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    source, name = str(gguf_file.parent), gguf_file.name
     dequantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=name)
+    # Its config, less the GGUF origin (AutoConfig would parse the whole file again).
+    config = type(dequantized.config).from_dict({
+        k: v for k, v in dequantized.config.to_dict().items() if k != "quantization_config"})
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
     plain = AutoModelForCausalLM.from_config(config)  # saveable: no GGUF origin
     plain.load_state_dict(dequantized.state_dict())

@@ -55,12 +55,13 @@ class TorchEngine(Engine):
     def _ends_with_stop(self, tokens: list[int], stops: list[str]) -> bool:
         """Whether a stop string ends in the last token. The tail decoded is long enough
         to hold the longest stop whatever the tokenization (a token is at least one
-        character, a multi-byte character at most four byte tokens)."""
+        character, a multi-byte character at most four byte tokens). Special tokens are
+        not text (as in SGLang and vLLM): ``<bos>`` never matches the stop "o"."""
         if not stops:
             return False
         window = 4 * max(len(s) for s in stops) + 1
-        tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)
-        before = self.tokenizer.decode(tokens[-window:-1], skip_special_tokens=False)
+        tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=True)
+        before = self.tokenizer.decode(tokens[-window:-1], skip_special_tokens=True)
         return any(s in tail and s not in before for s in stops)
 
     @torch.inference_mode()

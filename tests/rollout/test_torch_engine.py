@@ -62,7 +62,8 @@ def test_stop_rules_and_finish_reasons(engine: TorchEngine) -> None:
         assert 1 <= len(gen.token_ids) <= 12
         ends = [gen.token_ids[: k + 1] for k in range(len(gen.token_ids))]
         stopped = [
-            p[-1] in engine.eos_ids or any(s in engine.tokenizer.decode(p) for s in sampling.stop)
+            p[-1] in engine.eos_ids or any(s in engine.tokenizer.decode(p, skip_special_tokens=True)
+                                              for s in sampling.stop)
             for p in ends
         ]
         if gen.finish_reason == "stop":
