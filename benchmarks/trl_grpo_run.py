@@ -8,6 +8,7 @@ steps) and the settings. Writes one JSON line per optimizer step:
 
     {"step": k, "step_time_s": ..., "tokens": ..., "reward_mean": ...}
 
+Every step checks that it got the spec's prompts of that step.
 ``step_time_s`` runs from the Trainer's on_step_begin to on_step_end (generation, reward,
 forward/backward, optimizer step); ``tokens`` are the prompt + completion tokens TRL counts
 in ``state.num_input_tokens_seen``. The final weights are saved to ``<output_dir>/final``.
@@ -74,6 +75,10 @@ class StepRecorder(TrainerCallback):
         self.started = 0.0
         self.tokens_before = 0
 
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and model.is_activation_checkpointing:
+            raise RuntimeError("activation checkpointing is on; the comparison assumes it off")
+
     def on_step_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()
         self.tokens_before = state.num_input_tokens_seen
@@ -84,6 +89,17 @@ class StepRecorder(TrainerCallback):
                "reward_mean": sum(self.rewards) / max(len(self.rewards), 1)}
         self.out.write(json.dumps(row) + "\n")
         self.out.flush()
+
+
+def check_prompts(spec: dict, step: int, prompts: list) -> None:
+    """Stop unless step ``step`` (from 0) got the spec's records of that step, each
+    group_size times in a row: the same prompts Tally draws at that step."""
+    count = spec["prompts_per_step"]
+    expected = [r["prompt"] for r in spec["records"][step * count:(step + 1) * count]
+                for _ in range(spec["group_size"])]
+    if prompts != expected:
+        raise RuntimeError(f"step {step + 1}: TRL drew other prompts than Tally's cursor "
+                           f"(first: {prompts[0]!r}, expected {expected[0]!r})")
 
 
 def grpo_config(spec: dict) -> GRPOConfig:
@@ -117,7 +133,7 @@ def grpo_config(spec: dict) -> GRPOConfig:
         use_cpu=True,
         bf16=False,
         fp16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,  # transformers 5's name; GRPOConfig's default is on
         seed=spec["seed"],
         logging_steps=10,
         report_to="none",
@@ -141,7 +157,9 @@ def main() -> None:
     recorder = StepRecorder(args.metrics)
     score = REWARDS[spec["reward"]]
 
-    def reward(prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
+    def reward(prompts, completions, completion_ids, answer, trainer_state, **kwargs
+               ) -> list[float]:
+        check_prompts(spec, trainer_state.global_step, prompts)
         # Decoded from the ids as Tally decodes them (skip_special_tokens), whatever TRL's
         # own completion parsing does with a chat template.
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

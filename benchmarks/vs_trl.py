@@ -106,6 +106,8 @@ class Run:
     wall_s: float = 0.0
     final_dir: Path | None = None
     accuracy_after: float = float("nan")
+    phases: dict[str, float] = field(default_factory=dict)
+    """Tally only: median seconds of each phase of a step (rollout, train, sync)."""
 
 
 # -- the shared work -------------------------------------------------------------------
@@ -269,9 +271,11 @@ def run_tally(job: JobConfig, run_dir: Path) -> Run:
             for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [m for m in rows if "perf/step_time_s" in m]  # a skipped step has no time
     latest = checkpoint.checkpoints(job_dir / "checkpoints")[0]
+    phases = {name: statistics.median(m[f"perf/{name}_s"] for m in rows[1:] or rows)
+              for name in ("rollout", "train", "sync")}
     return Run(f"Tally DP={job.trainer.dp_size}", [m["perf/step_time_s"] for m in rows],
                [m["tokens/total"] for m in rows], [m["reward/mean"] for m in rows], wall,
-               latest / checkpoint.MODEL_DIR)
+               latest / checkpoint.MODEL_DIR, phases=phases)
 
 
 # -- the table -------------------------------------------------------------------------
@@ -295,6 +299,10 @@ def print_table(runs: list[Run], accuracy_before: float) -> None:
               f"{run.wall_s:>7.1f} {share_mean(run.rewards, True):>15.3f} "
               f"{share_mean(run.rewards, False):>9.3f} {accuracy_before:>14.3f} "
               f"{run.accuracy_after:>6.3f} {ratio}")
+    for run in runs:
+        if run.phases:
+            print(f"{run.name}: median s of a step's phases: " + ", ".join(
+                f"{name} {seconds:.3f}" for name, seconds in run.phases.items()))
 
 
 def main() -> None:
