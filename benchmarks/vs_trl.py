@@ -15,7 +15,8 @@ rank at DP=2).
              per step, 16 new tokens, T=1, lr 1e-4, 60 steps
     smollm2  SmolLM2-135M-Instruct (rollout/pretrained.py) on math_words (last_number,
              numeric reward): 8 prompts × 4, 24 new tokens, T=0.8, lr 2e-5 (as
-             configs/smollm2-math.yaml), 20 steps; slow on CPU, so only with --model smollm2
+             configs/smollm2-math.yaml), 20 steps; only with --model smollm2: about 50 s a
+             step on a 2-core CPU, so near an hour for TRL and both Tally layouts
 
 Per run: median seconds per step and tokens/s (prompt + completion tokens / step time)
 over steps 2..N, the wall time of its whole command (interpreter start, imports, Ray or
