@@ -113,6 +113,7 @@ class RolloutManager:
     def generate_batch(self, step: int) -> TrainBatch:
         """The rollout's TrainBatch: rollout_batch_size prompts × G samples, whole groups
         (dynamic sampling fills all of it)."""
+        gen_start_time = time.time()  # wall clock: the driver compares it with training's
         num_prompts = self.config.num_prompts_per_rollout
         dynamic = self.config.dynamic_sampling
         stats = _StepStats()
@@ -147,6 +148,8 @@ class RolloutManager:
             "rollout/reward_errors": float(stats.reward_errors),
             "rollout/weight_version": float(self.weight_version),
             "rollout/epoch": float(self.cursor.epoch),
+            "rollout/gen_start_time": gen_start_time,
+            "rollout/gen_end_time": time.time(),
         }
         return self._build_batch(kept, metadata)
 
@@ -267,8 +270,11 @@ class RolloutManager:
 
     # -- weights, state, lifetime ----------------------------------------------------
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | ray.ObjectRef | list) -> int:
-        """Send new weights to every engine; returns the new weight version.
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | ray.ObjectRef | list,
+                       version: int | None = None) -> int:
+        """Send new weights to every engine; returns the new weight version (``version``
+        when given: the driver numbers weights by the rollouts trained into them, which a
+        resume keeps; else one more than before).
 
         `weights` is a state dict (put into the object store once here), an ObjectRef of
         one, or ``[ref]``. From a driver, call ``manager.update_weights.remote([ref])``:
@@ -282,7 +288,7 @@ class RolloutManager:
         else:
             ref = ray.put(dict(weights))
         ray.get([engine.update_weights.remote(ref) for engine in self.engines])
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
     def update_weights_from_disk(self, path: str) -> int:

@@ -124,6 +124,10 @@ class EvalConfig(BaseModel):
         return self.k if self.k is not None else self.num_samples
 
 
+ASYNC_TIS_CAP = 2.0
+"""trainer.loss.tis_cap of an async job that sets none (slime's and verl's usual cap)."""
+
+
 class JobConfig(BaseModel):
     """One RL post-training job."""
 
@@ -168,6 +172,20 @@ class JobConfig(BaseModel):
         if isinstance(loss, dict) and "aggregation" in loss:
             raise ValueError("trainer.loss.aggregation: set the pg aggregation at the top-level "
                              "'aggregation:' of the job")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_corrects_staleness(cls, data: object) -> object:
+        """With rollout.async_steps ≥ 1 samples come from weights up to k versions old:
+        TIS through the rollout log-probs is on (trainer.loss.tis_cap 2.0 unless set)."""
+        rollout = data.get("rollout") if isinstance(data, dict) else None
+        if not (isinstance(rollout, dict) and rollout.get("async_steps")):
+            return data
+        trainer = data.get("trainer") or {}
+        loss = trainer.get("loss") or {} if isinstance(trainer, dict) else None
+        if isinstance(loss, dict) and "tis_cap" not in loss:
+            data = {**data, "trainer": {**trainer, "loss": {**loss, "tis_cap": ASYNC_TIS_CAP}}}
         return data
 
     @model_validator(mode="after")

@@ -14,9 +14,12 @@ group is placed (Ray has one strategy per group).
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout.engines import engine_actor_options
@@ -28,6 +31,40 @@ if TYPE_CHECKING:  # Ray is imported where a group is made: the controller count
 
 POLL_S = 5.0
 """How often a waiting job looks again (and refreshes its event when the numbers change)."""
+
+
+SMALL_HIDDEN_SIZE = 256
+"""Below this hidden size a matrix product is too small to split across threads: one
+thread is faster (the tiny model, 128 rows of one rollout: 0.036 s on one thread, 0.053 s
+on two)."""
+
+
+def phase_threads(config: JobConfig, model_path: str, cores: int | None = None
+                  ) -> tuple[int, int]:
+    """Intra-op threads on CPU of (each engine, each trainer rank); set values win.
+
+    Synchronous (``rollout.async_steps: 0``) generation and training take turns, so each
+    phase has every core of the node: the engines split them, and so do the ranks. With
+    the async pipeline both run at once and each actor keeps to its Ray CPU share (at
+    least one thread). A model narrower than SMALL_HIDDEN_SIZE runs on one thread.
+    """
+    cores = cores or len(os.sched_getaffinity(0))
+    engine_share = getattr(config.rollout.engine, "num_cpus", 1.0)
+    if config.rollout.async_steps:
+        engine, rank = engine_share, config.trainer.num_cpus_per_rank
+    else:
+        engine = cores / config.rollout.engine.num_engines
+        rank = cores / config.trainer.world_size
+    if _hidden_size(model_path) < SMALL_HIDDEN_SIZE:
+        engine = rank = 1
+    engine_threads = getattr(config.rollout.engine, "num_threads", None)
+    return (engine_threads or max(1, int(engine)),
+            config.trainer.num_threads or max(1, int(rank)))
+
+
+def _hidden_size(model_path: str) -> int:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("hidden_size") or config.get("n_embd") or 0)
 
 
 def trainer_bundle(config: JobConfig) -> dict[str, float]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.util.placement_group import remove_placement_group
 
 from rollout.batch import TrainBatch
@@ -46,7 +47,7 @@ from services.metrics import (
     TensorBoardSink,
     truncate_after,
 )
-from services.placement import reserve_job
+from services.placement import phase_threads, reserve_job
 from services.preflight import preflight
 from services.warmup import warm_start
 from trainer import checkpoint
@@ -90,6 +91,11 @@ def ensure_ray(num_cpus: int) -> bool:
     return True
 
 
+WALL_CLOCK_METADATA = ("rollout/gen_start_time", "rollout/gen_end_time")
+"""Batch metadata that is a moment, not a measure: used for perf/gen_overlap, not logged."""
+PENDING_ROLLOUTS = "pending_rollouts.pt"
+"""In a checkpoint of an async job: the rollouts generated for the steps after it."""
+
 SPREAD_METRICS = ("pg_loss", "clip_fraction", "kl", "grad_norm", "ratio/mean_abs_dev")
 """Trainer metrics that also get their min and max over a rollout's updates."""
 
@@ -125,7 +131,7 @@ def step_metrics(batch: TrainBatch, per_update: list[dict[str, float]],
     step_time = sum(times.values())
     num_tokens = float(batch.sequence_lengths.sum())
     return {
-        **{k: float(v) for k, v in batch.metadata.items()},
+        **{k: float(v) for k, v in batch.metadata.items() if k not in WALL_CLOCK_METADATA},
         **rollout_train_metrics(per_update),
         "reward/mean": float(batch.rewards.mean()),
         "reward/std": float(batch.rewards.std()) if batch.num_samples > 1 else 0.0,
@@ -137,6 +143,27 @@ def step_metrics(batch: TrainBatch, per_update: list[dict[str, float]],
         **{f"perf/{name}_s": value for name, value in times.items()},
         **length_bias_metrics(batch, constant_divisor),
     }
+
+
+def pipeline_metrics(batch: TrainBatch, step: int,
+                     train_windows: dict[int, tuple[float, float]]) -> dict[str, float]:
+    """``rollout/staleness``: how many weight versions older than this step's the
+    rollout's weights were (0 synchronous, ≤ rollout.async_steps); ``perf/gen_overlap``:
+    the share of its generation time that ran while the trainer computed."""
+    start, end = batch.metadata["rollout/gen_start_time"], batch.metadata["rollout/gen_end_time"]
+    hidden = sum(max(0.0, min(end, t1) - max(start, t0)) for t0, t1 in train_windows.values())
+    return {"rollout/staleness": step - batch.metadata["rollout/weight_version"],
+            "perf/gen_overlap": hidden / max(end - start, 1e-9)}
+
+
+def threaded(config: JobConfig, model_path: str):
+    """The trainer and rollout configs with their threads per phase resolved."""
+    engine_threads, rank_threads = phase_threads(config, model_path)
+    engine = config.rollout.engine
+    if hasattr(engine, "num_threads"):
+        engine = engine.model_copy(update={"num_threads": engine_threads})
+    return (config.trainer.model_copy(update={"num_threads": rank_threads}),
+            config.rollout.model_copy(update={"engine": engine}))
 
 
 def job_model_path(config: JobConfig, log=print) -> str:
@@ -156,11 +183,12 @@ class Job:
         self.config, self.output_dir, self.log = config, output_dir, log
         self.objective = config.objective_config()  # what the trainer runs and L of metrics
         self.model_path = model_path = job_model_path(config, log)
+        trainer_config, rollout_config = threaded(config, model_path)
         gang = reserve_job(config, on_wait=lambda message: (
             log(message), write_event(output_dir, "waiting", message)))
         self.engine_group = gang.group  # the whole job's group; close() removes it
         try:
-            self.trainer = TrainerGroup(config.trainer, self.objective, model_path,
+            self.trainer = TrainerGroup(trainer_config, self.objective, model_path,
                                         config.num_optimizer_steps, env_vars=QUIET_ENV,
                                         placement=gang.group)
         except BaseException:
@@ -168,18 +196,43 @@ class Job:
             raise
         self.rollout = RolloutManagerActor.options(
             runtime_env={"env_vars": QUIET_ENV}, **gang.manager_options()).remote(
-            config.rollout, model_path, None, gang.engine_options)
+            rollout_config, model_path, None, gang.engine_options)
         self.checkpoint_root = output_dir / "checkpoints"
         self.updates = JsonlSink(output_dir, UPDATES_FILE)  # one row per optimizer step
+        self.in_flight: dict[int, ray.ObjectRef] = {}  # rollouts asked for, by step
+        self.restored: dict[int, TrainBatch] = {}  # in-flight rollouts a checkpoint kept
+        self.train_windows: dict[int, tuple[float, float]] = {}  # wall clock, by step
 
-    def rl_step(self, step: int) -> dict[str, float]:
-        """Generate → score → train → sync weights; returns the step's metrics."""
+    def request_rollouts(self, step: int, lookahead: int) -> None:
+        """Ask the manager for the rollouts of steps step … step + lookahead not asked for
+        yet. It answers them in order, each from the weights it holds when it starts:
+        asked for before step ``step`` trains, rollout s is generated from the weights
+        of step s − lookahead at the latest (staleness ≤ lookahead)."""
+        for later in range(step, min(step + lookahead, self.config.num_steps - 1) + 1):
+            if later not in self.in_flight and later not in self.restored:
+                self.in_flight[later] = self.rollout.generate_batch.remote(later)
+
+    def take_rollout(self, step: int) -> tuple[TrainBatch, ray.ObjectRef | None]:
+        """Step ``step``'s rollout (waiting for it) and its object-store ref, if any."""
+        if step in self.restored:
+            return self.restored.pop(step), None
+        ref = self.in_flight.pop(step)
+        return self.rollout_call(ref, "generate_batch"), ref
+
+    def rl_step(self, step: int, lookahead: int | None = None) -> dict[str, float]:
+        """Generate → score → train → sync weights; returns the step's metrics.
+
+        With ``rollout.async_steps`` = k the rollouts of the next k steps are asked for
+        before this one trains, so the engines generate while the trainer computes.
+        ``lookahead`` overrides k for this call (0: wait for the newest weights)."""
         started = time.perf_counter()
-        batch_ref = self.rollout.generate_batch.remote(step)
-        batch: TrainBatch = self.rollout_call(batch_ref, "generate_batch")
+        self.request_rollouts(step, self.config.rollout.async_steps
+                              if lookahead is None else lookahead)
+        batch, batch_ref = self.take_rollout(step)
         generated = time.perf_counter()
         if batch.num_valid_tokens == 0:  # nothing to learn from: skip, never NaN
             return {"skipped": 1.0, "reward/mean": float(batch.rewards.mean())}
+        train_started = time.time()
         updates = rollout_updates(batch, self.config.rollout.global_batch_size,
                                   self.config.trainer.ppo_epochs, self.config.trainer.seed, step)
         if len(updates) > 1 and self.config.trainer.loss.old_log_probs == "trainer":
@@ -192,12 +245,17 @@ class Job:
             per_update.append(self.trainer.train(mini, stored))
             self.write_update(step, update, per_update[-1])
         trained = time.perf_counter()
+        self.train_windows = {s: w for s, w in self.train_windows.items()
+                              if s >= step - self.config.rollout.async_steps}
+        self.train_windows[step] = (train_started, time.time())
         self.rollout_call(self.rollout.update_weights.remote(
-            [self.trainer.async_export_weights()]), "update_weights")
+            [self.trainer.async_export_weights()], step + 1), "update_weights")
         synced = time.perf_counter()
         times = {"rollout": generated - started, "train": trained - generated,
                  "sync": synced - trained}
-        return step_metrics(batch, per_update, times, self.objective.mode_metric_divisor)
+        return {**step_metrics(batch, per_update, times, self.objective.mode_metric_divisor),
+                **pipeline_metrics(batch, step, self.train_windows)}
+
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy and pass@k of the weights step ``step`` starts from, at the
@@ -231,6 +289,10 @@ class Job:
         """Trainer state, rollout cursor and step; written aside, then renamed."""
         staging = checkpoint.staging_path(self.checkpoint_root, step)
         self.trainer.save_checkpoint(str(staging))
+        if self.in_flight or self.restored:  # async: rollouts generated from older weights
+            pending = {**self.restored, **{s: self.rollout_call(ref, "generate_batch")
+                                           for s, ref in self.in_flight.items()}}
+            torch.save(pending, staging / PENDING_ROLLOUTS)
         rollout_state = self.rollout_call(self.rollout.state_dict.remote(), "state_dict")
         (staging / "driver_state.json").write_text(json.dumps({"step": step,
                                                               "rollout": rollout_state}))
@@ -255,7 +317,9 @@ class Job:
         self.rollout_call(self.rollout.load_state_dict.remote(state["rollout"]),
                           "load_state_dict")
         self.rollout_call(self.rollout.update_weights.remote(
-            [self.trainer.async_export_weights()]), "update_weights")
+            [self.trainer.async_export_weights()], state["step"] + 1), "update_weights")
+        if (latest / PENDING_ROLLOUTS).exists():  # the async rollouts in flight at the save
+            self.restored = torch.load(latest / PENDING_ROLLOUTS, weights_only=False)
         if truncate_metrics:  # a new run repeats the steps after the checkpoint
             truncate_after(self.output_dir / METRICS_FILE, state["step"])
             truncate_after(self.output_dir / UPDATES_FILE,

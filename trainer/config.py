@@ -174,6 +174,9 @@ class TrainerConfig(BaseModel):
     """Tensor-parallel ranks (Megatron backend only)."""
     num_cpus_per_rank: float = Field(default=1.0, gt=0)
     """Ray CPUs reserved for each trainer rank."""
+    num_threads: int | None = Field(default=None, ge=1)
+    """Torch intra-op threads per rank on CPU; None: the cores its phase has
+    (services/placement.phase_threads)."""
     num_gpus_per_rank: float = Field(default=0.0, ge=0)
     """Ray GPUs per trainer rank; 0 trains on CPU with gloo."""
     resources: dict[str, float] = Field(default_factory=dict, max_length=32)

@@ -5,7 +5,6 @@ up), pick its compute dtype, and carry its scheduler and RNG state through a che
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import socket
 from collections.abc import Iterator
@@ -73,7 +72,7 @@ def compute_dtype(config: TrainerConfig, device: torch.device) -> torch.dtype:
 def init_rank(config: TrainerConfig, rank: int, master_addr: str, master_port: int
               ) -> torch.device:
     """Threads, device and the world process group (nccl on GPU, gloo on CPU)."""
-    torch.set_num_threads(max(1, int(os.environ.get("TALLY_TORCH_THREADS", "1"))))
+    torch.set_num_threads(config.num_threads or 1)  # the driver resolves None per phase
     cuda = config.num_gpus_per_rank > 0 and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dist.init_process_group(

@@ -37,7 +37,7 @@ class TorchEngine(Engine):
         tokenizer_path: str | None = None,
         rank: int = 0,
     ) -> None:
-        torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(config.num_threads or 1)  # the driver resolves None per phase
         self.config = config
         self.rank = rank
         self.device = torch.device(config.device)

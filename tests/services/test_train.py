@@ -90,8 +90,10 @@ def test_bad_config_fails_before_any_actor_starts(tmp_path: Path, capsys, monkey
 
 # The README's command (64 prompts × 8 samples per rollout, 4 steps of 128, 2 epochs) at a
 # quarter of its size: 16 prompts × 8 = 128 samples, 4 steps of 32, 2 epochs.
+# The resume also crosses the async pipeline: the checkpoint of step 2 holds the rollout
+# of step 3, generated from step 1's weights, and the resumed run must train on it.
 SEVERAL_UPDATES = ["rollout.rollout_batch_size=16", "rollout.global_batch_size=32",
-                   "trainer.ppo_epochs=2", "checkpoint_every=1"]
+                   "trainer.ppo_epochs=2", "checkpoint_every=1", "rollout.async_steps=2"]
 
 
 def test_several_updates_per_rollout_clip_and_resume_exactly(ray_cluster: None,
@@ -104,6 +106,8 @@ def test_several_updates_per_rollout_clip_and_resume_exactly(ray_cluster: None,
 
     straight = run_job(job(3), tmp_path / "straight", log=lambda *_: None)
     assert [m["updates"] for m in straight] == [8.0, 8.0, 8.0]
+    # Rollout s was asked for before step 0 trained (s ≤ 2): weights of step 0.
+    assert [m["rollout/staleness"] for m in straight] == [0.0, 1.0, 2.0]
     updates = read_metrics(tmp_path / "straight" / UPDATES_FILE)
     assert [r["step"] for r in updates] == list(range(24))  # 3 rollouts × 8 steps
     by_rollout = [[r["metrics"] for r in updates if r["metrics"]["rollout"] == k]
@@ -119,6 +123,7 @@ def test_several_updates_per_rollout_clip_and_resume_exactly(ray_cluster: None,
 
     resumed = interrupted_then_resumed(job(3), tmp_path / "resumed")
     assert len(resumed) == 1
+    assert resumed[0]["rollout/staleness"] == 2.0  # the saved rollout, not a fresh one
     for key in ("reward/mean", "pg_loss", "clip_fraction", "grad_norm", "kl"):
         assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-6, abs=1e-9), key
     again = read_metrics(tmp_path / "resumed" / UPDATES_FILE)
@@ -154,3 +159,33 @@ def test_step_metrics_log_the_length_bias_of_every_mode_from_the_loss_mask() -> 
         logged = [metrics[f"length_bias/{mode}/{b}"] for b in ("short", "middle", "long")]
         assert logged == pytest.approx(shares, rel=1e-12), mode
     assert len([k for k in metrics if k.startswith("length_bias/")]) == 12
+
+
+def test_async_pipeline_made_to_wait_for_the_newest_weights_equals_synchronous(
+        ray_cluster: None, tmp_path: Path) -> None:
+    """The pipeline's bookkeeping (rollouts asked for ahead, their seeds, group indices,
+    cursor, weight versions) is exact: an async job whose rollouts each wait for the
+    weights of their own step (lookahead 0) computes what the synchronous job does."""
+    from services.train import Job
+
+    base = [*SMALL, "trainer.dp_size=1", "trainer.loss.tis_cap=2.0", "num_steps=3"]
+    synchronous = load_job_config(ROOT / "configs" / "demo.yaml", base)
+    pipelined = load_job_config(ROOT / "configs" / "demo.yaml",
+                                [*base, "rollout.async_steps=1"])
+
+    def drive(config, name: str, lookahead: int | None) -> list[dict[str, float]]:
+        (tmp_path / name).mkdir()
+        job = Job(config, tmp_path / name, log=lambda *_: None)
+        try:
+            return [job.rl_step(step, lookahead) for step in range(config.num_steps)]
+        finally:
+            job.close()
+
+    want = drive(synchronous, "sync", None)
+    got = drive(pipelined, "waiting", 0)
+    assert [m["rollout/staleness"] for m in got] == [0.0, 0.0, 0.0]
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.keys() == w.keys()
+        differing = {k for k in w if not k.startswith(("perf/", "rollout/gen_"))
+                     and g[k] != w[k]}
+        assert not differing, (step, {k: (g[k], w[k]) for k in differing})
