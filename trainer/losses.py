@@ -125,3 +125,19 @@ def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatu
     with torch.set_grad_enabled(with_entropy_grad and torch.is_grad_enabled()):
         entropy = entropy_from_log_probs(log_p if with_entropy_grad else log_p.detach())
     return token, entropy
+
+
+def loss_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Where a backend computes logits: the loss mask's positions [b, s] (bool). A shard
+    with none keeps its first position, so its backward still reaches every parameter
+    (FSDP's reduce-scatter needs every rank) with a zero gradient."""
+    keep = loss_mask > 0
+    if not keep.any():
+        keep = keep.clone()
+        keep.view(-1)[0] = True
+    return keep
+
+
+def spread(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Values [n] at the n positions ``keep`` [b, s] marks, 0 elsewhere: [b, s]."""
+    return values.new_zeros(keep.shape).masked_scatter(keep, values)

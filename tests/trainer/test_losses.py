@@ -109,3 +109,40 @@ def test_temperature_divides_the_logits() -> None:
     assert torch.allclose(entropy, entropy_from_logits(logits / 0.7))
     # bf16 logits are promoted: the log-probs come out in fp32.
     assert token_log_probs(logits.bfloat16(), targets, 0.7).dtype == torch.float32
+
+
+def test_logits_at_the_loss_positions_only_give_the_full_pass_values_and_gradients(
+        tmp_path) -> None:
+    """The backend's LM head sees the loss mask's positions only (logits_to_keep); the
+    log-probs, entropy and every parameter's gradient equal the all-positions pass."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.tiny import create_tiny_checkpoint
+    from trainer.losses import log_probs_and_entropy, loss_positions, spread
+
+    model = AutoModelForCausalLM.from_pretrained(create_tiny_checkpoint(tmp_path / "tiny"),
+                                                 dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, 60, (3, 12), generator=gen)
+    targets = torch.randint(3, 60, (3, 12), generator=gen)
+    mask = torch.zeros(3, 12)
+    mask[0, 5:9] = mask[1, 2:12] = mask[2, 11] = 1
+    weights = torch.rand(3, 12, generator=gen, dtype=torch.float64) * mask
+
+    def objective(log_probs, entropy):
+        return (weights * (log_probs + 0.1 * entropy)).sum()
+
+    full = log_probs_and_entropy(model(input_ids=input_ids).logits, targets, 0.7, True)
+    objective(*full).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    keep = loss_positions(mask)
+    kept = log_probs_and_entropy(model(input_ids=input_ids, logits_to_keep=keep).logits,
+                                 targets[keep], 0.7, True)
+    log_probs, entropy = spread(kept[0], keep), spread(kept[1], keep)
+    torch.testing.assert_close(log_probs, full[0] * mask, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy, full[1] * mask, rtol=1e-12, atol=1e-12)
+    objective(log_probs, entropy).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], rtol=1e-10, atol=1e-12)
+    assert loss_positions(torch.zeros(2, 3)).sum() == 1  # a shard without loss tokens

@@ -18,7 +18,7 @@ from rollout.batch import TrainBatch
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
 from trainer.config import ObjectiveConfig, TrainerConfig
-from trainer.losses import log_probs_and_entropy, token_log_probs
+from trainer.losses import log_probs_and_entropy, loss_positions, spread, token_log_probs
 from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
 from trainer.objective import (
     TokenLogProbs,
@@ -75,8 +75,12 @@ class FSDPWorker(RankInfo):
             enable_context_parallel(model)  # attention masked by (sample, true position)
         return fsdp.shard_model(model, self.compute_dtype)
 
-    def _logits(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-        kwargs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids}
+    def _logits(self, model: torch.nn.Module, micro: MicroBatch, keep: torch.Tensor
+                ) -> torch.Tensor:
+        """Logits [n, V] at the n positions ``keep`` [b, s] marks: the LM head, and the
+        log-softmax after it, never see a prompt or padding position."""
+        kwargs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids,
+                  "logits_to_keep": keep}
         if self.varlen_flash or (self.config.cp_size == 1 and micro.sequence_ids is None):
             return model(**kwargs).logits  # varlen flash finds samples from position_ids
         from trainer.cp_attention import context_parallel
@@ -85,18 +89,21 @@ class FSDPWorker(RankInfo):
             return model(**kwargs).logits
 
     def _token_log_probs(self, micro: MicroBatch) -> TokenLogProbs:
-        """log π_T(target) and H(π_T) of the policy (and π_ref,T) at fp32 or better."""
+        """log π_T(target) and H(π_T) of the policy (and π_ref,T) at fp32 or better, at
+        the loss mask's positions (0 elsewhere)."""
         temperature = self.objective.temperature
+        keep = loss_positions(micro.loss_mask)
+        targets = micro.targets[keep]
         log_probs, entropy = log_probs_and_entropy(
-            self._logits(self.model, micro), micro.targets, temperature,
+            self._logits(self.model, micro, keep), targets, temperature,
             with_entropy_grad=term_coefficients(self.config.loss,
                                                 self.objective.gradient_of)["entropy"] > 0)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = token_log_probs(self._logits(self.ref_model, micro), micro.targets,
-                                      temperature)
-        return TokenLogProbs(log_probs, entropy, ref)
+                ref = spread(token_log_probs(self._logits(self.ref_model, micro, keep),
+                                             targets, temperature), keep)
+        return TokenLogProbs(spread(log_probs, keep), spread(entropy, keep), ref)
 
     def train_step(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
         started = time.perf_counter()
@@ -134,8 +141,10 @@ class FSDPWorker(RankInfo):
         for samples in plan.micro_batches[self.dp_rank]:
             micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
                                    self.cp_rank).to(self.device)
-            log_probs = token_log_probs(self._logits(self.model, micro), micro.targets,
-                                        self.objective.temperature)
+            keep = loss_positions(micro.loss_mask)
+            log_probs = spread(token_log_probs(self._logits(self.model, micro, keep),
+                                               micro.targets[keep],
+                                               self.objective.temperature), keep)
             gather_log_probs(batch, samples, log_probs, out, self.cp_group,
                              self.config.cp_size, owner=self.cp_rank == 0, packed=plan.packed)
         dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
