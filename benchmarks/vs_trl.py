@@ -4,9 +4,11 @@ Both start from the same model folder and see the same prompts at the same steps
 gets them in the order Tally's cursor draws them, with ``shuffle_dataset=False``), with
 the same settings: GRPO advantages scaled by the group's std, token-mean loss (TRL's
 ``dapo``), no KL (``beta=0``) and no entropy bonus, AdamW at a constant lr, gradient norm
-clipped to 1, fp32 on CPU, no gradient checkpointing, one optimizer step per rollout, and
-2 threads each (TRL: one process; Tally: the engine 2, the trainer 2 at DP=1 and 1 per
-rank at DP=2).
+clipped to 1, fp32 on CPU, no gradient checkpointing, one optimizer step per rollout, on
+the same 2 cores (TRL: one process of 2 threads; Tally: its engine and trainer ranks with
+the threads services/placement.phase_threads gives them). Tally runs once per DP size and
+``rollout.async_steps`` value asked for (default 1: rollout r+1 is generated while rollout r
+trains; TIS corrects for the one-step staleness).
 
     tiny     the 0.99 M-parameter Qwen2 with the character tokenizer (rollout/tiny.py), after
              the 50-step SFT warm start of services/warmup.py, on the synthetic `repeat`
@@ -31,6 +33,7 @@ project's torch pin, requirements/cpu.txt as constraints); it is never a depende
 Tally, and nothing in Tally imports it.
 
     .venv/bin/python benchmarks/vs_trl.py [--model tiny|smollm2] [--steps 60] [--dp 1,2]
+        [--async-steps 0,1]
         [--warm-steps 50] [--skip-trl] [--skip-tally] [--venv ~/.cache/tally-bench/trl-venv]
         [--keep DIR]
 """
@@ -133,9 +136,10 @@ def drawn_records(records: list[PromptRecord], job: JobConfig, steps: int
             for i in cursor.take(job.rollout.num_prompts_per_step)]
 
 
-def job_config(work: Workload, model_path: str, steps: int, dp_size: int) -> JobConfig:
+def job_config(work: Workload, model_path: str, steps: int, dp_size: int, async_steps: int
+               ) -> JobConfig:
     return JobConfig.model_validate({
-        "name": f"vs-trl-dp{dp_size}", "num_steps": steps, "resume": False,
+        "name": f"vs-trl-dp{dp_size}-async{async_steps}", "num_steps": steps, "resume": False,
         "aggregation": {"mode": "token_mean"},
         "rollout": {
             "model": model_path, "dataset": work.dataset,
@@ -144,7 +148,7 @@ def job_config(work: Workload, model_path: str, steps: int, dp_size: int) -> Job
                          "max_new_tokens": work.max_new_tokens},
             "reward": {"type": work.reward},
             "advantage": {"type": "grpo", "normalize_std": True},
-            "n_samples_per_prompt": work.group_size,
+            "n_samples_per_prompt": work.group_size, "async_steps": async_steps,
             "global_batch_size": work.prompts_per_step * work.group_size},
         "trainer": {
             "backend": "fsdp", "dp_size": dp_size,
@@ -264,17 +268,19 @@ def run_tally(job: JobConfig, run_dir: Path) -> Run:
     config_file = run_dir / "job.json"  # JSON is YAML: load_job_config reads it as is
     config_file.write_text(job.model_dump_json(indent=2))
     job_dir = run_dir / "job"
-    threads = str(max(1, THREADS // job.trainer.dp_size))
     wall = run_command([sys.executable, "-m", "services.train", str(config_file),
                         "--output-dir", str(job_dir)], run_dir / "tally.log",
-                       side_env(PYTHONPATH=str(ROOT), TALLY_TORCH_THREADS=threads))
+                       side_env(PYTHONPATH=str(ROOT)))
     rows = [json.loads(line)["metrics"]
             for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [m for m in rows if "perf/step_time_s" in m]  # a skipped step has no time
     latest = checkpoint.checkpoints(job_dir / "checkpoints")[0]
     phases = {name: statistics.median(m[f"perf/{name}_s"] for m in rows[1:] or rows)
               for name in ("rollout", "train", "sync")}
-    return Run(f"Tally DP={job.trainer.dp_size}", [m["perf/step_time_s"] for m in rows],
+    phases["generation (hidden share)"] = statistics.median(
+        m["perf/gen_overlap"] for m in rows[1:] or rows)
+    return Run(f"Tally DP={job.trainer.dp_size} async={job.rollout.async_steps}",
+               [m["perf/step_time_s"] for m in rows],
                [m["tokens/total"] for m in rows], [m["reward/mean"] for m in rows], wall,
                latest / checkpoint.MODEL_DIR, phases=phases)
 
@@ -288,7 +294,7 @@ def share_mean(values: list[float], first: bool) -> float:
 
 
 def print_table(runs: list[Run], accuracy_before: float) -> None:
-    print(f"{'run':<22} {'s/step':>7} {'tokens/s':>9} {'wall s':>7} {'reward 1st 20%':>15} "
+    print(f"{'run':<28} {'s/step':>7} {'tokens/s':>9} {'wall s':>7} {'reward 1st 20%':>15} "
           f"{'last 20%':>9} {'greedy before':>14} {'after':>6} {'s/step ÷ TRL':>13}")
     reference = next((r for r in runs if r.name.startswith("TRL")), None)
     reference_step = statistics.median(reference.step_times[1:]) if reference else None
@@ -296,7 +302,7 @@ def print_table(runs: list[Run], accuracy_before: float) -> None:
         times, tokens = run.step_times[1:] or run.step_times, run.tokens[1:] or run.tokens
         step = statistics.median(times)
         ratio = f"{step / reference_step:>12.2f}×" if reference_step else f"{'—':>13}"
-        print(f"{run.name:<22} {step:>7.3f} {sum(tokens) / sum(times):>9,.0f} "
+        print(f"{run.name:<28} {step:>7.3f} {sum(tokens) / sum(times):>9,.0f} "
               f"{run.wall_s:>7.1f} {share_mean(run.rewards, True):>15.3f} "
               f"{share_mean(run.rewards, False):>9.3f} {accuracy_before:>14.3f} "
               f"{run.accuracy_after:>6.3f} {ratio}")
@@ -314,6 +320,8 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=50,
                         help="SFT warm-start steps of the tiny model")
     parser.add_argument("--dp", default="1,2", help="Tally's DP sizes, one run each")
+    parser.add_argument("--async-steps", default="1",
+                        help="Tally's rollout.async_steps values, one run each per DP size")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-tally", action="store_true")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV,
@@ -328,7 +336,8 @@ def main() -> None:
     quiet_transformers()
     model_path = start_folder(work, args.warm_steps)
     dp_sizes = [int(d) for d in args.dp.split(",")]
-    jobs = [job_config(work, model_path, steps, dp) for dp in dp_sizes]
+    jobs = [job_config(work, model_path, steps, dp, int(k)) for dp in dp_sizes
+            for k in args.async_steps.split(",")]
     records = load_prompt_dataset(jobs[0].rollout.dataset)
     accuracy_before = greedy_accuracy(model_path, model_path, records, work)
     print(f"{args.model}: {work.prompts_per_step} prompts × {work.group_size} samples, "
@@ -344,8 +353,7 @@ def main() -> None:
             runs.append(run_trl(python, work, model_path, drawn_records(records, jobs[0], steps),
                                 steps, Path(tmp) / "trl"))
         if not args.skip_tally:
-            runs += [run_tally(job, Path(tmp) / f"tally-dp{job.trainer.dp_size}")
-                     for job in jobs]
+            runs += [run_tally(job, Path(tmp) / job.name) for job in jobs]
         for run in runs:
             run.accuracy_after = greedy_accuracy(run.final_dir, model_path, records, work)
             print(f"{run.name}: {len(run.step_times)} steps, wall {run.wall_s:.1f} s")

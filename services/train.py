@@ -248,14 +248,19 @@ class Job:
         self.train_windows = {s: w for s, w in self.train_windows.items()
                               if s >= step - self.config.rollout.async_steps}
         self.train_windows[step] = (train_started, time.time())
-        self.rollout_call(self.rollout.update_weights.remote(
-            [self.trainer.async_export_weights()], step + 1), "update_weights")
+        self.sync_weights(version=step + 1)
         synced = time.perf_counter()
         times = {"rollout": generated - started, "train": trained - generated,
                  "sync": synced - trained}
         return {**step_metrics(batch, per_update, times, self.objective.mode_metric_divisor),
                 **pipeline_metrics(batch, step, self.train_windows)}
 
+
+    def sync_weights(self, version: int) -> None:
+        """The trainer's weights to every engine (zero-copy numpy arrays in the object
+        store); ``version``: the rollouts trained into them."""
+        self.rollout_call(self.rollout.update_weights.remote(
+            [self.trainer.async_export_weights(for_engines=True)], version), "update_weights")
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy and pass@k of the weights step ``step`` starts from, at the
@@ -316,8 +321,7 @@ class Job:
         self.trainer.load_checkpoint(str(latest))
         self.rollout_call(self.rollout.load_state_dict.remote(state["rollout"]),
                           "load_state_dict")
-        self.rollout_call(self.rollout.update_weights.remote(
-            [self.trainer.async_export_weights()], state["step"] + 1), "update_weights")
+        self.sync_weights(version=state["step"] + 1)
         if (latest / PENDING_ROLLOUTS).exists():  # the async rollouts in flight at the save
             self.restored = torch.load(latest / PENDING_ROLLOUTS, weights_only=False)
         if truncate_metrics:  # a new run repeats the steps after the checkpoint

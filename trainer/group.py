@@ -133,9 +133,11 @@ class TrainerGroup:
         plans = [self.plan(batch, objective) for objective in objectives]
         return self._call("gradients", ray.put(batch), ray.put(plans), objectives)[0]
 
-    def async_export_weights(self) -> ray.ObjectRef:
-        """Gather the full weights (collective); the ref holds rank 0's state dict."""
-        refs = [w.export_weights.remote() for w in self.workers]
+    def async_export_weights(self, for_engines: bool = False) -> ray.ObjectRef:
+        """Gather the full weights (collective); the ref holds rank 0's state dict, of
+        numpy arrays ``for_engines`` (RankInfo.export_engine_weights)."""
+        verb = "export_engine_weights" if for_engines else "export_weights"
+        refs = [getattr(w, verb).remote() for w in self.workers]
         ray.wait(refs, num_returns=len(refs))
         return refs[0]
 

@@ -9,6 +9,7 @@ decoding (T = 0) reports log softmax(logits), i.e. T = 1.
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +20,14 @@ import torch
 from rollout.config import SamplingConfig
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+def as_tensors(state_dict: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """A state dict of tensors from one of tensors or numpy arrays; arrays from Ray's
+    shared memory are read-only views, read in place (no copy), never written."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {name: torch.as_tensor(value) for name, value in state_dict.items()}
 
 
 @dataclass(frozen=True)

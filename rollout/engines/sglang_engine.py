@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from rollout.config import SamplingConfig, SGLangEngineConfig
-from rollout.engines.base import Engine, FinishReason, Generation
+from rollout.engines.base import Engine, FinishReason, Generation, as_tensors
 from rollout.engines.sglang_server import launch_server, stop_server, wait_healthy
 from rollout.tokenizer import eos_token_ids, load_tokenizer
 
@@ -162,7 +162,7 @@ class SGLangEngine(Engine):
                 ):
                     shutil.copy2(file, self._sync_dir / file.name)
         tensors, seen = {}, set()
-        for name, tensor in state_dict.items():
+        for name, tensor in as_tensors(state_dict).items():
             # Tied weights share storage; safetensors refuses aliases, the loader re-ties.
             key = (tensor.data_ptr(), tensor.shape) if tensor.device.type != "meta" else name
             if key not in seen:

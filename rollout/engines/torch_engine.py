@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from rollout.config import SamplingConfig, TorchEngineConfig
-from rollout.engines.base import Engine, Generation
+from rollout.engines.base import Engine, Generation, as_tensors
 from rollout.engines.sampling import sample_next_tokens
 from rollout.tokenizer import eos_token_ids, load_tokenizer
 
@@ -150,6 +150,7 @@ class TorchEngine(Engine):
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy new weights in place (same names and shapes as the model's state_dict)."""
         own = self.model.state_dict()  # tied weights appear under both names; either works
+        state_dict = as_tensors(state_dict)  # numpy views of Ray's shared memory, in place
         unknown = sorted(set(state_dict) - set(own))
         if unknown:
             raise KeyError(f"update_weights: unknown parameter names {unknown[:5]}")
