@@ -5,10 +5,13 @@
    micro-batches and with packed rows, on the demo's batch (256 samples, responses ≤ 8
    tokens) and on a long-tail length mix (responses 4–512 tokens, log-uniform).
    Targets (issue #11): padding < 5% packed; tokens/s up by at least the padding saved.
-2. **End to end** (rollout + train + weight sync, real Ray): tokens/s and the share of
-   step time outside generation and forward/backward (orchestration).
+2. **End to end** (rollout + train + weight sync, real Ray), synchronous and with the
+   async pipeline (``rollout.async_steps: 1``): tokens/s, the shares of step time in
+   generation and forward/backward, how much of generation ran hidden behind training
+   (perf/gen_overlap), and orchestration, the rest (target < 10%).
 
-    .venv/bin/python benchmarks/step_throughput.py [--steps 12] [--skip-e2e]
+    .venv/bin/python benchmarks/step_throughput.py [--steps 12] [--async-steps 0,1]
+        [--skip-e2e]
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def train_step_times(model_path: str, batch: TrainBatch, packed: bool, budget: i
     from trainer.rank import free_port
 
     config = TrainerConfig(dp_size=1, max_tokens_per_micro_batch=budget, packing=packed,
+                           num_threads=2,
                            optimizer=OptimizerConfig(lr=1e-5))
     objective = ObjectiveConfig()
     worker = FSDPWorker(config, objective, model_path, 0, total_steps=steps + 1)
@@ -114,27 +118,32 @@ def packing_table(repeats: int) -> None:
                   f"{speed_b:>13,.0f} {speed_b / speed_a:>8.2f}× {saved:>13.2f}×")
 
 
-def end_to_end_table(steps: int, batch_sizes: list[int]) -> None:
+def end_to_end_table(steps: int, batch_sizes: list[int], async_values: list[int]) -> None:
     from services.train import run_job
 
-    print(f"\nend to end (demo config, median of {steps - 2} steps)")
-    print(f"{'batch':>6} {'step s':>7} {'tokens/s':>9} {'generate':>9} {'fwd+bwd':>8} "
-          f"{'overhead':>9} {'padding':>8}")
+    print(f"\nend to end (demo config, DP=2, median of {steps - 2} steps; shares of the step "
+          "time; orchestration = step − exposed generation − fwd+bwd, exposed generation = "
+          "generation × (1 − hidden))")
+    print(f"{'batch':>6} {'async':>5} {'step s':>7} {'tokens/s':>9} {'generate':>9} "
+          f"{'hidden':>7} {'fwd+bwd':>8} {'orchestration':>14} {'padding':>8}")
     for batch_size in batch_sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            os.environ.setdefault("TALLY_DATA_DIR", str(Path(tmp) / "data"))
-            config = load_job_config(ROOT / "configs" / "demo.yaml", [
-                f"num_steps={steps}", f"rollout.global_batch_size={batch_size}",
-                "warmup.num_steps=60"])
-            history = run_job(config, Path(tmp) / "job", log=lambda *_: None)[2:]  # warm
-        step = statistics.median(m["perf/step_time_s"] for m in history)
-        tokens = statistics.median(m["perf/tokens_per_s"] for m in history)
-        generate = statistics.median(m["rollout/gen_time_s"] for m in history)
-        compute = statistics.median(m["perf/compute_s"] for m in history)
-        padding = statistics.median(m["padding_fraction"] for m in history)
-        overhead = max(0.0, step - generate - compute) / step
-        print(f"{batch_size:>6} {step:>7.2f} {tokens:>9,.0f} {generate / step:>9.1%} "
-              f"{compute / step:>8.1%} {overhead:>9.1%} {padding:>8.1%}")
+        for async_steps in async_values:
+            with tempfile.TemporaryDirectory() as tmp:
+                os.environ.setdefault("TALLY_DATA_DIR", str(Path(tmp) / "data"))
+                config = load_job_config(ROOT / "configs" / "demo.yaml", [
+                    f"num_steps={steps}", f"rollout.global_batch_size={batch_size}",
+                    "warmup.num_steps=60", f"rollout.async_steps={async_steps}"])
+                history = run_job(config, Path(tmp) / "job", log=lambda *_: None)[2:]
+            step = statistics.median(m["perf/step_time_s"] for m in history)
+            tokens = statistics.median(m["perf/tokens_per_s"] for m in history)
+            generate = statistics.median(m["rollout/gen_time_s"] for m in history)
+            hidden = statistics.median(m["perf/gen_overlap"] for m in history)
+            compute = statistics.median(m["perf/compute_s"] for m in history)
+            padding = statistics.median(m["padding_fraction"] for m in history)
+            orchestration = max(0.0, step - generate * (1 - hidden) - compute) / step
+            print(f"{batch_size:>6} {async_steps:>5} {step:>7.2f} {tokens:>9,.0f} "
+                  f"{generate / step:>9.1%} {hidden:>7.1%} {compute / step:>8.1%} "
+                  f"{orchestration:>14.1%} {padding:>8.1%}")
 
 
 def main() -> None:
@@ -143,17 +152,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4,
                         help="alternating rounds of the packing table")
     parser.add_argument("--batch-sizes", default="64,256")
+    parser.add_argument("--async-steps", default="0,1",
+                        help="rollout.async_steps of the end-to-end runs")
     parser.add_argument("--skip-e2e", action="store_true", help="only the packing table")
     args = parser.parse_args()
-    threads = os.environ.get("TALLY_TORCH_THREADS")
-    os.environ["TALLY_TORCH_THREADS"] = "2"  # this process's rank: both cores
     packing_table(args.repeats)
-    os.environ.pop("TALLY_TORCH_THREADS")
-    if threads is not None:
-        os.environ["TALLY_TORCH_THREADS"] = threads
     if not args.skip_e2e:
-        end_to_end_table(args.steps, [int(b) for b in args.batch_sizes.split(",")])
-
+        end_to_end_table(args.steps, [int(b) for b in args.batch_sizes.split(",")],
+                         [int(k) for k in args.async_steps.split(",")])
 
 if __name__ == "__main__":
     main()

@@ -161,27 +161,37 @@ class TrainBatch:
         ):
             if len(values) != num_samples:
                 raise TrainBatchError(f"{name}: {len(values)} entries for {num_samples} samples")
-        seq_len = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True))
-        input_ids = torch.full((num_samples, seq_len), pad_token_id, dtype=torch.int64)
-        loss_mask = torch.zeros(num_samples, seq_len, dtype=torch.float32)
-        log_probs = torch.zeros(num_samples, seq_len, dtype=torch.float32)
-        for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        for i, response in enumerate(response_ids):
             if len(response_log_probs[i]) != len(response):
                 raise TrainBatchError(
                     f"response_log_probs: sample {i} has {len(response_log_probs[i])} "
                     f"log-probs for {len(response)} response tokens"
                 )
-            start, end = len(prompt), len(prompt) + len(response)
-            input_ids[i, :end] = torch.tensor(prompt + response, dtype=torch.int64)
-            mask = response_masks[i] if response_masks is not None else [1] * len(response)
-            if len(mask) != len(response):
+            if response_masks is not None and len(response_masks[i]) != len(response):
                 raise TrainBatchError(f"response_masks: sample {i} length differs from response")
-            loss_mask[i, start:end] = torch.tensor(mask, dtype=torch.float32)
-            log_probs[i, start:end] = torch.tensor(response_log_probs[i], dtype=torch.float32)
+        prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.int64)
+        response_lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.int64)
+        ends = prompt_lengths + response_lengths
+        seq_len = int(ends.max())
+        # One tensor per field, filled through masks in row-major order (the order of the
+        # concatenated lists), instead of three small tensors per sample.
+        position = torch.arange(seq_len)
+        filled = position < ends[:, None]
+        in_response = filled & (position >= prompt_lengths[:, None])
+        input_ids = torch.full((num_samples, seq_len), pad_token_id, dtype=torch.int64)
+        input_ids[filled] = torch.tensor([t for p, r in zip(prompt_ids, response_ids, strict=True)
+                                          for t in (*p, *r)], dtype=torch.int64)
+        loss_mask = torch.zeros(num_samples, seq_len, dtype=torch.float32)
+        loss_mask[in_response] = (torch.tensor([m for mask in response_masks for m in mask],
+                                               dtype=torch.float32)
+                                  if response_masks is not None else 1.0)
+        log_probs = torch.zeros(num_samples, seq_len, dtype=torch.float32)
+        log_probs[in_response] = torch.tensor([lp for lps in response_log_probs for lp in lps],
+                                              dtype=torch.float32)
         return cls(
             input_ids=input_ids,
-            prompt_lengths=torch.tensor([len(p) for p in prompt_ids], dtype=torch.int64),
-            response_lengths=torch.tensor([len(r) for r in response_ids], dtype=torch.int64),
+            prompt_lengths=prompt_lengths,
+            response_lengths=response_lengths,
             loss_mask=loss_mask,
             rollout_log_probs=log_probs,
             rewards=torch.tensor(rewards, dtype=torch.float32),

@@ -187,16 +187,18 @@ class Job:
         gang = reserve_job(config, on_wait=lambda message: (
             log(message), write_event(output_dir, "waiting", message)))
         self.engine_group = gang.group  # the whole job's group; close() removes it
+        # The manager (and its engines) start loading now, while the trainer ranks do.
+        self.rollout = RolloutManagerActor.options(
+            runtime_env={"env_vars": QUIET_ENV}, **gang.manager_options()).remote(
+            rollout_config, model_path, None, gang.engine_options)
         try:
             self.trainer = TrainerGroup(trainer_config, self.objective, model_path,
                                         config.num_optimizer_steps, env_vars=QUIET_ENV,
                                         placement=gang.group)
         except BaseException:
+            ray.kill(self.rollout)
             remove_placement_group(gang.group)
             raise
-        self.rollout = RolloutManagerActor.options(
-            runtime_env={"env_vars": QUIET_ENV}, **gang.manager_options()).remote(
-            rollout_config, model_path, None, gang.engine_options)
         self.checkpoint_root = output_dir / "checkpoints"
         self.updates = JsonlSink(output_dir, UPDATES_FILE)  # one row per optimizer step
         self.in_flight: dict[int, ray.ObjectRef] = {}  # rollouts asked for, by step

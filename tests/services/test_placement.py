@@ -3,13 +3,14 @@ all, a job that does not fit waits holding nothing and says what it is missing."
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from services.config import load_job_config
+from services.config import load_job_config, parse_job_config
 from services.placement import describe_shortfall, job_bundles, job_needs, reserve_job
 from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.test_train import ROOT
@@ -55,3 +56,26 @@ def test_second_job_waits_holding_nothing_then_fits(two_cpus: None) -> None:
     second = reserve_job(demo(), on_wait=pytest.fail, timeout_s=30)
     assert second.engine_options[0]["scheduling_strategy"].placement_group_bundle_index == 1
     remove_placement_group(second.group)
+
+
+def test_threads_follow_the_phase_cores_and_set_values_win(tmp_path) -> None:
+    from services.placement import phase_threads
+
+    wide, narrow = tmp_path / "wide", tmp_path / "narrow"
+    for folder, hidden in ((wide, 576), (narrow, 64)):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"hidden_size": hidden}))
+
+    def threads(model, *overrides: str) -> tuple[int, int]:
+        config = parse_job_config("", ["rollout.engine.type=torch", *overrides])
+        return phase_threads(config, str(model), cores=8)
+
+    # Synchronous: each phase has all 8 cores, split among its engines / ranks.
+    assert threads(wide, "trainer.dp_size=2", "rollout.engine.num_engines=1") == (8, 4)
+    assert threads(wide, "trainer.dp_size=4", "rollout.engine.num_engines=2") == (4, 2)
+    # Async: generation and training run at once, each on its Ray CPU share.
+    assert threads(wide, "rollout.async_steps=1", "rollout.engine.num_cpus=3",
+                   "trainer.num_cpus_per_rank=2") == (3, 2)
+    assert threads(wide, "rollout.async_steps=1") == (1, 1)  # 0.5 CPU: still one thread
+    assert threads(narrow, "trainer.dp_size=1") == (1, 1)  # the tiny model: one thread
+    assert threads(narrow, "rollout.engine.num_threads=3", "trainer.num_threads=5") == (3, 5)
