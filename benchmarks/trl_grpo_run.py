@@ -6,7 +6,7 @@ restated below). The spec names the model folder, the prompt records in the orde
 cursor draws them (so ``shuffle_dataset=False`` makes TRL see the same prompts at the same
 steps) and the settings. Writes one JSON line per optimizer step:
 
-    {"step": k, "step_time_s": ..., "tokens": ..., "reward_mean": ...}
+    {"step": k, "step_time_s": ..., "tokens": ..., "reward_mean": ..., "end_time": ...}
 
 Every step checks that it got the spec's prompts of that step.
 ``step_time_s`` runs from the Trainer's on_step_begin to on_step_end (generation, reward,
@@ -86,7 +86,8 @@ class StepRecorder(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         row = {"step": state.global_step, "step_time_s": time.perf_counter() - self.started,
                "tokens": state.num_input_tokens_seen - self.tokens_before,
-               "reward_mean": sum(self.rewards) / max(len(self.rewards), 1)}
+               "reward_mean": sum(self.rewards) / max(len(self.rewards), 1),
+               "end_time": time.time()}
         self.out.write(json.dumps(row) + "\n")
         self.out.flush()
 

@@ -20,9 +20,10 @@ trains; TIS corrects for the one-step staleness).
              configs/smollm2-math.yaml), 20 steps; only with --model smollm2: about 50 s a
              step on a 2-core CPU, so near an hour for TRL and both Tally layouts
 
-Per run: median seconds per step and tokens/s (prompt + completion tokens / step time)
-over steps 2..N, the wall time of its whole command (interpreter start, imports, Ray or
-Trainer start-up, training, saving), the mean reward over the first and last 20% of
+Per run: median seconds per step (the wall clock from one step's end to the next: TRL's
+on_step_end, the time of Tally's metrics row) and tokens/s (prompt + completion tokens /
+those seconds) over steps 2..N, the wall time of its whole command (interpreter start,
+imports, Ray or Trainer start-up, training, saving), the mean reward over the first and last 20% of
 steps, and greedy accuracy (the task's reward: exact match, or numeric) on every prompt
 of the task set, before and after, by one evaluation (plain ``generate``) of the start
 folder and of each run's final weights. Each side runs as its own command:
@@ -41,6 +42,7 @@ Tally, and nothing in Tally imports it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -206,6 +208,12 @@ def side_env(**extra: str) -> dict[str, str]:
     return {**env, **QUIET_ENV, "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
+def walls(end_times: list[float]) -> list[float]:
+    """Seconds of steps 2..N from the wall clock at the end of each step (each side's
+    own bookkeeping between steps included; step 1, with its warm-up, left out)."""
+    return [b - a for a, b in itertools.pairwise(end_times)]
+
+
 # -- TRL -------------------------------------------------------------------------------
 
 def torch_pin() -> str:
@@ -256,7 +264,7 @@ def run_trl(python: Path, work: Workload, model_path: str, records: list[PromptR
                         str(run_dir / "spec.json"), str(metrics)], run_dir / "trl.log",
                        side_env(OMP_NUM_THREADS=str(THREADS)))
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return Run("TRL 1.16 GRPOTrainer", [r["step_time_s"] for r in rows],
+    return Run("TRL 1.16 GRPOTrainer", walls([r["end_time"] for r in rows]),
                [r["tokens"] for r in rows], [r["reward_mean"] for r in rows], wall,
                run_dir / "final")
 
@@ -271,16 +279,16 @@ def run_tally(job: JobConfig, run_dir: Path) -> Run:
     wall = run_command([sys.executable, "-m", "services.train", str(config_file),
                         "--output-dir", str(job_dir)], run_dir / "tally.log",
                        side_env(PYTHONPATH=str(ROOT)))
-    rows = [json.loads(line)["metrics"]
-            for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [m for m in rows if "perf/step_time_s" in m]  # a skipped step has no time
+    written = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    ends = [row["time"] for row in written]
+    rows = [row["metrics"] for row in written]
     latest = checkpoint.checkpoints(job_dir / "checkpoints")[0]
     phases = {name: statistics.median(m[f"perf/{name}_s"] for m in rows[1:] or rows)
               for name in ("rollout", "train", "sync")}
     phases["generation (hidden share)"] = statistics.median(
         m["perf/gen_overlap"] for m in rows[1:] or rows)
-    return Run(f"Tally DP={job.trainer.dp_size} async={job.rollout.async_steps}",
-               [m["perf/step_time_s"] for m in rows],
+    rows = [m for m in rows if "perf/step_time_s" in m]  # a skipped step has no phases
+    return Run(f"Tally DP={job.trainer.dp_size} async={job.rollout.async_steps}", walls(ends),
                [m["tokens/total"] for m in rows], [m["reward/mean"] for m in rows], wall,
                latest / checkpoint.MODEL_DIR, phases=phases)
 
@@ -295,13 +303,13 @@ def share_mean(values: list[float], first: bool) -> float:
 
 def print_table(runs: list[Run], accuracy_before: float) -> None:
     print(f"{'run':<28} {'s/step':>7} {'tokens/s':>9} {'wall s':>7} {'reward 1st 20%':>15} "
-          f"{'last 20%':>9} {'greedy before':>14} {'after':>6} {'s/step ÷ TRL':>13}")
+          f"{'last 20%':>9} {'greedy before':>14} {'after':>6} {'speed vs TRL':>13}")
     reference = next((r for r in runs if r.name.startswith("TRL")), None)
-    reference_step = statistics.median(reference.step_times[1:]) if reference else None
+    reference_step = statistics.median(reference.step_times) if reference else None
     for run in runs:
-        times, tokens = run.step_times[1:] or run.step_times, run.tokens[1:] or run.tokens
+        times, tokens = run.step_times, run.tokens[1:] or run.tokens
         step = statistics.median(times)
-        ratio = f"{step / reference_step:>12.2f}×" if reference_step else f"{'—':>13}"
+        ratio = f"{reference_step / step:>12.2f}×" if reference_step else f"{'—':>13}"
         print(f"{run.name:<28} {step:>7.3f} {sum(tokens) / sum(times):>9,.0f} "
               f"{run.wall_s:>7.1f} {share_mean(run.rewards, True):>15.3f} "
               f"{share_mean(run.rewards, False):>9.3f} {accuracy_before:>14.3f} "
@@ -356,8 +364,9 @@ def main() -> None:
             runs += [run_tally(job, Path(tmp) / job.name) for job in jobs]
         for run in runs:
             run.accuracy_after = greedy_accuracy(run.final_dir, model_path, records, work)
-            print(f"{run.name}: {len(run.step_times)} steps, wall {run.wall_s:.1f} s")
-    print(f"\nmedian s/step and tokens/s over steps 2..{steps}; greedy accuracy on all "
+            print(f"{run.name}: {len(run.step_times) + 1} steps, wall {run.wall_s:.1f} s")
+    print(f"\nmedian s/step (wall clock from one step's end to the next) and tokens/s over "
+          f"steps 2..{steps}; greedy accuracy on all "
           f"{len(records)} task prompts")
     print_table(runs, accuracy_before)
     print(f"\nwhole command: {time.perf_counter() - started:.1f} s")

@@ -204,6 +204,7 @@ class Job:
         self.in_flight: dict[int, ray.ObjectRef] = {}  # rollouts asked for, by step
         self.restored: dict[int, TrainBatch] = {}  # in-flight rollouts a checkpoint kept
         self.train_windows: dict[int, tuple[float, float]] = {}  # wall clock, by step
+        self.weights_in_flight: ray.ObjectRef | None = None  # a sync not waited for yet
 
     def request_rollouts(self, step: int, lookahead: int) -> None:
         """Ask the manager for the rollouts of steps step … step + lookahead not asked for
@@ -250,7 +251,7 @@ class Job:
         self.train_windows = {s: w for s, w in self.train_windows.items()
                               if s >= step - self.config.rollout.async_steps}
         self.train_windows[step] = (train_started, time.time())
-        self.sync_weights(version=step + 1)
+        self.sync_weights(version=step + 1, wait=False)
         synced = time.perf_counter()
         times = {"rollout": generated - started, "train": trained - generated,
                  "sync": synced - trained}
@@ -258,11 +259,15 @@ class Job:
                 **pipeline_metrics(batch, step, self.train_windows)}
 
 
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self, version: int, wait: bool = True) -> None:
         """The trainer's weights to every engine (zero-copy numpy arrays in the object
-        store); ``version``: the rollouts trained into them."""
-        self.rollout_call(self.rollout.update_weights.remote(
-            [self.trainer.async_export_weights(for_engines=True)], version), "update_weights")
+        store); ``version``: the rollouts trained into them. ``wait=False`` returns once
+        the ranks exported: the engines load while the driver logs the step, and the next
+        call to the manager (queued after the load) checks it succeeded first."""
+        self.weights_in_flight = self.rollout.update_weights.remote(
+            [self.trainer.async_export_weights(for_engines=True)], version)
+        if wait:
+            self.rollout_call(self.weights_in_flight, "update_weights")
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy and pass@k of the weights step ``step`` starts from, at the
@@ -281,6 +286,9 @@ class Job:
         """The rollout manager's answer; past rollout.call_timeout_s a TimeoutError, which
         restarts the job from its last checkpoint like a stuck trainer call."""
         try:
+            if self.weights_in_flight is not None:  # a sync not waited for: its answer first
+                pending, self.weights_in_flight = self.weights_in_flight, None
+                ray.get(pending, timeout=self.config.rollout.call_timeout_s)
             return ray.get(ref, timeout=self.config.rollout.call_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"rollout {verb} took longer than rollout.call_timeout_s="
