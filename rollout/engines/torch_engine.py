@@ -5,7 +5,9 @@ sampled token under the convention of engines/base.py, applies our stop rules, a
 finished rows from the batch (and the KV cache) so short answers stop costing compute.
 
 Prompts of one chunk are left-padded; position ids count real tokens only
-(cumsum(mask) − 1), so a padded row computes the same logits as the row alone. A
+(cumsum(mask) − 1), so a padded row computes the same logits as the row alone. The
+distinct prompts of a chunk are prefilled once each (a group's G samples share theirs)
+and their KV-cache rows repeated; each step keeps tokens and log-probs on the device. A
 response ends after EOS or a stop string (both kept: they were sampled), or after
 ``max_new_tokens`` tokens. Stop strings are matched on the decoded text of the last
 tokens, not on token ids: a BPE model spells a string with many token sequences (" apples"
@@ -88,63 +90,84 @@ class TorchEngine(Engine):
         stops: list[str],
         generator: torch.Generator,
     ) -> list[Generation]:
-        num_rows, width = len(prompts), max(len(p) for p in prompts)
-        input_ids_BL = torch.full((num_rows, width), self.pad_id, dtype=torch.long)
-        mask_BL = torch.zeros((num_rows, width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids_BL[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask_BL[i, width - len(prompt) :] = 1
-        input_ids_BL, mask_BL = input_ids_BL.to(self.device), mask_BL.to(self.device)
-        positions_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        # A group's G samples share their prompt: its prefill is computed once and its KV
+        # cache rows repeated (SmolLM2, 8 prompts × 4: a quarter of the prefill work).
+        unique = list(dict.fromkeys(tuple(p) for p in prompts))
+        first_row = {prompt: i for i, prompt in enumerate(unique)}
+        row_prompt_B = torch.tensor([first_row[tuple(p)] for p in prompts], device=self.device)
+        num_rows, width = len(prompts), max(len(p) for p in unique)
+        input_ids_UL = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
+        mask_UL = torch.zeros((len(unique), width), dtype=torch.long)
+        for i, prompt in enumerate(unique):
+            input_ids_UL[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask_UL[i, width - len(prompt) :] = 1
+        input_ids_UL, mask_UL = input_ids_UL.to(self.device), mask_UL.to(self.device)
+        positions_UL = (mask_UL.cumsum(-1) - 1).clamp(min=0)
 
-        tokens: list[list[int]] = [[] for _ in prompts]
-        log_probs: list[list[float]] = [[] for _ in prompts]
-        finish: list[str] = ["length"] * num_rows
-        active = list(range(num_rows))  # chunk rows still decoding, in cache order
+        # Every row's tokens and log-probs stay on the device until the end: a step costs
+        # no Python per row (only stop strings need a row's text).
+        max_new = sampling.max_new_tokens
+        tokens_BT = torch.zeros((num_rows, max_new), dtype=torch.long, device=self.device)
+        log_probs_BT = torch.zeros((num_rows, max_new), dtype=torch.float32, device=self.device)
+        lengths_B = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+        stopped_B = torch.zeros(num_rows, dtype=torch.bool, device=self.device)
+        active_A = torch.arange(num_rows, device=self.device)  # rows still decoding
+        eos_E = torch.tensor(self.eos_ids, device=self.device)
         cache = DynamicCache(config=self.model.config)
-        logits_BV = self.model(
-            input_ids=input_ids_BL,
-            attention_mask=mask_BL,
-            position_ids=positions_BL,
+        logits_UV = self.model(
+            input_ids=input_ids_UL,
+            attention_mask=mask_UL,
+            position_ids=positions_UL,
             cache=cache,
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        next_positions_B = positions_BL[:, -1]
-        for step in range(sampling.max_new_tokens):
-            next_B, next_log_probs_B = sample_next_tokens(logits_BV, sampling, generator)
-            keep: list[int] = []
-            for slot, (row, token, lp) in enumerate(
-                zip(active, next_B.tolist(), next_log_probs_B.tolist(), strict=True)
-            ):
-                tokens[row].append(token)
-                log_probs[row].append(lp)
-                if token in self.eos_ids or self._ends_with_stop(tokens[row], stops):
-                    finish[row] = "stop"
-                else:
-                    keep.append(slot)
-            if not keep or step + 1 == sampling.max_new_tokens:
+        if len(unique) < num_rows:
+            cache.batch_select_indices(row_prompt_B)
+        logits_AV, mask_BL = logits_UV[row_prompt_B], mask_UL[row_prompt_B]
+        positions_BL = positions_UL[row_prompt_B]
+        next_positions_A = positions_BL[:, -1]
+        for step in range(max_new):
+            next_A, next_log_probs_A = sample_next_tokens(logits_AV, sampling, generator)
+            tokens_BT[active_A, step] = next_A
+            log_probs_BT[active_A, step] = next_log_probs_A.float()
+            lengths_B[active_A] += 1
+            ends_A = torch.isin(next_A, eos_E)
+            if stops:
+                ends_A |= self._stop_string_ends(tokens_BT, active_A, ends_A, step, stops)
+            stopped_B[active_A[ends_A]] = True
+            keep_K = (~ends_A).nonzero().flatten()
+            if keep_K.numel() == 0 or step + 1 == max_new:
                 break
-            if len(keep) < len(active):
+            if keep_K.numel() < active_A.numel():
                 # Drop finished rows everywhere, so they cost nothing from here on.
-                index_K = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index_K)
-                next_B, mask_BL = next_B[index_K], mask_BL[index_K]
-                next_positions_B = next_positions_B[index_K]
-                active = [active[slot] for slot in keep]
-            mask_BL = torch.cat([mask_BL, mask_BL.new_ones((len(active), 1))], dim=1)
-            next_positions_B = next_positions_B + 1
-            logits_BV = self.model(
-                input_ids=next_B[:, None],
+                cache.batch_select_indices(keep_K)
+                next_A, mask_BL = next_A[keep_K], mask_BL[keep_K]
+                next_positions_A, active_A = next_positions_A[keep_K], active_A[keep_K]
+            mask_BL = torch.cat([mask_BL, mask_BL.new_ones((active_A.numel(), 1))], dim=1)
+            next_positions_A = next_positions_A + 1
+            logits_AV = self.model(
+                input_ids=next_A[:, None],
                 attention_mask=mask_BL,
-                position_ids=next_positions_B[:, None],
+                position_ids=next_positions_A[:, None],
                 cache=cache,
                 use_cache=True,
             ).logits[:, -1]
+        tokens, log_probs = tokens_BT.tolist(), log_probs_BT.tolist()
         return [
-            Generation(tokens[i], log_probs[i], finish[i])  # type: ignore[arg-type]
-            for i in range(num_rows)
+            Generation(tokens[i][:n], log_probs[i][:n], "stop" if stop else "length")
+            for i, (n, stop) in enumerate(zip(lengths_B.tolist(), stopped_B.tolist(),
+                                              strict=True))
         ]
+
+    def _stop_string_ends(self, tokens_BT: torch.Tensor, active_A: torch.Tensor,
+                          ends_A: torch.Tensor, step: int, stops: list[str]) -> torch.Tensor:
+        """Which active rows a stop string ends at this step (rows ending on EOS skipped)."""
+        window = 4 * max(len(s) for s in stops) + 1
+        tails = tokens_BT[active_A, max(0, step + 1 - window):step + 1].tolist()
+        return torch.tensor([not ended and self._ends_with_stop(tail, stops)
+                             for tail, ended in zip(tails, ends_A.tolist(), strict=True)],
+                            dtype=torch.bool, device=ends_A.device)
 
     @torch.no_grad()
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

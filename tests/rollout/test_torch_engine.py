@@ -141,3 +141,28 @@ def test_stop_strings_match_the_text_of_bpe_tokens(smollm2_path) -> None:
     assert stopped.token_ids == free.token_ids[:len(stopped.token_ids)]
     assert word in engine.tokenizer.decode(stopped.token_ids)
     assert word not in engine.tokenizer.decode(stopped.token_ids[:-1])
+
+
+def test_a_groups_shared_prompt_is_prefilled_once_and_decodes_as_if_alone(
+        tiny_model_path: str) -> None:
+    engine = TorchEngine(TorchEngineConfig(batch_size=8), tiny_model_path)
+    prefill_rows: list[int] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: prefill_rows.append(kwargs["input_ids"].shape),
+        with_kwargs=True)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    grouped = engine.generate([PROMPTS[0]] * 3 + [PROMPTS[3]] * 3, greedy, seed=0)
+    assert prefill_rows[0] == (2, len(PROMPTS[3]))  # two distinct prompts, not six rows
+    hook.remove()
+    alone = [engine.generate([prompt], greedy, seed=0)[0] for prompt in (PROMPTS[0], PROMPTS[3])]
+    for i, gen in enumerate(grouped):
+        assert gen.token_ids == alone[i // 3].token_ids
+        assert torch.allclose(torch.tensor(gen.log_probs), torch.tensor(alone[i // 3].log_probs),
+                              atol=1e-5, rtol=0)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12, stop=STOPS)
+    sampled = engine.generate([PROMPTS[1]] * 6, sampling, seed=5)
+    assert len({tuple(g.token_ids) for g in sampled}) > 1  # each row samples on its own
+    for gen in sampled:
+        expected = _teacher_forced_log_probs(reference, PROMPTS[1], gen, 1.0)
+        assert torch.allclose(torch.tensor(gen.log_probs), expected, atol=1e-5, rtol=0)
