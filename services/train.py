@@ -258,7 +258,6 @@ class Job:
         return {**step_metrics(batch, per_update, times, self.objective.mode_metric_divisor),
                 **pipeline_metrics(batch, step, self.train_windows)}
 
-
     def sync_weights(self, version: int, wait: bool = True) -> None:
         """The trainer's weights to every engine (zero-copy numpy arrays in the object
         store); ``version``: the rollouts trained into them. ``wait=False`` returns once
