@@ -161,5 +161,6 @@ def main() -> None:
         end_to_end_table(args.steps, [int(b) for b in args.batch_sizes.split(",")],
                          [int(k) for k in args.async_steps.split(",")])
 
+
 if __name__ == "__main__":
     main()
