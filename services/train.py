@@ -263,10 +263,12 @@ class Job:
         store); ``version``: the rollouts trained into them. ``wait=False`` returns once
         the ranks exported: the engines load while the driver logs the step, and the next
         call to the manager (queued after the load) checks it succeeded first."""
-        self.weights_in_flight = self.rollout.update_weights.remote(
+        ref = self.rollout.update_weights.remote(
             [self.trainer.async_export_weights(for_engines=True)], version)
         if wait:
-            self.rollout_call(self.weights_in_flight, "update_weights")
+            self.rollout_call(ref, "update_weights")
+        else:
+            self.weights_in_flight = ref
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy and pass@k of the weights step ``step`` starts from, at the
