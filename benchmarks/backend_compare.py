@@ -18,7 +18,7 @@ import time
 import ray
 import torch
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from rollout.tiny import create_tiny_checkpoint
 from trainer.config import ObjectiveConfig, OptimizerConfig, TrainerConfig
 from trainer.group import TrainerGroup
@@ -26,7 +26,7 @@ from trainer.group import TrainerGroup
 LAYOUTS = [("fsdp", 2, 1), ("megatron", 2, 1), ("megatron", 1, 2)]  # backend, dp, tp
 
 
-def make_batch(num_samples: int, vocab_size: int, group_size: int = 8) -> TrainBatch:
+def make_batch(num_samples: int, vocab_size: int, group_size: int = 8) -> RolloutBatch:
     """Prompts of 8-24 tokens, responses of 16-64, deterministic."""
     gen = torch.Generator().manual_seed(0)
 
@@ -43,11 +43,11 @@ def make_batch(num_samples: int, vocab_size: int, group_size: int = 8) -> TrainB
         log_probs.append((-torch.rand(length, generator=gen) * 3).tolist())
         groups.append(i // group_size)
     rewards = torch.rand(num_samples, generator=gen)
-    return TrainBatch.from_samples(prompts, responses, log_probs, rewards.tolist(),
+    return RolloutBatch.from_samples(prompts, responses, log_probs, rewards.tolist(),
                                    (rewards - rewards.mean()).tolist(), groups, group_size)
 
 
-def measure(model_path: str, batch: TrainBatch, steps: int
+def measure(model_path: str, batch: RolloutBatch, steps: int
             ) -> list[tuple[float, float]]:
     """Per layout: (median driver seconds per step, median rank-local compute seconds).
 

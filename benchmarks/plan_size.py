@@ -12,13 +12,13 @@ import time
 
 import torch
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from trainer.aggregation import token_weights
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
 from trainer.step_plan import plan_step
 
 
-def synthetic_batch(num_samples: int, seq_len: int, group_size: int = 8) -> TrainBatch:
+def synthetic_batch(num_samples: int, seq_len: int, group_size: int = 8) -> RolloutBatch:
     gen = torch.Generator().manual_seed(0)
     prompt_len = 256
     lengths = torch.randint(16, seq_len - prompt_len + 1, (num_samples,), generator=gen)
@@ -27,7 +27,7 @@ def synthetic_batch(num_samples: int, seq_len: int, group_size: int = 8) -> Trai
     responses = [[5] * int(n) for n in lengths]
     log_probs = [[-1.0] * int(n) for n in lengths]
     rewards = torch.rand(num_samples, generator=gen).tolist()
-    return TrainBatch.from_samples(prompts, responses, log_probs, rewards, rewards,
+    return RolloutBatch.from_samples(prompts, responses, log_probs, rewards, rewards,
                                    [i // group_size for i in range(num_samples)], group_size)
 
 

@@ -5,7 +5,7 @@ Compares, for a few batch sizes (samples per step):
     bare      ``model.generate`` (HF, sampling) in this process, torch threads = --threads
     ray ×k    ``RolloutManager.generate_batch`` through Ray with k torch-engine actors
               (each --threads torch threads): sharding, sampling, rewards and the
-              TrainBatch included, timed from the driver
+              RolloutBatch included, timed from the driver
 
 Tokens are the generated ones (up to and including EOS, no padding). Each timing is the
 median of --repeats steps after one warm-up step. Starts and stops its own local Ray,

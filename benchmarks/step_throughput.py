@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from rollout.tiny import create_tiny_checkpoint
 from services.config import load_job_config
 from trainer.config import ObjectiveConfig, OptimizerConfig, TrainerConfig
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def length_mix_batch(num_samples: int, group_size: int, prompt_range: tuple[int, int],
                      response_range: tuple[int, int], log_uniform: bool, vocab: int,
-                     seed: int = 0) -> TrainBatch:
+                     seed: int = 0) -> RolloutBatch:
     gen = torch.Generator().manual_seed(seed)
     low, high = response_range
     prompts, responses, log_probs = [], [], []
@@ -53,12 +53,12 @@ def length_mix_batch(num_samples: int, group_size: int, prompt_range: tuple[int,
             responses.append(torch.randint(3, vocab, (n,), generator=gen).tolist())
             log_probs.append([-1.0] * n)
     rewards = torch.rand(len(prompts), generator=gen)
-    return TrainBatch.from_samples(prompts, responses, log_probs, rewards.tolist(),
+    return RolloutBatch.from_samples(prompts, responses, log_probs, rewards.tolist(),
                                    (rewards - rewards.mean()).tolist(),
                                    [i // group_size for i in range(len(prompts))], group_size)
 
 
-def train_step_times(model_path: str, batch: TrainBatch, packed: bool, budget: int,
+def train_step_times(model_path: str, batch: RolloutBatch, packed: bool, budget: int,
                      steps: int) -> tuple[float, list[float]]:
     """(padding fraction, seconds of each train_step after a warm-up one) on one
     in-process rank."""

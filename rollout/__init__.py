@@ -1,1 +1,1 @@
-"""Rollout: datasets, grouped sampling, engines, rewards, advantages and the TrainBatch."""
+"""Rollout: datasets, grouped sampling, engines, rewards, advantages and the RolloutBatch."""

@@ -1,6 +1,10 @@
-"""TrainBatch: the one schema rollout hands to the trainer for one optimizer step.
+"""RolloutBatch: the one schema rollout hands to the trainer — one rollout step's samples.
 
-Shapes: N samples, S = the longest prompt+response in the step. Every per-token tensor is
+The trainer splits a rollout into optimizer steps (mini-batches of whole groups,
+``trainer/mini_batches.py``); each mini-batch is a RolloutBatch of its own (``select``),
+and the aggregation metadata below is always that of the batch at hand (docs/glossary.md).
+
+Shapes: N samples, S = the longest prompt+response in the batch. Every per-token tensor is
 aligned with ``input_ids``: position t describes token ``input_ids[i, t]``. The trainer
 shifts to next-token prediction itself (the log-prob of token t comes from logits at t−1).
 
@@ -30,12 +34,12 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 
-class TrainBatchError(ValueError):
-    """A TrainBatch that breaks its own schema."""
+class RolloutBatchError(ValueError):
+    """A RolloutBatch that breaks its own schema."""
 
 
 @dataclass(frozen=True)
-class TrainBatch:
+class RolloutBatch:
     input_ids: torch.Tensor
     prompt_lengths: torch.Tensor
     response_lengths: torch.Tensor
@@ -66,22 +70,22 @@ class TrainBatch:
         ):
             actual = tuple(getattr(self, name).shape)
             if actual != shape:
-                raise TrainBatchError(f"{name}: expected shape {shape}, got {actual}")
+                raise RolloutBatchError(f"{name}: expected shape {shape}, got {actual}")
         if self.old_log_probs is not None and tuple(self.old_log_probs.shape) != (
                 num_samples, seq_len):
-            raise TrainBatchError(f"old_log_probs: expected shape {(num_samples, seq_len)}, "
+            raise RolloutBatchError(f"old_log_probs: expected shape {(num_samples, seq_len)}, "
                                   f"got {tuple(self.old_log_probs.shape)}")
         for name in ("loss_mask", "rollout_log_probs", "rewards", "advantages", "old_log_probs"):
             if getattr(self, name) is not None and not torch.isfinite(getattr(self, name)).all():
-                raise TrainBatchError(f"{name}: contains NaN or inf")
+                raise RolloutBatchError(f"{name}: contains NaN or inf")
         if (self.prompt_lengths + self.response_lengths > seq_len).any():
-            raise TrainBatchError("prompt_lengths + response_lengths exceed input_ids width")
+            raise RolloutBatchError("prompt_lengths + response_lengths exceed input_ids width")
         positions = torch.arange(seq_len)
         response_span = (positions >= self.prompt_lengths[:, None]) & (
             positions < (self.prompt_lengths + self.response_lengths)[:, None]
         )
         if ((self.loss_mask != 0) & ~response_span).any():
-            raise TrainBatchError("loss_mask: is non-zero outside the response tokens")
+            raise RolloutBatchError("loss_mask: is non-zero outside the response tokens")
 
         group_ids, dense, counts = torch.unique(
             self.group_index, return_inverse=True, return_counts=True
@@ -89,7 +93,7 @@ class TrainBatch:
         incomplete = (counts != self.samples_per_prompt).nonzero().flatten()
         if len(incomplete):
             g = int(incomplete[0])
-            raise TrainBatchError(
+            raise RolloutBatchError(
                 f"group_index: group {int(group_ids[g])} has {int(counts[g])} samples, "
                 f"expected {self.samples_per_prompt} (steps hold whole groups)"
             )
@@ -118,11 +122,11 @@ class TrainBatch:
     def sequence_lengths(self) -> torch.Tensor:
         return self.prompt_lengths + self.response_lengths
 
-    def with_old_log_probs(self, old_log_probs: torch.Tensor) -> TrainBatch:
+    def with_old_log_probs(self, old_log_probs: torch.Tensor) -> RolloutBatch:
         """The same batch carrying the trainer's start-of-rollout log-probs."""
         return replace(self, old_log_probs=old_log_probs)
 
-    def select(self, sample_indices: torch.Tensor | list[int]) -> TrainBatch:
+    def select(self, sample_indices: torch.Tensor | list[int]) -> RolloutBatch:
         """A batch of whole groups picked by sample index (keeps the schema's checks)."""
         index = torch.as_tensor(sample_indices, dtype=torch.int64)
         init_names = [f.name for f in fields(self) if f.init]
@@ -130,7 +134,7 @@ class TrainBatch:
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
                 values[name] = value[index]
-        return TrainBatch(**values)
+        return RolloutBatch(**values)
 
     @classmethod
     def from_samples(
@@ -145,7 +149,7 @@ class TrainBatch:
         pad_token_id: int = 0,
         response_masks: list[list[int]] | None = None,
         metadata: dict[str, float] | None = None,
-    ) -> TrainBatch:
+    ) -> RolloutBatch:
         """Pad ragged per-sample lists into the tensor layout.
 
         response_masks defaults to all response tokens counting (e.g. a tool-call turn
@@ -160,15 +164,15 @@ class TrainBatch:
             ("group_index", group_index),
         ):
             if len(values) != num_samples:
-                raise TrainBatchError(f"{name}: {len(values)} entries for {num_samples} samples")
+                raise RolloutBatchError(f"{name}: {len(values)} entries for {num_samples} samples")
         for i, response in enumerate(response_ids):
             if len(response_log_probs[i]) != len(response):
-                raise TrainBatchError(
+                raise RolloutBatchError(
                     f"response_log_probs: sample {i} has {len(response_log_probs[i])} "
                     f"log-probs for {len(response)} response tokens"
                 )
             if response_masks is not None and len(response_masks[i]) != len(response):
-                raise TrainBatchError(f"response_masks: sample {i} length differs from response")
+                raise RolloutBatchError(f"response_masks: sample {i} length differs from response")
         prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.int64)
         response_lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.int64)
         ends = prompt_lengths + response_lengths

@@ -1,8 +1,8 @@
-"""RolloutManager: prompts in, one TrainBatch per step out.
+"""RolloutManager: prompts in, one RolloutBatch per step out.
 
     dataset ─► PromptCursor ─► P prompts × G ─► shards ─► engine actors (torch | sglang)
                                                                │ token ids + log-probs
-    TrainBatch ◄─ advantages ◄─ [dynamic sampling] ◄─ rewards ◄┘ (decoded, in prompt order)
+    RolloutBatch ◄─ advantages ◄─ [dynamic sampling] ◄─ rewards ◄┘ (decoded, in prompt order)
 
 One step draws P = N / G prompts, samples G responses for each (a group), scores them
 and computes advantages over the final batch. Group indices are contiguous and keep
@@ -26,7 +26,7 @@ import ray
 import torch
 
 from rollout.advantages import compute_advantages
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from rollout.config import DatasetConfig, RolloutConfig, SamplingConfig
 from rollout.cursor import PromptCursor
 from rollout.datasets import PromptRecord, load_prompt_dataset
@@ -110,8 +110,8 @@ class RolloutManager:
 
     # -- one step ---------------------------------------------------------------------
 
-    def generate_batch(self, step: int) -> TrainBatch:
-        """The rollout's TrainBatch: rollout_batch_size prompts × G samples, whole groups
+    def generate_batch(self, step: int) -> RolloutBatch:
+        """The rollout's RolloutBatch: rollout_batch_size prompts × G samples, whole groups
         (dynamic sampling fills all of it)."""
         gen_start_time = time.time()  # wall clock: the driver compares it with training's
         num_prompts = self.config.num_prompts_per_rollout
@@ -193,7 +193,7 @@ class RolloutManager:
             for j in range(len(records))
         ]
 
-    def _build_batch(self, groups: list[_Group], metadata: dict[str, float]) -> TrainBatch:
+    def _build_batch(self, groups: list[_Group], metadata: dict[str, float]) -> RolloutBatch:
         group_size = self.config.n_samples_per_prompt
         group_index = [
             self.next_group_index + j for j, g in enumerate(groups) for _ in g.generations
@@ -214,7 +214,7 @@ class RolloutManager:
                 [gen.finish_reason == "length" for gen in generations]
             ),
         }
-        batch = TrainBatch.from_samples(
+        batch = RolloutBatch.from_samples(
             prompt_ids=[g.prompt_ids for g in groups for _ in g.generations],
             response_ids=[gen.token_ids for gen in generations],
             response_log_probs=[gen.log_probs for gen in generations],

@@ -2,7 +2,7 @@
 
     configs/*.yaml ──► JobConfig (validated before any actor starts)
                           │
-       RolloutManager ────┼──► engines ──► rewards ──► advantages ──► TrainBatch
+       RolloutManager ────┼──► engines ──► rewards ──► advantages ──► RolloutBatch
        (Ray actor)        │                                         (object store)
             ▲             ▼                                              │
             │      TrainerGroup: DP × CP rank actors (FSDP2) ◄───────────┘
@@ -31,7 +31,7 @@ import ray
 import torch
 from ray.util.placement_group import remove_placement_group
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from rollout.config import SyntheticDatasetConfig
 from rollout.manager import RolloutManagerActor
 from rollout.tiny import resolve_model_path
@@ -114,7 +114,7 @@ def rollout_train_metrics(per_update: list[dict[str, float]]) -> dict[str, float
     return out
 
 
-def length_bias_metrics(batch: TrainBatch, constant_divisor: float) -> dict[str, float]:
+def length_bias_metrics(batch: RolloutBatch, constant_divisor: float) -> dict[str, float]:
     """``length_bias/<mode>/<short|middle|long>``: each mode's share of the batch's weight
     on its thirds of responses by valid tokens M_i (trainer.aggregation.length_bias).
     With several updates per rollout it views the rollout's batch as one step."""
@@ -124,7 +124,7 @@ def length_bias_metrics(batch: TrainBatch, constant_divisor: float) -> dict[str,
             for bucket, share in zip(LENGTH_BUCKETS, by_bucket, strict=True)}
 
 
-def step_metrics(batch: TrainBatch, per_update: list[dict[str, float]],
+def step_metrics(batch: RolloutBatch, per_update: list[dict[str, float]],
                  times: dict[str, float], constant_divisor: float) -> dict[str, float]:
     """Everything the dashboard plots for one rollout; ``constant_divisor`` is the L of
     the constant mode's metrics (ObjectiveConfig.mode_metric_divisor)."""
@@ -145,7 +145,7 @@ def step_metrics(batch: TrainBatch, per_update: list[dict[str, float]],
     }
 
 
-def pipeline_metrics(batch: TrainBatch, step: int,
+def pipeline_metrics(batch: RolloutBatch, step: int,
                      train_windows: dict[int, tuple[float, float]]) -> dict[str, float]:
     """``rollout/staleness``: how many weight versions older than this step's the
     rollout's weights were (0 synchronous, ≤ rollout.async_steps); ``perf/gen_overlap``:
@@ -202,7 +202,7 @@ class Job:
         self.checkpoint_root = output_dir / "checkpoints"
         self.updates = JsonlSink(output_dir, UPDATES_FILE)  # one row per optimizer step
         self.in_flight: dict[int, ray.ObjectRef] = {}  # rollouts asked for, by step
-        self.restored: dict[int, TrainBatch] = {}  # in-flight rollouts a checkpoint kept
+        self.restored: dict[int, RolloutBatch] = {}  # in-flight rollouts a checkpoint kept
         self.train_windows: dict[int, tuple[float, float]] = {}  # wall clock, by step
         self.weights_in_flight: ray.ObjectRef | None = None  # a sync not waited for yet
 
@@ -215,7 +215,7 @@ class Job:
             if later not in self.in_flight and later not in self.restored:
                 self.in_flight[later] = self.rollout.generate_batch.remote(later)
 
-    def take_rollout(self, step: int) -> tuple[TrainBatch, ray.ObjectRef | None]:
+    def take_rollout(self, step: int) -> tuple[RolloutBatch, ray.ObjectRef | None]:
         """Step ``step``'s rollout (waiting for it) and its object-store ref, if any."""
         if step in self.restored:
             return self.restored.pop(step), None

@@ -15,7 +15,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.step_plan import StepPlan, packs, plan_step
 
@@ -104,14 +104,14 @@ class TrainerGroup:
                 raise TrainerRankDied(rank_of[ready[0]], verb, err) from err
         return ray.get(refs)
 
-    def plan(self, batch: TrainBatch, objective: ObjectiveConfig | None = None) -> StepPlan:
+    def plan(self, batch: RolloutBatch, objective: ObjectiveConfig | None = None) -> StepPlan:
         """The step plan of ``batch`` for this group's layout (``objective`` overrides the
         configured one for this step only)."""
         return plan_step(batch, objective or self.objective, self.config.dp_size,
                          self.config.cp_size, self.config.max_tokens_per_micro_batch,
                          packed=packs(self.config))
 
-    def train(self, batch: TrainBatch, batch_ref: ray.ObjectRef | None = None,
+    def train(self, batch: RolloutBatch, batch_ref: ray.ObjectRef | None = None,
               objective: ObjectiveConfig | None = None) -> dict[str, float]:
         """One optimizer step on a mini-batch of whole groups; returns its exact metrics.
 
@@ -122,11 +122,11 @@ class TrainerGroup:
         ref = batch_ref if batch_ref is not None else ray.put(batch)
         return self._call("train_step", ref, ray.put(plan))[0]
 
-    def log_probs(self, batch: TrainBatch) -> Any:
+    def log_probs(self, batch: RolloutBatch) -> Any:
         """log π_T [N, S] of every response token under the current policy (no update)."""
         return self._call("log_probs", ray.put(batch), ray.put(self.plan(batch)))[0]
 
-    def gradients(self, batch: TrainBatch, objectives: list[ObjectiveConfig]
+    def gradients(self, batch: RolloutBatch, objectives: list[ObjectiveConfig]
                   ) -> list[tuple[dict[str, float], dict[str, Any]]]:
         """One step's logged sums and full summed gradients under each objective, without
         an update (one call for all of them)."""

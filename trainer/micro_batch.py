@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from trainer.context_parallel import (
     padded_length,
     zigzag_positions,
@@ -63,7 +63,7 @@ def shift_left(x: torch.Tensor) -> torch.Tensor:
 
 
 def slice_micro_batch(
-    batch: TrainBatch, plan: StepPlan, samples: list[int], cp_size: int, cp_rank: int
+    batch: RolloutBatch, plan: StepPlan, samples: list[int], cp_size: int, cp_rank: int
 ) -> MicroBatch:
     """The micro-batch of ``samples`` (an empty list keeps FSDP's collectives in step:
     one sample with weight 0)."""
@@ -118,7 +118,7 @@ def packed_row_index(lengths: torch.Tensor, cp_size: int, cp_rank: int
 
 
 def slice_packed_row(
-    batch: TrainBatch, plan: StepPlan, samples: list[int], cp_size: int, cp_rank: int
+    batch: RolloutBatch, plan: StepPlan, samples: list[int], cp_size: int, cp_rank: int
 ) -> MicroBatch:
     """The packed row of ``samples`` (an empty row: sample 0 with weight 0, so FSDP's
     collectives stay in step), this CP rank's zigzag shard of each sample."""
@@ -160,7 +160,7 @@ def slice_packed_row(
     )
 
 
-def slice_for_plan(batch: TrainBatch, plan: StepPlan, samples: list[int], cp_size: int,
+def slice_for_plan(batch: RolloutBatch, plan: StepPlan, samples: list[int], cp_size: int,
                    cp_rank: int) -> MicroBatch:
     """The micro-batch of ``samples`` in the plan's layout (packed row or padded)."""
     slicer = slice_packed_row if plan.packed else slice_micro_batch
@@ -168,7 +168,7 @@ def slice_for_plan(batch: TrainBatch, plan: StepPlan, samples: list[int], cp_siz
 
 
 def gather_log_probs(
-    batch: TrainBatch, samples: list[int], log_probs: torch.Tensor, out: torch.Tensor,
+    batch: RolloutBatch, samples: list[int], log_probs: torch.Tensor, out: torch.Tensor,
     cp_group: object, cp_size: int, owner: bool, packed: bool = False,
 ) -> None:
     """Collective over the CP group: put one micro-batch's log-probs (this rank's shard,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Update:
     sample_indices: list[int]
 
 
-def rollout_updates(batch: TrainBatch, samples_per_step: int, num_epochs: int, seed: int,
+def rollout_updates(batch: RolloutBatch, samples_per_step: int, num_epochs: int, seed: int,
                     rollout_index: int) -> list[Update]:
     """The rollout's updates in order; one step of one epoch keeps the batch's order."""
     if batch.num_samples % samples_per_step:
@@ -51,7 +51,7 @@ def rollout_updates(batch: TrainBatch, samples_per_step: int, num_epochs: int, s
     return updates
 
 
-def mini_batch(batch: TrainBatch, update: Update) -> TrainBatch:
+def mini_batch(batch: RolloutBatch, update: Update) -> RolloutBatch:
     """The update's samples as a batch of their own (the whole batch when it is all)."""
     if update.sample_indices == list(range(batch.num_samples)):
         return batch

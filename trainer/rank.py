@@ -18,7 +18,7 @@ import torch.distributed as dist
 from trainer.config import ObjectiveConfig, TrainerConfig
 
 if TYPE_CHECKING:
-    from rollout.batch import TrainBatch
+    from rollout.batch import RolloutBatch
     from trainer.step_plan import StepPlan
 
 
@@ -34,7 +34,7 @@ class RankInfo:
 
     objective: ObjectiveConfig
 
-    def gradients(self, batch: TrainBatch, plans: list[StepPlan],
+    def gradients(self, batch: RolloutBatch, plans: list[StepPlan],
                   objectives: list[ObjectiveConfig]) -> list[tuple[dict[str, float], Any]]:
         """Collective, no update: for each (plan, objective), the step's sums and, on rank
         0, the full summed gradient of every parameter (what the optimizer would see)."""

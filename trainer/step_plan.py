@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from trainer.aggregation import AGGREGATION_MODES, custom_reducer_weights, sample_coefficients
 from trainer.config import ObjectiveConfig, TermAggregationConfig, TrainerConfig
 from trainer.context_parallel import padded_length
@@ -148,7 +148,7 @@ def packs(config: TrainerConfig) -> bool:
 
 
 def plan_step(
-    batch: TrainBatch,
+    batch: RolloutBatch,
     objective: ObjectiveConfig,
     dp_size: int,
     cp_size: int,

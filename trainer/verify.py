@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from trainer.config import AGGREGATION_MODES, AggregationConfig, ObjectiveConfig, TrainerConfig
 from trainer.mini_batches import Update, mini_batch
 
@@ -111,7 +111,7 @@ def perturbed(state: dict[str, torch.Tensor], seed: int = 0, scale: float = 0.05
 
 
 def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
-               batch: TrainBatch, layout: Layout, modes: tuple[str, ...],
+               batch: RolloutBatch, layout: Layout, modes: tuple[str, ...],
                updates: list[Update], policy_state: dict[str, torch.Tensor] | None = None,
                env_vars: dict[str, str] | None = None,
                ) -> tuple[dict[tuple[str, int, str], TermResult], dict[str, torch.Tensor]]:
@@ -171,7 +171,7 @@ def compare(ref: TermResult, got: TermResult, rtol: float, atol: float
 
 
 def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
-                   batch: TrainBatch, layouts: list[Layout],
+                   batch: RolloutBatch, layouts: list[Layout],
                    modes: tuple[str, ...] = AGGREGATION_MODES,
                    tolerance: tuple[float, float] | None = None,
                    env_for_layout: dict[str, dict[str, str]] | None = None,

@@ -1,4 +1,4 @@
-"""RolloutManager on a real local Ray cluster with the tiny model: the TrainBatch layout,
+"""RolloutManager on a real local Ray cluster with the tiny model: the RolloutBatch layout,
 exact resume, weight updates through the object store, dynamic sampling."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from rollout.config import RolloutConfig, SGLangEngineConfig
 from rollout.datasets import DatasetError
 from rollout.engines import EngineUnavailableError
@@ -41,7 +41,7 @@ def manager(ray_cluster: None, tiny_model_path: str) -> Iterator[ray.actor.Actor
     ray.kill(actor)
 
 
-def _assert_same(a: TrainBatch, b: TrainBatch) -> None:
+def _assert_same(a: RolloutBatch, b: RolloutBatch) -> None:
     for name in ("input_ids", "loss_mask", "rollout_log_probs", "rewards", "group_index"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from rollout.tokenizer import encode_completion, encode_prompt, load_tokenizer
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
 from trainer.micro_batch import slice_packed_row
@@ -24,7 +24,7 @@ def test_the_eos_ending_a_response_is_trained_on_and_padding_is_not(smollm2_path
     assert all(eos in p for p in prompts)  # the template closes the system/user turns with it
     responses = [encode_completion(tokenizer, "\\boxed{5}"),
                  encode_completion(tokenizer, "4 + 7 = 11, so \\boxed{11}.")]
-    batch = TrainBatch.from_samples(
+    batch = RolloutBatch.from_samples(
         prompt_ids=prompts, response_ids=responses,
         response_log_probs=[[-0.5] * len(r) for r in responses], rewards=[1.0, 0.0],
         advantages=[0.5, -0.5], group_index=[0, 1], samples_per_prompt=1, pad_token_id=eos)

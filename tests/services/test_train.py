@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from services.config import load_job_config
 from services.train import SPREAD_METRICS, main, run_job, step_metrics
 
@@ -144,7 +144,7 @@ def test_step_metrics_log_the_length_bias_of_every_mode_from_the_loss_mask() -> 
     valid = [1, 2, 9, 3, 3, 4]
     responses = [[5] * 10, *([5] * m for m in valid[1:])]
     masks = [[1] + [0] * 9, *([1] * m for m in valid[1:])]
-    batch = TrainBatch.from_samples(
+    batch = RolloutBatch.from_samples(
         prompt_ids=[[1, 2]] * 6, response_ids=responses,
         response_log_probs=[[-1.0] * len(r) for r in responses], rewards=[0.0] * 6,
         advantages=[0.0] * 6, group_index=[0, 0, 0, 1, 1, 1], samples_per_prompt=3,

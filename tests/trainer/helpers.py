@@ -1,14 +1,14 @@
-"""A small, deterministic TrainBatch for trainer tests."""
+"""A small, deterministic RolloutBatch for trainer tests."""
 
 from __future__ import annotations
 
 import torch
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 
 
 def random_train_batch(vocab_size: int, num_prompts: int = 3, group_size: int = 2,
-                       seed: int = 0, first_group: int = 0) -> TrainBatch:
+                       seed: int = 0, first_group: int = 0) -> RolloutBatch:
     """Groups with uneven prompt and response lengths (one empty-mask sample)."""
     gen = torch.Generator().manual_seed(seed)
     prompts, responses, log_probs, masks, groups = [], [], [], [], []
@@ -25,14 +25,14 @@ def random_train_batch(vocab_size: int, num_prompts: int = 3, group_size: int = 
     masks[1] = [0] * len(masks[1])  # a sample with no valid token still counts in N
     rewards = torch.rand(len(prompts), generator=gen)
     advantages = rewards - rewards.mean()
-    return TrainBatch.from_samples(prompts, responses, log_probs, rewards.tolist(),
+    return RolloutBatch.from_samples(prompts, responses, log_probs, rewards.tolist(),
                                    advantages.tolist(), groups, group_size,
                                    response_masks=masks)
 
 
 def sampled_train_batch(model_path: str, temperature: float, num_prompts: int = 4,
                         group_size: int = 2, max_new_tokens: int = 10, seed: int = 0
-                        ) -> TrainBatch:
+                        ) -> RolloutBatch:
     """A batch the torch engine sampled at ``temperature``, with the engine's log-probs."""
     from rollout.config import SamplingConfig, TorchEngineConfig
     from rollout.engines.torch_engine import TorchEngine
@@ -45,7 +45,7 @@ def sampled_train_batch(model_path: str, temperature: float, num_prompts: int = 
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens)
     generations = engine.generate(prompts, sampling, seed=seed)
     rewards = torch.rand(len(prompts), generator=gen)
-    return TrainBatch.from_samples(
+    return RolloutBatch.from_samples(
         prompts, [g.token_ids for g in generations], [g.log_probs for g in generations],
         rewards.tolist(), (rewards - rewards.mean()).tolist(),
         [i // group_size for i in range(len(prompts))], group_size)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from tests.trainer.megatron.helpers import MAX_RESPONSE_LEN, max_relative_difference
 from trainer.config import (
     AGGREGATION_MODES,
@@ -47,7 +47,7 @@ def objective_of(mode: str, loss: LossConfig) -> ObjectiveConfig:
 class Runs:
     """For a named layout (backend, dp_size, tp_size), run once and keep the result."""
 
-    def __init__(self, model_path: str, batch: TrainBatch, config: TrainerConfig,
+    def __init__(self, model_path: str, batch: RolloutBatch, config: TrainerConfig,
                  modes: tuple[str, ...] = AGGREGATION_MODES) -> None:
         self.model_path, self.batch, self.config, self.modes = model_path, batch, config, modes
         self.results: dict[tuple[str, int, int], RunResult] = {}

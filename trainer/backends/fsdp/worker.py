@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
 from trainer.config import ObjectiveConfig, TrainerConfig
@@ -105,7 +105,7 @@ class FSDPWorker(RankInfo):
                                              targets, temperature), keep)
         return TokenLogProbs(spread(log_probs, keep), spread(entropy, keep), ref)
 
-    def train_step(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         started = time.perf_counter()
         sums = self.forward_backward(batch, plan)
         sums.update(self.optimizer_step())
@@ -113,7 +113,7 @@ class FSDPWorker(RankInfo):
         sums["perf/compute_s"] = time.perf_counter() - started  # rank-local fwd+bwd+step
         return sums
 
-    def forward_backward(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
+    def forward_backward(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         """Σ w·ℓ over this rank's tokens, backpropagated; returns the step's exact terms."""
         scale = sum_reduction_factor(self.config.world_size)  # FSDP averages; we SUM
         mode_names = plan.mode_metric_names
@@ -132,7 +132,7 @@ class FSDPWorker(RankInfo):
         return step_metrics(totals, mode_names)
 
     @torch.no_grad()
-    def log_probs(self, batch: TrainBatch, plan: StepPlan) -> torch.Tensor | None:
+    def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
         """Collective, no update: log π_T of every response token under the current
         policy, [N, S] aligned with input_ids (the old log-probs of a rollout with several
         updates); rank 0 returns it. Same precision, temperature and mode as the loss."""
@@ -150,7 +150,7 @@ class FSDPWorker(RankInfo):
         dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
         return out if self.rank == 0 else None
 
-    def _gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
+    def _gradients(self, batch: RolloutBatch, plan: StepPlan, objective: ObjectiveConfig
                    ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
         with self.objective_for_call(objective):
             sums = self.forward_backward(batch, plan)

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from rollout.batch import TrainBatch
+from rollout.batch import RolloutBatch
 from trainer.backends.megatron import checkpoint as megatron_checkpoint
 from trainer.backends.megatron.convert import HF_TIED_HEAD
 from trainer.backends.megatron.cpu_bridge import cpu_bridge, install_rng_tracker
@@ -103,7 +103,7 @@ class MegatronWorker(RankInfo):
         WeightMover(model, self.shape, self.device).read_checkpoint(self.model_path)
         return model.requires_grad_(False)
 
-    def _slice(self, batch: TrainBatch, plan: StepPlan, samples: list[int]) -> MicroBatch:
+    def _slice(self, batch: RolloutBatch, plan: StepPlan, samples: list[int]) -> MicroBatch:
         """A packed row where THD runs (GPU with TransformerEngine), else the same
         samples padded: Megatron's local attention has no packed-sequence path."""
         if plan.packed and use_transformer_engine(self.device):
@@ -142,7 +142,7 @@ class MegatronWorker(RankInfo):
                                          self.objective, self.shape, scale, mode_names,
                                          self.planted_terms)
 
-    def train_step(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         started = time.perf_counter()
         sums = self.forward_backward(batch, plan)
         sums.update(self.optimizer_step())
@@ -150,7 +150,7 @@ class MegatronWorker(RankInfo):
         sums["perf/compute_s"] = time.perf_counter() - started
         return sums
 
-    def forward_backward(self, batch: TrainBatch, plan: StepPlan) -> dict[str, float]:
+    def forward_backward(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         """Σ w·ℓ over this rank's tokens, backpropagated into the main params' fp32 grads
         and averaged over DP×CP; returns the step's exact terms."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -176,7 +176,7 @@ class MegatronWorker(RankInfo):
         return step_metrics(totals, mode_names)
 
     @torch.no_grad()
-    def log_probs(self, batch: TrainBatch, plan: StepPlan) -> torch.Tensor | None:
+    def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
         """Collective, no update: log π_T [N, S] of every response token under the current
         policy (a rollout's old log-probs); rank 0 returns it. TP ranks hold identical
         values after the vocab-parallel reduction, so only TP rank 0 of CP rank 0 of each
@@ -197,7 +197,7 @@ class MegatronWorker(RankInfo):
         dist.all_reduce(out)  # each sample written by exactly one rank
         return out if self.rank == 0 else None
 
-    def _gradients(self, batch: TrainBatch, plan: StepPlan, objective: ObjectiveConfig
+    def _gradients(self, batch: RolloutBatch, plan: StepPlan, objective: ObjectiveConfig
                    ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
         """Collective, no update: the step's sums under ``objective`` and, on rank 0, the
         full summed fp64 gradient of every HF parameter (what the optimizer would see,
