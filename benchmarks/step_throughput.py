@@ -65,14 +65,13 @@ def train_step_times(model_path: str, batch: RolloutBatch, packed: bool, budget:
     import torch.distributed as dist
 
     from trainer.backends.fsdp.worker import FSDPWorker
-    from trainer.rank import free_port
 
     config = TrainerConfig(dp_size=1, max_tokens_per_micro_batch=budget, packing=packed,
                            num_threads=2,
                            optimizer=OptimizerConfig(lr=1e-5))
     objective = ObjectiveConfig()
     worker = FSDPWorker(config, objective, model_path, 0, total_steps=steps + 1)
-    worker.setup("127.0.0.1", free_port())
+    worker.setup(*worker.rendezvous_address("127.0.0.1"))
     try:
         plan = plan_step(batch, objective, 1, 1, budget, packed=packed)
         times = []
@@ -119,7 +118,7 @@ def packing_table(repeats: int) -> None:
 
 
 def end_to_end_table(steps: int, batch_sizes: list[int], async_values: list[int]) -> None:
-    from services.train import run_job
+    from services.driver.loop import run_job
 
     print(f"\nend to end (demo config, DP=2, median of {steps - 2} steps; shares of the step "
           "time; orchestration = step − exposed generation − fwd+bwd, exposed generation = "

@@ -20,7 +20,6 @@ fails the step with :class:`RewardError` once errors exceed ``max_error_rate``
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import re
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.config import RewardConfig
+from rollout.plugins import PluginError, load_object
 
 RewardFn = Callable[[list[str], list[str | None], list[dict[str, Any]]], Any]
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -116,19 +116,10 @@ def boxed_match(
 
 def load_custom_function(path: str) -> RewardFn:
     """Import ``module:function``; errors say what is wrong with the path."""
-    module_name, _, function_name = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardError(
-            f"reward.custom_function: cannot import module {module_name!r}: {e}"
-        ) from e
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise RewardError(
-            f"reward.custom_function: module {module_name!r} has no callable {function_name!r}"
-        )
-    return function
+        return load_object(path, "reward.custom_function")
+    except PluginError as err:
+        raise RewardError(str(err)) from err
 
 
 def reward_function(config: RewardConfig) -> RewardFn:

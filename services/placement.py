@@ -68,11 +68,8 @@ def _hidden_size(model_path: str) -> int:
 
 
 def trainer_bundle(config: JobConfig) -> dict[str, float]:
-    trainer = config.trainer
-    bundle = {"CPU": trainer.num_cpus_per_rank, **trainer.resources}
-    if trainer.num_gpus_per_rank:
-        bundle["GPU"] = trainer.num_gpus_per_rank
-    return bundle
+    """One trainer rank's bundle (``TrainerConfig.rank_bundle``)."""
+    return config.trainer.rank_bundle
 
 
 def engine_bundle(config: JobConfig) -> dict[str, float]:

@@ -42,11 +42,11 @@ and constant both give W_i ∝ M_i, hence equal shares: they differ in scale (1/
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
 
+from rollout.plugins import load_object
 from trainer.config import AGGREGATION_MODES, AggregationConfig, AggregationMode
 
 __all__ = [
@@ -311,15 +311,7 @@ def length_bias(
 
 def load_custom_reducer(path: str) -> WeightFn:
     """Import ``module:function``; errors name the field."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"custom_reducer: cannot import module {module_name!r}: {err}") from err
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"custom_reducer: {module_name!r} has no callable {attr!r}")
-    return fn
+    return load_object(path, "custom_reducer")
 
 
 def custom_reducer_weights(path: str, loss_mask: torch.Tensor,

@@ -1,6 +1,10 @@
 """Checkpoints: the model as a Hugging Face folder (safetensors, loadable with
 ``from_pretrained``) and the trainer state (optimizer, scheduler, RNG) beside it.
 
+This module is the one writer and reader of that format: the backends hand it their
+weights (as HF names), their full optimizer state and their scheduler; the driver's part
+(services/driver/checkpoint.py) goes in the same folder.
+
 A checkpoint is written under ``<name>.tmp`` and renamed when complete (see
 ``commit_checkpoint``), so a crash never leaves a half-written checkpoint that a resume
 could load: ``checkpoints`` only sees committed folders, newest first (a resume whose
@@ -12,12 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 MODEL_DIR, TRAINER_STATE = "model", "trainer_state.pt"
@@ -70,6 +76,26 @@ def _from_safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_from_safe(item) for item in value)
     return value
+
+
+def trainer_state(optimizer_state: dict, scheduler: torch.optim.lr_scheduler.LRScheduler
+                  ) -> dict:
+    """What a checkpoint keeps besides the weights."""
+    return {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                    "python": random.getstate()}}
+
+
+def restore_schedule_and_rng(state: dict, scheduler: torch.optim.lr_scheduler.LRScheduler
+                             ) -> None:
+    """Collective: rank 0 read ``state``; every rank restores its scheduler and RNG."""
+    holder = [state.get("scheduler"), state.get("rng")]
+    dist.broadcast_object_list(holder, src=0)
+    scheduler_state, rng = holder
+    scheduler.load_state_dict(scheduler_state)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
 
 
 def save_trainer_checkpoint(path: str, model_path: str, model: torch.nn.Module,
@@ -156,13 +182,13 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def unreadable(path: str | Path) -> str | None:
-    """Why a committed checkpoint cannot be loaded (a truncated or corrupt file), or None;
-    reads the headers only (mmap), so the ranks are never asked to load a broken one."""
+    """Why the trainer's part of a committed checkpoint cannot be loaded (a truncated or
+    corrupt file), or None; reads the headers only (mmap), so the ranks are never asked to
+    load a broken one. The driver's part is checked by services/driver/checkpoint.py."""
     from safetensors import safe_open
 
     path = Path(path)
     try:
-        json.loads((path / "driver_state.json").read_text())
         with safe_open(str(path / MODEL_DIR / "model.safetensors"), framework="pt") as weights:
             list(weights.keys())
         torch.load(path / TRAINER_STATE, weights_only=True, mmap=True)

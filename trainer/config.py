@@ -220,6 +220,15 @@ class TrainerConfig(BaseModel):
     def world_size(self) -> int:
         return self.dp_size * self.cp_size * self.tp_size
 
+    @property
+    def rank_bundle(self) -> dict[str, float]:
+        """The Ray resources of one rank's placement bundle (a fresh dict: callers may
+        change theirs); the trainer's own group and the job's placement both use it."""
+        bundle = {"CPU": self.num_cpus_per_rank, **self.resources}
+        if self.num_gpus_per_rank:
+            bundle["GPU"] = self.num_gpus_per_rank
+        return bundle
+
 
 class ObjectiveConfig(BaseModel):
     """The step objective exactly as the trainer runs it, composed once from the job

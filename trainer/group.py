@@ -9,6 +9,7 @@ the cluster cannot hold them (``STRICT_PACK`` by default).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -16,8 +17,10 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.batch import RolloutBatch
+from rollout.plugins import load_object
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.step_plan import StepPlan, packs, plan_step
+from trainer.worker import TrainerWorker
 
 
 class TrainerRankDied(RuntimeError):
@@ -29,17 +32,31 @@ class TrainerRankDied(RuntimeError):
         self.rank = rank
 
 
-def worker_class(backend: str) -> type:
-    """The rank actor of a backend; every backend exposes the same verbs."""
-    if backend == "fsdp":
-        from trainer.backends.fsdp.worker import FSDPWorker
+WORKER_CLASSES = {
+    "fsdp": "trainer.backends.fsdp.worker:FSDPWorker",
+    "megatron": "trainer.backends.megatron.worker:MegatronWorker",
+}
+"""The rank actor of each ``trainer.backend``, imported only when a group is made."""
 
-        return FSDPWorker
-    if backend == "megatron":
-        from trainer.backends.megatron.worker import MegatronWorker
+Verb = Callable[..., Any]
+"""A ``TrainerWorker`` method, unbound (``TrainerWorker.train_step``): the group derives
+the Ray method and the name its errors give from it."""
 
-        return MegatronWorker
-    raise ValueError(f"trainer.backend: unknown backend {backend!r}")
+
+def worker_class(backend: str) -> type[TrainerWorker]:
+    """The rank actor of a backend; every backend exposes the verbs of TrainerWorker."""
+    if backend not in WORKER_CLASSES:
+        raise ValueError(f"trainer.backend: unknown backend {backend!r}")
+    return load_object(WORKER_CLASSES[backend], "trainer.backend")
+
+
+def _remote(worker: ray.actor.ActorHandle, verb: Verb, *args: Any, num_returns: int = 1
+            ) -> Any:
+    """Start ``verb`` on one rank's actor; its ref, or a list of ``num_returns`` refs."""
+    method = getattr(worker, verb.__name__)
+    if num_returns != 1:
+        method = method.options(num_returns=num_returns)
+    return method.remote(*args)
 
 
 class TrainerGroup:
@@ -62,15 +79,12 @@ class TrainerGroup:
             ).remote(config, objective, model_path, rank, total_steps)
             for rank in range(config.world_size)
         ]
-        master_addr, master_port = ray.get(self.workers[0].node_address.remote())
-        self._call("setup", master_addr, master_port)
+        self._call(TrainerWorker.setup, *self._rendezvous())
 
     @staticmethod
     def _place(config: TrainerConfig) -> PlacementGroup:
-        bundle = {"CPU": config.num_cpus_per_rank, **config.resources}
-        if config.num_gpus_per_rank:
-            bundle["GPU"] = config.num_gpus_per_rank
-        group = placement_group([dict(bundle) for _ in range(config.world_size)],
+        bundle = config.rank_bundle
+        group = placement_group([config.rank_bundle for _ in range(config.world_size)],
                                 strategy="PACK" if config.allow_cross_node else "STRICT_PACK")
         try:
             ray.get(group.ready(), timeout=config.call_timeout_s)
@@ -82,13 +96,18 @@ class TrainerGroup:
                 f"{config.call_timeout_s:.0f} s") from None
         return group
 
-    def _call(self, verb: str, *args: Any) -> list[Any]:
-        """Run ``verb`` on every rank at once and wait for all of them.
+    def _rendezvous(self) -> tuple[str, int]:
+        """Where rank 0's store listens: rank 0 binds the port itself, so no other process
+        can take it between choosing and using it."""
+        verb = TrainerWorker.rendezvous_address
+        ref = _remote(self.workers[0], verb)
+        self._wait(verb, [ref])
+        return ray.get(ref)
 
-        Fails fast: the first rank that dies raises at once (its peers may be stuck in a
-        collective waiting for it), and a verb past ``call_timeout_s`` raises too.
-        """
-        refs = [getattr(w, verb).remote(*args) for w in self.workers]
+    def _wait(self, verb: Verb, refs: list[ray.ObjectRef]) -> None:
+        """Wait for ``refs`` (``refs[rank]``: that rank's call of ``verb``), failing fast:
+        the first rank that dies raises at once (its peers may be stuck in a collective
+        waiting for it), and a verb past ``call_timeout_s`` raises too."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
@@ -96,12 +115,17 @@ class TrainerGroup:
                                       timeout=self.config.call_timeout_s)
             if not ready:
                 stuck = sorted(rank_of[r] for r in pending)
-                raise TimeoutError(f"trainer: ranks {stuck} did not finish {verb} within "
-                                   f"{self.config.call_timeout_s:.0f} s")
+                raise TimeoutError(f"trainer: ranks {stuck} did not finish {verb.__name__} "
+                                   f"within {self.config.call_timeout_s:.0f} s")
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayActorError as err:
-                raise TrainerRankDied(rank_of[ready[0]], verb, err) from err
+                raise TrainerRankDied(rank_of[ready[0]], verb.__name__, err) from err
+
+    def _call(self, verb: Verb, *args: Any) -> list[Any]:
+        """Run ``verb`` with ``args`` on every rank at once; every rank's answer."""
+        refs = [_remote(worker, verb, *args) for worker in self.workers]
+        self._wait(verb, refs)
         return ray.get(refs)
 
     def plan(self, batch: RolloutBatch, objective: ObjectiveConfig | None = None) -> StepPlan:
@@ -120,42 +144,48 @@ class TrainerGroup:
         """
         plan = self.plan(batch, objective)
         ref = batch_ref if batch_ref is not None else ray.put(batch)
-        return self._call("train_step", ref, ray.put(plan))[0]
+        return self._call(TrainerWorker.train_step, ref, ray.put(plan))[0]
 
     def log_probs(self, batch: RolloutBatch) -> Any:
         """log π_T [N, S] of every response token under the current policy (no update)."""
-        return self._call("log_probs", ray.put(batch), ray.put(self.plan(batch)))[0]
+        return self._call(TrainerWorker.log_probs, ray.put(batch), ray.put(self.plan(batch)))[0]
 
     def gradients(self, batch: RolloutBatch, objectives: list[ObjectiveConfig]
                   ) -> list[tuple[dict[str, float], dict[str, Any]]]:
         """One step's logged sums and full summed gradients under each objective, without
         an update (one call for all of them)."""
         plans = [self.plan(batch, objective) for objective in objectives]
-        return self._call("gradients", ray.put(batch), ray.put(plans), objectives)[0]
+        return self._call(TrainerWorker.gradients, ray.put(batch), ray.put(plans), objectives)[0]
 
     def async_export_weights(self, for_engines: bool = False) -> ray.ObjectRef:
-        """Gather the full weights (collective); the ref holds rank 0's state dict, of
-        numpy arrays ``for_engines`` (RankInfo.export_engine_weights)."""
-        verb = "export_engine_weights" if for_engines else "export_weights"
-        refs = [getattr(w, verb).remote() for w in self.workers]
-        ray.wait(refs, num_returns=len(refs))
-        return refs[0]
+        """Gather the full weights (collective) and wait until every rank has done its
+        part, through the fail-fast, bounded wait of every verb (``TrainerRankDied``,
+        ``TimeoutError``); return rank 0's state dict (numpy arrays ``for_engines``:
+        ``TrainerWorker.export_engine_weights``) as a ref, never fetched into the driver.
+        ``async_`` names the ref it returns: the collective is over when it returns."""
+        verb = TrainerWorker.export_engine_weights if for_engines else TrainerWorker.export_weights
+        receipts, weights = zip(*(_remote(worker, TrainerWorker.export_with_receipt,
+                                          for_engines, num_returns=2)
+                                  for worker in self.workers), strict=True)
+        self._wait(verb, list(receipts))
+        return weights[0]
 
     def load_weights(self, state_dict: dict | ray.ObjectRef) -> None:
         """Replace the policy weights on every rank (rank 0's copy is broadcast)."""
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
-        ray.get([w.load_weights.remote(ref if rank == 0 else None)
-                 for rank, w in enumerate(self.workers)])
+        verb = TrainerWorker.load_weights
+        self._wait(verb, [_remote(worker, verb, ref if rank == 0 else None)
+                          for rank, worker in enumerate(self.workers)])
 
     def save_checkpoint(self, path: str) -> None:
-        self._call("save_checkpoint", path)
+        self._call(TrainerWorker.save_checkpoint, path)
 
     def load_checkpoint(self, path: str) -> None:
-        self._call("load_checkpoint", path)
+        self._call(TrainerWorker.load_checkpoint, path)
 
     def worker_nodes(self) -> list[str]:
         """The Ray node id of each rank, in rank order."""
-        return self._call("node_id")
+        return self._call(TrainerWorker.node_id)
 
     def shutdown(self) -> None:
         """Kill every rank: a rank stuck in a collective with a dead peer would never

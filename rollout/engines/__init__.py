@@ -8,15 +8,15 @@ engine only when an engine is actually built.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from typing import Any
 
 from rollout.config import EngineConfig, RolloutConfig, SGLangEngineConfig, TorchEngineConfig
+from rollout.plugins import load_object
 
 _ENGINE_CLASSES = {
-    "torch": ("rollout.engines.torch_engine", "TorchEngine"),
-    "sglang": ("rollout.engines.sglang_engine", "SGLangEngine"),
+    "torch": "rollout.engines.torch_engine:TorchEngine",
+    "sglang": "rollout.engines.sglang_engine:SGLangEngine",
 }
 
 
@@ -44,8 +44,7 @@ def check_engine_available(config: RolloutConfig | EngineConfig) -> None:
 
 def engine_class(config: EngineConfig) -> type:
     """The Engine subclass of ``config.type`` (imported on demand)."""
-    module_name, class_name = _ENGINE_CLASSES[config.type]
-    return getattr(importlib.import_module(module_name), class_name)
+    return load_object(_ENGINE_CLASSES[config.type], "engine.type")
 
 
 def engine_actor_options(config: EngineConfig) -> dict[str, Any]:

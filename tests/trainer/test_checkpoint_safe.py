@@ -22,9 +22,9 @@ from trainer.checkpoint import (
     load_trainer_checkpoint,
     save_trainer_checkpoint,
     staging_path,
+    trainer_state,
     unreadable,
 )
-from trainer.rank import trainer_state
 
 
 def test_trainer_state_round_trips_with_weights_only(tmp_path: Path) -> None:
@@ -77,7 +77,6 @@ def write_checkpoint(root: Path, step: int, value: float) -> Path:
     staging = staging_path(root, step)
     save_trainer_checkpoint(str(staging), str(root), SimpleNamespace(
         config=PretrainedConfig()), {"w": torch.full((2,), value)}, {"step": step})
-    (staging / "driver_state.json").write_text(f'{{"step": {step}}}')
     return commit_checkpoint(root, step)
 
 
@@ -102,5 +101,5 @@ def test_unreadable_checkpoints_are_named_and_skipped(tmp_path: Path) -> None:
     state = newer / TRAINER_STATE
     state.write_bytes(state.read_bytes()[:20])  # truncated
     assert unreadable(newer) is not None
-    (older / "driver_state.json").write_text("{torn")
-    assert "JSONDecodeError" in (unreadable(older) or "")
+    (older / "model" / "model.safetensors").write_bytes(b"{torn")
+    assert unreadable(older) is not None

@@ -24,14 +24,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.config import TrainerConfig
+from trainer.rank import master_dtype
 
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-
-
-def master_dtype(compute_dtype: torch.dtype) -> torch.dtype:
-    """Parameters are fp32 (fp64 when computing in fp64, for verification)."""
-    return torch.float64 if compute_dtype == torch.float64 else torch.float32
 
 
 def load_model(model_path: str, compute_dtype: torch.dtype, device: torch.device

@@ -8,8 +8,6 @@ of π_T; ``trainer/objective.py`` turns them into the loss and the logged sums.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -17,7 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from rollout.batch import RolloutBatch
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
-from trainer.config import ObjectiveConfig, TrainerConfig
+from trainer.checkpoint import restore_schedule_and_rng, trainer_state
+from trainer.config import ObjectiveConfig
 from trainer.losses import log_probs_and_entropy, loss_positions, spread, token_log_probs
 from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
 from trainer.objective import (
@@ -28,31 +27,20 @@ from trainer.objective import (
     term_coefficients,
 )
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.rank import (
-    RankInfo,
-    compute_dtype,
-    init_rank,
-    restore_schedule_and_rng,
-    trainer_state,
-)
+from trainer.rank import compute_dtype
 from trainer.step_plan import StepPlan, packs
+from trainer.worker import TrainerWorker
 
 
-class FSDPWorker(RankInfo):
-    """Verbs: setup, train_step (forward_backward + optimizer_step), gradients,
-    log_probs, export_weights, load_weights, save_checkpoint, load_checkpoint. The group
-    stops a rank by killing its actor (a rank stuck in a collective could not answer)."""
-
-    def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
-                 rank: int, total_steps: int) -> None:
-        self.config, self.objective, self.model_path = config, objective, model_path
-        self.rank, self.total_steps = rank, total_steps
-        self.cp_rank, self.dp_rank = rank % config.cp_size, rank // config.cp_size
+class FSDPWorker(TrainerWorker):
+    """The FSDP2 backend's verbs (``TrainerWorker``): the model sharded over the whole
+    world, gradients summed over DP×CP by FSDP's reduce-scatter."""
 
     def setup(self, master_addr: str, master_port: int) -> None:
         config = self.config
-        self.device = init_rank(config, self.rank, master_addr, master_port)
+        self.device = self._join_process_group(master_addr, master_port)
         # rank = dp_rank · cp_size + cp_rank: the mesh's row-major layout.
+        self.dp_rank, self.cp_rank = divmod(self.rank, config.cp_size)
         self.mesh = init_device_mesh(self.device.type, (config.dp_size, config.cp_size),
                                      mesh_dim_names=("dp", "cp"))
         self.dp_group, self.cp_group = self.mesh["dp"].get_group(), self.mesh["cp"].get_group()
@@ -104,14 +92,6 @@ class FSDPWorker(RankInfo):
                 ref = spread(token_log_probs(self._logits(self.ref_model, micro, keep),
                                              targets, temperature), keep)
         return TokenLogProbs(spread(log_probs, keep), spread(entropy, keep), ref)
-
-    def train_step(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
-        started = time.perf_counter()
-        sums = self.forward_backward(batch, plan)
-        sums.update(self.optimizer_step())
-        sums["padding_fraction"] = plan.padding_fraction
-        sums["perf/compute_s"] = time.perf_counter() - started  # rank-local fwd+bwd+step
-        return sums
 
     def forward_backward(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         """Σ w·ℓ over this rank's tokens, backpropagated; returns the step's exact terms."""

@@ -17,8 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
-from trainer.rank import restore_schedule_and_rng, trainer_state
+from trainer.checkpoint import (
+    load_trainer_checkpoint,
+    restore_schedule_and_rng,
+    save_trainer_checkpoint,
+    trainer_state,
+)
 
 if TYPE_CHECKING:
     from trainer.backends.megatron.worker import MegatronWorker

@@ -32,17 +32,14 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-
-def main_dtype(compute_dtype: torch.dtype) -> torch.dtype:
-    """fp32 main weights (fp64 when computing in fp64), like the FSDP backend."""
-    return torch.float64 if compute_dtype == torch.float64 else torch.float32
+from trainer.rank import master_dtype
 
 
 class MainParams:
     """The optimizer's view of a model: named main params with fp32 gradients."""
 
     def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
-        dtype = main_dtype(compute_dtype)
+        dtype = master_dtype(compute_dtype)  # Megatron's main params
         self.model_params = dict(model.named_parameters())
         self.separate = any(p.dtype != dtype for p in self.model_params.values())
         if not self.separate:

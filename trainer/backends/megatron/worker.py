@@ -1,4 +1,4 @@
-"""One Megatron trainer rank (a Ray actor) with the verbs and metrics of ``FSDPWorker``.
+"""One Megatron trainer rank (a Ray actor): the verbs and metrics of ``TrainerWorker``.
 
 Rank layout (Megatron's order tp-cp-dp): rank = (dp_rank · cp + cp_rank) · tp + tp_rank.
 TP ranks of one DP×CP rank see the same tokens; DP ranks take ``plan.micro_batches
@@ -16,7 +16,6 @@ from ``trainer/optim.py`` steps the main params, which are then copied into the 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Iterator
 
 import torch
@@ -39,7 +38,7 @@ from trainer.backends.megatron.model import (
     use_transformer_engine,
 )
 from trainer.backends.megatron.weights import WeightMover
-from trainer.config import ObjectiveConfig, TrainerConfig
+from trainer.config import ObjectiveConfig
 from trainer.micro_batch import (
     MicroBatch,
     gather_log_probs,
@@ -48,26 +47,21 @@ from trainer.micro_batch import (
 )
 from trainer.objective import planted_error_terms, step_metrics
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.rank import RankInfo, compute_dtype, init_rank
+from trainer.rank import compute_dtype
 from trainer.step_plan import StepPlan
+from trainer.worker import TrainerWorker
 
 
-class MegatronWorker(RankInfo):
-    """Verbs: setup, train_step (forward_backward + optimizer_step), gradients,
-    log_probs, export_weights, load_weights, save_checkpoint, load_checkpoint (the same
-    as ``FSDPWorker``)."""
-
-    def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
-                 rank: int, total_steps: int) -> None:
-        self.config, self.objective, self.model_path = config, objective, model_path
-        self.rank, self.total_steps = rank, total_steps
+class MegatronWorker(TrainerWorker):
+    """The Megatron-core backend's verbs (``TrainerWorker``); its rank layout (tp-cp-dp)
+    comes from Megatron's ``parallel_state``."""
 
     def setup(self, master_addr: str, master_port: int) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
         config = self.config
-        self.device = init_rank(config, self.rank, master_addr, master_port)
+        self.device = self._join_process_group(master_addr, master_port)
         ps.initialize_model_parallel(tensor_model_parallel_size=config.tp_size,
                                      context_parallel_size=config.cp_size,
                                      create_gloo_process_groups=False)
@@ -141,14 +135,6 @@ class MegatronWorker(RankInfo):
         return logits, functools.partial(loss_func, micro, ref_log_probs, self.config.loss,
                                          self.objective, self.shape, scale, mode_names,
                                          self.planted_terms)
-
-    def train_step(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
-        started = time.perf_counter()
-        sums = self.forward_backward(batch, plan)
-        sums.update(self.optimizer_step())
-        sums["padding_fraction"] = plan.padding_fraction
-        sums["perf/compute_s"] = time.perf_counter() - started
-        return sums
 
     def forward_backward(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         """Σ w·ℓ over this rank's tokens, backpropagated into the main params' fp32 grads
