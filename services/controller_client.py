@@ -96,7 +96,12 @@ class ControllerSink:
         self._thread.join(timeout_s)
 
     def finish(self, status: str, error: str | None = None) -> None:
-        """Report the job's end (after close); a few quick tries, never raises."""
+        """Report the job's end (after close); a few quick tries, never raises.
+
+        A job the controller submitted to Ray is still running in Ray's eyes while its
+        driver says this: the controller answers 409 and records the end from Ray's own
+        status once the Ray job ends (docs/controller.md), so 409 is an answer, not a
+        failure to retry."""
         if not self.job_id:
             return
         payload = {"status": status, "error": error[-20_000:] if error else None}
@@ -105,6 +110,12 @@ class ControllerSink:
                 _post(f"{self.url}/api/jobs/{self.job_id}/status", payload, self.token,
                       self.timeout_s)
                 return
+            except urllib.error.HTTPError as err:
+                if err.code == 409:
+                    log.debug("controller %s: the end of %s comes from Ray", self.url,
+                              self.job_id)
+                    return
+                time.sleep(0.5 * (attempt + 1))
             except (OSError, ValueError):
                 time.sleep(0.5 * (attempt + 1))
         log.warning("controller %s: could not report status %s", self.url, status)

@@ -29,6 +29,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.config import error_field
 from services.controller.guard import RequestGuard
 from services.controller.observability import (
     BodyLimitMiddleware,
@@ -52,13 +53,9 @@ SUBMIT_BODY_BYTES = 2 * MAX_CONFIG_BYTES + 16 * 1024
 """A submit body: the config (JSON escaping may double it) and its overrides."""
 
 
-def _field_path(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(part) for part in loc if not str(part).startswith("function-"))
-
-
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-    items = [{"field": _field_path(tuple(e.get("loc", ()))) or "<body>",
+    items = [{"field": error_field(e.get("loc", ())) or "<body>",
               "message": str(e.get("msg", ""))} for e in errors]
     detail = "; ".join(f"{i['field']}: {i['message']}" for i in items) or "invalid request"
     return JSONResponse(ValidationErrorOut(detail=detail, errors=items).model_dump(), 422)

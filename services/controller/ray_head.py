@@ -29,9 +29,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from services.quiet import QUIET_ENV
+
 TEMP_PREFIX = "tally-ray-"
-QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "TRANSFORMERS_VERBOSITY": "error",
-             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:

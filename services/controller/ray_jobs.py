@@ -1,19 +1,22 @@
 """Ray jobs behind a small interface: submit, status, stop, logs, follow.
 
 :class:`RayJobBackend` wraps ``ray.job_submission.JobSubmissionClient`` against one job
-server address. Its calls block (HTTP): the API and the reconcile loop run them in
-threads. Tests of the API use a fake with the same methods.
+server address, and asks Ray's state API what the cluster holds (:meth:`resources`). Its
+calls block (HTTP): the API and the reconcile loop run them in threads. Tests of the API
+use a fake with the same methods.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 RAY_TO_TALLY = {"PENDING": "pending", "RUNNING": "running", "SUCCEEDED": "succeeded",
                 "FAILED": "failed", "STOPPED": "cancelled"}
+STATE_LIMIT = 10_000
+"""Most entries one state-API listing returns (Ray's own cap); more: "Ray does not say"."""
 
 
 class BackendUnavailable(RuntimeError):
@@ -122,17 +125,40 @@ class RayJobBackend:
         return None
 
     def resources(self) -> dict[str, tuple[float, float]] | None:
-        """(used, total) of each cluster resource (CPU, GPU, custom ones), placement groups
-        included; None when Ray does not say (its dashboard's cluster status, through the
-        client's authenticated request helper)."""
+        """(used, total) of each cluster resource (CPU, GPU, custom ones); None when Ray
+        does not say. From Ray's state API (``ray.util.state``, through the job server
+        with its auth): total = the alive nodes' resources; used = the bundles of every
+        created placement group (ours or not) and the actors outside placement groups
+        (short tasks are not counted)."""
+        from ray.util.state import list_actors, list_nodes, list_placement_groups
+        from ray.util.state.exception import RayStateApiException, ServerUnavailable
+
+        asked = {"address": self.address, "timeout": 10, "limit": STATE_LIMIT}
         try:
-            response = self._call("_do_request", "GET", "/api/cluster_status", timeout=10)
-            usage = response.json()["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
-            out = {str(name): (float(pair[0]), float(pair[1])) for name, pair in usage.items()
-                   if name not in ("memory", "objectStoreMemory")
-                   and not str(name).startswith("node:")}
-        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-            return None  # a Ray without this report: admission by max_running_jobs only
+            nodes = list_nodes(filters=[("state", "=", "ALIVE")], **asked)
+            groups = list_placement_groups(filters=[("state", "=", "CREATED")], detail=True,
+                                           **asked)
+            actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True, **asked)
+        except (ServerUnavailable, ConnectionError, OSError) as err:
+            raise BackendUnavailable(f"Ray job server {self.address}: {err}") from err
+        except RayStateApiException:
+            return None  # a Ray without the state API: admission by max_running_jobs only
+        total = _add(node.resources_total for node in nodes)
+        used = _add([*(bundle.get("unit_resources") for group in groups
+                       for bundle in group.bundles or ()),
+                     *(actor.required_resources for actor in actors
+                       if not actor.placement_group_id)])
+        out = {name: (used.get(name, 0.0), amount) for name, amount in total.items()
+               if name not in ("memory", "object_store_memory") and not name.startswith("node:")}
         if not out:  # a head just started has not reported yet: never guess "it fits"
             raise BackendUnavailable(f"Ray at {self.address} has not reported its resources")
         return out
+
+
+def _add(resources: Iterable[dict[str, float] | None]) -> dict[str, float]:
+    """Resource dicts summed by name."""
+    out: dict[str, float] = {}
+    for amounts in resources:
+        for name, amount in (amounts or {}).items():
+            out[str(name)] = out.get(str(name), 0.0) + float(amount)
+    return out

@@ -30,12 +30,10 @@ from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobI
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
 from services.controller.tables import ACTIVE, TERMINAL, Job
-from services.metrics import EVENTS_FILE
+from services.driver.run_dir import JOB_CONFIG_FILE, LOG_FILE, METRICS_FILE, write_event
 from services.placement import job_needs
 
 log = logging.getLogger("tally.controller")
-CONFIG_FILE = "job_config.yaml"
-LOG_FILE = "driver.log"
 TAIL_LINES = 40
 
 
@@ -198,14 +196,12 @@ class Reconciler:
         if self.waiting.get(job.id) == message:
             return
         self.waiting[job.id] = message
-        line = json.dumps({"time": time.time(), "kind": "waiting", "message": message})
-        with (contextlib.suppress(OSError),
-              (Path(job.output_dir) / EVENTS_FILE).open("a", encoding="utf-8") as events):
-            events.write(line + "\n")
+        with contextlib.suppress(OSError):
+            write_event(Path(job.output_dir), "waiting", message)
 
     def submit(self, job: Job) -> bool:
         """Submit one queued job to Ray; False when Ray is unreachable (retry later)."""
-        config_file = Path(job.output_dir) / CONFIG_FILE
+        config_file = Path(job.output_dir) / JOB_CONFIG_FILE
         if not config_file.is_file():
             self.store.transition(job.id, "failed", error=f"{config_file} is missing")
             return True
@@ -240,7 +236,7 @@ class Reconciler:
         if not self.settings.inside_roots(job.output_dir):
             return 0  # a registered job's folder outside the allowed roots: never read
         folder = Path(job.output_dir).resolve()
-        path = folder / "metrics.jsonl"
+        path = folder / METRICS_FILE
         try:
             size = path.stat().st_size
         except OSError:

@@ -15,10 +15,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from services.config import JobConfig
+from services.config import JobConfig, error_field
 from services.controller.auth import require_job_token, require_token
+from services.controller.ending import contradicted_end, stop_in_ray
 from services.controller.ray_jobs import BackendUnavailable
-from services.controller.reconcile import CONFIG_FILE
 from services.controller.schemas import (
     IngestResult,
     JobDetail,
@@ -41,8 +41,9 @@ from services.controller.submission import (
     resolve,
     submitted_config,
 )
-from services.controller.tables import ACTIVE, TERMINAL, Job
+from services.controller.tables import TERMINAL, Job
 from services.controller.views import job_detail, job_out, metrics_out, point_budget, split_names
+from services.driver.run_dir import JOB_CONFIG_FILE
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
@@ -66,7 +67,7 @@ def new_id() -> str:
 
 def invalid(err: SubmissionError | ValidationError, prefix: str = "") -> JSONResponse:
     if isinstance(err, ValidationError):
-        pairs = [(".".join(str(p) for p in e["loc"]) or "<body>", e["msg"]) for e in err.errors()]
+        pairs = [(error_field(e["loc"]) or "<body>", e["msg"]) for e in err.errors()]
         detail = "; ".join(f"{f}: {m}" for f, m in pairs)
     else:
         pairs, detail = err.errors, err.detail
@@ -87,7 +88,7 @@ def new_job(resolved: Resolved, job_id: str, **fields: object) -> Job:
 
 def write_config_file(resolved: Resolved) -> None:
     resolved.output_dir.mkdir(parents=True, exist_ok=True)
-    (resolved.output_dir / CONFIG_FILE).write_text(
+    (resolved.output_dir / JOB_CONFIG_FILE).write_text(
         yaml.safe_dump(resolved.file_config, sort_keys=False), encoding="utf-8")
 
 
@@ -185,19 +186,22 @@ def get_job(job_id: str, ctl: Ctl) -> JobDetail:
              responses={**NOT_FOUND, **AUTH, 409: {"model": Message}, 503: {"model": Message}},
              dependencies=[Depends(require_token)])
 def cancel_job(job_id: str, ctl: Ctl) -> JobDetail:
-    """Stop the job's Ray job (its driver, and with it its actors). Idempotent."""
+    """Stop the job's Ray job (its driver, and with it its actors), whatever the store
+    says of it while Ray has not confirmed its end. Idempotent."""
     job = get_or_404(ctl, job_id)
-    if job.status in TERMINAL:
+    try:
+        stopped = stop_in_ray(ctl.backend, job)
+    except BackendUnavailable as err:
+        raise HTTPException(503, f"cannot reach Ray to stop the job: {err}") from None
+    if job.status in TERMINAL and not stopped:
         if job.status == "cancelled":
             return job_detail(job, ctl.settings.roots)
         raise HTTPException(409, f"job {job_id} already {job.status}")
-    if job.ray_submission_id and (job.status in ACTIVE or job.source == "controller"):
-        try:
-            ctl.backend.stop(job.ray_submission_id)
-        except BackendUnavailable as err:
-            raise HTTPException(503, f"cannot reach Ray to stop the job: {err}") from None
     job, changed = ctl.store.advance(job_id, "cancelled", error="cancelled by the user")
-    if job is not None and not changed and job.status != "cancelled":  # it ended meanwhile
+    if job is not None and not changed and stopped and job.status != "cancelled":
+        job = ctl.store.overrule_end(job_id, job.status, "cancelled",  # Ray still ran it
+                                     error="cancelled by the user")
+    if job is not None and job.status != "cancelled":  # it ended meanwhile
         raise HTTPException(409, f"job {job_id} already {job.status}")
     return job_detail(job, ctl.settings.roots)
 
@@ -253,10 +257,20 @@ def ingest_metrics(job_id: str, batch: MetricsIngest, ctl: Ctl) -> IngestResult:
 
 
 @router.post("/{job_id}/status", response_model=JobDetail,
-             responses={**NOT_FOUND, **AUTH}, dependencies=[Depends(require_job_token)])
+             responses={**NOT_FOUND, **AUTH, 409: {"model": Message}, 503: {"model": Message}},
+             dependencies=[Depends(require_job_token)])
 def report_status(job_id: str, report: StatusReport, ctl: Ctl) -> JobDetail:
-    """A driver reports its start or its end (ignored once the job has ended)."""
-    get_or_404(ctl, job_id)
+    """A driver reports its start or its end (ignored once the job has ended). For a job
+    the controller submitted, an end Ray contradicts is refused (409): while Ray says the
+    job runs, its end is recorded when the Ray job ends."""
+    job = get_or_404(ctl, job_id)
+    if report.status in TERMINAL:
+        try:
+            why = contradicted_end(ctl.backend, job, report.status)
+        except BackendUnavailable as err:
+            raise HTTPException(503, f"cannot reach Ray to check the job: {err}") from None
+        if why is not None:
+            raise HTTPException(409, why)
     job = ctl.store.transition(job_id, report.status, **(
         {"error": report.error} if report.error else {}))
     return job_detail(job, ctl.settings.roots)

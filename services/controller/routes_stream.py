@@ -15,11 +15,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from services.controller.ray_jobs import BackendUnavailable
-from services.controller.reconcile import LOG_FILE, tail
+from services.controller.reconcile import tail
 from services.controller.routes_jobs import NOT_FOUND, get_or_404
 from services.controller.state import Controller, Ctl
 from services.controller.tables import ACTIVE, TERMINAL, Job
 from services.controller.views import columns, job_out
+from services.driver.run_dir import LOG_FILE
 
 router = APIRouter(prefix="/api/jobs", tags=["streams"])
 MAX_STREAMS, MAX_STREAMS_PER_JOB = 64, 8

@@ -2,8 +2,8 @@
 
 Every function opens its own short transaction, so the API threads and the reconcile loop
 share one Store safely. Status changes go through :meth:`Store.transition`, which never
-moves a job out of a terminal status: each is one conditional UPDATE whose row count says
-whether it won.
+moves a job out of a terminal status (only :meth:`Store.overrule_end` corrects an end Ray
+contradicts): each is one conditional UPDATE whose row count says whether it won.
 """
 
 from __future__ import annotations
@@ -242,6 +242,18 @@ class Store:
                                          synchronize_session=False))
             changed = result.rowcount == 1
         return self.get_job(job_id), changed
+
+    def overrule_end(self, job_id: str, stored: str, status: str, **values: Any
+                     ) -> Job | None:
+        """Replace a stored end that Ray contradicts (its Ray job still ran until a cancel
+        stopped it): ``stored`` -> ``status``, one conditional UPDATE like every status
+        change, a no-op if the job is no longer ``stored``."""
+        with self._write() as session:
+            session.execute(update(Job).where(Job.id == job_id, Job.status == stored)
+                            .values(**values, status=status, finished_at=time.time(),
+                                    updated_at=time.time())
+                            .execution_options(synchronize_session=False))
+        return self.get_job(job_id)
 
     # ---- metrics -------------------------------------------------------------------------
 

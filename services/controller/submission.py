@@ -18,10 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
-from services.config import ConfigError, JobConfig, _validation_error, apply_override
+from services.config import (
+    ConfigError,
+    JobConfig,
+    _validation_error,
+    apply_override,
+    load_yaml,
+    set_dotted,
+)
 from services.controller.settings import Settings
 from services.preflight import preflight
 
@@ -29,8 +35,6 @@ MAX_CONFIG_BYTES = 64 * 1024
 """A job config (YAML text or JSON object) larger than this is refused with 413."""
 MAX_DEPTH = 32
 """Deepest nesting of sections, lists and flow brackets a config may have."""
-SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-"""libyaml's loader when PyYAML was built with it (linear time; the Python one is not)."""
 
 
 class SubmissionError(ValueError):
@@ -122,15 +126,9 @@ def load_config_text(text: str) -> dict[str, Any]:
     if text_depth(text) > MAX_DEPTH:
         raise _config_problem(f"nested deeper than {MAX_DEPTH} levels")
     try:
-        for event in yaml.parse(text, Loader=SafeLoader):
-            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                raise _config_problem("YAML anchors and aliases are not accepted")
-        data = yaml.load(text, Loader=SafeLoader) if text.strip() else {}  # a safe loader
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1} " if mark else ""
-        raise _config_problem(f"{where}not valid YAML: "
-                              f"{getattr(err, 'problem', None) or err}") from None
+        data = load_yaml(text, "<config>", aliases=False)
+    except ConfigError as err:
+        raise from_config_error(err) from None
     if not isinstance(data, dict):
         raise _config_problem(f"a job config is a mapping of keys, got {type(data).__name__}")
     if data_depth(data) > MAX_DEPTH:  # e.g. a long "- - - -" line
@@ -185,14 +183,6 @@ def _inside_roots(value: str, field_path: str, settings: Settings) -> Path:
     return path
 
 
-def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
-    node = data
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[leaf] = value
-
-
 def resolve_paths(config: JobConfig, data: dict[str, Any], settings: Settings,
                   default_output: Path) -> Path:
     """Check every path field, write resolved ones into ``data``; returns the job folder."""
@@ -211,7 +201,7 @@ def resolve_paths(config: JobConfig, data: dict[str, Any], settings: Settings,
         if not exists:
             message = f"{value} is not an existing {'directory' if kind == 'dir' else 'file'}"
             raise SubmissionError(f"{field_path}: {message}", [(field_path, message)])
-        _set(data, field_path, str(path))
+        set_dotted(data, field_path, str(path))
     output_dir = (_inside_roots(config.output_dir, "output_dir", settings)
                   if config.output_dir else default_output)
     data["output_dir"] = str(output_dir)

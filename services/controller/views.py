@@ -11,7 +11,7 @@ from fastapi import HTTPException
 from services.controller.schemas import JobDetail, JobEvent, JobOut, JobStatus, MetricsOut
 from services.controller.store import MetricTriple
 from services.controller.tables import Job
-from services.metrics import EVENTS_FILE
+from services.driver.run_dir import EVENTS_FILE
 from trainer.config import AGGREGATION_MODES
 
 CHART_METRICS = (

@@ -13,6 +13,7 @@ from typing import Any
 from services.controller.ray_head import free_port
 from services.controller.ray_jobs import BackendUnavailable, RayJobInfo
 from services.controller.settings import Settings
+from services.controller.tables import TERMINAL
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = (ROOT / "configs" / "demo.yaml").read_text()
@@ -51,9 +52,10 @@ class FakeBackend:
         return None if job is None else RayJobInfo(job["status"], job["message"], "01000000")
 
     def stop(self, submission_id: str) -> bool:
+        """As Ray's ``stop_job``: True if the job was running (it is stopped now)."""
         self._check()
         job = self.jobs.get(submission_id)
-        if job is None:
+        if job is None or job["status"] in TERMINAL:
             return False
         job["status"] = "cancelled"
         return True
@@ -81,6 +83,21 @@ class FakeBackend:
 def make_settings(tmp: Path, **overrides: object) -> Settings:
     overrides.setdefault("allowed_hosts", ("testserver",))  # TestClient's Host
     return Settings(data_dir=tmp / "data", reconcile_interval_s=0.2, **overrides)
+
+
+def api_client(tmp: Path, **overrides: object) -> Any:
+    """A TestClient of the app on a :class:`FakeBackend`, reached as ``.backend``, and the
+    app's Controller as ``.ctl``."""
+    from fastapi.testclient import TestClient
+
+    from services.controller.app import create_app
+
+    backend = FakeBackend()
+    app = create_app(make_settings(tmp, **overrides), backend=backend)
+    client = TestClient(app)
+    client.backend = backend  # type: ignore[attr-defined]
+    client.ctl = app.state.controller  # type: ignore[attr-defined]
+    return client
 
 
 def step_rows(num_steps: int, scale: float = 1.0, start: int = 0) -> list[dict]:

@@ -16,6 +16,7 @@ from tests.services.controller_fakes import (
     DEMO,
     DEMO_OVERRIDES,
     FakeBackend,
+    api_client,
     make_settings,
     step_rows,
     with_length_bias_and_eval,
@@ -24,12 +25,7 @@ from tests.services.controller_fakes import (
 
 @pytest.fixture
 def api(tmp_path: Path):
-    backend = FakeBackend()
-    app = create_app(make_settings(tmp_path), backend=backend)
-    client = TestClient(app)
-    client.backend = backend  # type: ignore[attr-defined]
-    client.ctl = app.state.controller  # type: ignore[attr-defined]
-    return client
+    return api_client(tmp_path)
 
 
 def submit(api: TestClient, *overrides: str) -> dict:
@@ -224,10 +220,14 @@ def test_a_failed_job_shows_its_error_and_last_log_lines(api: TestClient) -> Non
 def test_logs_are_saved_once_ray_confirms_a_driver_reported_end(api: TestClient) -> None:
     job = submit(api)
     api.ctl.reconciler.tick()
-    api.post(f"/api/jobs/{job['id']}/status", json={"status": "succeeded"})
-    api.ctl.reconciler.tick()  # Ray still says pending: nothing to save yet
+    early = api.post(f"/api/jobs/{job['id']}/status", json={"status": "succeeded"})
+    assert early.status_code == 409  # Ray still says pending: the end is Ray's to say
+    api.ctl.reconciler.tick()
     assert not (Path(job["output_dir"]) / "driver.log").exists()
     api.backend.finish(f"tally-{job['id']}", "succeeded", "step 2/2\n")
+    api.post(f"/api/jobs/{job['id']}/status", json={"status": "succeeded"})  # Ray agrees
+    assert api.get(f"/api/jobs/{job['id']}").json()["status"] == "succeeded"
+    assert not (Path(job["output_dir"]) / "driver.log").exists()
     api.ctl.reconciler.tick()
     assert (Path(job["output_dir"]) / "driver.log").read_text() == "step 2/2\n"
     assert api.get(f"/api/jobs/{job['id']}").json()["log_tail"] is None

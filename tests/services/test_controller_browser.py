@@ -193,3 +193,38 @@ def test_a_failed_job_shows_its_error_and_last_log_lines(dashboard, page) -> Non
     assert "exit code 1" in text and "ValueError: boom" in text
     assert tab.locator('#job-header [data-status="failed"]').count() == 1
     assert not errors
+
+
+def test_axes_fit_their_data(page, tmp_path: Path) -> None:
+    """An all-zero series draws on a small range around 0 (uPlot alone puts 0 on 0–100),
+    a fraction's axis stays inside [0, 1], and a varying series gets a range near its
+    values."""
+    tab, errors = page
+    rows = step_rows(10)
+    for row in rows:  # on-policy steps: nothing clipped, no KL, no padding
+        row["metrics"] |= {"kl": 0.0, "padding_fraction": 0.0, "clip_fraction/min": 0.0}
+    app = create_app(make_settings(tmp_path), backend=FakeBackend())
+    with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:
+        config = (ROOT / "configs" / "demo.yaml").read_text()
+        job = http.post("/api/jobs", json={"config_yaml": config, "overrides": [
+            *DEMO_OVERRIDES, "num_steps=10"]}).json()
+        assert http.post(f"/api/jobs/{job['id']}/metrics", json={"rows": rows}).is_success
+        tab.goto(f"{url}/jobs/{job['id']}")
+        tab.wait_for_selector('[data-chart="kl"][data-points="10"]', timeout=15_000)
+
+        def y_axis(chart: str) -> tuple[float, float]:
+            card = f'[data-chart="{chart}"]'
+            return (float(tab.get_attribute(card, "data-y-min") or "nan"),
+                    float(tab.get_attribute(card, "data-y-max") or "nan"))
+
+        low, high = y_axis("kl")
+        assert low < 0 < high and high - low <= 1, (low, high)
+        assert y_axis("padding_fraction") == (0, pytest.approx(0.1))
+        low, high = y_axis("clip_fraction")  # max 0.2 → 0.02, mean 0.1 → 0.01, min 0
+        assert low == 0 and 0.2 <= high <= 0.3, (low, high)
+        low, high = y_axis("entropy")  # 3.0 → 2.91
+        assert 2.5 <= low <= 2.91 and 3.0 <= high <= 3.5, (low, high)
+        assert tab.evaluate("[fitRange(0, 0), fitRange(0, 0, [0, 1]), fitRange(2, 2),"
+                            " fitRange(null, null, [0, 1]), fitRange(-1, 3, [0, 1])]") == [
+            [-0.1, 0.1], [0, 0.1], [1.8, 2.2], [0, 1], [0, 1]]
+    assert not errors

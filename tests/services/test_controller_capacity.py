@@ -94,3 +94,71 @@ def test_cli_status_shows_what_a_job_waits_for(api: TestClient) -> None:
         result = CliRunner().invoke(cli_app, ["status", big, "--url", url])
     assert result.exit_code == 0, result.output
     assert "waiting:            resources: needs 2.5 CPU, cluster has 2 in all" in result.output
+
+
+HOLD = """import time
+import ray
+from ray.util.placement_group import placement_group
+
+ray.init()
+group = placement_group([{"CPU": 1}, {"CPU": 0.5}])
+ray.get(group.ready())
+
+
+@ray.remote(num_cpus=0.5)
+class Outside:
+    def ping(self):
+        return 1
+
+
+@ray.remote
+class Free:  # no resources held while it lives
+    def ping(self):
+        return 1
+
+
+actors = [Outside.remote(), Free.remote()]
+ray.get([a.ping.remote() for a in actors])
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_ray_backend_reads_what_a_real_cluster_holds(tmp_path: Path) -> None:
+    """RayJobBackend.resources on a real head (Ray's state API): the totals, then a
+    placement group's bundles and an actor outside any group as used."""
+    import sys
+    import time
+
+    from ray.job_submission import JobSubmissionClient
+
+    from services.controller.ray_head import LocalRayHead
+    from services.controller.ray_jobs import BackendUnavailable, RayJobBackend
+
+    head = LocalRayHead(num_cpus=3, log_path=tmp_path / "head.log")
+    address = head.start()
+    try:
+        backend = RayJobBackend(address)
+        deadline = time.monotonic() + 60
+        while True:  # a head just started has not reported its node yet: "unavailable"
+            try:
+                assert backend.resources() == {"CPU": (0.0, 3.0)}
+                break
+            except BackendUnavailable:
+                assert time.monotonic() < deadline, "Ray never reported its node"
+                time.sleep(0.5)
+        script = tmp_path / "hold.py"
+        script.write_text(HOLD)
+        client = JobSubmissionClient(address)
+        submission = client.submit_job(entrypoint=f"{sys.executable} {script}")
+        deadline = time.monotonic() + 120
+        while "holding" not in (client.get_job_logs(submission) or ""):
+            assert not client.get_job_status(submission).is_terminal(), \
+                client.get_job_logs(submission)
+            assert time.monotonic() < deadline, "the job never held its resources"
+            time.sleep(0.5)
+        assert backend.resources() == {"CPU": (2.0, 3.0)}  # 1 + 0.5 in the group, 0.5 outside
+        client.stop_job(submission)
+    finally:
+        head.stop()

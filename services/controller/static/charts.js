@@ -12,6 +12,20 @@ const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 500
 // the steps between them.
 const SPARSE_METRICS = new Set(["eval/accuracy", "eval/pass@k"]);
 
+// Metrics that are fractions: a chart of only these keeps its y-axis inside [0, 1].
+const FRACTION_METRICS = new Set(["clip_fraction", "clip_fraction/min", "clip_fraction/max",
+  "padding_fraction", "eval/accuracy", "eval/pass@k"]);
+
+// The y-range a chart draws from its data's [min, max]: uPlot's padded range of the data,
+// a flat series ±10 % of its value (±0.1 at 0: uPlot alone draws 0 on 0–100), and
+// inside `bounds` when given (a fraction's [0, 1]). No data: `bounds`, else [0, 1].
+function fitRange(min, max, bounds) {
+  if (!Number.isFinite(min) || !Number.isFinite(max)) return bounds ? [...bounds] : [0, 1];
+  const half = min === 0 ? 0.1 : Math.abs(min) * 0.1; // of a flat series
+  const [lo, hi] = max > min ? uPlot.rangeNum(min, max, 0.1, true) : [min - half, max + half];
+  return bounds ? [Math.max(lo, bounds[0]), Math.min(hi, bounds[1])] : [lo, hi];
+}
+
 // Shares of the step's pg weight per mode on one third of its responses by valid tokens
 // (trainer/aggregation.py: length_bias); token_mean and constant coincide by design.
 const lengthBias = (bucket, which) => ({ id: `length_bias_${bucket}`,
@@ -75,13 +89,15 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-// One chart card: a title, a uPlot, and data-* attributes a test (or a person) can read.
-// options: yRange (fixed y scale), hint (a line under the title), empty (what it says
-// without points).
+// One chart card: a title, a uPlot, and data-* attributes a test (or a person) can read
+// (data-y-min / data-y-max: the y-axis drawn). options: yRange (fixed y scale), hint (a
+// line under the title), empty (what it says without points).
 class Chart {
   constructor(parent, id, title, series, options = {}) {
     this.series = series;
     this.yRange = options.yRange;
+    this.bounds = series.length && series.every((s) => FRACTION_METRICS.has(s.metric || s.name))
+      ? [0, 1] : undefined;
     this.note = el("span", { class: "note" });
     this.card = el("section", { class: "card chart empty", "data-chart": id,
       "data-points": "0", "data-series": String(series.length) },
@@ -97,7 +113,14 @@ class Chart {
     return {
       width, height: 210, legend: { live: true },
       cursor: { drag: { x: true, y: false } },
-      scales: { x: { time: false }, ...(this.yRange ? { y: { range: this.yRange } } : {}) },
+      scales: { x: { time: false },
+        y: { range: this.yRange || ((_u, min, max) => fitRange(min, max, this.bounds)) } },
+      hooks: { setScale: [(u, key) => {
+        if (key === "y") {
+          Object.assign(this.card.dataset, { yMin: String(u.scales.y.min),
+            yMax: String(u.scales.y.max) });
+        }
+      }] },
       axes: [{ label: "step", size: 36, incrs: STEP_INCRS }, { size: 56 }],
       series: [{ label: "step" }, ...this.series.map((s, i) => ({
         label: s.chosen ? `${s.label} (chosen)` : s.label,
