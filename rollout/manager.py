@@ -57,6 +57,14 @@ class EvalOutcome:
     sample_rewards: list[float]
 
 
+@dataclass(frozen=True)
+class EvalRun:
+    """One evaluation: the weight version the engines held and each prompt's outcome."""
+
+    weight_version: int
+    outcomes: list[EvalOutcome]
+
+
 @dataclass
 class _StepStats:
     num_draws: int = 0
@@ -231,10 +239,11 @@ class RolloutManager:
     # -- evaluation -------------------------------------------------------------------
 
     def evaluate(self, dataset: DatasetConfig, num_prompts: int | None, num_samples: int,
-                 temperature: float, step: int) -> list[EvalOutcome]:
+                 temperature: float, step: int) -> EvalRun:
         """Greedy and sampled responses to held-out prompts on the engines, scored by the
-        job's reward function. Seeds derive from (seed, "eval", step) and nothing of the
-        training state changes, so training's stream and a resume stay exact."""
+        job's reward function, with the weight version they came from. Seeds derive from
+        (seed, "eval", step) and nothing of the training state changes, so training's
+        stream and a resume stay exact."""
         key = dataset.model_dump_json()
         if key not in self._eval_records:
             self._eval_records[key] = load_prompt_dataset(dataset)
@@ -254,9 +263,10 @@ class RolloutManager:
                                                     for _ in range(num_samples)]
         rewards = self.scorer.score(texts, labels, metadata).rewards
         sample_rewards = rewards[len(records):]
-        return [EvalOutcome(r.metadata, rewards[j], len(greedy_out[j].token_ids),
-                            sample_rewards[j * num_samples:(j + 1) * num_samples])
-                for j, r in enumerate(records)]
+        return EvalRun(self.weight_version, [
+            EvalOutcome(r.metadata, rewards[j], len(greedy_out[j].token_ids),
+                        sample_rewards[j * num_samples:(j + 1) * num_samples])
+            for j, r in enumerate(records)])
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                   step: int | str, draw: int = 0) -> list[Generation]:

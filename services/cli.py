@@ -72,7 +72,8 @@ def verify_aggregation(
     above |Δ| ≤ rtol·|ref| + atol·scale."""
     import ray
 
-    from services.train import ensure_ray, job_model_path, quiet_transformers
+    from services.driver.job import ensure_ray, job_model_path
+    from services.quiet import quiet_transformers
     from trainer.mini_batches import rollout_updates
     from trainer.verify import Layout, default_tolerance, format_rows, verify_layouts
 
@@ -122,7 +123,7 @@ def import_model_command(
     Hugging Face folder (safetensors, tokenizer, generation config) a job can name as
     rollout.model."""
     from rollout.pretrained import ModelImportError, import_model
-    from services.train import quiet_transformers
+    from services.quiet import quiet_transformers
 
     quiet_transformers()
     try:
@@ -136,7 +137,7 @@ def import_model_command(
 @app.command()
 def warmup(config: ConfigArg, set_: SetOpt = None) -> None:
     """Run (or find cached) the supervised warm start of a job config."""
-    from services.train import job_model_path
+    from services.driver.job import job_model_path
 
     typer.echo(job_model_path(_load(config, set_)))
 

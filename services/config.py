@@ -14,9 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 from rollout.config import DatasetConfig, RolloutConfig, SyntheticDatasetConfig
+from services.driver.config import EvalConfig, LoggingConfig
 from trainer.config import AggregationConfig, ObjectiveConfig, TrainerConfig
 
 RULE_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.+)$", re.DOTALL)
@@ -84,46 +92,6 @@ class WarmupConfig(BaseModel):
     """Seed of the warm-up's examples (distinct from the RL prompts' seed)."""
 
 
-class EvalConfig(BaseModel):
-    """Evaluation during training on held-out prompts, through the rollout engines.
-
-    At the steps it runs (before the first, every ``every_steps``, and the last) it
-    measures the weights the step starts from: greedy accuracy and pass@k from
-    ``num_samples`` samples (unbiased estimator), scored by the job's reward function.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    enabled: bool = False
-    """Evaluate during training."""
-    every_steps: int = Field(default=10, gt=0)
-    """Evaluate at step 0, every this many steps, and at the last step."""
-    dataset: DatasetConfig | None = None
-    """Held-out prompts; None: the training dataset's held-out split (datasets with a
-    ``split`` field, e.g. math_words)."""
-    num_prompts: int | None = Field(default=64, gt=0)
-    """Evaluate the first this many held-out prompts; None: all of them."""
-    num_samples: int = Field(default=4, ge=0, le=64)
-    """Samples per prompt for pass@k (0: greedy accuracy only)."""
-    k: int | None = Field(default=None, gt=0)
-    """The k of pass@k (≤ num_samples); None: num_samples."""
-    temperature: float | None = Field(default=None, gt=0)
-    """Sampling temperature of the pass@k samples; None: rollout.sampling.temperature."""
-    correct_reward: float = 1.0
-    """A response counts as correct when its reward is at least this."""
-
-    @model_validator(mode="after")
-    def _k_within_samples(self) -> EvalConfig:
-        if self.k is not None and self.k > self.num_samples:
-            raise ValueError(f"k: pass@{self.k} needs at least {self.k} samples per prompt, "
-                             f"num_samples is {self.num_samples}")
-        return self
-
-    @property
-    def pass_k(self) -> int:
-        return self.k if self.k is not None else self.num_samples
-
-
 ASYNC_TIS_CAP = 2.0
 """trainer.loss.tis_cap of an async job that sets none (slime's and verl's usual cap)."""
 
@@ -149,6 +117,8 @@ class JobConfig(BaseModel):
     """Optional supervised warm start on the synthetic task."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation during training (accuracy, pass@k)."""
+    logging: LoggingConfig = LoggingConfig()
+    """Extra metrics sinks (Weights & Biases)."""
     output_dir: str | None = None
     """Job folder for metrics, logs and checkpoints; default <data dir>/jobs/<name>-<time>."""
     checkpoint_every: int = Field(default=0, ge=0)
@@ -162,6 +132,8 @@ class JobConfig(BaseModel):
     instead of bundles of their own."""
     num_ranks: int | None = Field(default=None, gt=0)
     """Trainer actors to start; when given it must equal dp_size × cp_size × tp_size."""
+    _implied: tuple[ConfigProblem, ...] = PrivateAttr(default=())
+    """Settings a rule filled in (said by :meth:`warnings`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -174,19 +146,27 @@ class JobConfig(BaseModel):
                              "'aggregation:' of the job")
         return data
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _async_corrects_staleness(cls, data: object) -> object:
+    def _async_corrects_staleness(cls, data: object, handler: Any) -> JobConfig:
         """With rollout.async_steps ≥ 1 samples come from weights up to k versions old:
-        TIS through the rollout log-probs is on (trainer.loss.tis_cap 2.0 unless set)."""
+        TIS through the rollout log-probs is on (trainer.loss.tis_cap 2.0 unless set).
+        Said where it is set: the resolved config holds it and :meth:`warnings` names it
+        (the driver logs it and writes it as an event at start)."""
         rollout = data.get("rollout") if isinstance(data, dict) else None
-        if not (isinstance(rollout, dict) and rollout.get("async_steps")):
-            return data
-        trainer = data.get("trainer") or {}
-        loss = trainer.get("loss") or {} if isinstance(trainer, dict) else None
-        if isinstance(loss, dict) and "tis_cap" not in loss:
+        trainer = (data.get("trainer") or {}) if isinstance(data, dict) else None
+        loss = (trainer.get("loss") or {}) if isinstance(trainer, dict) else None
+        implied = (isinstance(rollout, dict) and bool(rollout.get("async_steps"))
+                   and isinstance(loss, dict) and "tis_cap" not in loss)
+        if implied:
             data = {**data, "trainer": {**trainer, "loss": {**loss, "tis_cap": ASYNC_TIS_CAP}}}
-        return data
+        config = handler(data)
+        if implied:
+            config._implied = (ConfigProblem(
+                "trainer.loss.tis_cap", f"set to {ASYNC_TIS_CAP:g} because rollout.async_steps "
+                f"is {config.rollout.async_steps} (TIS corrects the samples' staleness); set "
+                "it yourself, or to null for none, to choose"),)
+        return config
 
     @model_validator(mode="after")
     def _trainable_temperature(self) -> JobConfig:
@@ -238,16 +218,23 @@ class JobConfig(BaseModel):
         return self.num_steps * self.num_updates_per_rollout
 
     def warnings(self) -> list[ConfigProblem]:
-        """Options that would be inert: valid, but probably not what the user meant."""
+        """Settings a rule chose for the user, and options that would be inert: valid, but
+        probably not what the user meant."""
         loss = self.trainer.loss
+        said = list(self._implied)
+        if self.rollout.async_steps and loss.old_log_probs == "rollout" and loss.tis_cap:
+            said.append(ConfigProblem("trainer.loss.tis_cap", (
+                "has no effect with trainer.loss.old_log_probs: rollout (π_old is the "
+                "engine's, so the TIS weight π_old/π_rollout is 1); staleness is then "
+                "corrected by the PPO ratio π/π_rollout, clipped by eps_clip")))
         if self.num_updates_per_rollout > 1 or loss.old_log_probs == "rollout":
-            return []
+            return said
         why = ("has no effect: with one update per rollout and old_log_probs: trainer the "
                "PPO ratio is exactly 1 (set rollout.rollout_batch_size or "
                "trainer.ppo_epochs for several updates)")
-        return [ConfigProblem(f"trainer.loss.{name}", why)
-                for name in ("eps_clip_high", "dual_clip_c")
-                if getattr(loss, name) is not None]
+        return said + [ConfigProblem(f"trainer.loss.{name}", why)
+                       for name in ("eps_clip_high", "dual_clip_c")
+                       if getattr(loss, name) is not None]
 
     @property
     def max_response_len(self) -> int:
@@ -261,12 +248,18 @@ class JobConfig(BaseModel):
                                        self.max_response_len, self.rollout.sampling.temperature)
 
 
+def error_field(loc: tuple[int | str, ...] | list[int | str]) -> str:
+    """A pydantic error location as a dotted field path (``trainer.optimizer.lr``),
+    without the ``function-…`` steps of validators; "" for the input itself."""
+    return ".".join(str(part) for part in loc if not str(part).startswith("function-"))
+
+
 def _validation_error(err: ValidationError, source: str) -> ConfigError:
     """One problem per pydantic error, with the full field path (a section's rule adds its
     own field); the text keeps pydantic's location: ``  aggregation: divisor: ...``."""
     problems, lines = [], [f"{source}: invalid job config"]
     for item in err.errors():
-        where = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-"))
+        where = error_field(item["loc"])
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key"
@@ -286,27 +279,44 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     except yaml.YAMLError as err:
         raise ConfigError(f"--set {key}", [ConfigProblem(
             key.strip(), f"value is not valid YAML: {err}")]) from err
+    set_dotted(data, key.strip(), value, source=f"--set {key}")
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any, source: str = "") -> None:
+    """``data[a][b][c] = value`` for ``key`` ``a.b.c``, creating the sections on the way;
+    ConfigError (from ``source``) when one of them is not a section."""
     node = data
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
+    *parents, leaf = key.split(".")
+    for part in parents:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {key}", [ConfigProblem(
-                key.strip(), f"{part!r} is not a section")])
+            raise ConfigError(source, [ConfigProblem(key, f"{part!r} is not a section")])
         node = child
-    node[parts[-1]] = value
+    node[leaf] = value
 
 
-def parse_job_config(text: str, overrides: list[str] | None = None,
-                     source: str = "<config>") -> JobConfig:
-    """YAML (or JSON) text plus ``--set`` overrides -> a validated JobConfig."""
+def load_yaml(text: str, source: str = "<config>", aliases: bool = True) -> Any:
+    """YAML (or JSON) text -> data through the safe loader ("" -> {}); ConfigError with
+    the line and column of a syntax error. ``aliases=False`` refuses anchors and aliases
+    (a few lines of them can expand to gigabytes) before anything is built."""
     try:
-        data = yaml.load(text, Loader=SAFE_LOADER) if text.strip() else {}
+        if not aliases and any(isinstance(event, yaml.AliasEvent)
+                               or getattr(event, "anchor", None)
+                               for event in yaml.parse(text, Loader=SAFE_LOADER)):
+            raise ConfigError(source, [ConfigProblem(
+                "", "YAML anchors and aliases are not accepted")])
+        return yaml.load(text, Loader=SAFE_LOADER) if text.strip() else {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1} " if mark else ""
         message = f"{where}not valid YAML: {getattr(err, 'problem', None) or err}"
         raise ConfigError(source, [ConfigProblem("", message)]) from err
+
+
+def parse_job_config(text: str, overrides: list[str] | None = None,
+                     source: str = "<config>") -> JobConfig:
+    """YAML (or JSON) text plus ``--set`` overrides -> a validated JobConfig."""
+    data = load_yaml(text, source)
     if not isinstance(data, dict):
         raise ConfigError(source, [ConfigProblem(
             "", f"a job config is a mapping of keys, got {type(data).__name__}")])

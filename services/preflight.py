@@ -10,6 +10,7 @@ from rollout.datasets import DatasetError, check_dataset_available
 from rollout.engines import check_engine_available
 from rollout.pretrained import SMOLLM2_NAME, ModelImportError, require_gguf, smollm2_gguf_path
 from services.config import ConfigError, ConfigProblem, JobConfig
+from services.driver.wandb_sink import check_wandb_available
 
 
 def preflight(config: JobConfig) -> None:
@@ -28,6 +29,7 @@ def preflight(config: JobConfig) -> None:
             require_gguf()
         except ModelImportError as err:
             raise ConfigError("", [ConfigProblem.from_rule(str(err), "rollout")]) from None
+    check_wandb_available(config.logging.wandb)
     local_model = config.rollout.model not in ("tiny", SMOLLM2_NAME)
     if local_model and not Path(config.rollout.model).is_dir():
         raise ConfigError("", [ConfigProblem(

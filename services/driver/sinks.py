@@ -1,5 +1,6 @@
-"""Where each step's metrics go: a local JSONL file (the source of truth), TensorBoard
-event files, and, when a controller is configured, the controller (added by its sink)."""
+"""Where each rollout step's metrics go: a local JSONL file (the source of truth),
+TensorBoard event files, W&B when ``logging.wandb`` is set (``wandb_sink.py``), and, when
+a controller is configured, the controller (``services/controller_client.py``)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,12 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-METRICS_FILE = "metrics.jsonl"
-UPDATES_FILE = "updates.jsonl"
-"""Trainer metrics of every optimizer step ("step" counts optimizer steps), tagged with
-their rollout, update and epoch; metrics.jsonl has one row per rollout."""
-EVENTS_FILE = "events.jsonl"
-"""Job events (placement, actor failures, restarts), one JSON object per line."""
+from services.driver.run_dir import METRICS_FILE, TENSORBOARD_DIR
 
 
 class MetricsSink(Protocol):
+    """Takes one row per rollout step; never raises into training for a remote failure."""
+
     def write(self, step: int, metrics: dict[str, float]) -> None: ...
     def close(self) -> None: ...
 
@@ -56,7 +54,7 @@ class TensorBoardSink:
     def __init__(self, output_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+        self.writer = SummaryWriter(str(output_dir / TENSORBOARD_DIR))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():

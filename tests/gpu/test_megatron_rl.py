@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from services.config import parse_job_config
-from services.train import run_job
+from services.driver.loop import run_job
 from tests.gpu.needs import needs
 
 pytestmark = pytest.mark.gpu

@@ -18,7 +18,7 @@ from tests.services.test_train import ROOT, SMALL
 
 def run(out: Path, trainer_node: str, engine_node: str | None) -> dict:
     """engine_node None: colocate the engines with the trainer ranks."""
-    from services.train import run_job
+    from services.driver.loop import run_job
 
     engine = ([f"rollout.engine.resources={{{engine_node}: 1}}"] if engine_node
               else ["colocate=true"])

@@ -10,6 +10,7 @@ import pytest
 from services.config import (
     ConfigError,
     ConfigProblem,
+    JobConfig,
     job_json_schema,
     load_job_config,
     parse_job_config,
@@ -202,3 +203,38 @@ def test_list_fields_are_capped_naming_the_field() -> None:
     assert problem.field == "rollout.sampling.stop" and "at most 32" in problem.message
     [problem] = problems_of("rollout: {sampling: {stop: [" + "x" * 300 + "]}}\n")
     assert problem.field == "rollout.sampling.stop.0"
+
+
+def test_a_setting_chosen_by_a_rule_is_said_and_inert_tis_is_warned() -> None:
+    implied = parse_job_config("rollout: {async_steps: 2}\n")
+    assert implied.trainer.loss.tis_cap == 2.0  # in the resolved config, as documented
+    (said,) = implied.warnings()
+    assert said.field == "trainer.loss.tis_cap"
+    assert "because rollout.async_steps is 2" in said.message
+    chosen = parse_job_config("rollout: {async_steps: 2}\ntrainer: {loss: {tis_cap: null}}\n")
+    assert chosen.trainer.loss.tis_cap is None and chosen.warnings() == []
+    # The resolved config read back (the controller's config_resolved) chose nothing.
+    assert JobConfig.model_validate_json(implied.model_dump_json()).warnings() == []
+    inert = parse_job_config("rollout: {async_steps: 1}\n"
+                             "trainer: {loss: {old_log_probs: rollout, tis_cap: 1.5}}\n")
+    (warned,) = inert.warnings()
+    assert warned.field == "trainer.loss.tis_cap" and "has no effect" in warned.message
+
+
+def test_yaml_dotted_keys_and_error_fields_have_one_home() -> None:
+    """The helpers the controller's submission shares with the CLI's parsing."""
+    from services.config import error_field, load_yaml, set_dotted
+
+    assert load_yaml("a: &x 1\nb: *x\n") == {"a": 1, "b": 1} and load_yaml("  ") == {}
+    with pytest.raises(ConfigError, match="<config>: YAML anchors and aliases"):
+        load_yaml("a: &x 1\nb: *x\n", aliases=False)
+    with pytest.raises(ConfigError, match=r"^job\.yaml: line 1, column 5 not valid YAML"):
+        load_yaml("a: b: c", "job.yaml")
+    data: dict = {"rollout": {"model": "tiny"}}
+    set_dotted(data, "rollout.dataset.path", "/x")
+    assert data == {"rollout": {"model": "tiny", "dataset": {"path": "/x"}}}
+    with pytest.raises(ConfigError) as err:
+        set_dotted(data, "rollout.model.name", "y", source="--set rollout.model.name")
+    assert err.value.problems == [ConfigProblem("rollout.model.name", "'model' is not a section")]
+    assert error_field(("trainer", "function-after[_rule()]", "optimizer", 0)) == \
+        "trainer.optimizer.0"

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.config import load_job_config
-from services.train import Job, JobFailed, run_job
+from services.driver.loop import JobFailed, RunningJob, run_job
 from tests.services.test_train import ROOT, SMALL
 
 
@@ -24,9 +24,9 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monke
 def kill_rank_after(step_to_kill: int, rank: int = 1):
     killed: list[int] = []
 
-    def hook(step: int, job: Job) -> None:
+    def hook(step: int, job: RunningJob) -> None:
         if step == step_to_kill and not killed:
-            ray.kill(job.trainer.workers[rank])
+            ray.kill(job.actors.trainer.workers[rank])
             killed.append(step)
 
     return hook

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.config import load_job_config
-from services.train import run_job
+from services.driver.loop import run_job
 from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.test_train import ROOT
 from trainer.checkpoint import TRAINER_STATE

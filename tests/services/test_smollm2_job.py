@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.config import load_job_config
-from services.train import run_job
+from services.driver.loop import run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 

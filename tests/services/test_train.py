@@ -11,7 +11,9 @@ from safetensors.torch import load_file
 
 from rollout.batch import RolloutBatch
 from services.config import load_job_config
-from services.train import SPREAD_METRICS, main, run_job, step_metrics
+from services.driver.loop import run_job
+from services.driver.metrics import SPREAD_METRICS, rollout_metrics
+from services.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
 # A constant schedule: the cosine one depends on num_steps, which the resume test varies.
@@ -78,7 +80,7 @@ def test_bad_config_fails_before_any_actor_starts(tmp_path: Path, capsys, monkey
     def no_ray(*_args: object) -> bool:
         raise AssertionError("Ray must not start for a rejected config")
 
-    monkeypatch.setattr("services.train.ensure_ray", no_ray)
+    monkeypatch.setattr("services.driver.loop.ensure_ray", no_ray)
     bad = tmp_path / "bad.yaml"
     bad.write_text("aggregation:\n  mode: constant\ntrainer:\n  dp_size: 0\n")
     assert main([str(bad), "--output-dir", str(tmp_path / "out")]) == 2
@@ -98,7 +100,8 @@ SEVERAL_UPDATES = ["rollout.rollout_batch_size=16", "rollout.global_batch_size=3
 
 def test_several_updates_per_rollout_clip_and_resume_exactly(ray_cluster: None,
                                                              tmp_path: Path) -> None:
-    from services.metrics import UPDATES_FILE, read_metrics
+    from services.driver.run_dir import UPDATES_FILE
+    from services.driver.sinks import read_metrics
 
     def job(num_steps: int):
         return load_job_config(ROOT / "configs" / "demo.yaml",
@@ -150,7 +153,7 @@ def test_step_metrics_log_the_length_bias_of_every_mode_from_the_loss_mask() -> 
         advantages=[0.0] * 6, group_index=[0, 0, 0, 1, 1, 1], samples_per_prompt=3,
         response_masks=masks)
     update = {name: 0.0 for name in SPREAD_METRICS} | {"perf/compute_s": 1.0, "lr": 1e-3}
-    metrics = step_metrics(batch, [update], {"rollout": 1.0}, constant_divisor=8.0)
+    metrics = rollout_metrics(batch, [update], {"rollout": 1.0}, constant_divisor=8.0)
     expected = {"sample_mean": (1 / 3, 1 / 3, 1 / 3),
                 "token_mean": (3 / 22, 6 / 22, 13 / 22),
                 "prompt_mean": (3 / 24, 6 / 20, 9 / 24 + 4 / 20),
@@ -166,7 +169,9 @@ def test_async_pipeline_made_to_wait_for_the_newest_weights_equals_synchronous(
     """The pipeline's bookkeeping (rollouts asked for ahead, their seeds, group indices,
     cursor, weight versions) is exact: an async job whose rollouts each wait for the
     weights of their own step (lookahead 0) computes what the synchronous job does."""
-    from services.train import Job
+    from services.driver.job import job_model_path, with_threads
+    from services.driver.loop import RunningJob, rollout_step
+    from services.driver.run_dir import RunDir
 
     base = [*SMALL, "trainer.dp_size=1", "trainer.loss.tis_cap=2.0", "num_steps=2"]
     synchronous = load_job_config(ROOT / "configs" / "demo.yaml", base)
@@ -174,10 +179,11 @@ def test_async_pipeline_made_to_wait_for_the_newest_weights_equals_synchronous(
                                 [*base, "rollout.async_steps=1"])
 
     def drive(config, name: str, lookahead: int | None) -> list[dict[str, float]]:
-        (tmp_path / name).mkdir()
-        job = Job(config, tmp_path / name, log=lambda *_: None)
+        model_path = job_model_path(config)
+        job = RunningJob.start(with_threads(config, model_path), RunDir(tmp_path / name).create(),
+                        model_path, log=lambda *_: None)
         try:
-            return [job.rl_step(step, lookahead) for step in range(config.num_steps)]
+            return [rollout_step(job, step, lookahead) for step in range(config.num_steps)]
         finally:
             job.close()
 

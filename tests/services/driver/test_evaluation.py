@@ -4,12 +4,20 @@ greedy accuracy per difficulty, the schedule, and the config's refusals."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
+import ray
 
-from rollout.manager import EvalOutcome
-from services.config import ConfigError, EvalConfig, parse_job_config
-from services.evaluation import eval_metrics, is_eval_step, pass_at_k
+from rollout.manager import EvalOutcome, EvalRun
+from services.config import ConfigError, parse_job_config
+from services.driver.config import EvalConfig
+from services.driver.evaluation import (
+    Evaluation,
+    eval_metrics,
+    is_eval_version,
+    pass_at_k,
+)
 
 
 @pytest.mark.parametrize(("n", "c", "k"), [(4, 0, 1), (4, 1, 1), (4, 1, 2), (5, 2, 3),
@@ -41,10 +49,14 @@ def test_accuracy_pass_at_k_and_levels() -> None:
     assert metrics["eval/reward_mean"] == pytest.approx(0.375)
 
 
-def test_schedule_runs_before_the_first_step_every_n_and_at_the_last() -> None:
+def test_schedule_evaluates_the_start_every_n_and_the_final_trained_weights() -> None:
     config = EvalConfig(enabled=True, every_steps=4)
-    assert [s for s in range(10) if is_eval_step(s, 10, config)] == [0, 4, 8, 9]
-    assert not any(is_eval_step(s, 10, EvalConfig()) for s in range(10))
+    # Weight versions 0..10 (10: after the last of 10 rollout steps). Version 9, the start
+    # of the last step, is left to the final weights, which share its row.
+    assert [v for v in range(11) if is_eval_version(v, 10, config)] == [0, 4, 8, 10]
+    assert [v for v in range(10) if is_eval_version(v, 9, config)] == [0, 4, 9]
+    assert [v for v in range(2) if is_eval_version(v, 1, config)] == [1]
+    assert not any(is_eval_version(v, 10, EvalConfig()) for v in range(11))
 
 
 def test_config_names_what_is_wrong() -> None:
@@ -59,3 +71,39 @@ def test_config_names_what_is_wrong() -> None:
     assert problem.field == "eval.dataset" and "has no held-out split" in problem.message
     config = parse_job_config("eval: {enabled: true, dataset: {type: synthetic, seed: 7}}")
     assert config.eval_dataset().seed == 7
+
+
+@ray.remote(num_cpus=0)
+class HeldManager:
+    """Stands in the rollout manager's place as a real actor whose evaluate answers only
+    once released: an evaluation queued behind rollouts still being generated."""
+
+    def __init__(self) -> None:
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+    def evaluate(self, version: int) -> EvalRun:
+        while not self.released:
+            time.sleep(0.01)
+        return EvalRun(version, [EvalOutcome({}, 1.0, 3, [1.0, 0.0])])
+
+
+def test_an_async_evaluation_is_collected_when_done_never_waited_for(
+        ray_cluster: None) -> None:
+    manager = HeldManager.options(max_concurrency=2).remote()
+    recorded: list[tuple[int, dict[str, float]]] = []
+    evaluation = Evaluation(EvalConfig(enabled=True, every_steps=1, num_samples=2), 3,
+                            manager.evaluate.remote, lambda ref: ray.get(ref, timeout=30),
+                            lambda ref: bool(ray.wait([ref], timeout=0)[0]),
+                            lambda version, row: recorded.append((version, row)))
+    evaluation.start(version=0)
+    evaluation.start(version=1)
+    assert evaluation.collect(wait=False) == {}  # the driver goes on to train
+    assert recorded == []
+    ray.get(manager.release.remote())
+    row = evaluation.collect(wait=True)
+    assert row["eval/weight_version"] == 1.0 and row["eval/accuracy"] == 1.0
+    assert [version for version, _ in recorded] == [0, 1]  # every result kept, in order
+    assert row["eval/pass@k"] == pytest.approx(1.0)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services import metrics
-from services.metrics import JsonlSink, read_metrics, truncate_after
+from services.driver import sinks
+from services.driver.sinks import JsonlSink, read_metrics, truncate_after
 
 
 def steps_in(path: Path) -> list[int]:
@@ -30,19 +30,19 @@ def test_truncate_keeps_earlier_steps_and_the_open_sink_writes_to_the_new_file(
 
 def test_a_crash_while_truncating_leaves_the_old_file_whole(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / metrics.METRICS_FILE
+    path = tmp_path / sinks.METRICS_FILE
     path.write_text("".join(json.dumps({"step": s, "time": 0.0, "metrics": {}}) + "\n"
                             for s in range(4)))
 
     def crash(*_args: object) -> None:
         raise OSError("disk gone")
 
-    monkeypatch.setattr(metrics.os, "replace", crash)
+    monkeypatch.setattr(sinks.os, "replace", crash)
     with pytest.raises(OSError, match="disk gone"):
         truncate_after(path, 1)
     assert steps_in(path) == [0, 1, 2, 3]
 
 
 def test_truncating_a_missing_file_creates_nothing(tmp_path: Path) -> None:
-    truncate_after(tmp_path / metrics.METRICS_FILE, 3)
-    assert not (tmp_path / metrics.METRICS_FILE).exists()
+    truncate_after(tmp_path / sinks.METRICS_FILE, 3)
+    assert not (tmp_path / sinks.METRICS_FILE).exists()

@@ -1,0 +1,81 @@
+"""The driver's own config sections: evaluation during training (``eval:``, run by
+``evaluation.py``) and where metrics go besides the job folder (``logging:``, the
+sinks). Imports only pydantic and rollout's config module, so the controller validates a
+job without torch or Ray; ``services/config.py`` composes them into JobConfig."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout.config import DatasetConfig
+
+
+class EvalConfig(BaseModel):
+    """Evaluation during training on held-out prompts, through the rollout engines:
+    greedy accuracy and pass@k of the start weights, every ``every_steps`` rollout steps,
+    and of the final trained weights, scored by the job's reward function."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    enabled: bool = False
+    """Evaluate during training."""
+    every_steps: int = Field(default=10, gt=0)
+    """Evaluate the weights every this many rollout steps (0, n, 2n, …) and the final ones."""
+    dataset: DatasetConfig | None = None
+    """Held-out prompts; None: the training dataset's held-out split (datasets with a
+    ``split`` field, e.g. math_words)."""
+    num_prompts: int | None = Field(default=64, gt=0)
+    """Evaluate the first this many held-out prompts; None: all of them."""
+    num_samples: int = Field(default=4, ge=0, le=64)
+    """Samples per prompt for pass@k (0: greedy accuracy only)."""
+    k: int | None = Field(default=None, gt=0)
+    """The k of pass@k (≤ num_samples); None: num_samples."""
+    temperature: float | None = Field(default=None, gt=0)
+    """Sampling temperature of the pass@k samples; None: rollout.sampling.temperature."""
+    correct_reward: float = 1.0
+    """A response counts as correct when its reward is at least this."""
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> EvalConfig:
+        if self.k is not None and self.k > self.num_samples:
+            raise ValueError(f"k: pass@{self.k} needs at least {self.k} samples per prompt, "
+                             f"num_samples is {self.num_samples}")
+        return self
+
+    @property
+    def pass_k(self) -> int:
+        return self.k if self.k is not None else self.num_samples
+
+
+class WandbConfig(BaseModel):
+    """A Weights & Biases run that receives the same metrics as metrics.jsonl.
+
+    Needs the ``wandb`` extra (``pip install 'tally[wandb]'``); the run's files go under
+    <job>/wandb and its config is the resolved job config.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    project: str = Field(min_length=1, max_length=128)
+    """W&B project the run belongs to."""
+    name: str | None = Field(default=None, min_length=1, max_length=128)
+    """Display name of the run; None: the job's name."""
+    entity: str | None = Field(default=None, min_length=1)
+    """W&B user or team; None: the logged-in user's default entity."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """online: stream to the server; offline: write only under <job>/wandb (upload later
+    with ``wandb sync``); disabled: log nothing."""
+    tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=64)
+    """Tags of the run (at most 64, each 1–64 characters)."""
+
+
+class LoggingConfig(BaseModel):
+    """Where metrics go besides metrics.jsonl and TensorBoard."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    wandb: WandbConfig | None = None
+    """A Weights & Biases run per job; None: no W&B."""

@@ -1,0 +1,113 @@
+r"""Evaluation during training: its config, when it runs, what it measures, what it logs.
+
+The rollout manager generates and scores held-out prompts (``RolloutManager.evaluate``);
+this module decides which weights to evaluate and turns the outcomes into metrics. For a
+held-out prompt with n sampled responses of which c are correct, the unbiased pass@k
+estimator (Chen et al., 2021) is
+
+    pass@k = 1 − C(n − c, k) / C(n, k)          (1 when n − c < k)
+
+averaged over prompts; greedy accuracy is the fraction of prompts whose greedy response
+is correct (reward ≥ ``eval.correct_reward``).
+
+Which weights: version v = the rollout steps trained into them. Evaluated are v = 0 (the
+start), every ``every_steps``, and v = num_steps — the final trained weights, after the
+last step — whose metrics go in the last step's row (the start of the last step is not
+evaluated separately: the final weights stand for it). ``eval/weight_version`` in the row
+is the manager's own word for what it measured. An evaluation queues in the manager
+behind the load of its weights, so it measures exactly version v; with
+``rollout.async_steps`` that load queues behind the rollouts already asked for, so the
+driver does not wait: it collects the result at the end of a later step (and waits only
+at the end of the job). Every result also goes to ``eval.jsonl`` keyed by v.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from services.driver.config import EvalConfig
+
+if TYPE_CHECKING:
+    from rollout.manager import EvalOutcome, EvalRun
+
+
+def is_eval_version(version: int, num_steps: int, config: EvalConfig) -> bool:
+    """Evaluate weights ``version`` (0 … num_steps)? The start, every ``every_steps``, the
+    final weights; not the start of the last step (its row holds the final weights')."""
+    if not config.enabled:
+        return False
+    return version == num_steps or (version % config.every_steps == 0
+                                    and version < num_steps - 1)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (the formula above)."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_metrics(outcomes: Sequence[EvalOutcome], config: EvalConfig) -> dict[str, float]:
+    """``eval/accuracy``, ``eval/pass@k`` (k in ``eval/k``), the greedy responses' mean
+    length, and the accuracy per difficulty level when the prompts have one."""
+    if not outcomes:
+        raise ValueError("eval.dataset: no held-out prompts to evaluate")
+    correct = [o.greedy_reward >= config.correct_reward for o in outcomes]
+    metrics = {"eval/accuracy": sum(correct) / len(outcomes),
+               "eval/reward_mean": sum(o.greedy_reward for o in outcomes) / len(outcomes),
+               "eval/response_length": sum(o.greedy_length for o in outcomes) / len(outcomes),
+               "eval/num_prompts": float(len(outcomes))}
+    if config.num_samples:
+        k = config.pass_k
+        metrics["eval/pass@k"] = sum(
+            pass_at_k(len(o.sample_rewards),
+                      sum(r >= config.correct_reward for r in o.sample_rewards), k)
+            for o in outcomes) / len(outcomes)
+        metrics["eval/k"] = float(k)
+    by_level: dict[str, list[bool]] = defaultdict(list)
+    for outcome, ok in zip(outcomes, correct, strict=True):
+        if "difficulty" in outcome.metadata:
+            by_level[str(outcome.metadata["difficulty"])].append(ok)
+    for level, oks in sorted(by_level.items()):
+        metrics[f"eval/accuracy/d{level}"] = sum(oks) / len(oks)
+    return metrics
+
+
+class Evaluation:
+    """Evaluations asked of the rollout manager and not yet logged, oldest first."""
+
+    def __init__(self, config: EvalConfig, num_steps: int, ask: Callable[[int], Any],
+                 fetch: Callable[[Any], EvalRun], is_ready: Callable[[Any], bool],
+                 record: Callable[[int, dict[str, float]], None]) -> None:
+        """``ask(version)``: the manager's evaluate call, a reference; ``fetch(ref)``: its
+        answer (bounded wait); ``is_ready(ref)``: answered yet; ``record(version,
+        metrics)``: every result's own row (eval.jsonl)."""
+        self.config, self.num_steps = config, num_steps
+        self.ask, self.fetch, self.is_ready, self.record = ask, fetch, is_ready, record
+        self.pending: list[tuple[int, Any, float]] = []
+
+    def start(self, version: int) -> None:
+        """Ask for the evaluation of weights ``version`` when it is due (queued in the
+        manager after their load)."""
+        if is_eval_version(version, self.num_steps, self.config):
+            self.pending.append((version, self.ask(version), time.perf_counter()))
+
+    def collect(self, wait: bool) -> dict[str, float]:
+        """The newest finished evaluation's metrics for this row ({} when none finished;
+        ``wait``: wait for all of them); every finished one is recorded. ``perf/eval_s``
+        runs from the request to the answer (with async, queueing included)."""
+        row: dict[str, float] = {}
+        while self.pending and (wait or self.is_ready(self.pending[0][1])):
+            version, ref, started = self.pending.pop(0)
+            run = self.fetch(ref)
+            row = {**eval_metrics(run.outcomes, self.config),
+                   "eval/weight_version": float(run.weight_version),
+                   "perf/eval_s": time.perf_counter() - started}
+            self.record(version, row)
+        return row

@@ -1,0 +1,121 @@
+"""The actors of one job, up and down: Ray, the placement group, the rollout manager with
+its engines, the trainer group.
+
+    ensure_ray ─► reserve_job (one placement group: ranks | engines) ─► RolloutManager
+                  (starts loading) ─► TrainerGroup (loads meanwhile) ─► … ─► close()
+
+Every actor started is registered in one ExitStack, so a failure halfway through start-up
+stops exactly what was started, and ``close`` stops the rest whether alive or dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from rollout.config import RolloutConfig, SyntheticDatasetConfig
+from rollout.manager import RolloutManagerActor
+from rollout.tiny import resolve_model_path
+from services.config import JobConfig
+from services.driver.run_dir import RunDir, data_dir
+from services.placement import phase_threads, reserve_job
+from services.quiet import QUIET_ENV
+from services.warmup import warm_start
+from trainer.config import TrainerConfig
+from trainer.group import TrainerGroup
+
+
+def ensure_ray(num_cpus: int) -> bool:
+    """Join the cluster named by RAY_ADDRESS (set by ``ray job submit``, or by a user of
+    ``ray start --head``), else start a local head; True if we started it.
+
+    We never guess with ``address="auto"``: a stale local cluster would hang the job. On a
+    cluster we do not own, the job's runtime env is left alone; our actors set theirs.
+    """
+    if ray.is_initialized():
+        return False
+    os.environ.update({k: v for k, v in QUIET_ENV.items() if k not in os.environ})
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        return False
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": dict(QUIET_ENV)}, logging_level="WARNING")
+    return True
+
+
+def job_model_path(config: JobConfig, log: Callable[[str], None] = print) -> str:
+    """The local model folder a job starts from: ``tiny`` built once, a warm start cached."""
+    model_path = resolve_model_path(config.rollout.model, data_dir() / "models")
+    if config.warmup.enabled:
+        assert isinstance(config.rollout.dataset, SyntheticDatasetConfig)
+        model_path = warm_start(model_path, config.rollout.dataset, config.warmup,
+                                data_dir() / "warmup", log)
+    return model_path
+
+
+def with_threads(config: JobConfig, model_path: str) -> JobConfig:
+    """The job config with the threads of each phase resolved (services/placement.py:
+    they depend on rollout.async_steps and the model's width); the driver writes this
+    resolved config to the job folder, so what ran is what it says."""
+    engine_threads, rank_threads = phase_threads(config, model_path)
+    engine = config.rollout.engine
+    if hasattr(engine, "num_threads"):
+        engine = engine.model_copy(update={"num_threads": engine_threads})
+    return config.model_copy(update={
+        "trainer": config.trainer.model_copy(update={"num_threads": rank_threads}),
+        "rollout": config.rollout.model_copy(update={"engine": engine})})
+
+
+class JobActors:
+    """The running actors of one job and the manager's call path."""
+
+    def __init__(self, config: JobConfig, run_dir: RunDir, model_path: str,
+                 log: Callable[[str], None] = print) -> None:
+        """``config``: resolved by :func:`with_threads`."""
+        self.rollout_config: RolloutConfig = config.rollout
+        self.trainer_config: TrainerConfig = config.trainer
+        with contextlib.ExitStack() as started:
+            gang = reserve_job(config, on_wait=lambda message: (
+                log(message), run_dir.write_event("waiting", message)))
+            started.callback(remove_placement_group, gang.group)
+            # The manager (and its engines) start loading now, while the trainer ranks do.
+            self.manager = RolloutManagerActor.options(
+                runtime_env={"env_vars": QUIET_ENV}, **gang.manager_options()).remote(
+                config.rollout, model_path, None, gang.engine_options)
+            started.callback(self._stop_manager)
+            self.trainer = TrainerGroup(config.trainer, config.objective_config(), model_path,
+                                        config.num_optimizer_steps, env_vars=QUIET_ENV,
+                                        placement=gang.group)
+            started.callback(self.trainer.shutdown)
+            self._started = started.pop_all()
+
+    def rollout_call(self, ref: ray.ObjectRef, verb: str) -> Any:
+        """The rollout manager's answer; past rollout.call_timeout_s a TimeoutError, which
+        restarts the job from its last checkpoint like a stuck trainer call."""
+        timeout = self.rollout_config.call_timeout_s
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"rollout {verb} took longer than rollout.call_timeout_s="
+                               f"{timeout:g} s") from None
+
+    def placement(self) -> str:
+        """Where each actor landed, for the job's log and events."""
+        engine_nodes = self.rollout_call(self.manager.engine_nodes.remote(), "engine_nodes")
+        return (f"trainer ranks on nodes {[n[:8] for n in self.trainer.worker_nodes()]}; "
+                f"rollout engines on nodes {[n[:8] for n in engine_nodes]}")
+
+    def _stop_manager(self) -> None:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.manager.shutdown.remote(), timeout=60)
+        ray.kill(self.manager)
+
+    def close(self) -> None:
+        """Stop every actor of the job, dead or alive, without waiting on a stuck one
+        (trainer ranks first: a rank stuck in a collective is killed, not asked)."""
+        self._started.close()

@@ -1,0 +1,253 @@
+"""The driver loop of one RL job on Ray: ``run_job`` restarts, ``rollout_step`` is one
+rollout step top to bottom.
+
+    configs/*.yaml ──► JobConfig (validated before any actor starts)
+                          │
+       RolloutManager ────┼──► engines ──► rewards ──► advantages ──► RolloutBatch
+       (pipeline.py:      │                                          (object store)
+        k steps ahead)    ▼                                               │
+            ▲      TrainerGroup: DP × CP rank actors ◄── optimizer steps ─┘
+            │             │   (mini-batches of whole groups, Σ w·ℓ, grad SUM)
+            └── weights ──┘   weight_sync.py: start(v) / wait()
+                          ▼
+      sinks.py: metrics.jsonl · TensorBoard · W&B · controller   checkpoint.py: step_N
+
+The driver owns the order; the rollout manager and the trainer group expose a few verbs.
+Vocabulary (docs/glossary.md): a *rollout step* generates one RolloutBatch and trains it
+in ``num_updates_per_rollout`` *optimizer steps*; ``num_steps`` counts rollout steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from rollout.batch import RolloutBatch
+from services.config import JobConfig
+from services.driver import checkpoint
+from services.driver.evaluation import Evaluation
+from services.driver.job import JobActors, ensure_ray, job_model_path, with_threads
+from services.driver.metrics import progress_line, rollout_metrics, skipped_rollout_metrics
+from services.driver.pipeline import RolloutPipeline
+from services.driver.run_dir import EVAL_FILE, UPDATES_FILE, RunDir, job_dir
+from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink
+from services.driver.wandb_sink import wandb_sinks
+from services.driver.weight_sync import WeightSync
+from services.preflight import preflight
+from services.quiet import quiet_transformers
+from trainer import checkpoint as trainer_checkpoint
+from trainer.group import TrainerRankDied
+from trainer.mini_batches import mini_batch, rollout_updates
+
+
+class JobFailed(RuntimeError):
+    """The job stopped for good (an actor died and the restarts are used up)."""
+
+
+@dataclass
+class RunningJob:
+    """One start of the job's actors and the parts its loop drives."""
+
+    config: JobConfig
+    run_dir: RunDir
+    actors: JobActors
+    pipeline: RolloutPipeline
+    weights: WeightSync
+    evaluation: Evaluation
+    updates: JsonlSink
+    """updates.jsonl: one row per optimizer step."""
+
+    @classmethod
+    def start(cls, config: JobConfig, run_dir: RunDir, model_path: str,
+              log: Callable[[str], None] = print) -> RunningJob:
+        actors = JobActors(config, run_dir, model_path, log)
+        manager, call = actors.manager, actors.rollout_call
+        evals = JsonlSink(run_dir.path, EVAL_FILE)
+        return cls(
+            config, run_dir, actors,
+            RolloutPipeline(manager.generate_batch.remote,
+                            lambda ref: call(ref, "generate_batch"),
+                            config.rollout.async_steps, config.num_steps),
+            WeightSync(lambda: actors.trainer.async_export_weights(for_engines=True),
+                       manager.update_weights.remote, call),
+            Evaluation(config.eval, config.num_steps, lambda version: manager.evaluate.remote(
+                config.eval_dataset(), config.eval.num_prompts, config.eval.num_samples,
+                config.eval.temperature or config.rollout.sampling.temperature, version),
+                lambda ref: call(ref, "evaluate"),
+                lambda ref: bool(ray.wait([ref], timeout=0)[0]), evals.write),
+            JsonlSink(run_dir.path, UPDATES_FILE))
+
+    def close(self) -> None:
+        self.updates.close()
+        self.actors.close()
+
+
+def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
+                 ) -> dict[str, float]:
+    """Evaluate (when due) → generate → train each optimizer step → sync weights → the
+    row. ``lookahead`` overrides rollout.async_steps for this call (0: wait for the
+    newest weights); with k > 0 evaluations are collected when done, never waited for
+    behind the rollouts in flight, except where the row must hold them (a checkpoint,
+    the last step)."""
+    config, last = job.config, step == job.config.num_steps - 1
+    wait_for_eval = last or not config.rollout.async_steps or checkpoint.due(step, config)
+    started = time.perf_counter()
+    job.evaluation.start(version=step)  # queued after the load of weights `step`
+    evaluated = job.evaluation.collect(wait=not config.rollout.async_steps)
+    batch, batch_ref = job.pipeline.take(step, lookahead)
+    job.weights.poll()
+    generated = time.perf_counter()
+    if batch.num_valid_tokens == 0:  # nothing to learn from: skipped, never NaN
+        metrics = skipped_rollout_metrics(batch)
+    else:
+        train_window = time.time()
+        per_update = train_optimizer_steps(job, step, batch, batch_ref)
+        job.pipeline.trained(step, (train_window, time.time()))
+        trained = time.perf_counter()
+        job.weights.start(version=step + 1)  # the engines load while the driver goes on
+        times = {"rollout": generated - started, "train": trained - generated,
+                 "sync": time.perf_counter() - trained}
+        metrics = {**rollout_metrics(batch, per_update, times,
+                                     job.actors.trainer.objective.mode_metric_divisor),
+                   **job.pipeline.metrics(batch, step)}
+    if last:  # the final trained weights are evaluated too, in the last row
+        job.weights.wait()
+        job.evaluation.start(version=step + 1)
+    return {**metrics, **evaluated, **job.evaluation.collect(wait=wait_for_eval)}
+
+
+def train_optimizer_steps(job: RunningJob, step: int, batch: RolloutBatch,
+                          batch_ref: ray.ObjectRef | None) -> list[dict[str, float]]:
+    """The rollout's optimizer steps in order (mini-batches of whole groups × epochs),
+    each with its own exact J; a mini-batch with no valid token is skipped and reported
+    (``skipped`` in updates.jsonl, ``updates/skipped`` in the row), never stepped."""
+    config, trainer = job.config, job.actors.trainer
+    updates = rollout_updates(batch, config.rollout.global_batch_size,
+                              config.trainer.ppo_epochs, config.trainer.seed, step)
+    if len(updates) > 1 and config.trainer.loss.old_log_probs == "trainer":
+        batch = batch.with_old_log_probs(trainer.log_probs(batch))  # π at the start
+        batch_ref = None  # the stored batch has no old log-probs
+    per_update = []
+    for update in updates:  # fetched once; each mini-batch planned on its own
+        mini = mini_batch(batch, update)
+        metrics = (trainer.train(mini, batch_ref if mini is batch else None)
+                   if mini.num_valid_tokens else {"skipped": 1.0})
+        job.updates.write(step * config.num_updates_per_rollout + update.index,
+                          {**metrics, "rollout": float(step), "update": float(update.index),
+                           "epoch": float(update.epoch)})
+        per_update.append(metrics)
+    return per_update
+
+
+def save_checkpoint(job: RunningJob, step: int) -> Path:
+    """Trainer state, then the driver's (rollout cursor, rollouts in flight), staged and
+    committed as one folder."""
+    root = job.run_dir.checkpoints_dir
+    staging = trainer_checkpoint.staging_path(root, step)
+    job.actors.trainer.save_checkpoint(str(staging))
+    rollout_state = job.actors.rollout_call(job.actors.manager.state_dict.remote(),
+                                            "state_dict")
+    checkpoint.save_driver_state(staging, checkpoint.DriverState(
+        step, rollout_state, job.pipeline.state_dict()))
+    return trainer_checkpoint.commit_checkpoint(root, step)
+
+
+def restore(job: RunningJob, log: Callable[[str], None], truncate_rows: bool) -> int:
+    """Resume from the newest readable checkpoint (an unreadable one is reported and the
+    one before it tried); returns the first rollout step to run."""
+    latest = checkpoint.newest_readable(job.run_dir, log) if job.config.resume else None
+    if latest is None:
+        return 0
+    state = checkpoint.load_driver_state(latest)
+    job.actors.trainer.load_checkpoint(str(latest))
+    job.actors.rollout_call(job.actors.manager.load_state_dict.remote(state.rollout),
+                            "load_state_dict")
+    job.weights.start(version=state.step + 1)
+    job.weights.wait()
+    job.pipeline.load_state_dict(state.in_flight)
+    if truncate_rows:  # a new run repeats the steps after the checkpoint
+        checkpoint.truncate_rows_after(job.run_dir, state.step,
+                                       job.config.num_updates_per_rollout)
+    log(f"resumed from {latest.name} (step {state.step})")
+    return state.step + 1
+
+
+def run_job(config: JobConfig, output_dir: Path | None = None,
+            extra_sinks: list[MetricsSink] | None = None, log: Callable[[str], None] = print,
+            after_step: Callable[[int, RunningJob], None] | None = None
+            ) -> list[dict[str, float]]:
+    """Run a whole job; returns every step's row. Starts (and stops) Ray if none runs.
+
+    When an actor dies or a call times out, the actors are started again and the job
+    resumes from its last checkpoint, at most ``max_restarts`` times; rows already
+    written are kept.
+    """
+    preflight(config)
+    quiet_transformers()
+    run_dir = RunDir(output_dir or job_dir(config.name, config.output_dir)).create()
+    needed = config.trainer.world_size * config.trainer.num_cpus_per_rank + 2
+    started_ray = ensure_ray(max(os.cpu_count() or 1, int(needed + 0.999)))
+    sinks: list[MetricsSink] = []
+    try:
+        config = with_threads(config, job_model_path(config, log))
+        model_path = job_model_path(config, lambda *_: None)  # cached by now
+        run_dir.config_file.write_text(config.model_dump_json(indent=2))
+        for warning in config.warnings():  # rules that chose, inert options: say so
+            log(f"warning: {warning.field}: {warning.message}")
+            run_dir.write_event("config_warning", f"{warning.field}: {warning.message}")
+        sinks = [JsonlSink(run_dir.path), TensorBoardSink(run_dir.path),
+                 *wandb_sinks(config.logging.wandb, run_dir.path, config.name,
+                              config.model_dump(mode="json")), *(extra_sinks or [])]
+        return run_with_restarts(config, run_dir, model_path, sinks, log, after_step)
+    finally:
+        for sink in sinks:
+            sink.close()
+        if started_ray:
+            ray.shutdown()
+
+
+def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
+                      sinks: list[MetricsSink], log: Callable[[str], None],
+                      after_step: Callable[[int, RunningJob], None] | None
+                      ) -> list[dict[str, float]]:
+    history: dict[int, dict[str, float]] = {}
+    restarts = 0
+    while True:
+        job = None
+        try:
+            job = RunningJob.start(config, run_dir, model_path, log)
+            run_dir.write_event("placement", job.actors.placement())
+            start = restore(job, log, truncate_rows=restarts == 0)
+            log(f"job {config.name}: steps {start + 1}..{config.num_steps}, "
+                f"mode={config.aggregation.mode}, dp={config.trainer.dp_size} "
+                f"cp={config.trainer.cp_size}, output {run_dir.path}")
+            for step in range(start, config.num_steps):
+                row = {**rollout_step(job, step), "job/restarts": float(restarts)}
+                for sink in sinks:
+                    sink.write(step, row)
+                history = {k: v for k, v in history.items() if k < step} | {step: row}
+                log(progress_line(step, config.num_steps, list(history.values())))
+                if checkpoint.due(step, config):
+                    save_checkpoint(job, step)
+                if after_step is not None:
+                    after_step(step, job)
+            return list(history.values())
+        except (TrainerRankDied, ray.exceptions.RayActorError, TimeoutError) as err:
+            reason = str(err).splitlines()[0]
+            run_dir.write_event("actor_failed", reason)
+            if restarts >= config.max_restarts:
+                raise JobFailed(f"job {config.name}: {reason} (restarts used: "
+                                f"{restarts}/{config.max_restarts})") from err
+            restarts += 1
+            run_dir.write_event("restart", f"restart {restarts}/{config.max_restarts} "
+                                "from the last checkpoint")
+            log(f"{reason}; restarting ({restarts}/{config.max_restarts}) from the last "
+                "checkpoint")
+        finally:
+            if job is not None:
+                job.close()

@@ -1,0 +1,106 @@
+"""A job folder and every file name in it, spelled once here.
+
+    <job>/config.json         the resolved job config (JobConfig, every default filled)
+    <job>/metrics.jsonl       one row per rollout step (the source of truth)
+    <job>/updates.jsonl       one row per optimizer step, tagged with its rollout step
+    <job>/eval.jsonl          one row per evaluated weight version (its ``step``)
+    <job>/events.jsonl        placement, waiting, warnings, failures, restarts
+    <job>/job_config.yaml     the config as submitted, when the controller started it
+    <job>/driver.log          the driver's output, when the controller started it
+    <job>/tensorboard/        TensorBoard event files
+    <job>/wandb/              W&B run files (offline runs sync from here)
+    <job>/checkpoints/step_N  trainer state + driver state (services/driver/checkpoint.py)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+UPDATES_FILE = "updates.jsonl"
+"""Trainer metrics of every optimizer step, tagged with their rollout step, update and
+epoch (its ``step`` field counts optimizer steps: docs/glossary.md)."""
+EVAL_FILE = "eval.jsonl"
+EVENTS_FILE = "events.jsonl"
+JOB_CONFIG_FILE = "job_config.yaml"
+"""The config as the controller received it (before defaults), when it submitted the job."""
+LOG_FILE = "driver.log"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def data_dir() -> Path:
+    """Tally's own folder: built models, warm starts, default job folders."""
+    return Path(os.environ.get("TALLY_DATA_DIR", Path.home() / ".tally"))
+
+
+def job_dir(name: str, configured: str | None = None) -> Path:
+    """``output_dir`` when the config names one, else <data dir>/jobs/<name>-<UTC time>."""
+    if configured:
+        return Path(configured)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return data_dir() / "jobs" / f"{name}-{stamp}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One job's folder."""
+
+    path: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def updates_file(self) -> Path:
+        return self.path / UPDATES_FILE
+
+    @property
+    def eval_file(self) -> Path:
+        return self.path / EVAL_FILE
+
+    @property
+    def events_file(self) -> Path:
+        return self.path / EVENTS_FILE
+
+    @property
+    def log_file(self) -> Path:
+        return self.path / LOG_FILE
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.path / TENSORBOARD_DIR
+
+    @property
+    def wandb_dir(self) -> Path:
+        return self.path / WANDB_DIR
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / CHECKPOINTS_DIR
+
+    def create(self) -> RunDir:
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def write_event(self, kind: str, message: str) -> None:
+        """One job event (placement, failures, restarts) for the log and the controller."""
+        write_event(self.path, kind, message)
+
+
+def write_event(job_dir: Path, kind: str, message: str) -> None:
+    """Append one event to ``<job_dir>/events.jsonl``: the one writer of that file."""
+    with (job_dir / EVENTS_FILE).open("a", encoding="utf-8") as events:
+        events.write(json.dumps({"time": time.time(), "kind": kind, "message": message}) + "\n")

@@ -1,0 +1,97 @@
+"""The driver's part of a checkpoint is data: rollouts in flight round-trip through
+safetensors + JSON exactly, and a rollouts file that holds a pickle is refused unrun —
+the resume falls back to the checkpoint before it and says so."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from transformers import PretrainedConfig
+
+from rollout.batch import RolloutBatch
+from services.driver.checkpoint import (
+    ROLLOUTS_IN_FLIGHT,
+    DriverState,
+    load_driver_state,
+    newest_readable,
+    save_driver_state,
+    unreadable,
+)
+from services.driver.run_dir import RunDir
+from trainer.checkpoint import commit_checkpoint, save_trainer_checkpoint, staging_path
+
+
+def rollout(first_group: int) -> RolloutBatch:
+    batch = RolloutBatch.from_samples(
+        prompt_ids=[[1, 2], [1, 2], [3], [3]], response_ids=[[4, 5], [6], [7, 8, 9], [2]],
+        response_log_probs=[[-0.5, -1.25], [-2.0], [-0.1, -0.2, -0.3], [-4.0]],
+        rewards=[1.0, 0.0, 0.5, 0.25], advantages=[0.5, -0.5, 0.125, -0.125],
+        group_index=[first_group] * 2 + [first_group + 1] * 2, samples_per_prompt=2,
+        pad_token_id=0, response_masks=[[1, 1], [1], [1, 0, 1], [0]],
+        metadata={"rollout/weight_version": 3.0, "rollout/gen_start_time": 1.7e9})
+    return batch.with_old_log_probs(torch.randn(batch.input_ids.shape))
+
+
+def write_checkpoint(run_dir: RunDir, step: int, in_flight: dict[int, RolloutBatch]) -> Path:
+    staging = staging_path(run_dir.checkpoints_dir, step)
+    save_trainer_checkpoint(str(staging), str(run_dir.path), SimpleNamespace(
+        config=PretrainedConfig()), {"w": torch.full((2,), float(step))}, {"step": step})
+    save_driver_state(staging, DriverState(step, {"cursor": {"position": step}}, in_flight))
+    return commit_checkpoint(run_dir.checkpoints_dir, step)
+
+
+def test_rollouts_in_flight_round_trip_exactly(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path).create()
+    saved = {4: rollout(8), 5: rollout(10)}
+    folder = write_checkpoint(run_dir, 3, saved)
+    assert unreadable(folder) is None
+    state = load_driver_state(folder)
+    assert state.step == 3 and state.rollout == {"cursor": {"position": 3}}
+    assert sorted(state.in_flight) == [4, 5]
+    for step, batch in saved.items():
+        for field in fields(RolloutBatch):
+            got, want = getattr(state.in_flight[step], field.name), getattr(batch, field.name)
+            if isinstance(want, torch.Tensor):
+                assert got.dtype == want.dtype and torch.equal(got, want), field.name
+            else:
+                assert got == want, field.name
+
+
+class Payload:
+    """Runs ``os.mkdir(marker)`` when unpickled: what a hostile checkpoint could do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_pickled_rollouts_file_is_refused_unrun_and_the_previous_checkpoint_used(
+        tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path).create()
+    older = write_checkpoint(run_dir, 1, {2: rollout(4)})
+    newer = write_checkpoint(run_dir, 2, {3: rollout(6)})
+    marker = tmp_path / "ran"
+    torch.save({3: Payload(marker)}, newer / ROLLOUTS_IN_FLIGHT)  # the old format: a pickle
+    reason = unreadable(newer)
+    assert reason is not None and "never a pickle" in reason and ROLLOUTS_IN_FLIGHT in reason
+    lines: list[str] = []
+    assert newest_readable(run_dir, lines.append) == older
+    assert not marker.exists()
+    events = [json.loads(line) for line in run_dir.events_file.read_text().splitlines()]
+    assert [e["kind"] for e in events] == ["checkpoint_unreadable"]
+    assert events[0]["message"].startswith("step_00000002: ") and "never a pickle" in lines[0]
+
+
+def test_a_torn_driver_state_is_named(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path).create()
+    folder = write_checkpoint(run_dir, 1, {})
+    (folder / "driver_state.json").write_text("{torn")
+    assert "JSONDecodeError" in (unreadable(folder) or "")
+    assert newest_readable(run_dir, lambda _: None) is None

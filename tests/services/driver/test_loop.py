@@ -1,0 +1,124 @@
+"""The driver loop on real Ray with the tiny model: a rank dying during the weight export
+restarts the job (it does not fail it), the final trained weights are evaluated in the
+last row (and the W&B run holds every row), and an optimizer step with no valid token is
+skipped, not taken."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray
+import torch
+
+from rollout.batch import RolloutBatch
+from services.config import load_job_config
+from services.driver.job import job_model_path
+from services.driver.loop import RunningJob, run_job, train_optimizer_steps
+from services.driver.metrics import optimizer_steps_summary
+from services.driver.sinks import JsonlSink, read_metrics
+from tests.services.controller_fakes import DEMO_OVERRIDES
+from tests.services.driver.test_wandb_sink import finished_run_records, history_of
+from tests.services.test_train import ROOT
+from trainer.group import TrainerGroup
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TALLY_DATA_DIR", str(tmp_path_factory.getbasetemp() / "tally-data"))
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_rank_dying_during_the_weight_export_restarts_the_job(ray_cluster: None,
+                                                                tmp_path: Path) -> None:
+    config = load_job_config(ROOT / "configs" / "demo.yaml", [
+        *DEMO_OVERRIDES, "num_steps=3", "trainer.dp_size=2", "checkpoint_every=1",
+        "max_restarts=1"])
+    killed: list[int] = []
+
+    def kill_rank_1_as_step_1_exports(step: int, job: RunningJob) -> None:
+        if step != 0 or killed:
+            return
+        export = job.weights.export
+
+        def dying_export():  # the export collective starts with rank 1 gone
+            ray.kill(job.actors.trainer.workers[1])
+            killed.append(step)
+            return export()
+
+        job.weights.export = dying_export
+
+    rows = run_job(config, tmp_path / "job", log=lambda *_: None,
+                   after_step=kill_rank_1_as_step_1_exports)
+    assert killed == [0]
+    assert [r["job/restarts"] for r in rows] == [0.0, 1.0, 1.0]  # step 1 ran again
+    failed = [e["message"] for e in events(tmp_path / "job") if e["kind"] == "actor_failed"]
+    assert len(failed) == 1 and "trainer rank 1 died during export" in failed[0]
+    assert [r["step"] for r in read_metrics(tmp_path / "job" / "metrics.jsonl")] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("async_steps", [0, 1])
+def test_the_final_trained_weights_are_evaluated_in_the_last_row(
+        ray_cluster: None, wandb_home: Path, tmp_path: Path, async_steps: int) -> None:
+    config = load_job_config(ROOT / "configs" / "demo.yaml", [
+        *DEMO_OVERRIDES, "num_steps=2", f"rollout.async_steps={async_steps}",
+        "eval.enabled=true", "eval.every_steps=1", "eval.num_prompts=8", "eval.num_samples=2",
+        "eval.dataset={type: synthetic, task: copy, difficulty: 1, seed: 7}",
+        "logging.wandb={project: tally-tests, mode: offline}"])
+    rows = run_job(config, tmp_path / "job", log=lambda *_: None)
+    # The job's W&B run (offline) holds what metrics.jsonl holds, row by row.
+    [log] = (tmp_path / "job").glob("wandb/offline-run-*/run-*.wandb")
+    assert history_of(finished_run_records(log)) == {
+        row["step"]: {k: v for k, v in row["metrics"].items() if v is not None}
+        for row in read_metrics(tmp_path / "job" / "metrics.jsonl")}
+    # Version 0 (the start) in row 0 — with async it may be collected a row later — and
+    # the weights after both steps, as the manager says it held them, in the last row.
+    assert rows[-1]["eval/weight_version"] == 2.0
+    evaluated = read_metrics(tmp_path / "job" / "eval.jsonl")
+    assert [r["step"] for r in evaluated] == [0, 2]
+    assert [r["metrics"]["eval/weight_version"] for r in evaluated] == [0.0, 2.0]
+    assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
+
+
+def test_a_mini_batch_with_no_valid_token_is_skipped_not_stepped(ray_cluster: None,
+                                                                 tmp_path: Path) -> None:
+    config = load_job_config(ROOT / "configs" / "demo.yaml", [
+        *DEMO_OVERRIDES, "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+        "rollout.global_batch_size=2", "trainer.optimizer.lr=1e-2"])
+    # Group 0 has valid tokens; every token of group 1 is masked out (say, a tool's).
+    batch = RolloutBatch.from_samples(
+        prompt_ids=[[3, 4]] * 4, response_ids=[[5, 6], [7], [5, 6], [7]],
+        response_log_probs=[[-1.0, -1.0], [-1.0]] * 2, rewards=[1.0, 0.0, 1.0, 0.0],
+        advantages=[1.0, -1.0, 1.0, -1.0], group_index=[0, 0, 1, 1], samples_per_prompt=2,
+        response_masks=[[1, 1], [1], [0, 0], [0]])
+    model_path = job_model_path(config)
+    trainers = [TrainerGroup(config.trainer, config.objective_config(), model_path, 4)
+                for _ in range(2)]
+    try:
+        job = SimpleNamespace(config=config, actors=SimpleNamespace(trainer=trainers[0]),
+                              updates=JsonlSink(tmp_path, "updates.jsonl"))
+        per_update = train_optimizer_steps(job, 0, batch, None)
+        job.updates.close()
+        assert sorted(u.get("skipped", 0.0) for u in per_update) == [0.0, 1.0]
+        summary = optimizer_steps_summary(per_update)
+        assert summary["updates"] == 1.0 and summary["updates/skipped"] == 1.0
+        rows = read_metrics(tmp_path / "updates.jsonl")
+        assert [r["step"] for r in rows] == [0, 1]
+        assert [("grad_norm" in r["metrics"]) for r in rows] == [
+            not u.get("skipped") for u in per_update]
+        # The same weights as one optimizer step on group 0 alone: nothing moved for the
+        # empty mini-batch (AdamW's momentum would move them on a zero gradient).
+        alone = batch.select([0, 1])
+        alone = alone.with_old_log_probs(trainers[1].log_probs(batch)[[0, 1]])
+        trainers[1].train(alone)
+        skipped, reference = (ray.get(t.async_export_weights()) for t in trainers)
+        for name, tensor in reference.items():
+            torch.testing.assert_close(skipped[name], tensor, rtol=0, atol=0)
+    finally:
+        for trainer in trainers:
+            trainer.shutdown()
