@@ -50,6 +50,8 @@ def transaction_log_records(path: Path) -> list[Any]:
         if kind == 0:  # zero padding to the end of the block
             pos += BLOCK_SIZE - pos % BLOCK_SIZE
             continue
+        if pos + 7 + length > len(data):  # a tail wandb-core is still writing
+            break
         chunk = data[pos + 7:pos + 7 + length]
         assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == checksum
         chunks.append(chunk)
