@@ -11,9 +11,13 @@ import pytest
 import ray
 from transformers import AutoModelForCausalLM
 
-from rollout.tiny import create_tiny_checkpoint
 from tests.trainer.helpers import random_train_batch
-from tests.trainer.megatron.helpers import max_relative_difference, objective_for
+from tests.trainer.megatron.helpers import (
+    WIDE_VOCAB,
+    create_wide_vocab_checkpoint,
+    max_relative_difference,
+    objective_for,
+)
 from trainer.config import OptimizerConfig, TrainerConfig
 from trainer.group import TrainerGroup
 
@@ -55,8 +59,8 @@ def _assert_same_step(got: tuple[dict, dict], expected: tuple[dict, dict]) -> No
 
 def test_checkpoints_move_between_backends_and_tp_sizes(ray_cluster: None,
                                                         tmp_path: Path) -> None:
-    model_path = create_tiny_checkpoint(tmp_path / "tiny", seed=0)
-    batches = [random_train_batch(100, seed=s, first_group=3 * s) for s in range(3)]
+    model_path = create_wide_vocab_checkpoint(tmp_path / "tiny", seed=0)  # spans both TP ranks
+    batches = [random_train_batch(WIDE_VOCAB, seed=s, first_group=3 * s) for s in range(3)]
     megatron = TrainerConfig(backend="megatron", tp_size=2, max_tokens_per_micro_batch=20,
                              optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.01,
                                                        warmup_steps=2))

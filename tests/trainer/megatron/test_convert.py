@@ -12,15 +12,17 @@ from trainer.backends.megatron.model import model_shape
 
 ARCH = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "max_position_embeddings": 64}
+# Vocabularies with real ids on every TP rank tested: Megatron pads to a multiple of
+# 128·TP, so 200 spans TP=2 (rank 1 from 128) and 400 spans TP=2 and TP=4 (rank 3 from 384).
 
 
 def _qwen2_tied() -> Qwen2Config:
-    return Qwen2Config(vocab_size=100, num_attention_heads=4, num_key_value_heads=2,
+    return Qwen2Config(vocab_size=200, num_attention_heads=4, num_key_value_heads=2,
                        tie_word_embeddings=True, **ARCH)
 
 
 def _llama_untied() -> LlamaConfig:
-    return LlamaConfig(vocab_size=300, num_attention_heads=8, num_key_value_heads=4,
+    return LlamaConfig(vocab_size=400, num_attention_heads=8, num_key_value_heads=4,
                        tie_word_embeddings=False, **ARCH)
 
 
@@ -44,6 +46,7 @@ def test_round_trip_is_exact(make_config, tp_size: int) -> None:
     vocab = shards[0]["embedding.word_embeddings.weight"]
     assert vocab.shape[0] * tp_size == shape.padded_vocab_size
     assert shape.padded_vocab_size % (128 * tp_size) == 0
+    assert config.vocab_size > (tp_size - 1) * shape.vocab_per_rank  # real ids on the last rank
     back = megatron_to_hf(shards, shape)
     assert set(back) == set(hf)
     for name, tensor in hf.items():

@@ -10,12 +10,15 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from rollout.tiny import create_tiny_checkpoint
 from tests.distributed import run_distributed
+from tests.trainer.megatron.helpers import create_wide_vocab_checkpoint
 
 pytest.importorskip("megatron.core")
 
-TOKENS = torch.tensor([[5, 17, 42, 9, 33, 61, 2, 88, 14, 70], [3, 8, 99, 21, 54, 7, 16, 40, 11, 6]])
+TOKENS = torch.tensor([[5, 17, 42, 9, 33, 61, 2, 88, 14, 130],
+                       [3, 8, 99, 21, 54, 149, 16, 40, 11, 6]])
+"""Ids on both TP ranks' embedding slices (rank 1 holds 128..255 at TP=2); both models'
+vocabularies (200 and 150) span both ranks, so their logits do too."""
 
 
 def _megatron_logits_and_export(rank: int, world_size: int, model_dirs: list[str],
@@ -74,7 +77,7 @@ def _untied_llama(path: Path) -> str:
 
 
 def test_tp2_logits_and_hf_export_match_transformers(tmp_path: Path) -> None:
-    model_dirs = [create_tiny_checkpoint(tmp_path / "qwen2", seed=0),
+    model_dirs = [create_wide_vocab_checkpoint(tmp_path / "qwen2", seed=0),
                   _untied_llama(tmp_path / "llama")]
     megatron_logits = run_distributed(_megatron_logits_and_export, 2, model_dirs,
                                       str(tmp_path / "export"))[0]

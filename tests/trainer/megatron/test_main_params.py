@@ -2,10 +2,9 @@
 
 At lr 1e-6, AdamW moves every weight by about 1e-6 per step, far below bf16's spacing
 near the tiny model's weights (≈1e-4 at 0.02). Three Megatron steps with
-``dtype: bfloat16`` must still change most fp32 main params; the control — torch AdamW
-stepping bf16 parameters directly with the same gradients — changes only the few weights
-next to zero (about 2 %), so the test fails if the backend ever steps the compute-dtype
-copy."""
+``dtype: bfloat16`` must still change most fp32 main params; the control — the share of
+those weights whose bf16 copy absorbs a ±lr update (all but the few next to zero) —
+shows the test fails if the backend ever steps the compute-dtype copy."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import torch
 
 from rollout.tiny import create_tiny_checkpoint
 from tests.distributed import run_ranks
-from tests.trainer.helpers import random_train_batch
+from tests.trainer.helpers import random_train_batch, share_bf16_absorbs
 from tests.trainer.megatron.helpers import objective_for, start_worker
 from trainer.config import OptimizerConfig, TrainerConfig
 from trainer.step_plan import plan_step
@@ -53,20 +52,6 @@ def _changed_fraction(before: dict[str, torch.Tensor], after: dict[str, torch.Te
     return changed / sum(v.numel() for v in before.values())
 
 
-def _bf16_adamw_control(initial: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
-                        ) -> float:
-    """torch AdamW on bf16 parameters with the same gradients: the fraction it changes."""
-    params = {k: torch.nn.Parameter(v.to(torch.bfloat16)) for k, v in initial.items()
-              if k in grads}
-    start = {k: p.detach().clone() for k, p in params.items()}
-    optimizer = torch.optim.AdamW(list(params.values()), lr=LR, weight_decay=0.0)
-    for _ in range(STEPS):
-        for k, p in params.items():
-            p.grad = grads[k].to(torch.bfloat16)
-        optimizer.step()
-    return _changed_fraction(start, {k: p.detach() for k, p in params.items()})
-
-
 def test_bf16_compute_steps_fp32_main_params(tmp_path: Path) -> None:
     model_path = create_tiny_checkpoint(tmp_path / "tiny", seed=0)
     (result,) = run_ranks(_bf16_steps, 1, model_path)
@@ -77,7 +62,8 @@ def test_bf16_compute_steps_fp32_main_params(tmp_path: Path) -> None:
     initial, final = result["initial"], result["final"]
     assert {v.dtype for v in final.values()} == {torch.float32}  # engines get fp32 too
     main_changed = _changed_fraction(initial, final)
-    control_changed = _bf16_adamw_control(initial, result["grads"])
     assert main_changed > 0.9, main_changed
-    # Only weights within ~5e-4 of zero (where bf16's spacing is below 2·lr) can move.
-    assert control_changed < 0.05, control_changed
+    # The control: only weights within ~5e-4 of zero (where bf16's spacing is below 2·lr)
+    # could move if the bf16 copy were stepped.
+    trained = {k: v for k, v in initial.items() if k in result["grads"]}
+    assert share_bf16_absorbs(trained, LR) > 0.95

@@ -1,16 +1,20 @@
 """Megatron at TP=2 on gloo processes (no Ray): the trainer's log-probs are those of the
 engine's sampling distribution softmax(z / T), and the vocab-parallel log-probs and
-entropy equal the full-vocabulary ones, finite with −inf logits, values and gradients."""
+entropy equal the full-vocabulary ones, finite with −inf logits, values and gradients.
+The vocabulary spans both TP ranks (``helpers.WIDE_VOCAB``: real ids on rank 1 too)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rollout.tiny import create_tiny_checkpoint
 from tests.distributed import run_ranks
 from tests.trainer.helpers import sampled_train_batch
-from tests.trainer.megatron.helpers import objective_for, start_worker
+from tests.trainer.megatron.helpers import (
+    create_wide_vocab_checkpoint,
+    objective_for,
+    start_worker,
+)
 from trainer.config import LossConfig, TrainerConfig
 from trainer.losses import log_probs_and_entropy
 from trainer.step_plan import plan_step
@@ -23,23 +27,25 @@ CONFIG = TrainerConfig(backend="megatron", tp_size=TP, loss=LossConfig(old_log_p
 
 def _vocab_parallel_case(worker, temperature: float) -> dict[str, torch.Tensor]:
     """This rank's slice of shared random logits (some −inf) through the vocab-parallel
-    path: log-probs, entropy and the gradient of their sum w.r.t. the logits."""
+    path: log-probs, entropy and the gradient of each's sum w.r.t. the logits."""
     from trainer.backends.megatron.loss import vocab_parallel_log_probs
 
     shape = worker.shape
     gen = torch.Generator().manual_seed(0)
     full = torch.randn(2, 5, shape.padded_vocab_size, generator=gen) * 3
     full[0, 1, : shape.vocab_size - 1] = -torch.inf  # one finite logit left in the row
-    full[1, :, 7:40] = -torch.inf  # blocked tokens on both ranks
+    full[1, :, 100:160] = -torch.inf  # blocked tokens on both ranks (rank 1 from 128)
     targets = torch.randint(0, shape.vocab_size, (2, 5), generator=gen)
     targets[0, 1] = shape.vocab_size - 1
     start = worker.weights.tp_rank * shape.vocab_per_rank
     local = full[..., start: start + shape.vocab_per_rank].clone().requires_grad_(True)
     log_probs, entropy = vocab_parallel_log_probs(local, targets, shape, temperature,
                                                   entropy=True)
-    (log_probs.sum() + entropy.sum()).backward()
+    (log_prob_grad,) = torch.autograd.grad(log_probs.sum(), local, retain_graph=True)
+    (entropy_grad,) = torch.autograd.grad(entropy.sum(), local)
     return {"full": full[..., : shape.vocab_size], "targets": targets,
-            "log_probs": log_probs.detach(), "entropy": entropy.detach(), "grad": local.grad}
+            "log_probs": log_probs.detach(), "entropy": entropy.detach(),
+            "log_prob_grad": log_prob_grad, "entropy_grad": entropy_grad}
 
 
 def _mismatch(rank: int, port: int, model_path: str, batch, temperatures: list[float]
@@ -66,7 +72,7 @@ def _mismatch(rank: int, port: int, model_path: str, batch, temperatures: list[f
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
-    model_path = create_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+    model_path = create_wide_vocab_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
     batch = sampled_train_batch(model_path, temperature=0.7)
     ranks = run_ranks(_mismatch, TP, model_path, batch, [0.7, 1.0])
     ranks[0].update(rollout_log_probs=batch.rollout_log_probs, loss_mask=batch.loss_mask)
@@ -79,19 +85,41 @@ def test_trainer_log_probs_match_the_engine_at_its_temperature(results: list[dic
     assert at_one > 1e-2  # a trainer that ignored T would be visibly off
 
 
-def test_vocab_parallel_terms_equal_full_vocabulary_and_stay_finite(results: list[dict]
-                                                                   ) -> None:
+def _full_vocabulary_case(results: list[dict]
+                          ) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rank 0's case, its full logits as a leaf, their full-vocabulary log-probs and
+    entropy)."""
     case = results[0]["vocab_parallel"]
     full = case["full"].clone().requires_grad_(True)
     log_probs, entropy = log_probs_and_entropy(full, case["targets"], 0.7,
                                                with_entropy_grad=True)
-    (log_probs.sum() + entropy.sum()).backward()
+    return case, full, log_probs, entropy
+
+
+def _vocab_parallel_grads(results: list[dict], name: str, vocab_size: int) -> torch.Tensor:
+    """Every rank's gradient slice put back together, over the real vocabulary."""
+    grads = torch.cat([r["vocab_parallel"][name] for r in results], dim=-1)
+    assert torch.isfinite(grads).all()
+    return grads[..., :vocab_size]
+
+
+def test_vocab_parallel_terms_equal_full_vocabulary_and_stay_finite(results: list[dict]
+                                                                   ) -> None:
+    case, full, log_probs, entropy = _full_vocabulary_case(results)
     assert torch.allclose(case["log_probs"], log_probs.detach(), atol=1e-5, rtol=0)
     assert torch.allclose(case["entropy"], entropy.detach(), atol=1e-5, rtol=0)
     assert case["entropy"][0, 1].abs() < 1e-6  # one token left: H = 0, not NaN
-    grads = torch.cat([r["vocab_parallel"]["grad"] for r in results], dim=-1)
-    assert torch.isfinite(grads).all()
-    assert torch.allclose(grads[..., : full.shape[-1]], full.grad, atol=1e-5, rtol=0)
+    (expected,) = torch.autograd.grad(log_probs.sum(), full)
+    grads = _vocab_parallel_grads(results, "log_prob_grad", full.shape[-1])
+    assert torch.allclose(grads, expected, atol=1e-5, rtol=0)
+    _vocab_parallel_grads(results, "entropy_grad", full.shape[-1])  # finite
+
+
+def test_vocab_parallel_entropy_gradient_equals_full_vocabulary(results: list[dict]) -> None:
+    _, full, _, entropy = _full_vocabulary_case(results)
+    (expected,) = torch.autograd.grad(entropy.sum(), full)
+    grads = _vocab_parallel_grads(results, "entropy_grad", full.shape[-1])
+    assert torch.allclose(grads, expected, atol=1e-5, rtol=0)
 
 
 def test_old_log_probs_are_the_engines_at_temperature_and_give_ratio_one(

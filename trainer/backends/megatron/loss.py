@@ -7,7 +7,12 @@ shift, whatever the compute dtype), m = max over all ranks (a constant shift, al
 MAX) and S = Σ_v exp(z_v − m) (all-reduce SUM):
 
     log p(t) = (z_t − m) − log S        z_t from the rank owning t, zero elsewhere, summed
-    H        = log S − Σ_v p_v (z_v − m)
+    H        = log S − U / S,    U = Σ_v exp(z_v − m) (z_v − m)   (all-reduce SUM)
+
+H is written through the two all-reduced sums S and U, never as a sum of per-rank terms
+that each depend on the reduced log S: the reduction's backward is the identity, so a
+rank's ∂/∂z of such a term would miss the other ranks' dependence on log S (the entropy
+gradient was wrong at TP > 1 that way; tests/trainer/megatron/test_temperature.py).
 
 NaN safety: a logit of −inf (a masked vocabulary entry) has p = 0 and contributes
 p·(z − m) := 0 to H; the plain product would be 0·(−inf) = NaN, in the forward and,
@@ -86,7 +91,8 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, shape:
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * shape.vocab_per_rank
     num_valid = max(0, min(shape.vocab_per_rank, shape.vocab_size - vocab_start))
     z = _shifted_logits(logits, num_valid, temperature, shape)
-    log_normaliser = _tp_sum(z.exp().sum(dim=-1)).log()
+    normaliser = _tp_sum(z.exp().sum(dim=-1))
+    log_normaliser = normaliser.log()
     local_target = targets - vocab_start
     owned = (local_target >= 0) & (local_target < num_valid)
     if num_valid:
@@ -100,8 +106,8 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, shape:
     with torch.set_grad_enabled(entropy and torch.is_grad_enabled()):
         finite = torch.isfinite(z)  # where twice: no 0·(−inf) forward or backward
         safe_z = torch.where(finite, z, 0.0)
-        probs = torch.where(finite, torch.exp(safe_z - log_normaliser.unsqueeze(-1)), 0.0)
-        return log_probs, log_normaliser - _tp_sum((probs * safe_z).sum(dim=-1))
+        weighted = _tp_sum((torch.where(finite, safe_z.exp(), 0.0) * safe_z).sum(dim=-1))
+        return log_probs, log_normaliser - weighted / normaliser
 
 
 def loss_func(micro: MicroBatch, ref_log_probs: torch.Tensor | None, loss_cfg: LossConfig,
