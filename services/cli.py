@@ -44,15 +44,30 @@ def train(config: ConfigArg, set_: SetOpt = None,
 
 
 PLANT_ENV = "TALLY_TEST_PLANT"
-"""Test hook, not an option: ``<layout>:<term>`` plants a factor-2 reduction error in that
-layout's rank 0 (e.g. ``dp2cp1:kl``), so the tests can show the verifier failing."""
+"""Test hook, not an option: ``<layout>:<error>[,<error>]`` entries separated by ``;`` plant
+errors in those layouts' ranks (``trainer/objective.py``'s PLANTED_ERROR_ENV lists them:
+``pg``/``kl``/``entropy`` doubled on rank 0, ``local_tokens``, ``shard_coefficient``,
+``entropy_coefficient``), e.g. ``dp2cp1:pg,kl`` or
+``dp2cp1:local_tokens;dp1cp2:shard_coefficient``, so the tests can show the verifier
+failing."""
 
 
 def _planted_env(layouts: list) -> dict[str, dict[str, str]]:
-    from trainer.objective import PLANTED_ERROR_ENV
+    """{layout: its ranks' environment} from PLANT_ENV; a layout not in ``layouts`` or an
+    unknown error is refused (a test hook that planted nothing would pass silently)."""
+    from trainer.objective import PLANTED_ERROR_ENV, parse_planted_errors
+    from trainer.verify import Layout
 
-    layout, _, term = os.environ.get(PLANT_ENV, "").partition(":")
-    return {layout: {PLANTED_ERROR_ENV: term}} if layout and term else {}
+    planted: dict[str, dict[str, str]] = {}
+    for entry in os.environ.get(PLANT_ENV, "").split(";"):
+        layout, _, errors = entry.strip().partition(":")
+        if not (layout and errors):
+            continue
+        name = str(Layout.parse(layout))
+        if name not in {str(lay) for lay in layouts}:
+            raise ValueError(f"{PLANT_ENV}: layout {name} is not among --layouts")
+        planted[name] = {PLANTED_ERROR_ENV: ",".join(sorted(parse_planted_errors(errors)))}
+    return planted
 
 
 @app.command("verify-aggregation")
@@ -79,6 +94,7 @@ def verify_aggregation(
 
     job = _load(config, set_)
     parsed = [Layout.parse(text) for text in layouts.split(",") if text]
+    planted = _planted_env(parsed)
     needed = max(lay.dp_size * lay.cp_size * job.trainer.tp_size for lay in parsed) + 2
     started = ensure_ray(max(os.cpu_count() or 1, needed))
     try:
@@ -99,7 +115,7 @@ def verify_aggregation(
                                   job.trainer.ppo_epochs, job.trainer.seed, rollout_index=0)
         typer.echo(f"{len(updates)} optimizer step(s) per rollout, each compared")
         rows = verify_layouts(job.trainer, job.objective_config(), model_path, batch, parsed,
-                              tolerance=tolerance, env_for_layout=_planted_env(parsed),
+                              tolerance=tolerance, env_for_layout=planted,
                               updates=updates)
         for line in format_rows(rows):
             typer.echo(line)

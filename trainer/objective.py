@@ -29,8 +29,31 @@ LOGGED_SUMS = ("pg_loss", "kl", "entropy", "clipped_tokens", "valid_tokens",
                "magnitude/entropy")
 """``magnitude/<term>`` = Σ|w·ℓ|: the scale a difference in that term is judged against."""
 PLANTED_ERROR_ENV = "TALLY_TEST_PLANTED_ERROR"
-"""Test hook (not a user option): ``<term>[,<term>]`` doubles rank 0's share of those
-terms' gradients, so tests can show ``verify-aggregation`` catching a reduction bug."""
+"""Test hook (not a user option): ``<error>[,<error>]``, errors planted in the ranks that
+have it in their environment, so tests can show ``verify-aggregation`` catching each
+(``services/cli.py``'s PLANT_ENV sets it for one layout's ranks):
+
+    pg, kl, entropy       rank 0's share of that term's gradient doubled
+    local_tokens          every rank normalises by its own tokens (the bug Tally exists to
+                          prevent): a term's weights become w·S/(R·s), s = Σ w over the
+                          rank's tokens of the call, S = Σ s over the R ranks; for
+                          token_mean that is 1/(R·ΣM_j over the rank's samples): a
+                          per-rank mean averaged over ranks, exact only when every rank
+                          holds the same share (s = S/R). A call is one micro-batch: the
+                          rank's whole share when it has one (as in the tests)
+    shard_coefficient     rank 0's shard (one CP shard in a CP layout): the coefficient of
+                          its sample with the most valid tokens ×(1 + 1e-3), every term
+    entropy_coefficient   the same sample's coefficient ×(1 + 1e-3) in the entropy term only
+
+Rank 0 is the one that owns the first DP×CP shard (every TP rank of it on Megatron)."""
+PLANTED_FACTOR_TERMS = ("pg", "kl", "entropy")
+"""Planted errors that double rank 0's share of a term."""
+PLANTED_ON_EVERY_RANK = frozenset({"local_tokens"})
+"""Planted errors each rank of the layout makes (read here, not passed by the backend)."""
+PLANTED_ERRORS = frozenset({*PLANTED_FACTOR_TERMS, *PLANTED_ON_EVERY_RANK,
+                            "shard_coefficient", "entropy_coefficient"})
+PLANTED_COEFFICIENT_ERROR = 1e-3
+"""Relative error of the one wrong per-sample coefficient (shard_ / entropy_coefficient)."""
 
 
 @dataclass
@@ -45,9 +68,45 @@ class TokenLogProbs:
     """log π_ref,T(target) without a graph, when the KL term is on."""
 
 
+def parse_planted_errors(text: str) -> frozenset[str]:
+    """The planted errors of a ``PLANTED_ERROR_ENV`` value; an unknown name raises."""
+    errors = frozenset(e.strip() for e in text.split(",") if e.strip())
+    unknown = sorted(errors - PLANTED_ERRORS)
+    if unknown:
+        raise ValueError(f"{PLANTED_ERROR_ENV}: unknown planted error(s) {unknown}; "
+                         f"expected some of {sorted(PLANTED_ERRORS)}")
+    return errors
+
+
 def planted_error_terms() -> frozenset[str]:
-    """The terms a test planted a factor-2 reduction error in (rank 0 only)."""
-    return frozenset(t for t in os.environ.get(PLANTED_ERROR_ENV, "").split(",") if t)
+    """The errors a test planted in this process (a backend passes them on rank 0 only)."""
+    return parse_planted_errors(os.environ.get(PLANTED_ERROR_ENV, ""))
+
+
+def _planted_weights(micro: MicroBatch, planted: frozenset[str]) -> dict[str, torch.Tensor]:
+    """The micro-batch's weights with the planted coefficient errors (test hook only)."""
+    weights = dict(micro.weights)
+    if "local_tokens" in planted:
+        import torch.distributed as dist
+
+        own = torch.stack([weights[t].sum() for t in PLANTED_FACTOR_TERMS]).double()
+        total = own.clone()
+        dist.all_reduce(total)  # every rank of the layout runs this call
+        factor = torch.where(own > 0, total / (dist.get_world_size() * own), 1.0)
+        weights.update({t: weights[t] * f for t, f in zip(PLANTED_FACTOR_TERMS, factor,
+                                                          strict=True)})
+    wrong = [t for t in PLANTED_FACTOR_TERMS if "shard_coefficient" in planted
+             or (t == "entropy" and "entropy_coefficient" in planted)]
+    if wrong:  # the sample with the most valid tokens in this shard
+        sample = (micro.sequence_ids if micro.sequence_ids is not None else
+                  torch.arange(micro.loss_mask.shape[0])[:, None].expand_as(micro.loss_mask))
+        sample = sample.to(micro.loss_mask.device)
+        valid = sample[micro.loss_mask > 0]
+        if valid.numel():
+            chosen = sample == torch.bincount(valid).argmax()
+            weights.update({t: torch.where(chosen, weights[t] * (1 + PLANTED_COEFFICIENT_ERROR),
+                                           weights[t]) for t in wrong})
+    return weights
 
 
 def term_coefficients(loss: LossConfig, gradient_of: str = "all") -> dict[str, float]:
@@ -67,6 +126,8 @@ def micro_batch_objective(
     A KL or entropy sum is always logged (entropy needs no reference model); it enters
     the backward only with a coefficient > 0."""
     mask = micro.loss_mask
+    planted = planted_terms | (PLANTED_ON_EVERY_RANK & planted_error_terms())
+    weights = _planted_weights(micro, planted) if planted else micro.weights
     if loss.old_log_probs == "rollout":
         old = micro.rollout_log_probs
     elif micro.old_log_probs is not None:  # the policy at the start of the rollout
@@ -75,26 +136,26 @@ def micro_batch_objective(
         old = token.log_probs.detach()
     pg = policy_gradient_loss(token.log_probs, old, micro.advantages, loss, mask,
                               micro.rollout_log_probs)
-    pg_sum = local_weighted_sum(pg.pg_loss, micro.weights["pg"])
+    pg_sum = local_weighted_sum(pg.pg_loss, weights["pg"])
     kl = torch.zeros_like(pg.pg_loss)
     if token.ref_log_probs is not None:
         kl = kl_penalty(token.log_probs, token.ref_log_probs, loss.kl_estimator, mask)
-    kl_sum = local_weighted_sum(kl, micro.weights["kl"])
-    entropy_sum = local_weighted_sum(token.entropy, micro.weights["entropy"])
+    kl_sum = local_weighted_sum(kl, weights["kl"])
+    entropy_sum = local_weighted_sum(token.entropy, weights["entropy"])
     signed = {"pg": pg_sum, "kl": kl_sum, "entropy": -entropy_sum}  # entropy is a bonus
     objective = pg_sum.new_zeros(())
     for term, coef in term_coefficients(loss, gradient_of).items():
         if coef > 0 and signed[term].requires_grad:
-            planted = 2.0 if term in planted_terms else 1.0
-            objective = objective + planted * coef * signed[term]
+            factor = 2.0 if term in planted_terms else 1.0  # a planted error (tests)
+            objective = objective + factor * coef * signed[term]
     with torch.no_grad():
         mismatch = torch.where(mask > 0, token.log_probs - micro.rollout_log_probs, 0.0)
         sums = torch.stack([
             pg_sum, kl_sum, entropy_sum, pg.clipped.sum(), mask.sum(), mismatch.abs().sum(),
             ((pg.ratio - 1).abs() * mask).sum(),
-            *[local_weighted_sum(value.abs(), micro.weights[term].abs()) for term, value in
+            *[local_weighted_sum(value.abs(), weights[term].abs()) for term, value in
               (("pg", pg.pg_loss), ("kl", kl), ("entropy", token.entropy))],
-            *[local_weighted_sum(pg.pg_loss, micro.weights[k]) for k in mode_names],
+            *[local_weighted_sum(pg.pg_loss, weights[k]) for k in mode_names],
         ]).detach().double()
     return objective, sums
 

@@ -20,6 +20,10 @@ A rollout with several updates (``updates``: mini-batches × epochs) is compared
 update: at each update every mode's and term's gradient on its own mini-batch, then the
 job's own optimizer step (its configured objective), the same in every layout, so every
 update of the rollout is checked, with the old log-probs of the rollout's start.
+
+A job with ``aggregation.custom_reducer`` is checked under one more mode, ``custom``: its
+pg term weighted by the reducer's dense [N, S] weights (sliced like the tokens), KL and
+entropy by their own modes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from trainer.mini_batches import Update, mini_batch
 
 TERMS = {"pg": "pg_loss", "kl": "kl", "entropy": "entropy"}
 """Term -> its logged J."""
+CUSTOM_MODE = "custom"
+"""The mode of the rows that check the job's own ``aggregation.custom_reducer``."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,29 @@ def verification_config(config: TrainerConfig) -> TrainerConfig:
     return config.model_copy(update=update)
 
 
+def checked_modes(objective: ObjectiveConfig) -> tuple[str, ...]:
+    """Every built-in mode, and ``custom`` when the job's pg term has a custom reducer."""
+    return (*AGGREGATION_MODES, *((CUSTOM_MODE,) if objective.pg.custom_reducer else ()))
+
+
+def mode_objectives(objective: ObjectiveConfig, modes: tuple[str, ...]
+                    ) -> list[tuple[str, str, ObjectiveConfig]]:
+    """(mode, term, the objective whose gradient is that term's under that pg mode) for
+    every mode and term; ``custom`` keeps the job's own pg aggregation (its reducer)."""
+    checked = []
+    for mode in modes:
+        if mode == CUSTOM_MODE:
+            if objective.pg.custom_reducer is None:
+                raise ValueError("modes: 'custom' needs aggregation.custom_reducer")
+            pg = objective.pg
+        else:
+            pg = AggregationConfig(mode=mode, divisor=objective.metric_divisor
+                                   if mode == "constant" else None)
+        checked += [(mode, term, objective.model_copy(update={"pg": pg, "gradient_of": term}))
+                    for term in TERMS]
+    return checked
+
+
 def perturbed(state: dict[str, torch.Tensor], seed: int = 0, scale: float = 0.05
               ) -> dict[str, torch.Tensor]:
     """The policy moved off the reference: each float tensor + scale·std·noise."""
@@ -133,16 +162,12 @@ def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: st
         rollout = batch
         if len(updates) > 1 and config.loss.old_log_probs == "trainer":
             rollout = batch.with_old_log_probs(group.log_probs(batch))
-        checked = [(mode, term) for mode in modes for term in TERMS]
-        objectives = [objective.model_copy(update={
-            "pg": AggregationConfig(mode=mode, divisor=objective.metric_divisor
-                                    if mode == "constant" else None),
-            "gradient_of": term}) for mode, term in checked]
+        checked = mode_objectives(objective, modes)
         results = {}
         for update in updates:
             mini = mini_batch(rollout, update)
-            per_check = group.gradients(mini, objectives)
-            for (mode, term), (sums, grads) in zip(checked, per_check, strict=True):
+            per_check = group.gradients(mini, [obj for *_, obj in checked])
+            for (mode, term, _), (sums, grads) in zip(checked, per_check, strict=True):
                 logged = TERMS[term]
                 results[mode, update.index, term] = TermResult(
                     sums[logged], sums[f"magnitude/{logged}"], grads)
@@ -155,14 +180,16 @@ def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: st
 
 def compare(ref: TermResult, got: TermResult, rtol: float, atol: float
             ) -> tuple[float, float, float, float, bool]:
-    """(max |Δg|, max |Δg|/|g_ref|∞, |ΔJ|, |ΔJ|/|J_ref|, within tolerance)."""
+    """(max |Δg|, max over tensors of |Δg|∞/|g_ref|∞, |ΔJ|, |ΔJ|/|J_ref|, within
+    tolerance)."""
     grad_abs = grad_rel = 0.0
     ok = True
     for name, g_ref in ref.gradients.items():
         delta = (got.gradients[name] - g_ref).abs()
         scale = float(g_ref.abs().max()) if g_ref.numel() else 0.0
-        grad_abs = max(grad_abs, float(delta.max()) if delta.numel() else 0.0)
-        grad_rel = max(grad_rel, grad_abs / scale if scale > 0 else 0.0)
+        tensor_abs = float(delta.max()) if delta.numel() else 0.0
+        grad_abs = max(grad_abs, tensor_abs)
+        grad_rel = max(grad_rel, tensor_abs / scale if scale > 0 else 0.0)  # per tensor
         ok &= bool((delta <= rtol * g_ref.abs() + atol * scale).all())
     value_abs = abs(got.value - ref.value)
     value_rel = value_abs / abs(ref.value) if ref.value else 0.0
@@ -172,14 +199,16 @@ def compare(ref: TermResult, got: TermResult, rtol: float, atol: float
 
 def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                    batch: RolloutBatch, layouts: list[Layout],
-                   modes: tuple[str, ...] = AGGREGATION_MODES,
+                   modes: tuple[str, ...] | None = None,
                    tolerance: tuple[float, float] | None = None,
                    env_for_layout: dict[str, dict[str, str]] | None = None,
                    updates: list[Update] | None = None) -> list[Row]:
-    """Rows of (layout, mode, update, term) against the first layout. ``updates`` splits
-    the rollout (default: one update on the whole batch); ``env_for_layout`` is a test
-    hook (environment of one layout's ranks, e.g. a planted reduction error)."""
+    """Rows of (layout, mode, update, term) against the first layout. ``modes``: default
+    :func:`checked_modes`; ``updates`` splits the rollout (default: one update on the
+    whole batch); ``env_for_layout`` is a test hook (environment of one layout's ranks,
+    e.g. a planted reduction error)."""
     config = verification_config(config)
+    modes = modes or checked_modes(objective)
     rtol, atol = tolerance or default_tolerance(config)
     env_for_layout = env_for_layout or {}
     updates = updates or [Update(0, 0, list(range(batch.num_samples)))]

@@ -49,3 +49,18 @@ def sampled_train_batch(model_path: str, temperature: float, num_prompts: int = 
         prompts, [g.token_ids for g in generations], [g.log_probs for g in generations],
         rewards.tolist(), (rewards - rewards.mean()).tolist(),
         [i // group_size for i in range(len(prompts))], group_size)
+
+
+def share_bf16_absorbs(weights: dict[str, torch.Tensor], step: float) -> float:
+    """The share of ``weights`` whose bf16 value neither ``+step`` nor ``−step`` moves
+    (both round back to it). AdamW's update is about lr per weight and step, so this is
+    what a backend that stepped its bf16 compute copy, instead of fp32 master weights,
+    would leave unchanged: the control that makes an lr-sized test discriminating."""
+    absorbed = total = 0
+    for weight in weights.values():
+        rounded = weight.to(torch.bfloat16)
+        up = (rounded.double() + step).to(torch.bfloat16) == rounded
+        down = (rounded.double() - step).to(torch.bfloat16) == rounded
+        absorbed += int((up & down).sum())
+        total += weight.numel()
+    return absorbed / total

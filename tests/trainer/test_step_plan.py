@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from tests.trainer.helpers import random_train_batch
+from tests.trainer.reducers import discounted_group_mean
 from trainer.aggregation import token_weights
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
 from trainer.context_parallel import zigzag_unshard
-from trainer.micro_batch import slice_micro_batch, slice_packed_row
+from trainer.micro_batch import slice_for_plan, slice_micro_batch, slice_packed_row
 from trainer.step_plan import assign_micro_batches, padding_fraction, plan_step
 
 LENGTHS = [9, 3, 14, 5, 5, 7, 2, 11, 6, 4]
@@ -34,8 +35,19 @@ def test_every_sample_once_within_budget_and_equal_counts(dp_size: int, budget: 
 def test_first_fit_decreasing_fills_rows_and_gives_a_long_sample_its_own() -> None:
     [rows] = assign_micro_batches([6, 30, 4, 5, 3, 2], 1, 10, packed=True)
     assert rows == [[1], [0, 2], [3, 4, 5]]  # 30 > budget alone; 6+4; 5+3+2
-    plan_rows = assign_micro_batches(LENGTHS, 3, 12, packed=True)
-    assert [] in plan_rows[2] or len({len(p) for p in plan_rows}) == 1
+    # Balanced by tokens (longest first onto the least loaded rank): 14+5+3, 11+6+4+2,
+    # 9+7+5; then rows of ≤ 12: 14 alone and 5+3; 11 alone and 6+4+2; 9 alone and 7+5.
+    assert assign_micro_batches(LENGTHS, 3, 12, packed=True) == [
+        [[2], [3, 1]], [[7], [8, 9, 6]], [[0], [5, 4]]]
+
+
+def test_a_rank_with_fewer_rows_gets_empty_ones() -> None:
+    """12 | 4 4 4 by tokens; the three 4s need two rows of 8, so rank 0 runs an empty
+    second row (FSDP's collectives need as many forwards on every rank)."""
+    assert assign_micro_batches([12, 4, 4, 4], 2, 8, packed=True) == [[[0], []],
+                                                                      [[1, 2], [3]]]
+    assert assign_micro_batches([12, 4, 4, 4], 2, 8, packed=False) == [[[0], []],
+                                                                       [[1, 2], [3]]]
 
 
 def test_packed_plan_records_cu_seqlens_and_has_no_padding_without_cp() -> None:
@@ -161,4 +173,41 @@ def test_packed_rows_carry_each_samples_shifted_tensors_without_crossing_a_bound
                 assert torch.equal(full("", "pg"), alone.weights["pg"][0, :n])
                 assert float(alone.weights["pg"][0, n - 1]) == 0.0  # last token: no target
                 offset += local
+    assert total == pytest.approx(float(dense.sum()), rel=1e-12)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_custom_reducer_weights_reach_every_shard_exactly(packed: bool, cp_size: int) -> None:
+    """The dense path: a custom reducer's [N, S] weights travel in the plan (not as
+    per-sample coefficients) and every token of every DP rank's micro-batch and CP shard
+    carries the weight of its target, w[i, p + 1] at true position p (0 on padding), so
+    the shards together hold each weight once."""
+    batch = random_train_batch(vocab_size=50, num_prompts=4, group_size=3, seed=2)
+    objective = ObjectiveConfig.compose(
+        AggregationConfig(custom_reducer="tests.trainer.reducers:discounted_group_mean"),
+        LossConfig(), 8, 1.0)
+    plan = plan_step(batch, objective, dp_size=2, cp_size=cp_size,
+                     max_tokens_per_micro_batch=16, packed=packed)
+    dense = discounted_group_mean(batch.loss_mask, batch.group_index)
+    assert set(plan.dense_weights) == {"pg"} and "pg" not in plan.coefficients
+    assert torch.equal(plan.dense_weights["pg"], dense)
+    assert "pg" in plan.terms
+    target_weight = torch.nn.functional.pad(dense[:, 1:], (0, 4 * cp_size))
+    total, num_micro_batches = 0.0, 0
+    for rank_samples in plan.micro_batches:
+        for samples in rank_samples:
+            num_micro_batches += bool(samples)
+            for cp_rank in range(cp_size):
+                micro = slice_for_plan(batch, plan, samples, cp_size, cp_rank)
+                got = micro.weights["pg"]
+                if not samples:
+                    assert float(got.abs().sum()) == 0.0
+                    continue
+                slot = (micro.sequence_ids if packed else
+                        torch.arange(len(samples))[:, None].expand_as(micro.position_ids))
+                sample = torch.tensor(samples)[slot]
+                assert torch.equal(got, target_weight[sample, micro.position_ids])
+                total += float(got.sum())
+    assert num_micro_batches > 2  # several per rank
     assert total == pytest.approx(float(dense.sum()), rel=1e-12)

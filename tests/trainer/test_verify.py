@@ -1,12 +1,16 @@
 """The layout verifier on real Ray actors and process groups: packed DP=2 and CP=2 give
-the gradients and terms of padded DP=1 for every update of a rollout, mode and term (one update per
-rollout and a planted error: tests/services/test_cli.py), and its tolerance judges a term
-against its own scale."""
+the gradients and terms of padded DP=1 for every update of a rollout, mode and term, and
+for a custom reducer's dense weights; its tolerance judges a term against its own scale;
+``tally verify-aggregation`` exits 1 on each subtle planted error (the README command and
+the ×2 planted error: tests/services/test_cli.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from rollout.tiny import create_tiny_checkpoint
 from tests.trainer.helpers import random_train_batch
@@ -17,9 +21,21 @@ from trainer.config import (
     OptimizerConfig,
     TrainerConfig,
 )
-from trainer.verify import Layout, TermResult, compare, perturbed, verify_layouts
+from trainer.verify import (
+    CUSTOM_MODE,
+    Layout,
+    TermResult,
+    checked_modes,
+    compare,
+    format_rows,
+    mode_objectives,
+    perturbed,
+    verify_layouts,
+)
 
 MODES = ("sample_mean", "token_mean", "prompt_mean", "constant")
+ROOT = Path(__file__).resolve().parents[2]
+REDUCER = "tests.trainer.reducers:discounted_group_mean"
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +87,17 @@ def test_tolerance_scales_with_the_terms_own_magnitude() -> None:
     assert not ok and grad_abs == 1.0 and grad_rel == 0.5
 
 
+def test_relative_gradient_difference_is_per_tensor() -> None:
+    """A tensor's difference is judged against its own scale: 1 off on a tensor of 10 is
+    0.1, however small another tensor's gradient."""
+    ref = TermResult(value=1.0, magnitude=1.0,
+                     gradients={"big": torch.tensor([10.0]), "small": torch.tensor([0.1])})
+    got = TermResult(value=1.0, magnitude=1.0,
+                     gradients={"big": torch.tensor([11.0]), "small": torch.tensor([0.1])})
+    grad_abs, grad_rel, *_, ok = compare(ref, got, rtol=1e-7, atol=1e-7)
+    assert (grad_abs, grad_rel, ok) == (1.0, pytest.approx(0.1), False)
+
+
 def test_perturbation_moves_the_policy_off_the_reference() -> None:
     state = {"w": torch.randn(4, 4, generator=torch.Generator().manual_seed(0)),
              "step": torch.tensor(3)}
@@ -86,3 +113,144 @@ def test_layout_names_say_packed_or_padded() -> None:
     assert str(Layout.parse("DP1CP2-packed")) == "dp1cp2-packed"
     with pytest.raises(ValueError, match="dp1cp1-padded"):
         Layout.parse("dp1cp1-ragged")
+
+
+def test_custom_mode_checks_the_jobs_own_reducer() -> None:
+    """The ``custom`` rows take the gradient of the job's own pg aggregation (its reducer),
+    not of a built-in mode; a job without a reducer has no such rows."""
+    custom = ObjectiveConfig.compose(AggregationConfig(custom_reducer=REDUCER), CONFIG.loss,
+                                     8, 0.7)
+    assert checked_modes(OBJECTIVE) == MODES
+    assert checked_modes(custom) == (*MODES, CUSTOM_MODE)
+    checked = mode_objectives(custom, (CUSTOM_MODE, "token_mean"))
+    assert [(mode, term) for mode, term, _ in checked] == [
+        (m, t) for m in (CUSTOM_MODE, "token_mean") for t in ("pg", "kl", "entropy")]
+    for mode, term, objective in checked:
+        assert objective.gradient_of == term
+        assert objective.pg.custom_reducer == (REDUCER if mode == CUSTOM_MODE else None)
+        assert (objective.kl, objective.entropy) == (custom.kl, custom.entropy)
+    with pytest.raises(ValueError, match="custom_reducer"):
+        mode_objectives(OBJECTIVE, (CUSTOM_MODE,))
+
+
+@pytest.mark.slow  # six layouts on Ray actors
+def test_custom_reducer_is_exact_under_every_layout_and_a_planted_error_fails(
+        ray_cluster: None, tiny_model: str) -> None:
+    """The dense-weights path: a reducer whose weights depend on the token's position and
+    its whole group, packed and padded under DP=2 and CP=2 (several rows per rank), gives
+    padded DP=1's J and ∇J in float64; one wrong coefficient (×1.001, one sample of the
+    only rank's rows: ``shard_coefficient``) in an extra layout fails every term."""
+    from transformers import AutoConfig
+
+    batch = random_train_batch(AutoConfig.from_pretrained(tiny_model).vocab_size,
+                               num_prompts=4, group_size=2, seed=5)
+    objective = ObjectiveConfig.compose(AggregationConfig(custom_reducer=REDUCER),
+                                        CONFIG.loss, 8, 0.7)
+    clean = [Layout(2, 1, packed=True), Layout(2, 1, packed=False),
+             Layout(1, 2, packed=True), Layout(1, 2, packed=False)]
+    planted = Layout(1, 1, packed=True)
+    rows = verify_layouts(CONFIG, objective, tiny_model, batch,
+                          [Layout(1, 1, packed=False), *clean, planted], modes=(CUSTOM_MODE,),
+                          env_for_layout={str(planted): {
+                              "TALLY_TEST_PLANTED_ERROR": "shard_coefficient"}})
+    assert {(r.layout, r.term) for r in rows} == {
+        (str(layout), term) for layout in (*clean, planted) for term in ("pg", "kl", "entropy")}
+    assert {r.mode for r in rows} == {CUSTOM_MODE}
+    print("\n".join(format_rows(rows)))  # the figures, for -s
+    good = [r for r in rows if r.layout != str(planted)]
+    assert all(r.ok for r in good), [r for r in good if not r.ok]
+    assert max(r.grad_rel for r in good) < 1e-9  # float64: rounding only
+    bad = [r for r in rows if r.layout == str(planted)]
+    assert not any(r.ok for r in bad), bad
+    assert all(1e-7 < r.grad_rel < 1e-2 for r in bad), bad  # small, and still caught
+
+
+SUBTLE_PLANTS = {"dp3cp1": "local_tokens", "dp1cp2": "shard_coefficient",
+                 "dp1cp1-packed": "entropy_coefficient"}
+"""Layout -> the planted error its ranks make (trainer/objective.py, PLANTED_ERROR_ENV)."""
+
+
+@pytest.mark.slow  # the demo's warm start and four layouts on Ray actors
+def test_verify_aggregation_exits_1_on_each_subtle_planted_error(
+        ray_cluster: None, shared_data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One run of the README's command (demo.yaml, a 16-sample rollout, one micro-batch per
+    rank), each planted error in a layout of its own against padded DP=1; the command
+    exits 1 on any failed row, and each layout's rows fail where its error is:
+
+    - ``local_tokens`` (each rank normalises by its own tokens, then the ranks are
+      averaged): 16 samples cannot split evenly over 3 ranks, so the sample_mean KL and
+      entropy terms (demo.yaml's mode for them, whatever the pg row's mode) are off.
+    - ``shard_coefficient`` (one sample's coefficient ×1.001 in CP rank 0's shard): KL and
+      entropy in every row, by less than 1 %.
+    - ``entropy_coefficient`` (the same, in the entropy term only): exactly the entropy rows.
+    """
+    from services.cli import app
+
+    monkeypatch.setenv("TALLY_TEST_PLANT", ";".join(f"{lay}:{err}"
+                                                    for lay, err in SUBTLE_PLANTS.items()))
+    result = CliRunner().invoke(app, [
+        "verify-aggregation", str(ROOT / "configs" / "demo.yaml"),
+        "--layouts", ",".join(["dp1cp1-padded", *SUBTLE_PLANTS]),
+        "--set", "rollout.global_batch_size=16"])
+    print(result.output)  # the figures, for -s
+    assert result.exit_code == 1, result.output
+    rows = [line.split() for line in result.output.splitlines() if line.startswith("dp")]
+    assert {(r[0], r[1], r[3]) for r in rows} == {
+        (layout, mode, term) for layout in SUBTLE_PLANTS for mode in MODES
+        for term in ("pg", "kl", "entropy")}
+    failed = {(r[0], r[1], r[3]) for r in rows if r[-1] == "FAIL"}
+    for mode in MODES:
+        assert {("dp3cp1", mode, "kl"), ("dp3cp1", mode, "entropy")} <= failed
+        assert {("dp1cp2", mode, "kl"), ("dp1cp2", mode, "entropy")} <= failed
+    assert {(m, t) for lay, m, t in failed if lay == "dp1cp1-packed"} == {
+        (mode, "entropy") for mode in MODES}
+    for r in rows:
+        if r[0] != "dp3cp1" and r[-1] == "FAIL":  # one coefficient off by 1e-3
+            assert 1e-7 < float(r[5]) < 1e-2, r
+    assert f"{len(rows) - len(failed)}/{len(rows)} comparisons within tolerance" in (
+        result.output)
+
+
+def test_planted_error_hook_refuses_what_would_plant_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test hook (not a user option) names its layout as --layouts does and refuses
+    an unknown error or a layout that is not run: a planted nothing would pass."""
+    from services.cli import PLANT_ENV, _planted_env
+    from trainer.objective import PLANTED_ERROR_ENV
+
+    layouts = [Layout.parse("dp1cp1-padded"), Layout.parse("dp2cp1"), Layout.parse("dp1cp2")]
+    monkeypatch.setenv(PLANT_ENV, "DP2CP1:local_tokens,kl; dp1cp2:entropy_coefficient")
+    assert _planted_env(layouts) == {"dp2cp1": {PLANTED_ERROR_ENV: "kl,local_tokens"},
+                                     "dp1cp2": {PLANTED_ERROR_ENV: "entropy_coefficient"}}
+    monkeypatch.setenv(PLANT_ENV, "dp2cp1:local_token")
+    with pytest.raises(ValueError, match=r"unknown planted error.*local_token"):
+        _planted_env(layouts)
+    monkeypatch.setenv(PLANT_ENV, "dp2cp2:kl")
+    with pytest.raises(ValueError, match="dp2cp2 is not among --layouts"):
+        _planted_env(layouts)
+
+
+@pytest.mark.parametrize(("error", "terms"), [("shard_coefficient", ("pg", "kl", "entropy")),
+                                              ("entropy_coefficient", ("entropy",))])
+def test_a_planted_coefficient_error_moves_one_sample_of_the_shard(
+        error: str, terms: tuple[str, ...]) -> None:
+    """Padded and packed: the weights of the shard's sample with the most valid tokens,
+    and only those, are ×(1 + 1e-3) in the planted terms."""
+    from trainer.micro_batch import slice_for_plan
+    from trainer.objective import PLANTED_COEFFICIENT_ERROR, _planted_weights
+    from trainer.step_plan import plan_step
+
+    batch = random_train_batch(vocab_size=50, num_prompts=3, group_size=2, seed=4)
+    for packed in (False, True):
+        plan = plan_step(batch, OBJECTIVE, 1, 2, 64, packed=packed)
+        micro = slice_for_plan(batch, plan, plan.micro_batches[0][0], 2, 0)
+        planted = _planted_weights(micro, frozenset({error}))
+        sample = (micro.sequence_ids if packed else
+                  torch.arange(micro.loss_mask.shape[0])[:, None].expand_as(micro.loss_mask))
+        counts = torch.bincount(sample[micro.loss_mask > 0])
+        assert len(counts) > 1
+        chosen = sample == counts.argmax()
+        for term, weights in micro.weights.items():
+            factor = 1 + PLANTED_COEFFICIENT_ERROR if term in terms else 1.0
+            assert torch.equal(planted[term][chosen], weights[chosen] * factor), term
+            assert torch.equal(planted[term][~chosen], weights[~chosen]), term

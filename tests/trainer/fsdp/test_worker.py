@@ -8,7 +8,7 @@ import torch
 
 from rollout.tiny import create_tiny_checkpoint
 from tests.distributed import run_ranks
-from tests.trainer.helpers import sampled_train_batch
+from tests.trainer.helpers import sampled_train_batch, share_bf16_absorbs
 from trainer.config import (
     AggregationConfig,
     LossConfig,
@@ -81,22 +81,14 @@ def test_bf16_compute_keeps_fp32_master_weights_that_move_at_lr_1e_6(tiny_model:
     assert result["state_dtype"] == "torch.float32"
     assert result["changed"] > 0.5, result
 
-    # The control: AdamW on bf16 parameters, the same three steps of lr 1e-6, rounds
-    # almost every update away (half an ulp of a weight near 0.02 is ~6e-5).
-    from transformers import AutoModelForCausalLM
+    # The control (why the test can fail): a bf16 copy absorbs an update of lr 1e-6 in
+    # almost every layer weight (half a bf16 ulp of a weight near 0.02 is ~6e-5), so a
+    # backend stepping its compute copy would leave them unchanged.
+    from safetensors.torch import load_file
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
-    before = [p.detach().clone() for p in model.parameters()]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    for _ in range(3):
-        logits = model(input_ids=batch.input_ids).logits
-        logits.float().log_softmax(-1).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    pairs = [(p, b) for (name, p), b in zip(model.named_parameters(), before, strict=True)
-             if ".layers." in name]
-    changed = sum(int((p != b).sum()) for p, b in pairs)
-    assert changed / sum(b.numel() for _, b in pairs) < 0.1
+    initial = load_file(f"{tiny_model}/model.safetensors")
+    layers = {k: v for k, v in initial.items() if ".layers." in k}
+    assert share_bf16_absorbs(layers, 1e-6) > 0.9
 
 
 def _old_log_probs(rank: int, port: int, model_path: str, batch, dp: int, cp: int,
