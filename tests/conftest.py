@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -47,13 +48,29 @@ def smollm2_path(tmp_path_factory: pytest.TempPathFactory):
     return import_model(SMOLLM2_NAME, tmp_path_factory.mktemp("models") / SMOLLM2_NAME)
 
 
-@pytest.fixture(scope="session")
-def _shared_data_path(tmp_path_factory: pytest.TempPathFactory):
-    return tmp_path_factory.mktemp("tally-data")
+@pytest.fixture(scope="session", autouse=True)
+def tally_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One TALLY_DATA_DIR for the whole session: the tiny model is built and each warm
+    start computed once, whichever test needs them first (a job started in a subprocess
+    inherits it unless the test names its own)."""
+    path = tmp_path_factory.mktemp("tally-data")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TALLY_DATA_DIR", str(path))
+        yield path
 
 
 @pytest.fixture
-def shared_data_dir(_shared_data_path, monkeypatch: pytest.MonkeyPatch):
-    """One TALLY_DATA_DIR for the session: the demo's warm start is computed once."""
-    monkeypatch.setenv("TALLY_DATA_DIR", str(_shared_data_path))
-    return _shared_data_path
+def shared_data_dir(tally_data_dir: Path) -> Path:
+    """The session's TALLY_DATA_DIR (set for every test; named for the tests that say so)."""
+    return tally_data_dir
+
+
+@pytest.fixture(scope="session")
+def clean_run(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory):
+    """The clean small job of tests/services/driver/clean_run.py, run once per session:
+    the resume, recovery, fallback and evaluation tests compare their runs with it."""
+    from services.driver.loop import run_job
+    from tests.services.driver.clean_run import CleanRun, clean_config
+
+    path = tmp_path_factory.mktemp("clean") / "job"
+    return CleanRun(path, run_job(clean_config(), path, log=lambda *_: None))

@@ -157,11 +157,14 @@ def save_checkpoint(job: RunningJob, step: int) -> Path:
     return trainer_checkpoint.commit_checkpoint(root, step)
 
 
-def restore(job: RunningJob, log: Callable[[str], None], truncate_rows: bool) -> int:
+def restore(job: RunningJob, log: Callable[[str], None]) -> int:
     """Resume from the newest readable checkpoint (an unreadable one is reported and the
-    one before it tried); returns the first rollout step to run."""
+    one before it tried); returns the first rollout step to run. The rows of the steps
+    from there on go: a stopped run or a failed attempt may have written some after its
+    last checkpoint, and each step keeps one row (that of the run that goes on)."""
     latest = checkpoint.newest_readable(job.run_dir, log) if job.config.resume else None
     if latest is None:
+        checkpoint.truncate_rows_after(job.run_dir, -1, job.config.num_updates_per_rollout)
         return 0
     state = checkpoint.load_driver_state(latest)
     job.actors.trainer.load_checkpoint(str(latest))
@@ -170,9 +173,7 @@ def restore(job: RunningJob, log: Callable[[str], None], truncate_rows: bool) ->
     job.weights.start(version=state.step + 1)
     job.weights.wait()
     job.pipeline.load_state_dict(state.in_flight)
-    if truncate_rows:  # a new run repeats the steps after the checkpoint
-        checkpoint.truncate_rows_after(job.run_dir, state.step,
-                                       job.config.num_updates_per_rollout)
+    checkpoint.truncate_rows_after(job.run_dir, state.step, job.config.num_updates_per_rollout)
     log(f"resumed from {latest.name} (step {state.step})")
     return state.step + 1
 
@@ -184,8 +185,8 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
     """Run a whole job; returns every step's row. Starts (and stops) Ray if none runs.
 
     When an actor dies or a call times out, the actors are started again and the job
-    resumes from its last checkpoint, at most ``max_restarts`` times; rows already
-    written are kept.
+    resumes from its last checkpoint, at most ``max_restarts`` times; the rows up to that
+    checkpoint are kept, those after it are written again (once).
     """
     preflight(config)
     quiet_transformers()
@@ -222,7 +223,7 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
         try:
             job = RunningJob.start(config, run_dir, model_path, log)
             run_dir.write_event("placement", job.actors.placement())
-            start = restore(job, log, truncate_rows=restarts == 0)
+            start = restore(job, log)
             log(f"job {config.name}: steps {start + 1}..{config.num_steps}, "
                 f"mode={config.aggregation.mode}, dp={config.trainer.dp_size} "
                 f"cp={config.trainer.cp_size}, output {run_dir.path}")

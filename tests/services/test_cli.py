@@ -1,13 +1,21 @@
-"""The `tally` commands users run, in process (Typer's runner) on the test Ray cluster."""
+"""The `tally` commands users run, in process (Typer's runner) on the test Ray cluster;
+`tally train` with no cluster also as a process of its own."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from services.cli import app
+from tests.services.driver.clean_run import CLEAN, CleanRun, deterministic, rows
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -104,3 +112,58 @@ def test_import_model_copies_a_valid_folder_and_names_a_bad_source(smollm2_path:
     missing = runner.invoke(app, ["import-model", str(tmp_path / "nope.gguf"),
                                   str(tmp_path / "out")])
     assert missing.exit_code == 2 and "neither a .gguf file" in missing.output
+
+
+def ray_processes_under(folder: Path) -> list[str]:
+    """Command lines of the live processes that name ``folder`` (a Ray head's temp dir:
+    its GCS, raylet, agents and workers all carry it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, PermissionError, ProcessLookupError, NotADirectoryError):
+            continue
+        if str(folder) in cmdline:
+            found.append(f"{proc.name}: {cmdline[:200]}")
+    return found
+
+
+@pytest.mark.slow  # a Ray head and a job of its own
+def test_tally_train_without_a_cluster_starts_and_stops_its_own_head(
+        clean_run: CleanRun, tmp_path: Path) -> None:
+    """The real command in its own process, no RAY_ADDRESS: it starts a Ray head of its
+    own (under RAY_TMPDIR, kept short for Ray's socket paths), runs the clean job's first
+    step — the same row as the clean run — writes TensorBoard event files that hold that
+    row, and leaves no process of its head behind."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="tally-cli-", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = str(ray_tmp)
+    job = tmp_path / "job"
+    sets = [arg for value in [*CLEAN, "num_steps=1"] for arg in ("--set", value)]
+    try:
+        result = subprocess.run(
+            [str(Path(sys.executable).parent / "tally"), "train",
+             str(ROOT / "configs" / "demo.yaml"), *sets, "--output-dir", str(job)],
+            env=env, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        (session,) = (ray_tmp / "ray").glob("session_2*")  # its head ran there
+        assert (session / "logs" / "raylet.out").exists()
+        deadline = time.monotonic() + 60  # the head's last processes may take a moment
+        while (left := ray_processes_under(ray_tmp)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, left
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    (row,) = rows(job / "metrics.jsonl")
+    assert deterministic(row["metrics"]) == deterministic(
+        rows(clean_run.path / "metrics.jsonl")[0]["metrics"])
+    events = EventAccumulator(str(job / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = {k: v for k, v in row["metrics"].items() if v is not None}
+    assert set(events.Tags()["scalars"]) == set(logged)
+    for name, value in logged.items():
+        (scalar,) = events.Scalars(name)
+        assert scalar.step == 0
+        assert scalar.value == pytest.approx(value, rel=1e-6, abs=1e-30), name

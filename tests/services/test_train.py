@@ -2,34 +2,34 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from rollout.batch import RolloutBatch
 from services.config import load_job_config
 from services.driver.loop import run_job
 from services.driver.metrics import SPREAD_METRICS, rollout_metrics
 from services.train import main
+from tests.services.driver.clean_run import (
+    NUM_UPDATES,
+    CleanRun,
+    Interrupted,
+    assert_same_training,
+    clean_config,
+    rows,
+    stop_after,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-# A constant schedule: the cosine one depends on num_steps, which the resume test varies.
-SMALL = ["warmup.num_steps=100", "rollout.global_batch_size=32", "rollout.n_samples_per_prompt=8",
+# demo.yaml's warm-up (the one every test shares, tests/conftest.py's data folder caches
+# it), a constant schedule.
+SMALL = ["rollout.global_batch_size=32", "rollout.n_samples_per_prompt=8",
          "trainer.dp_size=2", "trainer.optimizer.lr=2.0e-3",
          "trainer.optimizer.schedule=constant"]
 
 
-@pytest.fixture(autouse=True)
-def data_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """One data folder per session, so the tiny model and warm start are built once."""
-    path = tmp_path_factory.getbasetemp() / "tally-data"
-    monkeypatch.setenv("TALLY_DATA_DIR", str(path))
-    return path
-
-
+@pytest.mark.slow  # 40 rollout steps of 128 samples
 def test_short_run_improves_reward(ray_cluster: None, tmp_path: Path) -> None:
     config = load_job_config(ROOT / "configs" / "demo.yaml",
                              [*SMALL, "num_steps=40", "rollout.global_batch_size=128"])
@@ -37,36 +37,17 @@ def test_short_run_improves_reward(ray_cluster: None, tmp_path: Path) -> None:
     rewards = [m["reward/mean"] for m in history]
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
     assert last > first + 0.05, rewards
-    rows = [json.loads(line) for line in (tmp_path / "job" / "metrics.jsonl").read_text()
-            .splitlines()]
-    assert [r["step"] for r in rows] == list(range(40))
+    logged = rows(tmp_path / "job" / "metrics.jsonl")
+    assert [r["step"] for r in logged] == list(range(40))
     for mode in ("sample_mean", "token_mean", "prompt_mean", "constant"):
-        assert f"pg_loss/{mode}" in rows[-1]["metrics"]
-        assert sum(rows[-1]["metrics"][f"length_bias/{mode}/{bucket}"]
+        assert f"pg_loss/{mode}" in logged[-1]["metrics"]
+        assert sum(logged[-1]["metrics"][f"length_bias/{mode}/{bucket}"]
                    for bucket in ("short", "middle", "long")) == pytest.approx(1.0)
     assert (tmp_path / "job" / "checkpoints" / "step_00000039" / "model" / "config.json").exists()
 
 
-class Interrupted(Exception):
-    """Stands for a job stopped from outside between two steps."""
-
-
-def interrupted_then_resumed(config, output_dir: Path) -> list[dict[str, float]]:
-    """Run ``config`` until its second step is done, stop it, run it again (same config,
-    so the same schedule): what the resumed run did."""
-
-    def stop_after_step_2(step: int, _job: object) -> None:
-        if step == 1:
-            raise Interrupted
-
-    with pytest.raises(Interrupted):
-        run_job(config, output_dir, log=lambda *_: None, after_step=stop_after_step_2)
-    return run_job(config, output_dir, log=lambda *_: None)
-
-
-# Exact resume of a fresh run from its job folder (metrics truncated after the checkpoint)
-# is test_several_updates_per_rollout_clip_and_resume_exactly's; of an in-job restart with
-# one update per rollout, tests/services/test_recovery.py's killed-rank test.
+# Exact resume of an in-job restart: tests/services/test_recovery.py; of a newest
+# checkpoint that cannot be read: tests/services/test_resume_fallback.py.
 
 
 def test_half_written_checkpoint_is_never_loaded(ray_cluster: None, tmp_path: Path) -> None:
@@ -90,54 +71,47 @@ def test_bad_config_fails_before_any_actor_starts(tmp_path: Path, capsys, monkey
     assert not (tmp_path / "out").exists()
 
 
-# The README's command (64 prompts × 8 samples per rollout, 4 steps of 128, 2 epochs) at a
-# quarter of its size: 16 prompts × 8 = 128 samples, 4 steps of 32, 2 epochs.
-# The resume also crosses the async pipeline: the checkpoint of step 2 holds the rollout
-# of step 3, generated from step 1's weights, and the resumed run must train on it.
-SEVERAL_UPDATES = ["rollout.rollout_batch_size=16", "rollout.global_batch_size=32",
-                   "trainer.ppo_epochs=2", "checkpoint_every=1", "rollout.async_steps=2"]
-
-
-def test_several_updates_per_rollout_clip_and_resume_exactly(ray_cluster: None,
-                                                             tmp_path: Path) -> None:
-    from services.driver.run_dir import UPDATES_FILE
-    from services.driver.sinks import read_metrics
-
-    def job(num_steps: int):
-        return load_job_config(ROOT / "configs" / "demo.yaml",
-                               [*SEVERAL_UPDATES, f"num_steps={num_steps}"])
-
-    straight = run_job(job(3), tmp_path / "straight", log=lambda *_: None)
-    assert [m["updates"] for m in straight] == [8.0, 8.0, 8.0]
-    # Rollout s was asked for before step 0 trained (s ≤ 2): weights of step 0.
-    assert [m["rollout/staleness"] for m in straight] == [0.0, 1.0, 2.0]
-    updates = read_metrics(tmp_path / "straight" / UPDATES_FILE)
-    assert [r["step"] for r in updates] == list(range(24))  # 3 rollouts × 8 steps
+def test_several_optimizer_steps_per_rollout_in_order_and_clipping_acts(
+        clean_run: CleanRun) -> None:
+    """The clean run (tests/services/driver/clean_run.py): 32 samples per rollout in
+    mini-batches of 16 for 2 epochs, 2 rollouts asked for ahead."""
+    history = clean_run.history
+    assert [m["updates"] for m in history] == [float(NUM_UPDATES)] * 4
+    # Rollout s is asked for at step s - 2 (s ≥ 2), behind the load of weights s - 2.
+    assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 2.0, 2.0]
+    updates = rows(clean_run.path / "updates.jsonl")
+    assert [r["step"] for r in updates] == list(range(4 * NUM_UPDATES))
     by_rollout = [[r["metrics"] for r in updates if r["metrics"]["rollout"] == k]
-                  for k in range(3)]
+                  for k in range(4)]
     for rollout in by_rollout:
-        assert [u["update"] for u in rollout] == list(range(8))
-        assert [u["epoch"] for u in rollout] == [0.0] * 4 + [1.0] * 4
+        assert [u["update"] for u in rollout] == list(range(NUM_UPDATES))
+        assert [u["epoch"] for u in rollout] == [0.0, 0.0, 1.0, 1.0]
         # The first update is taken at the policy that computed the old log-probs: ρ = 1.
         assert rollout[0]["ratio/mean_abs_dev"] < 1e-6
         assert rollout[0]["clip_fraction"] == 0.0
     assert max(u["clip_fraction"] for r in by_rollout for u in r[1:]) > 0  # clipping acts
-    assert straight[0]["clip_fraction/max"] > 0
+    assert max(m["clip_fraction/max"] for m in history) > 0
 
-    resumed = interrupted_then_resumed(job(3), tmp_path / "resumed")
-    assert len(resumed) == 1
-    assert resumed[0]["rollout/staleness"] == 2.0  # the saved rollout, not a fresh one
-    for key in ("reward/mean", "pg_loss", "clip_fraction", "grad_norm", "kl"):
-        assert resumed[0][key] == pytest.approx(straight[2][key], rel=1e-6, abs=1e-9), key
-    again = read_metrics(tmp_path / "resumed" / UPDATES_FILE)
-    assert [r["step"] for r in again] == list(range(24))
-    for got, want in zip(again[16:], updates[16:], strict=True):
-        assert got["metrics"]["pg_loss"] == pytest.approx(want["metrics"]["pg_loss"],
-                                                          rel=1e-6, abs=1e-9)
-    final = "checkpoints/step_00000002/model/model.safetensors"
-    straight_weights = load_file(str(tmp_path / "straight" / final))
-    for name, tensor in load_file(str(tmp_path / "resumed" / final)).items():
-        torch.testing.assert_close(tensor, straight_weights[name], rtol=1e-6, atol=1e-7)
+
+@pytest.mark.slow  # two starts of the job's actors
+def test_a_resume_past_the_last_checkpoint_repeats_the_steps_after_it_exactly(
+        clean_run: CleanRun, tmp_path: Path) -> None:
+    """Checkpoints every 2 steps; stopped after step 2, whose row and optimizer steps are
+    written but not checkpointed: the resume drops them, starts from step 1's checkpoint
+    (which holds rollouts 2 and 3, generated from weight versions 0 and 1) and the job
+    folder ends as the clean run's."""
+    config = clean_config("checkpoint_every=2")
+    job = tmp_path / "job"
+    with pytest.raises(Interrupted):
+        run_job(config, job, log=lambda *_: None, after_step=stop_after(2))
+    assert [r["step"] for r in rows(job / "metrics.jsonl")] == [0, 1, 2]
+    assert len(rows(job / "updates.jsonl")) == 3 * NUM_UPDATES
+    assert sorted(p.name for p in (job / "checkpoints").iterdir()) == ["step_00000001"]
+    resumed = run_job(config, job, log=lambda *_: None)
+    assert len(resumed) == 2  # steps 2 and 3
+    # The saved rollouts, not fresh ones from the restored weights (version 2: staleness 0).
+    assert [m["rollout/staleness"] for m in resumed] == [2.0, 2.0]
+    assert_same_training(job, clean_run)
 
 
 def test_step_metrics_log_the_length_bias_of_every_mode_from_the_loss_mask() -> None:
@@ -164,6 +138,7 @@ def test_step_metrics_log_the_length_bias_of_every_mode_from_the_loss_mask() -> 
     assert len([k for k in metrics if k.startswith("length_bias/")]) == 12
 
 
+@pytest.mark.slow  # two jobs
 def test_async_pipeline_made_to_wait_for_the_newest_weights_equals_synchronous(
         ray_cluster: None, tmp_path: Path) -> None:
     """The pipeline's bookkeeping (rollouts asked for ahead, their seeds, group indices,

@@ -1,10 +1,12 @@
 """Evaluation metrics: the unbiased pass@k estimator against brute-force enumeration,
-greedy accuracy per difficulty, the schedule, and the config's refusals."""
+greedy accuracy per difficulty, the schedule, the config's refusals, an async evaluation
+never waited for, and training's random stream untouched by evaluations."""
 
 from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -18,6 +20,7 @@ from services.driver.evaluation import (
     is_eval_version,
     pass_at_k,
 )
+from tests.services.driver.clean_run import CleanRun, assert_same_training, clean_config, rows
 
 
 @pytest.mark.parametrize(("n", "c", "k"), [(4, 0, 1), (4, 1, 1), (4, 1, 2), (5, 2, 3),
@@ -92,7 +95,7 @@ class HeldManager:
 
 def test_an_async_evaluation_is_collected_when_done_never_waited_for(
         ray_cluster: None) -> None:
-    manager = HeldManager.options(max_concurrency=2).remote()
+    manager = HeldManager.options(max_concurrency=3).remote()  # 2 held + release
     recorded: list[tuple[int, dict[str, float]]] = []
     evaluation = Evaluation(EvalConfig(enabled=True, every_steps=1, num_samples=2), 3,
                             manager.evaluate.remote, lambda ref: ray.get(ref, timeout=30),
@@ -107,3 +110,25 @@ def test_an_async_evaluation_is_collected_when_done_never_waited_for(
     assert row["eval/weight_version"] == 1.0 and row["eval/accuracy"] == 1.0
     assert [version for version, _ in recorded] == [0, 1]  # every result kept, in order
     assert row["eval/pass@k"] == pytest.approx(1.0)
+
+
+@pytest.mark.slow  # a job besides the clean run
+def test_evaluation_leaves_what_training_samples_and_trains_untouched(
+        clean_run: CleanRun, tmp_path: Path) -> None:
+    """The clean job evaluated at every weight version: its evaluations are queued in the
+    same manager, on the same engines, between the rollouts; what it trains — every
+    metrics and updates row but the eval ones, the final weights — is the clean run's,
+    bit for bit."""
+    from services.driver.loop import run_job
+
+    config = clean_config(
+        "eval.enabled=true", "eval.every_steps=1", "eval.num_prompts=8", "eval.num_samples=2",
+        "eval.dataset={type: synthetic, task: copy, difficulty: 1, seed: 7}")
+    history = run_job(config, tmp_path / "job", log=lambda *_: None)
+    evaluated = rows(tmp_path / "job" / "eval.jsonl")
+    assert [r["step"] for r in evaluated] == [0, 1, 2, 4]
+    assert [r["metrics"]["eval/weight_version"] for r in evaluated] == [0.0, 1.0, 2.0, 4.0]
+    # Collected when done, never waited for, except the final weights': in the last row.
+    assert history[-1]["eval/weight_version"] == 4.0
+    assert history[-1]["eval/accuracy"] == evaluated[-1]["metrics"]["eval/accuracy"]
+    assert_same_training(tmp_path / "job", clean_run, ignore=("eval/",))

@@ -1,7 +1,8 @@
 """The driver loop on real Ray with the tiny model: a rank dying during the weight export
-restarts the job (it does not fail it), the final trained weights are evaluated in the
-last row (and the W&B run holds every row), and an optimizer step with no valid token is
-skipped, not taken."""
+restarts the job (it does not fail it) and the job ends as the clean run, the final
+trained weights are evaluated in the last row (and the W&B run holds every row), an
+optimizer step with no valid token is skipped, not taken, and a start with no checkpoint
+drops the rows an earlier attempt wrote."""
 
 from __future__ import annotations
 
@@ -20,25 +21,19 @@ from services.driver.loop import RunningJob, run_job, train_optimizer_steps
 from services.driver.metrics import optimizer_steps_summary
 from services.driver.sinks import JsonlSink, read_metrics
 from tests.services.controller_fakes import DEMO_OVERRIDES
+from tests.services.driver.clean_run import CleanRun, assert_same_training, clean_config
 from tests.services.driver.test_wandb_sink import finished_run_records, history_of
 from tests.services.test_train import ROOT
 from trainer.group import TrainerGroup
-
-
-@pytest.fixture(autouse=True)
-def data_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TALLY_DATA_DIR", str(tmp_path_factory.getbasetemp() / "tally-data"))
 
 
 def events(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "events.jsonl").read_text().splitlines()]
 
 
-def test_a_rank_dying_during_the_weight_export_restarts_the_job(ray_cluster: None,
+@pytest.mark.slow  # two starts of the job's actors
+def test_a_rank_dying_during_the_weight_export_restarts_the_job(clean_run: CleanRun,
                                                                 tmp_path: Path) -> None:
-    config = load_job_config(ROOT / "configs" / "demo.yaml", [
-        *DEMO_OVERRIDES, "num_steps=3", "trainer.dp_size=2", "checkpoint_every=1",
-        "max_restarts=1"])
     killed: list[int] = []
 
     def kill_rank_1_as_step_1_exports(step: int, job: RunningJob) -> None:
@@ -53,20 +48,22 @@ def test_a_rank_dying_during_the_weight_export_restarts_the_job(ray_cluster: Non
 
         job.weights.export = dying_export
 
-    rows = run_job(config, tmp_path / "job", log=lambda *_: None,
+    rows = run_job(clean_config(), tmp_path / "job", log=lambda *_: None,
                    after_step=kill_rank_1_as_step_1_exports)
     assert killed == [0]
-    assert [r["job/restarts"] for r in rows] == [0.0, 1.0, 1.0]  # step 1 ran again
+    assert [r["job/restarts"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # step 1 ran again
     failed = [e["message"] for e in events(tmp_path / "job") if e["kind"] == "actor_failed"]
     assert len(failed) == 1 and "trainer rank 1 died during export" in failed[0]
-    assert [r["step"] for r in read_metrics(tmp_path / "job" / "metrics.jsonl")] == [0, 1, 2]
+    kinds = [e["kind"] for e in events(tmp_path / "job")]
+    assert kinds.count("placement") == 2 and kinds.count("restart") == 1
+    assert_same_training(tmp_path / "job", clean_run)  # rows before the failure kept
 
 
-@pytest.mark.parametrize("async_steps", [0, 1])
+# With rollout.async_steps: test_evaluation.py's evaluated clean run.
 def test_the_final_trained_weights_are_evaluated_in_the_last_row(
-        ray_cluster: None, wandb_home: Path, tmp_path: Path, async_steps: int) -> None:
+        ray_cluster: None, wandb_home: Path, tmp_path: Path) -> None:
     config = load_job_config(ROOT / "configs" / "demo.yaml", [
-        *DEMO_OVERRIDES, "num_steps=2", f"rollout.async_steps={async_steps}",
+        *DEMO_OVERRIDES, "num_steps=2",
         "eval.enabled=true", "eval.every_steps=1", "eval.num_prompts=8", "eval.num_samples=2",
         "eval.dataset={type: synthetic, task: copy, difficulty: 1, seed: 7}",
         "logging.wandb={project: tally-tests, mode: offline}"])
@@ -76,8 +73,8 @@ def test_the_final_trained_weights_are_evaluated_in_the_last_row(
     assert history_of(finished_run_records(log)) == {
         row["step"]: {k: v for k, v in row["metrics"].items() if v is not None}
         for row in read_metrics(tmp_path / "job" / "metrics.jsonl")}
-    # Version 0 (the start) in row 0 — with async it may be collected a row later — and
-    # the weights after both steps, as the manager says it held them, in the last row.
+    # Version 0 (the start) in row 0 and the weights after both steps, as the manager
+    # says it held them, in the last row.
     assert rows[-1]["eval/weight_version"] == 2.0
     evaluated = read_metrics(tmp_path / "job" / "eval.jsonl")
     assert [r["step"] for r in evaluated] == [0, 2]
@@ -122,3 +119,24 @@ def test_a_mini_batch_with_no_valid_token_is_skipped_not_stepped(ray_cluster: No
     finally:
         for trainer in trainers:
             trainer.shutdown()
+
+
+def test_a_start_with_no_checkpoint_drops_the_rows_an_earlier_attempt_wrote(
+        tmp_path: Path) -> None:
+    """A job that failed (or was stopped) before its first checkpoint runs again from step
+    0: the rows it wrote go, so each step keeps one row. (After a checkpoint: the resume
+    and restart tests against the clean run.)"""
+    from services.driver.loop import restore
+    from services.driver.run_dir import RunDir
+
+    run_dir = RunDir(tmp_path / "job").create()
+    for name, steps in (("metrics.jsonl", 2), ("updates.jsonl", 4), ("eval.jsonl", 1)):
+        sink = JsonlSink(run_dir.path, name)
+        for step in range(steps):
+            sink.write(step, {"loss": 1.0})
+        sink.close()
+    job = SimpleNamespace(run_dir=run_dir,
+                          config=SimpleNamespace(resume=True, num_updates_per_rollout=2))
+    assert restore(job, log=lambda *_: None) == 0
+    for name in ("metrics.jsonl", "updates.jsonl", "eval.jsonl"):
+        assert read_metrics(run_dir.path / name) == [], name

@@ -1,0 +1,53 @@
+"""Where a job's actors go on one node: the placement strategy of ``trainer.allow_cross_node``
+(services/placement.py for a job's group, trainer/group.py for a group of ranks alone).
+Ranks on two nodes — the refusal after placement, PACK spreading them — need a second
+node: tests/services/test_multinode.py's cluster."""
+
+from __future__ import annotations
+
+import pytest
+from ray.util.placement_group import placement_group_table, remove_placement_group
+
+from services.config import load_job_config
+from services.placement import reserve_job
+from tests.services.controller_fakes import DEMO_OVERRIDES
+from tests.services.driver.clean_run import ROOT
+from trainer.group import TrainerGroup
+
+
+def demo(*overrides: str):
+    return load_job_config(ROOT / "configs" / "demo.yaml",
+                           [*DEMO_OVERRIDES, "trainer.dp_size=2", *overrides])
+
+
+# With engine bundles in the job's group Ray has one strategy for all of it, so the ranks'
+# one node cannot be asked as STRICT_PACK: PACK, and the ranks' nodes are checked once
+# placed. Colocated engines add no bundle: the ranks alone, STRICT_PACK unless allowed.
+@pytest.mark.parametrize(("overrides", "strategy"), [
+    ([], "PACK"),
+    (["trainer.allow_cross_node=true"], "PACK"),
+    (["colocate=true"], "STRICT_PACK"),
+    (["colocate=true", "trainer.allow_cross_node=true"], "PACK"),
+])
+def test_a_job_asks_one_node_for_its_ranks_unless_allow_cross_node(
+        ray_cluster: None, overrides: list[str], strategy: str) -> None:
+    config = demo(*overrides)
+    placed = reserve_job(config, on_wait=lambda _message: None, timeout_s=120)
+    try:
+        table = placement_group_table(placed.group)
+        assert table["strategy"] == strategy
+        assert len(table["bundles"]) == (2 if "colocate=true" in overrides else 3)
+        assert len(set(table["bundles_to_node_id"].values())) == 1
+    finally:
+        remove_placement_group(placed.group)
+
+
+@pytest.mark.parametrize(("allow", "strategy"), [(False, "STRICT_PACK"), (True, "PACK")])
+def test_a_group_of_ranks_alone_asks_one_node_unless_allow_cross_node(
+        ray_cluster: None, allow: bool, strategy: str) -> None:
+    config = demo(f"trainer.allow_cross_node={str(allow).lower()}").trainer
+    group = TrainerGroup._place(config)  # what TrainerGroup(..., placement=None) reserves
+    try:
+        assert placement_group_table(group)["strategy"] == strategy
+    finally:
+        remove_placement_group(group)
