@@ -1,10 +1,14 @@
 """A local Ray head for the controller's embedded default (and for tests).
 
-``ray start --head --block`` in its own session, from the controller's venv, with its job
-server (dashboard) on 127.0.0.1 and every fixed port chosen free, in a short temp folder
-of its own (so ``ray.init(address="auto")`` elsewhere never finds it). Stopping kills that
-process tree, and any process still naming its temp folder, only: never ``ray stop``,
-which would end every Ray cluster of the machine.
+``ray start --head --block`` in its own session, from the controller's venv, on 127.0.0.1
+(node address and job server, i.e. the dashboard), in a short temp folder of its own (so
+``ray.init(address="auto")`` elsewhere never finds it). Ray binds its ports itself where it
+can (``0``: the GCS, the dashboard, its agent; the job server's address is then read back
+from the dashboard's log in that folder), so no port is probed free and taken later by
+someone else; only the Ray Client server's port, which Ray refuses as 0, is chosen free
+(if another process takes it first, that head dies and a second try starts with a fresh
+one). Stopping kills that process tree, and any process still naming its temp folder,
+only: never ``ray stop``, which would end every Ray cluster of the machine.
 
 With a ``marker`` file (the controller's ``<data>/ray-head.json``) the head outlives a
 controller killed without its shutdown (``kill -9``): the next controller re-adopts it,
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,12 +37,27 @@ from typing import Any
 from services.quiet import QUIET_ENV
 
 TEMP_PREFIX = "tally-ray-"
+DASHBOARD_LINE = re.compile(r"Dashboard head http address: (\S+)")
+"""What Ray's dashboard logs once it listens (``http_server_head.py``)."""
 
 
 def free_port() -> int:
+    """A port free right now: another process may take it before it is used. Only for a
+    port a program refuses to pick itself (Ray's client server); else bind port 0."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def dashboard_address(temp_dir: str | Path) -> str:
+    """The job server URL of the head of ``temp_dir``, from its dashboard's log (the port
+    Ray picked); "" until the dashboard listens."""
+    log = Path(temp_dir) / "session_latest" / "logs" / "dashboard.log"
+    try:
+        found = DASHBOARD_LINE.search(log.read_text(errors="replace"))
+    except OSError:
+        return ""
+    return f"http://{found.group(1)}" if found else ""
 
 
 def enable_ray_token_auth() -> None:
@@ -155,15 +175,13 @@ class LocalRayHead:
 
     def _start_once(self, timeout_s: float) -> str:
         self.temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
-        dashboard_port = free_port()
         ray_bin = Path(sys.executable).parent / "ray"
         command = [
             str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block",
-            f"--port={free_port()}", f"--num-cpus={self.num_cpus}",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard_port}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
+            "--node-ip-address=127.0.0.1", "--port=0", f"--num-cpus={self.num_cpus}",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--dashboard-port=0",
+            "--dashboard-agent-listen-port=0",
+            f"--ray-client-server-port={free_port()}",  # Ray accepts no 0 here (1024-65535)
             f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
         ]
         env = {**os.environ, **QUIET_ENV,
@@ -175,13 +193,14 @@ class LocalRayHead:
             self.process = subprocess.Popen(command, env=env, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.process.pid
-        self.address = f"http://127.0.0.1:{dashboard_port}"
+        self.address = ""
         deadline = time.monotonic() + timeout_s
-        while not dashboard_up(self.address):
+        while not (self.address and dashboard_up(self.address)):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the local Ray head did not start (log: {self.log_path})")
             time.sleep(0.5)
+            self.address = self.address or dashboard_address(self.temp_dir)
         return self.address
 
     def stop(self) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rollout.pretrained import SMOLLM2_NAME
 from services.config import (
     ConfigError,
     JobConfig,
@@ -35,6 +36,8 @@ MAX_CONFIG_BYTES = 64 * 1024
 """A job config (YAML text or JSON object) larger than this is refused with 413."""
 MAX_DEPTH = 32
 """Deepest nesting of sections, lists and flow brackets a config may have."""
+NAMED_MODELS = ("tiny", SMOLLM2_NAME)
+"""``rollout.model`` values that name a model Tally builds itself, not a folder."""
 
 
 class SubmissionError(ValueError):
@@ -188,7 +191,7 @@ def resolve_paths(config: JobConfig, data: dict[str, Any], settings: Settings,
     """Check every path field, write resolved ones into ``data``; returns the job folder."""
     rollout = config.rollout
     checks: list[tuple[str, str | None, str]] = [
-        ("rollout.model", None if rollout.model == "tiny" else rollout.model, "dir"),
+        ("rollout.model", None if rollout.model in NAMED_MODELS else rollout.model, "dir"),
         ("rollout.tokenizer", rollout.tokenizer, "dir"),
         ("rollout.dataset.path", getattr(rollout.dataset, "path", None), "file"),
         ("rollout.engine.weight_sync_dir", getattr(rollout.engine, "weight_sync_dir", None), ""),

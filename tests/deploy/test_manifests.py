@@ -264,32 +264,115 @@ def test_vendored_schemas_stay_strict() -> None:
 # ---------------------------------------------------------------- what schemas cannot see
 
 
-def test_references_resolve() -> None:
-    defined = {kind: {d["metadata"]["name"] for d in docs_of(kind)}
-               for kind in ("PersistentVolumeClaim", "ConfigMap", "Secret")}
-    docs_text = DOCS.read_text()
-    for name, doc in all_docs():
+Docs = list[tuple[str, dict[str, Any]]]
+
+
+def names_of(docs: Docs, kind: str) -> set[str]:
+    return {doc["metadata"]["name"] for _, doc in docs if doc["kind"] == kind}
+
+
+def reference_problems(docs: Docs, docs_text: str) -> list[str]:
+    """Every name a pod refers to that nothing defines: PVCs, ConfigMaps (volumes and
+    ``envFrom``), volumes of its mounts; and every Secret it reads (or the RayCluster's auth
+    Secret) that docs/deploy.md does not tell how to create, with that key (Secrets are
+    made by hand, never written in deploy/)."""
+    claims, configmaps = names_of(docs, "PersistentVolumeClaim"), names_of(docs, "ConfigMap")
+    problems = []
+
+    def documented(secret: str, key: str) -> bool:
+        return f"kubectl create secret generic {secret} --from-literal={key}=" in docs_text
+
+    for name, doc in docs:
         for role, template in pod_templates(doc):
+            where = f"{name} {role}"
             volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
             for volume in volumes.values():
-                if "persistentVolumeClaim" in volume:
-                    assert volume["persistentVolumeClaim"]["claimName"] in defined[
-                        "PersistentVolumeClaim"], f"{name} {role}: {volume}"
-                if "configMap" in volume:
-                    assert volume["configMap"]["name"] in defined["ConfigMap"], (name, volume)
+                claim = volume.get("persistentVolumeClaim", {}).get("claimName")
+                if claim is not None and claim not in claims:
+                    problems.append(f"{where}: volume {volume['name']}: no PVC {claim}")
+                configmap = volume.get("configMap", {}).get("name")
+                if configmap is not None and configmap not in configmaps:
+                    problems.append(f"{where}: volume {volume['name']}: no ConfigMap {configmap}")
             for container in containers(template):
                 for mount in container.get("volumeMounts", []):
-                    assert mount["name"] in volumes, f"{name} {role}: {mount}"
+                    if mount["name"] not in volumes:
+                        problems.append(f"{where}: mount {mount['mountPath']}: no volume "
+                                        f"{mount['name']}")
                 for source in container.get("envFrom", []):
-                    if "configMapRef" in source:
-                        assert source["configMapRef"]["name"] in defined["ConfigMap"]
+                    configmap = source.get("configMapRef", {}).get("name")
+                    if configmap is not None and configmap not in configmaps:
+                        problems.append(f"{where}: envFrom: no ConfigMap {configmap}")
                 for env in container.get("env", []):
                     ref = env.get("valueFrom", {}).get("secretKeyRef")
-                    if ref:  # Secrets are made by hand, never written here: documented
-                        assert f"kubectl create secret generic {ref['name']}" in docs_text
-                        assert ref["key"] in docs_text
-    secret_name = one("RayCluster")["spec"]["authOptions"]["secretName"]
-    assert f"kubectl create secret generic {secret_name} --from-literal=auth_token=" in docs_text
+                    if ref and not documented(ref["name"], ref["key"]):
+                        problems.append(f"{where}: {env['name']}: Secret {ref['name']} key "
+                                        f"{ref['key']} is not in docs/deploy.md")
+        if doc["kind"] in ("RayCluster", "RayJob"):
+            cluster = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+            secret = cluster.get("authOptions", {}).get("secretName")
+            if secret is not None and not documented(secret, "auth_token"):
+                problems.append(f"{name}: auth Secret {secret} key auth_token is not in "
+                                "docs/deploy.md")
+    return problems
+
+
+def test_references_resolve() -> None:
+    assert reference_problems(all_docs(), DOCS.read_text()) == []
+    assert one("RayCluster")["spec"]["authOptions"]["secretName"]  # a name that is checked
+
+
+def planted(kind: str, change: Any) -> Docs:
+    """A deep copy of every manifest with ``change(doc)`` applied to the one of ``kind``."""
+    docs = copy.deepcopy(all_docs())
+    (doc,) = [d for _, d in docs if d["kind"] == kind]
+    change(doc)
+    return docs
+
+
+def head_of(doc: dict[str, Any]) -> dict[str, Any]:
+    cluster = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+    return cluster["headGroupSpec"]["template"]["spec"]
+
+
+def controller_pod(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"]["template"]["spec"]
+
+
+def first_volume(spec: dict[str, Any], source: str) -> dict[str, Any]:
+    return next(v for v in spec["volumes"] if source in v)
+
+
+REFERENCE_ERRORS = [  # (kind, planted error, what the problem names)
+    ("RayCluster", lambda d: first_volume(head_of(d), "persistentVolumeClaim")[
+        "persistentVolumeClaim"].update(claimName="tally-sharde"), "no PVC tally-sharde"),
+    ("RayJob", lambda d: first_volume(head_of(d), "configMap")["configMap"].update(
+        name="tally-demo-gpu-jbo"), "no ConfigMap tally-demo-gpu-jbo"),
+    ("RayJob", lambda d: head_of(d)["containers"][0]["volumeMounts"][0].update(
+        name="gone"), "no volume gone"),
+    ("Deployment", lambda d: controller_pod(d)["containers"][0]["envFrom"][0][
+        "configMapRef"].update(name="tally-controler"), "envFrom: no ConfigMap tally-controler"),
+    ("Deployment", lambda d: next(
+        e for e in controller_pod(d)["containers"][0]["env"] if e["name"] == "TALLY_API_TOKEN"
+    )["valueFrom"]["secretKeyRef"].update(key="tokn"), "Secret tally-api-token key tokn"),
+    ("RayCluster", lambda d: d["spec"]["authOptions"].update(secretName="tally-ray-auht"),
+     "auth Secret tally-ray-auht"),
+]
+
+
+@pytest.mark.parametrize(("kind", "plant", "named"), REFERENCE_ERRORS,
+                         ids=[named for _, _, named in REFERENCE_ERRORS])
+def test_a_broken_reference_is_reported(kind: str, plant: Any, named: str) -> None:
+    problems = reference_problems(planted(kind, plant), DOCS.read_text())
+    assert len(problems) == 1 and named in problems[0], problems
+
+
+def test_an_undocumented_secret_is_reported() -> None:
+    docs_text = DOCS.read_text()
+    line = "kubectl create secret generic tally-ray-auth --from-literal=auth_token="
+    assert line in docs_text
+    problems = reference_problems(all_docs(), docs_text.replace(line, "kubectl create secret"))
+    assert any("auth Secret tally-ray-auth" in p for p in problems), problems
+    assert any("RAY_AUTH_TOKEN: Secret tally-ray-auth key auth_token" in p for p in problems)
 
 
 def test_no_secret_values_in_manifests() -> None:
@@ -404,24 +487,78 @@ def test_gpus_images_and_ray_version() -> None:
     assert pins(DEPLOY / "requirements-gpu.txt")["ray"] == ray_pin
 
 
-def test_kuberay_operator_rules() -> None:
+def operator_problems(docs: Docs) -> list[str]:
     """A few of the checks KubeRay v1.7.0's operator makes when it admits an object
     (ray-operator/controllers/ray/utils/validation.go), which no schema carries."""
     dns1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-    for doc, max_name in ((one("RayCluster"), 53), (one("RayJob"), 47)):
-        name = doc["metadata"]["name"]
-        assert dns1035.match(name) and len(name) <= max_name, name
+    problems = []
+    for _, doc in docs:
+        if doc["kind"] not in ("RayCluster", "RayJob"):
+            continue
+        name, max_name = doc["metadata"]["name"], 53 if doc["kind"] == "RayCluster" else 47
+        if not dns1035.match(name) or len(name) > max_name:
+            problems.append(f"{doc['kind']} {name}: not a DNS-1035 label of at most "
+                            f"{max_name} characters")
         cluster = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
         groups = cluster["workerGroupSpecs"]
-        assert len({g["groupName"] for g in groups}) == len(groups), "unique group names"
+        if len({g["groupName"] for g in groups}) != len(groups):
+            problems.append(f"{name}: worker group names repeat")
         for group in [cluster["headGroupSpec"], *groups]:
-            assert group["template"]["spec"]["containers"], "at least one container"
-            if group.get("resources"):
-                assert not {"num-cpus", "num-gpus", "memory"} & set(group["rayStartParams"])
+            group_name = group.get("groupName", "head")
+            if not group["template"]["spec"].get("containers"):
+                problems.append(f"{name} {group_name}: no container")
+            clash = {"num-cpus", "num-gpus", "memory"} & set(group.get("rayStartParams", {}))
+            if group.get("resources") and clash:
+                problems.append(f"{name} {group_name}: resources and rayStartParams "
+                                f"{sorted(clash)}")
         for group in groups:
-            assert 0 <= group["minReplicas"] <= group.get("replicas", 0) <= group["maxReplicas"]
+            if not 0 <= group["minReplicas"] <= group.get("replicas", 0) <= group["maxReplicas"]:
+                problems.append(f"{name} {group['groupName']}: not 0 <= minReplicas <= "
+                                "replicas <= maxReplicas")
         version = tuple(int(x) for x in cluster["rayVersion"].split("."))
-        assert cluster["authOptions"]["mode"] != "token" or version >= (2, 52, 0)
+        if cluster.get("authOptions", {}).get("mode") == "token" and version < (2, 52, 0):
+            problems.append(f"{name}: token auth needs Ray 2.52.0 or later, not "
+                            f"{cluster['rayVersion']}")
+    return problems
+
+
+def test_kuberay_operator_rules() -> None:
+    assert operator_problems(all_docs()) == []
+    assert {d["kind"] for _, d in all_docs()} >= {"RayCluster", "RayJob"}  # both checked
+
+
+def workers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+    return cluster["workerGroupSpecs"]
+
+
+def cluster_of(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+
+
+OPERATOR_ERRORS = [  # (kind, planted error, what the problem names)
+    ("RayJob", lambda d: d["metadata"].update(name="tally-" + "x" * 42),
+     "at most 47 characters"),
+    ("RayCluster", lambda d: d["metadata"].update(name="Tally"), "RayCluster Tally: not a"),
+    ("RayCluster", lambda d: workers(d).append(copy.deepcopy(workers(d)[0])),
+     "worker group names repeat"),
+    ("RayJob", lambda d: workers(d)[0].update(minReplicas=workers(d)[0]["maxReplicas"] + 1),
+     "not 0 <= minReplicas"),
+    ("RayCluster", lambda d: cluster_of(d)["headGroupSpec"].update(
+        resources={"CPU": "2"}, rayStartParams={**cluster_of(d)["headGroupSpec"].get(
+            "rayStartParams", {}), "num-cpus": "0"}), "resources and rayStartParams"),
+    ("RayJob", lambda d: cluster_of(d)["headGroupSpec"]["template"]["spec"].update(
+        containers=[]), "head: no container"),
+    ("RayCluster", lambda d: cluster_of(d).update(rayVersion="2.51.1"),
+     "token auth needs Ray 2.52.0 or later, not 2.51.1"),
+]
+
+
+@pytest.mark.parametrize(("kind", "plant", "named"), OPERATOR_ERRORS,
+                         ids=[named for _, _, named in OPERATOR_ERRORS])
+def test_a_rule_the_operator_enforces_is_reported(kind: str, plant: Any, named: str) -> None:
+    problems = operator_problems(planted(kind, plant))
+    assert len(problems) == 1 and named in problems[0], problems
 
 
 def test_pods_run_as_non_root() -> None:
@@ -588,23 +725,59 @@ def test_no_credentials_anywhere_in_deploy() -> None:
             assert not SECRET_VALUES.search(path.read_text()), path
 
 
-def test_gpu_lock_covers_the_project() -> None:
-    """Every requirement of the project and of the extras the GPU image installs has a pin
-    in deploy/requirements-gpu.txt (a new dependency: run `bash deploy/lock-gpu.sh`)."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras = ("data", "metrics", "server", "megatron", "sglang")
+GPU_EXTRAS = ("data", "metrics", "server", "megatron", "sglang")
+"""The extras the GPU image installs (deploy/Dockerfile)."""
+
+
+def lock_problems(project: dict[str, Any], lock: dict[str, str], dockerfile: str) -> list[str]:
+    """Every requirement of the project and of the GPU image's extras that the GPU lock
+    (name -> version, as :func:`pins` reads it) does not pin inside its range; and the
+    Dockerfile installing other extras than those."""
     wanted = [*project["dependencies"],
-              *(r for extra in extras for r in project["optional-dependencies"][extra])]
-    gpu = pins(DEPLOY / "requirements-gpu.txt")
-    missing = []
+              *(r for extra in GPU_EXTRAS for r in project["optional-dependencies"][extra])]
+    problems = []
     for text in wanted:
         requirement = Requirement(text)
         name = re.sub(r"[-_.]+", "-", requirement.name).lower()
-        if name not in gpu or not requirement.specifier.contains(gpu[name], prereleases=True):
-            missing.append(text)
-    assert missing == [], f"not pinned (or pinned outside the range) in the GPU lock: {missing}"
-    dockerfile = (DEPLOY / "Dockerfile").read_text()
-    assert f".[{','.join(extras)}]" in dockerfile
+        if name not in lock:
+            problems.append(f"{text}: not pinned in the GPU lock")
+        elif not requirement.specifier.contains(lock[name], prereleases=True):
+            problems.append(f"{text}: the GPU lock pins {name}=={lock[name]}, outside it")
+    if f".[{','.join(GPU_EXTRAS)}]" not in dockerfile:
+        problems.append(f"deploy/Dockerfile does not install .[{','.join(GPU_EXTRAS)}]")
+    return problems
+
+
+def gpu_lock_inputs() -> tuple[dict[str, Any], dict[str, str], str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project, pins(DEPLOY / "requirements-gpu.txt"), (DEPLOY / "Dockerfile").read_text()
+
+
+def test_gpu_lock_covers_the_project() -> None:
+    """Every requirement of the project and of the extras the GPU image installs has a pin
+    in deploy/requirements-gpu.txt (a new dependency: run `bash deploy/lock-gpu.sh`)."""
+    assert lock_problems(*gpu_lock_inputs()) == []
+
+
+def test_a_gap_in_the_gpu_lock_is_reported() -> None:
+    project, lock, dockerfile = gpu_lock_inputs()
+    assert "ray" in lock and "pydantic" in lock
+    added = copy.deepcopy(project)
+    added["dependencies"].append("tally-new-dependency>=1")  # a new one, not locked yet
+    assert lock_problems(added, lock, dockerfile) == [
+        "tally-new-dependency>=1: not pinned in the GPU lock"]
+    extras_only = copy.deepcopy(project)
+    extras_only["optional-dependencies"]["sglang"].append("Tally_Extra.Dep")
+    assert lock_problems(extras_only, lock, dockerfile) == [
+        "Tally_Extra.Dep: not pinned in the GPU lock"]
+    (ray,) = [r for r in project["dependencies"] if Requirement(r).name == "ray"]
+    old = {**lock, "ray": "2.0.0"}
+    assert lock_problems(project, old, dockerfile) == [
+        f"{ray}: the GPU lock pins ray==2.0.0, outside it"]
+    gpu_extras = f".[{','.join(GPU_EXTRAS)}]"
+    fewer = dockerfile.replace(gpu_extras, gpu_extras.replace(",sglang", ""))
+    assert lock_problems(project, lock, fewer) == [
+        f"deploy/Dockerfile does not install {gpu_extras}"]
 
 
 def test_gpu_lock_agrees_with_cpu_pins() -> None:

@@ -91,8 +91,16 @@ def test_batch_layout_groups_masks_and_log_probs(
 
 
 def test_resume_continues_exactly(manager: ray.actor.ActorHandle) -> None:
+    """From a state one prompt before the end of epoch 0 (set here, whatever ran before):
+    step 2 takes that prompt and the first of epoch 1 (reshuffled), step 3 goes on in
+    epoch 1; the same state loaded again gives both batches exactly."""
     state = ray.get(manager.state_dict.remote())
-    steps = [ray.get(manager.generate_batch.remote(step)) for step in (2, 3)]  # crosses an epoch
+    num_prompts = state["cursor"]["num_items"]
+    state["cursor"] |= {"epoch": 0, "position": num_prompts - 1}
+    ray.get(manager.load_state_dict.remote(state))
+    steps = [ray.get(manager.generate_batch.remote(step)) for step in (2, 3)]
+    assert [batch.metadata["rollout/epoch"] for batch in steps] == [1.0, 1.0]
+    assert ray.get(manager.state_dict.remote())["cursor"]["position"] == 3  # 1 + 2 of epoch 1
     ray.get(manager.load_state_dict.remote(state))
     for step, expected in zip((2, 3), steps, strict=True):
         _assert_same(ray.get(manager.generate_batch.remote(step)), expected)

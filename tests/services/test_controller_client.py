@@ -3,6 +3,8 @@ training; self-registration; the succeeded / failed report of ``controller_sinks
 
 from __future__ import annotations
 
+import logging
+import socket
 import time
 from pathlib import Path
 
@@ -11,9 +13,15 @@ import pytest
 
 from services.config import parse_job_config
 from services.controller.app import create_app
-from services.controller.ray_head import free_port
 from services.controller_client import ControllerSink, controller_sinks
-from tests.services.controller_fakes import FakeBackend, make_settings, serve_in_thread
+from tests.services.controller_fakes import (
+    FakeBackend,
+    loopback_socket,
+    make_settings,
+    port_of,
+    refusing_url,
+    serve_in_thread,
+)
 
 METRICS = {"pg_loss": 0.25, "reward/mean": 0.5, "kl": float("nan")}
 
@@ -25,7 +33,8 @@ def controller(tmp_path: Path):
         yield url
 
 
-def wait_for(predicate, timeout_s: float = 15.0) -> None:
+def wait_for(predicate, timeout_s: float = 60.0) -> None:
+    """Poll ``predicate``; the deadline is a guard against a hang, not a speed check."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
@@ -48,40 +57,71 @@ def test_registers_then_sends_every_step_in_batches(controller: str, tmp_path: P
     assert out["steps"] == list(range(250)) and out["series"]["kl"][0] is None
 
 
-def test_a_dead_controller_never_blocks_or_raises() -> None:
-    sink = ControllerSink(f"http://127.0.0.1:{free_port()}", "job", max_queue=100,
-                          timeout_s=0.5)
-    started = time.perf_counter()
-    for step in range(1000):
-        sink.write(step, METRICS)
-    assert time.perf_counter() - started < 1.0  # 1000 writes, no network on this path
-    sink.close(timeout_s=3.0)
-    assert time.perf_counter() - started < 5.0
-    assert len(sink.queue) <= 100 and sink.dropped >= 900
-    sink.finish("failed", "boom")  # unreachable: logged, not raised
-
-
-def test_retries_until_the_controller_comes_up(tmp_path: Path) -> None:
-    port = free_port()
-    app = create_app(make_settings(tmp_path, port=port), backend=FakeBackend())
-    job_id = None
-    sink = None
+def still_open(conn: socket.socket) -> bool:
+    """Whether the peer of ``conn`` still holds it open (what it sent is read and
+    dropped): False once it closed its side."""
+    conn.setblocking(False)
     try:
-        sink = ControllerSink(f"http://127.0.0.1:{port}", None, timeout_s=1.0,
-                              max_backoff_s=0.5, registration={
-                                  "config": {"name": "late"}, "output_dir": str(tmp_path)})
+        while conn.recv(65536):
+            pass
+        return False
+    except BlockingIOError:
+        return True
+
+
+def test_writes_never_wait_on_a_controller_that_hangs() -> None:
+    """The sender is stuck in a request the controller accepted and never answers; 1000
+    writes still return (they only queue: had one waited on the network, it would return
+    only once the request timed out, and the request would be gone), the queue keeps its
+    newest rows, and closing ends the thread once the request fails."""
+    with loopback_socket() as listener:
+        listener.listen(1)
+        listener.settimeout(120)  # a guard only: the sink connects within a flush interval
+        sink = ControllerSink(f"http://127.0.0.1:{port_of(listener)}", "job", batch_size=10,
+                              max_queue=100, timeout_s=300)
+        for step in range(10):
+            sink.write(step, METRICS)  # a full batch: the sender wakes and posts it
+        hung, _ = listener.accept()
+        with hung:
+            for step in range(10, 1010):
+                sink.write(step, METRICS)
+            assert still_open(hung) and sink.sent == 0  # the request is still unanswered
+            assert len(sink.queue) == 100 and sink.dropped == 910
+            assert [row["step"] for row in sink.queue] == list(range(910, 1010))
+            listener.close()  # from now on the controller refuses
+        sink.close(timeout_s=60)  # the hung request failed: the thread gives up and ends
+        assert not sink._thread.is_alive()
+
+
+def test_an_unreachable_controller_is_logged_never_raised() -> None:
+    with refusing_url() as url:
+        sink = ControllerSink(url, "job", timeout_s=1.0)
+        sink.write(0, METRICS)
+        sink.close(timeout_s=60)
+        assert not sink._thread.is_alive() and sink.sent == 0
+        sink.finish("failed", "boom")  # unreachable: logged, not raised
+
+
+def test_retries_until_the_controller_comes_up(tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="tally.controller_client")
+    sock = loopback_socket()  # refuses until the server listens on it: the port stays ours
+    app = create_app(make_settings(tmp_path, port=port_of(sock)), backend=FakeBackend())
+    sink = ControllerSink(f"http://127.0.0.1:{port_of(sock)}", None, timeout_s=1.0,
+                          max_backoff_s=0.5, registration={
+                              "config": {"name": "late"}, "output_dir": str(tmp_path)})
+    try:
         for step in range(5):
             sink.write(step, METRICS)
-        time.sleep(1.0)  # a few failed tries
-        assert sink.sent == 0
-        with serve_in_thread(app, port=port) as url:
+        wait_for(lambda: sum("unreachable" in r.getMessage() for r in caplog.records) >= 2)
+        assert sink.sent == 0 and sink.job_id is None  # a few failed tries, nothing lost
+        with serve_in_thread(app, sock) as url:
             wait_for(lambda: sink.sent == 5)
-            job_id = sink.job_id
-            steps = httpx.get(f"{url}/api/jobs/{job_id}/metrics").json()["steps"]
+            steps = httpx.get(f"{url}/api/jobs/{sink.job_id}/metrics").json()["steps"]
             assert steps == [0, 1, 2, 3, 4]
     finally:
-        if sink is not None:
-            sink.close(timeout_s=1.0)
+        sink.close(timeout_s=1.0)
+        sock.close()
 
 
 def test_controller_sinks_reports_the_error_of_a_failed_run(

@@ -1,7 +1,8 @@
-"""The README's four-mode sweep on a two-CPU Ray head with the default max_running_jobs:
-every job reserves its trainer rank and engine in one placement group, so the jobs take
-turns instead of each holding half of what another needs; all four succeed. A job too big
-for the cluster waits, holding nothing, and says so."""
+"""The README's four-mode sweep on a two-CPU Ray head with the default max_running_jobs (the
+suite's one sweep on real Ray): every job reserves its trainer rank and engine in one
+placement group, so the jobs take turns instead of each holding half of what another
+needs; all four succeed, and the sweep's metrics hold each mode's run. A job too big for
+the cluster waits, holding nothing, and says so."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def two_cpu_controller(tmp_path_factory: pytest.TempPathFactory
         proc.start()
         yield proc
     finally:
-        proc.stop()
+        proc.close()
         head.stop()
 
 
@@ -55,6 +56,13 @@ def test_four_mode_sweep_on_two_cpus_and_a_job_that_cannot_fit(
     assert [line.split()[1] for line in printed.splitlines()[:4]] == MODES
     jobs = [wait_job(url, job_id, ("succeeded",), timeout_s=600) for job_id in job_ids]
     assert all(job["last_step"] == 1 for job in jobs)
+    (sweep_id,) = {job["sweep_id"] for job in jobs}
+    assert httpx.get(f"{url}/api/sweeps/{sweep_id}").json()["status"] == "succeeded"
+    runs = httpx.get(f"{url}/api/sweeps/{sweep_id}/metrics").json()["runs"]
+    assert [r["label"] for r in runs] == MODES and [r["mode"] for r in runs] == MODES
+    for run in runs:  # each run's own objective, every step
+        assert run["steps"] == [0, 1] and None not in run["series"]["pg_loss"]
+        assert None not in run["series"][f"pg_loss/{run['mode']}"]
     spans = sorted((job["started_at"], job["finished_at"]) for job in jobs)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans)), spans
     waited = [e["message"] for job_id in job_ids

@@ -1,11 +1,14 @@
 """The controller for real: a `tally serve` process, a local Ray head (loopback job server),
-a SQLite file, and tiny demo jobs. Submit (JSON and YAML), logs, cancel, a sweep of the
-four modes, and a controller restart in the middle of a job."""
+a SQLite file, and tiny demo jobs. Submit (JSON and YAML), logs, cancel, a job submitted
+straight to Ray that registers itself, a controller restart in the middle of a job, and
+Ray's own answer for a job it never had. (The four-mode sweep on real Ray is
+test_controller_gang's; the embedded head's start and stop, test_controller_restart's.)"""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,11 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.controller.ray_head import LocalRayHead, free_port
+from services.controller.ray_head import LocalRayHead
+from services.controller.ray_jobs import RayJobBackend
 from tests.services.controller_fakes import (
     DEMO,
     DEMO_OVERRIDES,
     ROOT,
+    loopback_socket,
+    port_of,
 )
 
 MODES = ["sample_mean", "token_mean", "prompt_mean", "constant"]
@@ -28,10 +34,18 @@ pytestmark = pytest.mark.slow
 
 
 class ControllerProcess:
-    """``python -m services.controller`` on a fixed port, restartable."""
+    """``python -m services.controller`` on a port of its own, restartable on that port.
+
+    The port is bound here (127.0.0.1, port 0) and the bound socket handed to each
+    controller process (``--fd``), which listens on it: no free-port race. While no
+    controller runs, the port is held bound but not listening, so connections are refused
+    as by a controller that is down; it is bound again the moment the process is gone
+    (the one instant the port is not held: a stranger would have to bind that very port
+    then; the OS never hands a held port to a bind on port 0)."""
 
     def __init__(self, data_dir: Path, ray_address: str) -> None:
-        self.port = free_port()
+        self.sock: socket.socket | None = loopback_socket(rebindable=True)
+        self.port = port_of(self.sock)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = data_dir.parent / "controller.log"
         self.env = {**os.environ, "TALLY_DATA_DIR": str(data_dir),
@@ -41,12 +55,16 @@ class ControllerProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        assert self.sock is not None and self.process is None
+        fd = self.sock.fileno()
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.controller", "--port", str(self.port),
+                [sys.executable, "-m", "services.controller", "--fd", str(fd),
                  "--log-level", "warning"], cwd=ROOT, env=self.env, stdout=log,
-                stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
+                stderr=subprocess.STDOUT, pass_fds=(fd,))
+        self.sock.close()  # the controller's now: it goes with the process
+        self.sock = None
+        deadline = time.monotonic() + 120  # a guard: start-up is polled, not timed
         while True:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
@@ -58,14 +76,33 @@ class ControllerProcess:
             time.sleep(0.2)
 
     def stop(self) -> None:
+        """SIGTERM (its shutdown runs), then hold the port again."""
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.wait()
+        self._gone()
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown at all (what it started lives on), then hold the port."""
+        assert self.process is not None
+        self.process.kill()
+        self._gone()
+
+    def _gone(self) -> None:
+        if self.process is not None:
+            self.process.wait()
         self.process = None
+        if self.sock is None:  # at once: the port was free only since the process ended
+            self.sock = loopback_socket(self.port, rebindable=True)
+
+    def close(self) -> None:
+        self.stop()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +117,11 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]
 def controller(ray_head: LocalRayHead, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[ControllerProcess]:
     proc = ControllerProcess(tmp_path_factory.mktemp("controller") / "data", ray_head.address)
-    proc.start()
-    yield proc
-    proc.stop()
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.close()
 
 
 def wait_job(url: str, job_id: str, until: tuple[str, ...], timeout_s: float = 180,
@@ -112,12 +151,14 @@ def test_submit_json_and_restart_the_controller_mid_job(controller: ControllerPr
     assert response.status_code == 201, response.text
     job = wait_job(controller.url, response.json()["id"], ("pending", "running"))
     controller.stop()
-    client = ray_client(ray_head)
-    deadline = time.monotonic() + 180
-    while not client.get_job_status(job["ray_submission_id"]).is_terminal():
-        assert time.monotonic() < deadline, "the job did not end"
-        time.sleep(0.5)
-    controller.start()
+    try:
+        client = ray_client(ray_head)
+        deadline = time.monotonic() + 300
+        while not client.get_job_status(job["ray_submission_id"]).is_terminal():
+            assert time.monotonic() < deadline, "the job did not end"
+            time.sleep(0.5)
+    finally:  # the module's controller is up again for the next tests, whatever happened
+        controller.start()
     done = wait_job(controller.url, job["id"], ("succeeded",), timeout_s=60)
     assert done["last_step"] == 1 and done["ray_submission_id"] == f"tally-{job['id']}"
     metrics = httpx.get(f"{controller.url}/api/jobs/{job['id']}/metrics",
@@ -159,16 +200,10 @@ def test_yaml_submit_then_cancel_stops_the_job_and_its_actors(
         time.sleep(0.5)
 
 
-def test_sweep_and_a_ray_job_submit_job(controller: ControllerProcess,
-                                        ray_head: LocalRayHead) -> None:
-    """A sweep completes with per-mode metrics; meanwhile a job submitted straight to Ray
-    (``ray job submit`` style) registers itself and is tracked like the others. (Two
-    modes here: the README's four-mode sweep on real Ray is test_controller_gang's.)"""
-    modes = ["token_mean", "constant"]
-    response = httpx.post(f"{controller.url}/api/sweeps", json={
-        "config_yaml": DEMO, "overrides": DEMO_OVERRIDES, "modes": modes})
-    assert response.status_code == 201, response.text
-    sweep = response.json()
+def test_a_ray_job_submit_job_registers_and_is_tracked(controller: ControllerProcess,
+                                                      ray_head: LocalRayHead) -> None:
+    """A job submitted straight to Ray (``ray job submit`` style) registers itself and is
+    tracked like the others: its steps, its end, its Ray submission, its logs."""
     data_dir = Path(controller.env["TALLY_DATA_DIR"])
     sets = " ".join(f"--set {o}" for o in [*DEMO_OVERRIDES, "name=outside"])
     submission = ray_client(ray_head).submit_job(
@@ -176,23 +211,14 @@ def test_sweep_and_a_ray_job_submit_job(controller: ControllerProcess,
                    f"{sets} --output-dir {data_dir / 'jobs' / 'outside'}",
         runtime_env={"env_vars": {"TALLY_CONTROLLER_URL": controller.url,
                                   "TALLY_DATA_DIR": str(data_dir)}})
-    for job in sweep["jobs"]:
-        wait_job(controller.url, job["id"], ("succeeded",), timeout_s=240)
-    assert httpx.get(f"{controller.url}/api/sweeps/{sweep['id']}").json()["status"] == \
-        "succeeded"
-    runs = httpx.get(f"{controller.url}/api/sweeps/{sweep['id']}/metrics").json()["runs"]
-    assert [r["label"] for r in runs] == modes and [r["mode"] for r in runs] == modes
-    for run in runs:
-        assert run["steps"] == [0, 1] and None not in run["series"]["pg_loss"]
-        assert None not in run["series"][f"pg_loss/{run['mode']}"]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not (found := httpx.get(f"{controller.url}/api/jobs",
                                   params={"name": "outside"}).json()["items"]):
         assert time.monotonic() < deadline, "the ray job submit job never registered"
         time.sleep(0.5)
     outside = found[0]
     assert outside["source"] == "registered"
-    done = wait_job(controller.url, outside["id"], ("succeeded",))
+    done = wait_job(controller.url, outside["id"], ("succeeded",), timeout_s=300)
     assert done["last_step"] == 1
     while httpx.get(f"{controller.url}/api/jobs/{outside['id']}").json()[
             "ray_submission_id"] != submission:
@@ -201,17 +227,19 @@ def test_sweep_and_a_ray_job_submit_job(controller: ControllerProcess,
     assert "step 2/2" in httpx.get(f"{controller.url}/api/jobs/{outside['id']}/logs").text
 
 
-def test_embedded_head_starts_with_the_controller_and_stops_with_it(tmp_path: Path) -> None:
-    from services.controller.ray_head import dashboard_up
-
-    proc = ControllerProcess(tmp_path / "data", "")
-    proc.env.pop("TALLY_RAY_ADDRESS")
-    proc.start()
-    try:
-        ray = httpx.get(f"{proc.url}/healthz").json()["ray"]
-        assert ray.startswith("http://127.0.0.1:") and dashboard_up(ray)
-    finally:
-        proc.stop()
-    assert not dashboard_up(ray)
-    assert "tally-ray-" not in subprocess.run(["ps", "-eo", "args"], capture_output=True,
-                                              text=True).stdout
+def test_ray_answers_not_found_for_a_job_it_never_had(ray_head: LocalRayHead) -> None:
+    """RayJobBackend tells "Ray has no such job" (None / False) from a job Ray has, on
+    Ray's real job server and in its own words (not the fake's)."""
+    backend = RayJobBackend(ray_head.address)
+    never = "tally-never-submitted"
+    assert backend.info(never) is None
+    assert backend.logs(never) is None
+    assert backend.stop(never) is False
+    known = backend.submit("tally-not-found-contrast", f"{sys.executable} -c \"print('hi')\"",
+                           {}, {})
+    deadline = time.monotonic() + 300
+    while (info := backend.info(known)).status not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, f"the contrast job is still {info.status}"
+        time.sleep(0.5)
+    assert info.status == "succeeded" and "hi" in (backend.logs(known) or "")
+    assert backend.stop(known) is False  # known, but over: nothing to stop

@@ -1,6 +1,7 @@
 """Bounded long reads over real HTTP on loopback (uvicorn, SQLite; Ray faked): SSE and
-log-follow connections are capped per job and in all, a long metrics backlog goes out in
-bounded events without losing a step, and a saved log's tail is read from its end."""
+log-follow connections are capped per job and in all (one count for both kinds), a long
+metrics backlog goes out in bounded events without losing a step, and a saved log's tail
+is read from its end."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import pytest
+from typer.testing import CliRunner
 
+from services.cli import app as cli
 from services.controller import routes_stream
 from services.controller.app import create_app
 from tests.services.controller_fakes import (
@@ -48,6 +52,50 @@ def test_streams_are_capped_per_job_and_freed_on_close(tmp_path: Path) -> None:
                 if again.status_code == 200:
                     break
             assert time.monotonic() < deadline, "closed streams kept their slots"
+            time.sleep(0.2)
+
+
+def in_ray(http: httpx.Client) -> str:
+    """A job the controller has submitted to (fake) Ray: its log can be followed."""
+    job = http.post("/api/jobs", json={"config_yaml": DEMO, "overrides": DEMO_OVERRIDES}).json()
+    deadline = time.monotonic() + 60  # a guard: the reconcile loop runs every 0.2 s
+    while http.get(f"/api/jobs/{job['id']}").json()["status"] != "pending":
+        assert time.monotonic() < deadline, "the job never reached Ray"
+        time.sleep(0.05)
+    return job["id"]
+
+
+def test_log_follows_are_capped_with_the_event_streams_and_freed_on_close(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    per_job = routes_stream.MAX_STREAMS_PER_JOB
+    monkeypatch.setattr(routes_stream, "MAX_STREAMS", per_job + 2)  # the cap in all, reachable
+    app = create_app(make_settings(tmp_path), backend=FakeBackend())
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        job, other = in_ray(http), in_ray(http)
+        follow = {"follow": True}
+        with ExitStack() as stack:
+            for _ in range(per_job):
+                response = stack.enter_context(
+                    http.stream("GET", f"/api/jobs/{job}/logs", params=follow))
+                assert response.status_code == 200
+            refused = http.get(f"/api/jobs/{job}/logs", params=follow)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "5"
+            assert http.get(f"/api/jobs/{job}/events").status_code == 429  # one count
+            assert http.get(f"/api/jobs/{job}/logs").status_code == 200  # a read, no stream
+            shown = CliRunner().invoke(cli, ["logs", job, "-f", "--url", url])
+            assert shown.exit_code == 1
+            assert "error 429: too many open streams; close one and retry" in shown.output
+            for _ in range(2):  # the other job has slots of its own, up to the cap in all
+                response = stack.enter_context(
+                    http.stream("GET", f"/api/jobs/{other}/logs", params=follow))
+                assert response.status_code == 200
+            assert http.get(f"/api/jobs/{other}/logs", params=follow).status_code == 429
+        deadline = time.monotonic() + 30  # a guard: the closed follows free their slots
+        while True:
+            with http.stream("GET", f"/api/jobs/{job}/logs", params=follow) as again:
+                if again.status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "closed follows kept their slots"
             time.sleep(0.2)
 
 

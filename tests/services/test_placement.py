@@ -1,17 +1,14 @@
-"""Gang placement on a real two-CPU Ray: a job's bundles are reserved all at once or not at
-all, a job that does not fit waits holding nothing and says what it is missing."""
+"""What a job asks Ray for: its bundles (trainer ranks and engines), what it needs in all and
+how a shortfall reads, and the threads of each phase. Gang placement on a real two-CPU Ray
+(a job that does not fit waits holding nothing and says what it is missing) runs in
+test_multinode.py, on the head of its cluster before the second node joins."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-
-import pytest
-import ray
-from ray.util.placement_group import remove_placement_group
 
 from services.config import load_job_config, parse_job_config
-from services.placement import describe_shortfall, job_bundles, job_needs, reserve_job
+from services.placement import describe_shortfall, job_bundles, job_needs
 from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.test_train import ROOT
 
@@ -26,36 +23,6 @@ def test_bundles_cover_ranks_and_engines() -> None:
     assert job_bundles(demo("trainer.dp_size=2", "colocate=true")) == [{"CPU": 1.0}] * 2
     assert describe_shortfall({"CPU": 2.5}, {"CPU": 2.0, "memory": 1e9}) == \
         "waiting for resources: needs 2.5 CPU, cluster has 2 free"
-
-
-@pytest.fixture(scope="module")
-def two_cpus() -> Iterator[None]:
-    """A two-CPU head of its own; the session's shared cluster (if up) is stopped for the
-    module and started again after it, as tests/conftest.py starts it."""
-    from tests.conftest import start_shared_cluster
-
-    shared = ray.is_initialized()
-    if shared:
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    if shared:
-        start_shared_cluster()
-
-
-def test_second_job_waits_holding_nothing_then_fits(two_cpus: None) -> None:
-    first = reserve_job(demo(), on_wait=pytest.fail)
-    assert ray.available_resources().get("CPU", 0.0) == pytest.approx(0.5)
-    said: list[str] = []
-    with pytest.raises(RuntimeError, match="cannot place the job within 2 s"):
-        reserve_job(demo(), on_wait=said.append, timeout_s=2)
-    assert said == ["waiting for resources: needs 1.5 CPU, cluster has 0.5 free"]
-    assert ray.available_resources().get("CPU", 0.0) == pytest.approx(0.5)  # held nothing
-    remove_placement_group(first.group)
-    second = reserve_job(demo(), on_wait=pytest.fail, timeout_s=30)
-    assert second.engine_options[0]["scheduling_strategy"].placement_group_bundle_index == 1
-    remove_placement_group(second.group)
 
 
 def test_threads_follow_the_phase_cores_and_set_values_win(tmp_path) -> None:
