@@ -46,6 +46,7 @@ def _assert_same(a: RolloutBatch, b: RolloutBatch) -> None:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+@pytest.mark.slow
 def test_batch_layout_groups_masks_and_log_probs(
     manager: ray.actor.ActorHandle, tiny_model_path: str
 ) -> None:

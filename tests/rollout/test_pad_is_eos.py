@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from rollout.batch import RolloutBatch
 from rollout.tokenizer import encode_completion, encode_prompt, load_tokenizer
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
@@ -14,6 +16,7 @@ from trainer.micro_batch import slice_packed_row
 from trainer.step_plan import plan_step
 
 
+@pytest.mark.slow
 def test_the_eos_ending_a_response_is_trained_on_and_padding_is_not(smollm2_path: Path
                                                                    ) -> None:
     tokenizer = load_tokenizer(str(smollm2_path))

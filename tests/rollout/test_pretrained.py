@@ -17,6 +17,7 @@ from rollout.pretrained import (
 )
 
 
+@pytest.mark.slow
 def test_imported_folder_gives_the_gguf_models_weights_and_logits(smollm2_path: Path) -> None:
     """The saved weights equal the dequantized GGUF's exactly; so do the logits on chat
     prompts (within 1e-5). A one-token input is not compared: there the two copies' different

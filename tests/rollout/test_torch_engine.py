@@ -122,6 +122,7 @@ def test_sampling_truncation_keeps_only_allowed_tokens() -> None:
     assert greedy.tolist() == [0] and lp.exp().item() == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_stop_strings_match_the_text_of_bpe_tokens(smollm2_path) -> None:
     """SmolLM2's BPE spells " apples" as one token, not as the tokens of "apples": the
     stop still ends the response, right after the token that completes it."""

@@ -34,6 +34,7 @@ def _rows(output: str) -> list[list[str]]:
     return [line.split() for line in output.splitlines() if line.startswith("dp")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", DEMO_CONFIGS)
 def test_readme_verify_aggregation_command_passes_on_every_config(
         ray_cluster: None, shared_data_dir: Path, config: str) -> None:
@@ -50,6 +51,7 @@ def test_readme_verify_aggregation_command_passes_on_every_config(
     assert "24/24 comparisons within tolerance" in result.output
 
 
+@pytest.mark.slow
 def test_verify_aggregation_exits_1_on_a_planted_reduction_error(
         ray_cluster: None, shared_data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TALLY_TEST_PLANT", "dp2cp1:pg,kl")  # rank 0 of dp2cp1 doubles them

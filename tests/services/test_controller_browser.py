@@ -195,6 +195,7 @@ def test_a_failed_job_shows_its_error_and_last_log_lines(dashboard, page) -> Non
     assert not errors
 
 
+@pytest.mark.slow
 def test_axes_fit_their_data(page, tmp_path: Path) -> None:
     """An all-zero series draws on a small range around 0 (uPlot alone puts 0 on 0–100),
     a fraction's axis stays inside [0, 1], and a varying series gets a range near its

@@ -32,6 +32,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_second_job_waits_holding_nothing_then_fits(report: dict) -> None:
     gang = report["gang"]
     assert gang["free_while_held"] == pytest.approx(0.5)
@@ -41,6 +42,7 @@ def test_second_job_waits_holding_nothing_then_fits(report: dict) -> None:
     assert gang["engine_bundle"] == 1
 
 
+@pytest.mark.slow
 def test_trainer_and_engines_on_different_nodes(report: dict) -> None:
     node_a, node_b = report["nodes"]["node_a"][:8], report["nodes"]["node_b"][:8]
     assert report["split"] == (f"trainer ranks on nodes ['{node_b}', '{node_b}']; "

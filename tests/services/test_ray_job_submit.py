@@ -17,6 +17,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from services.controller.ray_head import TEMP_PREFIX, dashboard_address, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +44,7 @@ def wait_for_dashboard(temp_dir: str, process: subprocess.Popen, timeout: float 
     raise TimeoutError(f"the Ray dashboard of {temp_dir} did not come up")
 
 
+@pytest.mark.slow
 def test_ray_job_submit_runs_the_demo_config(tmp_path: Path) -> None:
     temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)  # short: Ray's socket paths live in it
     token_file = tmp_path / "ray_auth_token"

@@ -118,6 +118,7 @@ def kill_rank_after(step_to_kill: int, rank: int = 1):
     return hook
 
 
+@pytest.mark.slow
 def test_no_restarts_left_fails_naming_the_actor(ray_cluster: None, tmp_path: Path) -> None:
     config = load_job_config(ROOT / "configs" / "demo.yaml",
                              [*SMALL, "num_steps=3", "max_restarts=0"])
@@ -128,6 +129,7 @@ def test_no_restarts_left_fails_naming_the_actor(ray_cluster: None, tmp_path: Pa
     assert events(tmp_path / "job")[-1]["kind"] == "actor_failed"
 
 
+@pytest.mark.slow
 def test_a_rollout_call_past_its_timeout_fails_the_job_naming_the_field(
         ray_cluster: None, tmp_path: Path) -> None:
     config = load_job_config(ROOT / "configs" / "demo.yaml",

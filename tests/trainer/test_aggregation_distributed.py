@@ -135,6 +135,7 @@ def per_rank_results() -> list[dict[tuple[int, int], dict]]:
     return run_distributed(every_layout_worker, max(dp * cp for dp, cp in LAYOUTS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp_size", [1, 2])
 @pytest.mark.parametrize("dp_size", [1, 2, 3])
 def test_every_layout_reproduces_the_reference(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -68,6 +69,7 @@ def _cp_worker(rank: int, world_size: int, state_dict: dict) -> dict:
     return {"logits": logits.detach(), "grads": grads}
 
 
+@pytest.mark.slow
 def test_cp2_matches_full_sequence_logits_and_grads() -> None:
     reference = _tiny_model()
     ids, labels, mask = _batch()

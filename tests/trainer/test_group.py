@@ -37,6 +37,7 @@ def _kill(worker: ray.actor.ActorHandle, timeout_s: float = 60.0) -> None:
     raise AssertionError("the killed rank still answers")
 
 
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_export_with_trainer_rank_died(ray_cluster: None,
                                                               tiny_model: str) -> None:
     config = TrainerConfig(dp_size=2, collective_timeout_s=COLLECTIVE_TIMEOUT_S,

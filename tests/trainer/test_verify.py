@@ -48,6 +48,7 @@ CONFIG = TrainerConfig(loss=LossConfig(kl_coef=0.1, entropy_coef=0.01, old_log_p
 OBJECTIVE = ObjectiveConfig.compose(AggregationConfig(), CONFIG.loss, 8, 0.7)
 
 
+@pytest.mark.slow
 def test_every_update_of_a_rollout_matches_across_layouts(ray_cluster: None, tiny_model: str
                                                         ) -> None:
     """2 optimizer steps per rollout × 2 epochs: each update's J and ∇J (pg, KL, entropy,

@@ -60,6 +60,7 @@ def test_a_rank_dying_during_the_weight_export_restarts_the_job(clean_run: Clean
 
 
 # With rollout.async_steps: test_evaluation.py's evaluated clean run.
+@pytest.mark.slow
 def test_the_final_trained_weights_are_evaluated_in_the_last_row(
         ray_cluster: None, wandb_home: Path, tmp_path: Path) -> None:
     config = load_job_config(ROOT / "configs" / "demo.yaml", [
@@ -82,6 +83,7 @@ def test_the_final_trained_weights_are_evaluated_in_the_last_row(
     assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
 
 
+@pytest.mark.slow
 def test_a_mini_batch_with_no_valid_token_is_skipped_not_stepped(ray_cluster: None,
                                                                  tmp_path: Path) -> None:
     config = load_job_config(ROOT / "configs" / "demo.yaml", [

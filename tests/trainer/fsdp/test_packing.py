@@ -41,6 +41,7 @@ def packed_logits(rank: int, world_size: int, model_path: str, batch, plan
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp_size", [1, 2])
 def test_a_packed_row_gives_each_samples_logits_alone(tiny_model: str, cp_size: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM

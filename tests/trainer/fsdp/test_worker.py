@@ -46,6 +46,7 @@ def _plan(batch, objective: ObjectiveConfig, dp_size: int):
     return plan_step(batch, objective, dp_size, 1, max_tokens_per_micro_batch=64)
 
 
+@pytest.mark.slow
 def test_trainer_log_probs_match_the_engine_at_its_temperature(tiny_model: str) -> None:
     batch = sampled_train_batch(tiny_model, temperature=0.7)
     at_sampling, at_one = run_ranks(_mismatch, 2, tiny_model, batch, [0.7, 1.0], 2)[0]
@@ -74,6 +75,7 @@ def _train(rank: int, port: int, model_path: str, batch, dtype: str) -> dict[str
             "state_dtype": str(next(iter(worker.optimizer.state.values()))["exp_avg"].dtype)}
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_master_weights_that_move_at_lr_1e_6(tiny_model: str) -> None:
     batch = sampled_train_batch(tiny_model, temperature=1.0)
     result = run_ranks(_train, 1, tiny_model, batch, "bfloat16")[0]
@@ -106,6 +108,7 @@ def _old_log_probs(rank: int, port: int, model_path: str, batch, dp: int, cp: in
     return worker.log_probs(batch, plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("dp", "cp", "packed"), [(2, 1, True), (1, 2, True), (1, 2, False)])
 def test_old_log_probs_are_gathered_back_into_the_batch_layout(tiny_model: str, dp: int,
                                                                cp: int, packed: bool) -> None:

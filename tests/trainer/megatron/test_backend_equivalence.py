@@ -37,18 +37,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
                 random_train_batch(WIDE_VOCAB, num_prompts=3, group_size=2), config)
 
 
+@pytest.mark.slow
 def test_megatron_step_equals_torch_step_for_every_mode(ray_cluster: None, runs: Runs) -> None:
     assert_same(runs("megatron"), runs("fsdp"), tolerance=1e-4)
 
 
+@pytest.mark.slow
 def test_megatron_tp2_equals_tp1(ray_cluster: None, runs: Runs) -> None:
     assert_same(runs("megatron", tp_size=2), runs("megatron"), tolerance=1e-5)
 
 
+@pytest.mark.slow
 def test_megatron_dp2_equals_dp1(ray_cluster: None, runs: Runs) -> None:
     assert_same(runs("megatron", dp_size=2), runs("megatron"), tolerance=1e-5)
 
 
+@pytest.mark.slow
 def test_assert_same_fails_on_a_wrong_sum_factor(ray_cluster: None, runs: Runs,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Megatron's division by the number of micro-batches K left in (the SUM factor dp

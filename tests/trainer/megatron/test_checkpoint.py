@@ -57,6 +57,7 @@ def _assert_same_step(got: tuple[dict, dict], expected: tuple[dict, dict]) -> No
     assert difference < 1e-4
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_backends_and_tp_sizes(ray_cluster: None,
                                                         tmp_path: Path) -> None:
     model_path = create_wide_vocab_checkpoint(tmp_path / "tiny", seed=0)  # spans both TP ranks

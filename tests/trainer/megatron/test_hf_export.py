@@ -76,6 +76,7 @@ def _untied_llama(path: Path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_tp2_logits_and_hf_export_match_transformers(tmp_path: Path) -> None:
     model_dirs = [create_wide_vocab_checkpoint(tmp_path / "qwen2", seed=0),
                   _untied_llama(tmp_path / "llama")]

@@ -52,6 +52,7 @@ def _changed_fraction(before: dict[str, torch.Tensor], after: dict[str, torch.Te
     return changed / sum(v.numel() for v in before.values())
 
 
+@pytest.mark.slow
 def test_bf16_compute_steps_fp32_main_params(tmp_path: Path) -> None:
     model_path = create_tiny_checkpoint(tmp_path / "tiny", seed=0)
     (result,) = run_ranks(_bf16_steps, 1, model_path)

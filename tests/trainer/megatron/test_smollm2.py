@@ -135,6 +135,7 @@ def runs(short_smollm2: str) -> Runs:
     return Runs(short_smollm2, batch, config, modes=("sample_mean",))
 
 
+@pytest.mark.slow
 def test_megatron_step_equals_fsdp_step(ray_cluster: None, runs: Runs) -> None:
     # fp32 on both sides; measured about 3e-6 relative (gradients), so 1e-4 as on tiny.
     assert_same(runs("megatron"), runs("fsdp"), tolerance=1e-4)

@@ -79,6 +79,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]
     return ranks
 
 
+@pytest.mark.slow
 def test_trainer_log_probs_match_the_engine_at_its_temperature(results: list[dict]) -> None:
     at_sampling, at_one = results[0]["mismatch"]
     assert at_sampling < 1e-5  # mean |log π_trainer − log π_engine| per token
