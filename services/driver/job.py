@@ -26,7 +26,6 @@ from services.driver.run_dir import RunDir, data_dir
 from services.placement import phase_threads, reserve_job
 from services.quiet import QUIET_ENV
 from services.warmup import warm_start
-from trainer.config import TrainerConfig
 from trainer.group import TrainerGroup
 
 
@@ -78,7 +77,6 @@ class JobActors:
                  log: Callable[[str], None] = print) -> None:
         """``config``: resolved by :func:`with_threads`."""
         self.rollout_config: RolloutConfig = config.rollout
-        self.trainer_config: TrainerConfig = config.trainer
         with contextlib.ExitStack() as started:
             gang = reserve_job(config, on_wait=lambda message: (
                 log(message), run_dir.write_event("waiting", message)))

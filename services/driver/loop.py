@@ -195,8 +195,8 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
     started_ray = ensure_ray(max(os.cpu_count() or 1, int(needed + 0.999)))
     sinks: list[MetricsSink] = []
     try:
-        config = with_threads(config, job_model_path(config, log))
-        model_path = job_model_path(config, lambda *_: None)  # cached by now
+        model_path = job_model_path(config, log)
+        config = with_threads(config, model_path)
         run_dir.config_file.write_text(config.model_dump_json(indent=2))
         for warning in config.warnings():  # rules that chose, inert options: say so
             log(f"warning: {warning.field}: {warning.message}")
