@@ -5,7 +5,6 @@ the resume falls back to the checkpoint before it and says so."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +22,7 @@ from services.driver.checkpoint import (
     unreadable,
 )
 from services.driver.run_dir import RunDir
+from tests.trainer.test_checkpoint_safe import Payload  # unpickling it runs os.mkdir
 from trainer.checkpoint import commit_checkpoint, save_trainer_checkpoint, staging_path
 
 
@@ -60,16 +60,6 @@ def test_rollouts_in_flight_round_trip_exactly(tmp_path: Path) -> None:
                 assert got.dtype == want.dtype and torch.equal(got, want), field.name
             else:
                 assert got == want, field.name
-
-
-class Payload:
-    """Runs ``os.mkdir(marker)`` when unpickled: what a hostile checkpoint could do."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (str(self.marker),)
 
 
 def test_a_pickled_rollouts_file_is_refused_unrun_and_the_previous_checkpoint_used(
