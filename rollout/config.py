@@ -203,7 +203,9 @@ class SGLangEngineConfig(BaseModel):
     max_batch_size: int = Field(default=256, gt=0)
     """Prompts per /generate request; requests of one call are sent concurrently."""
     sampling_seed: bool = False
-    """Send a per-request sampling_seed (only SGLang builds that accept it)."""
+    """Send a per-request sampling_seed. SGLang ignores it unless the server runs with
+    --enable-deterministic-inference: launched servers get that flag, servers given in
+    urls must have been started with it."""
     weight_sync_dir: str | None = None
     """Directory for update_weights(state_dict) checkpoints; must be visible to the
     servers. None uses a temporary directory on the engine's node."""
@@ -365,6 +367,18 @@ class RolloutConfig(BaseModel):
                 f"rollout_batch_size: {self.rollout_batch_size} prompts × "
                 f"n_samples_per_prompt={self.n_samples_per_prompt} = {samples} samples per "
                 f"rollout is not a multiple of global_batch_size={self.global_batch_size}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sglang_top_k_one_needs_unit_temperature(self) -> RolloutConfig:
+        top_k, temperature = self.sampling.top_k, self.sampling.temperature
+        if self.engine.type == "sglang" and top_k == 1 and temperature not in (0.0, 1.0):
+            raise ValueError(
+                f"sampling.top_k: 1 with temperature={temperature:g} on the sglang engine: "
+                "SGLang samples top_k = 1 greedily and then reports the log-probs of the "
+                "unscaled softmax(logits), not of softmax(logits / T) as training needs; "
+                "use top_k -1 (off) or > 1, or temperature 1"
             )
         return self
 

@@ -193,8 +193,9 @@ class TrainerConfig(BaseModel):
     sample rounded up to 2·cp), or padded tokens when not packing."""
     packing: bool = True
     """Pack each micro-batch's samples back to back into one row (attention never crosses
-    a sample; no padding). FSDP only: Megatron on CPU pads (its local attention has no
-    packed-sequence path). False pads every micro-batch to its longest sample."""
+    a sample; no padding). Megatron packs only with TransformerEngine's THD rows (GPU,
+    TE installed, bf16): elsewhere the default pads and says so, and an explicit true is
+    refused naming this field. False pads every micro-batch to its longest sample."""
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     """Compute dtype of the forward and backward (auto: fp32 on CPU, bf16 on GPU).
     Parameters, reduced gradients and optimizer state stay fp32 whatever it is (fp64

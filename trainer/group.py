@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.batch import RolloutBatch
 from rollout.plugins import load_object
+from trainer.backends.megatron import decide_attention
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.step_plan import StepPlan, packs, plan_step
 from trainer.worker import TrainerWorker
@@ -69,6 +70,10 @@ class TrainerGroup:
         self.owns_placement = placement is None
         self.placement_group: PlacementGroup = placement or self._place(config)
         actor_cls = ray.remote(worker_class(config.backend))
+        # Megatron's attention is decided once, here, by the rule the step plan packs by;
+        # the ranks take it rather than detect TransformerEngine again.
+        decided = ({"attention": decide_attention(config)} if config.backend == "megatron"
+                   else {})
         self.workers = [
             actor_cls.options(
                 num_cpus=config.num_cpus_per_rank,
@@ -76,7 +81,7 @@ class TrainerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank),
                 runtime_env={"env_vars": env_vars or {}},
-            ).remote(config, objective, model_path, rank, total_steps)
+            ).remote(config, objective, model_path, rank, total_steps, **decided)
             for rank in range(config.world_size)
         ]
         self._call(TrainerWorker.setup, *self._rendezvous())

@@ -34,12 +34,22 @@ def open_store(config: TrainerConfig, rank: int, host: str, port: int) -> dist.T
                          wait_for_workers=False)
 
 
+def process_group_backend(device_type: str) -> str:
+    """The world group's backend, the one place it is chosen. On GPU both devices are
+    served: NCCL for CUDA tensors, gloo for the CPU tensors the workers also reduce (the
+    step's logged sums, rank 0's gathered log-probs, checkpoint metadata). Plain "nccl"
+    serves CUDA tensors only: a CPU all-reduce on it raises "No backend type associated
+    with device type cpu" at the first step."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
 def init_rank(config: TrainerConfig, rank: int, store: dist.Store) -> torch.device:
-    """Threads, device and the world process group (nccl on GPU, gloo on CPU)."""
+    """Threads, device and the world process group (:func:`process_group_backend`);
+    every subgroup made from it (DeviceMesh, Megatron's) inherits that backend."""
     torch.set_num_threads(config.num_threads or 1)  # the driver resolves None per phase
     cuda = config.num_gpus_per_rank > 0 and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dist.init_process_group(
-        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=config.world_size,
-        timeout=timedelta(seconds=config.collective_timeout_s))
+        process_group_backend(device.type), store=store, rank=rank,
+        world_size=config.world_size, timeout=timedelta(seconds=config.collective_timeout_s))
     return device

@@ -134,17 +134,16 @@ def row_cu_seqlens(samples: list[int], lengths: list[int], cp_size: int) -> list
 
 
 def packs(config: TrainerConfig) -> bool:
-    """Whether the trainer computes packed rows: FSDP with ``packing`` on, or Megatron on
-    GPU with TransformerEngine (THD through ``PackedSeqParams``). Megatron's local
-    attention on CPU has no packed-sequence path, so there it pads the same plan."""
+    """Whether the trainer computes packed rows: FSDP with ``packing`` on, or Megatron
+    where its attention decision allows THD rows (``backends.megatron.decide_attention``:
+    GPU, TransformerEngine, bf16); elsewhere Megatron pads the same plan."""
     if not config.packing:
         return False
     if config.backend == "fsdp":
         return True
-    import importlib.util
+    from trainer.backends.megatron import decide_attention
 
-    return config.num_gpus_per_rank > 0 and importlib.util.find_spec(
-        "transformer_engine") is not None
+    return decide_attention(config).packed
 
 
 def plan_step(

@@ -2,15 +2,25 @@
 
     POST /generate  {"input_ids": [[...], ...], "return_logprob": true,
                      "sampling_params": {temperature, top_p, top_k, max_new_tokens,
-                                         stop, stop_token_ids}}
+                                         stop, stop_token_ids[, sampling_seed]}}
         → [{"meta_info": {"output_token_logprobs": [[logprob, token_id, text], ...],
                           "finish_reason": {"type": "stop" | "length" | "abort", ...}}}, ...]
-    POST /update_weights_from_disk {"model_path": path} → {"success": bool, "message": str}
-    POST /flush_cache;  GET /health
+    POST /update_weights_from_disk {"model_path": path, "weight_version": "k"}
+        → {"success": bool, "message": str, ...}  (HTTP 400 when it fails)
+    GET /model_info → {..., "weight_version": "k"};  GET /health
 
 SGLang reports log-probs of the temperature-scaled distribution, the convention of
-engines/base.py. A call's prompts go out in requests of ``max_batch_size``, all
-concurrently; SGLang batches them on the GPU.
+engines/base.py (except for top_k = 1, which rollout/config.py refuses). A call's prompts
+go out in requests of ``max_batch_size``, all concurrently; SGLang batches them on the GPU.
+
+Per-request seeds (``config.sampling_seed``) take effect only on a server running with
+``--enable-deterministic-inference``; sglang_server.launch_command adds it.
+
+A weight update needs no /flush_cache: update_weights_from_disk flushes the prefix cache
+itself (its ``flush_cache`` field defaults to true), while a separate /flush_cache is
+refused (HTTP 400) whenever a request is queued. The update carries the engine's next
+weight version, which the server records; the engine reads it back from /model_info and
+fails if the server does not report the version it was sent.
 """
 
 from __future__ import annotations
@@ -127,24 +137,44 @@ class SGLangEngine(Engine):
                 raise SGLangError(f"{route}: HTTP {response.status_code}: {response.text[:500]}")
         return [response.json() for response in responses]
 
-    def _post(self, route: str, payload: dict[str, Any] | None = None) -> Any:
-        response = httpx.post(
-            f"{self.url}{route}", json=payload, timeout=self.config.request_timeout_s
-        )
+    def _json(self, response: httpx.Response, route: str) -> Any:
         if response.status_code != 200:
             raise SGLangError(f"{route}: HTTP {response.status_code}: {response.text[:500]}")
         try:
             return response.json()
-        except ValueError:
-            return response.text  # /flush_cache answers plain text
+        except ValueError as error:
+            raise SGLangError(f"{route}: not JSON: {response.text[:500]}") from error
+
+    def _post(self, route: str, payload: dict[str, Any]) -> Any:
+        timeout = self.config.request_timeout_s
+        return self._json(httpx.post(f"{self.url}{route}", json=payload, timeout=timeout), route)
+
+    def _get(self, route: str) -> Any:
+        timeout = self.config.request_timeout_s
+        return self._json(httpx.get(f"{self.url}{route}", timeout=timeout), route)
+
+    def served_weight_version(self) -> str | None:
+        """The weight version the server reports (GET /model_info)."""
+        info = self._get("/model_info")
+        version = info.get("weight_version") if isinstance(info, dict) else None
+        return None if version is None else str(version)
 
     def update_weights_from_disk(self, path: str) -> None:
-        """Reload the server's weights from a checkpoint directory it can read."""
-        result = self._post("/update_weights_from_disk", {"model_path": path})
-        if isinstance(result, dict) and not result.get("success", True):
-            raise SGLangError(f"update_weights_from_disk: {result.get('message', result)}")
-        self.flush_cache()  # cached prefixes hold KV computed with the old weights
-        self.weight_version += 1
+        """Reload the server's weights from a checkpoint directory it can read, tagged with
+        the next weight version; the server must then report that version."""
+        version = self.weight_version + 1
+        payload = {"model_path": path, "weight_version": str(version)}
+        result = self._post("/update_weights_from_disk", payload)
+        if not isinstance(result, dict) or result.get("success") is not True:
+            message = result.get("message", result) if isinstance(result, dict) else result
+            raise SGLangError(f"update_weights_from_disk: weight version {version}: {message}")
+        served = self.served_weight_version()
+        if served != str(version):
+            raise SGLangError(
+                f"update_weights_from_disk: loaded weight version {version} from {path}, but "
+                f"the server reports weight version {served!r}"
+            )
+        self.weight_version = version
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Write the weights as a checkpoint (the model's config files beside them) and
@@ -170,9 +200,6 @@ class SGLangEngine(Engine):
                 tensors[name] = tensor.detach().to("cpu").contiguous()
         save_file(tensors, str(self._sync_dir / "model.safetensors"))
         self.update_weights_from_disk(str(self._sync_dir))
-
-    def flush_cache(self) -> None:
-        self._post("/flush_cache")
 
     def shutdown(self) -> None:
         if self.process is not None:

@@ -22,8 +22,19 @@ class SGLangLaunchError(RuntimeError):
     """A launched SGLang server exited or never became healthy."""
 
 
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+"""SGLang's ServerArgs.enable_deterministic_inference (python/sglang/srt/server_args.py).
+Without it a request's ``sampling_params.sampling_seed`` is accepted but ignored."""
+
+
 def launch_command(config: SGLangEngineConfig, model_path: str, port: int) -> list[str]:
-    """The ``python -m sglang.launch_server`` command line for one engine."""
+    """The ``python -m sglang.launch_server`` command line for one engine.
+
+    With ``config.sampling_seed`` the server runs with ``--enable-deterministic-inference``:
+    only then does SGLang honour the per-request seeds the engine sends (it also switches
+    to batch-invariant kernels and the pytorch sampling backend, and accepts only some
+    attention backends: fa3, fa4, flashinfer, triton, ascend, intel_xpu; not torch_native).
+    """
     command = [
         sys.executable,
         "-m",
@@ -39,6 +50,8 @@ def launch_command(config: SGLangEngineConfig, model_path: str, port: int) -> li
     ]
     if config.mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(config.mem_fraction_static)]
+    if config.sampling_seed and DETERMINISTIC_FLAG not in config.extra_args:
+        command.append(DETERMINISTIC_FLAG)
     return command + list(config.extra_args)
 
 

@@ -1,6 +1,7 @@
 """A short RL run on one GPU: SGLang generates, the Megatron backend trains, weights sync
 back to SGLang every step — after each sync the engine's log-probs of what it samples are
-the trainer's (fp32 on both sides) — and the final checkpoint is a loadable HF folder."""
+the trainer's (fp32 on both sides), at T = 1 and at T = 0.7 (both sides must scale the
+logits by 1/T) — and the final checkpoint is a loadable HF folder."""
 
 from __future__ import annotations
 
@@ -10,27 +11,36 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.config import parse_job_config
-from services.driver.loop import RunningJob, run_job
 from tests.gpu.needs import needs
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 NUM_STEPS = 3
 # The char tokenizer is ours (ids in, ids out); head dim 16 needs SGLang's torch backend.
-SGLANG_TINY_ARGS = ["--dtype", "float32", "--skip-tokenizer-init", "--disable-cuda-graph",
+SGLANG_TINY_ARGS = ["--dtype", "float32", "--skip-tokenizer-init",
+                    "--cuda-graph-backend-decode", "disabled",
+                    "--cuda-graph-backend-prefill", "disabled",
                     "--attention-backend", "torch_native"]
 
 
 @needs(1, ("megatron.core", "sglang"))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_short_rl_run_megatron_with_sglang(ray_cluster: None, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           temperature: float) -> None:
+    # Imported here: collecting tests/gpu must work where Ray and the services are not.
+    from services.config import parse_job_config
+    from services.driver.loop import RunningJob, run_job
+
     monkeypatch.setenv("TALLY_DATA_DIR", str(tmp_path / "data"))
     job = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     job.update(name="megatron-sglang", num_steps=NUM_STEPS, warmup={"enabled": False})
+    job["rollout"]["sampling"]["temperature"] = temperature
+    # Its own port per temperature: a server still releasing its port cannot block the next.
+    port = 31700 if temperature == 1.0 else 31710
     job["rollout"].update(global_batch_size=32, engine={
         "type": "sglang", "num_engines": 1, "num_gpus": 0.5, "mem_fraction_static": 0.3,
-        "base_port": 31700, "extra_args": SGLANG_TINY_ARGS})
+        "base_port": port, "extra_args": SGLANG_TINY_ARGS})
     job["trainer"].update(backend="megatron", dp_size=1, num_gpus_per_rank=0.5,
                           dtype="float32")
     held = {}

@@ -97,6 +97,19 @@ def test_sglang_urls_and_num_engines() -> None:
     assert SGLangEngineConfig(urls=["http://a:1"]).actor_num_gpus == 0.0
 
 
+def test_sglang_refuses_top_k_one_unless_temperature_one() -> None:
+    """SGLang's greedy path (top_k = 1) reports log-probs of softmax(logits), not of
+    softmax(logits / T): at T != 1 they would not be the sampling distribution's."""
+    sglang = {"type": "sglang", "urls": ["http://a:1"]}
+    message = _error({"engine": sglang, "sampling": {"top_k": 1, "temperature": 0.7}})
+    assert "sampling.top_k: 1 with temperature=0.7 on the sglang engine" in message
+    assert "unscaled softmax(logits)" in message
+    RolloutConfig.model_validate({"engine": sglang, "sampling": {"top_k": 1}})  # T = 1
+    RolloutConfig.model_validate({"engine": sglang, "sampling": {"top_k": 2, "temperature": 0.7}})
+    # Our torch engine scales before it picks the top token: no such restriction.
+    RolloutConfig.model_validate({"sampling": {"top_k": 1, "temperature": 0.7}})
+
+
 def test_check_engine_available(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 

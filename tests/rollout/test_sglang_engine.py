@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -11,7 +12,12 @@ from transformers import AutoModelForCausalLM
 from rollout.config import SamplingConfig, SGLangEngineConfig
 from rollout.engines.sglang_engine import SGLangEngine, SGLangError
 from rollout.engines.sglang_server import launch_command
-from tests.rollout.fake_sglang import EOS, fake_generation, serve_fake_sglang
+from tests.rollout.fake_sglang import (
+    EOS,
+    INITIAL_WEIGHT_VERSION,
+    fake_generation,
+    serve_fake_sglang,
+)
 
 PROMPTS = [[1, 70, 84], [1, 86, 73, 90], [1, 69], [1, 5, 6, 7], [1, 9]]
 
@@ -55,21 +61,54 @@ def test_per_request_seeds_when_enabled(tiny_model_path: str) -> None:
     assert [p["sampling_seed"] for p in body["sampling_params"]] == [100, 101, 102]
 
 
+def test_fake_refuses_unknown_sampling_params_like_sglang() -> None:
+    with serve_fake_sglang() as (url, _):
+        body = {"input_ids": [[1, 2]], "return_logprob": True}
+        bad = httpx.post(f"{url}/generate", json={
+            **body, "sampling_params": {"max_new_tokens": 2, "temprature": 0.5}})
+        assert bad.status_code == 400 and "temprature" in bad.text
+        bad_one_of_list = httpx.post(f"{url}/generate", json={
+            **body, "input_ids": [[1], [2]],
+            "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 2, "seed": 1}]})
+        assert bad_one_of_list.status_code == 400 and "'seed'" in bad_one_of_list.text
+        good = httpx.post(f"{url}/generate", json={
+            **body, "sampling_params": {"max_new_tokens": 2, "sampling_seed": 3}})
+        assert good.status_code == 200
+
+
 def test_weight_updates_go_through_disk(tiny_model_path: str) -> None:
     with serve_fake_sglang() as (url, fake):
         engine = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
+        assert engine.served_weight_version() == INITIAL_WEIGHT_VERSION
         engine.update_weights_from_disk(tiny_model_path)
         state = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
         engine.update_weights(state)  # tied lm_head/embeddings: saved once
-        routes = [route for route, _ in fake.requests]
-        assert routes.count("/update_weights_from_disk") == 2 and routes.count("/flush_cache") == 2
+        updates = [body for route, body in fake.requests if route == "/update_weights_from_disk"]
+        # The update flushes the cache itself; a separate /flush_cache would answer 400
+        # while anything is queued.
+        assert "/flush_cache" not in [route for route, _ in fake.requests]
+        assert [u["weight_version"] for u in updates] == ["1", "2"]
+        assert fake.weight_version == "2" and engine.weight_version == 2
         assert "model.safetensors" in fake.loaded_files[1]
         assert "config.json" in fake.loaded_files[1] and "tokenizer.json" in fake.loaded_files[1]
-        assert engine.weight_version == 2
         fake.fail_updates = True
         with pytest.raises(SGLangError, match=r"update_weights_from_disk: HTTP 400: .*bad shape"):
             engine.update_weights_from_disk(tiny_model_path)
+        assert engine.weight_version == 2
         engine.shutdown()
+
+
+def test_weight_update_fails_when_the_server_reports_another_version(
+    tiny_model_path: str,
+) -> None:
+    with serve_fake_sglang() as (url, fake):
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
+        fake.drop_weight_version = True
+        with pytest.raises(
+            SGLangError, match=r"loaded weight version 1 .* reports weight version 'default'"
+        ):
+            engine.update_weights_from_disk(tiny_model_path)
+        assert engine.weight_version == 0  # not counted: the server did not confirm it
 
 
 def test_launch_command() -> None:
@@ -92,6 +131,15 @@ def test_launch_command() -> None:
         "--dtype",
         "bfloat16",
     ]
+    assert "--enable-deterministic-inference" not in command
+
+
+def test_launch_command_seeded_sampling_is_deterministic_inference() -> None:
+    """SGLang ignores sampling_seed unless the server runs with this flag."""
+    command = launch_command(SGLangEngineConfig(sampling_seed=True), "/models/m", port=1)
+    assert command.count("--enable-deterministic-inference") == 1
+    given = SGLangEngineConfig(sampling_seed=True, extra_args=["--enable-deterministic-inference"])
+    assert launch_command(given, "/models/m", port=1).count("--enable-deterministic-inference") == 1
 
 
 @pytest.mark.gpu
@@ -105,7 +153,10 @@ def test_real_sglang_server_log_probs(tiny_model_path: str) -> None:
         "--dtype",
         "float32",
         "--skip-tokenizer-init",
-        "--disable-cuda-graph",
+        "--cuda-graph-backend-decode",
+        "disabled",
+        "--cuda-graph-backend-prefill",
+        "disabled",
         "--attention-backend",
         "torch_native",
     ]

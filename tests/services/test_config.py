@@ -238,3 +238,14 @@ def test_yaml_dotted_keys_and_error_fields_have_one_home() -> None:
     assert err.value.problems == [ConfigProblem("rollout.model.name", "'model' is not a section")]
     assert error_field(("trainer", "function-after[_rule()]", "optimizer", 0)) == \
         "trainer.optimizer.0"
+
+
+def test_sglang_top_k_one_at_a_temperature_is_refused_at_submit_naming_the_field() -> None:
+    """SGLang's greedy path reports log-probs of the unscaled softmax: refused before any
+    actor starts, the problem on ``rollout.sampling.top_k``."""
+    overrides = ["rollout.engine.type=sglang", "rollout.sampling.top_k=1",
+                 "rollout.sampling.temperature=0.7"]
+    with pytest.raises(ConfigError) as caught:
+        parse_job_config((ROOT / "configs" / "demo.yaml").read_text(), overrides)
+    fields = [problem.field for problem in caught.value.problems]
+    assert fields == ["rollout.sampling.top_k"], caught.value.problems

@@ -13,6 +13,10 @@ divides that sum by the world size; the trainer scales its local loss by
 
 from __future__ import annotations
 
+import functools
+import logging
+from typing import NamedTuple
+
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -24,7 +28,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.config import TrainerConfig
+from trainer.rank import compute_dtype as configured_dtype
 from trainer.rank import master_dtype
+
+log = logging.getLogger("tally.trainer")
 
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -38,15 +45,62 @@ def load_model(model_path: str, compute_dtype: torch.dtype, device: torch.device
     return model.to(device)
 
 
-def use_varlen_flash_attention(model: PreTrainedModel, config: TrainerConfig) -> bool:
-    """On GPU without CP, packed rows go through flash-attention's varlen kernel, which
-    transformers drives from position ids that restart at 0 per sample; True when it was
-    switched on. Elsewhere (CPU, CP, no flash_attn) the SDPA block-diagonal mask is used."""
-    if not (config.packing and config.cp_size == 1 and torch.cuda.is_available()):
+class AttentionChoice(NamedTuple):
+    """The attention kernel of packed rows and why (what the rank logs)."""
+
+    implementation: str
+    """``flash_attention_2`` (varlen, samples found from position ids) or ``sdpa`` (the
+    block-diagonal mask of ``trainer/cp_attention.py``)."""
+    reason: str
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""The only dtypes flash-attention 2 computes in (fp32 and the verifier's fp64 raise)."""
+
+
+def attention_choice(flash_attn_2_available: bool, dtype: torch.dtype, device_type: str
+                     ) -> AttentionChoice:
+    """Varlen flash attention for packed rows only on CUDA, in fp16/bf16, with
+    flash-attention 2 installed as transformers sees it; SDPA's mask otherwise."""
+    if device_type != "cuda":
+        return AttentionChoice("sdpa", f"device is {device_type}, not cuda")
+    if dtype not in FLASH_DTYPES:
+        return AttentionChoice("sdpa", f"compute dtype {dtype} (flash-attention 2 takes "
+                                       f"fp16/bf16 only)")
+    if not flash_attn_2_available:
+        return AttentionChoice("sdpa", "transformers finds no flash-attention 2 (the "
+                                       "flash-attn package, >= 2.3.3)")
+    return AttentionChoice("flash_attention_2", f"cuda, {dtype}, flash-attention 2 installed")
+
+
+@functools.cache
+def _log_choice(choice: AttentionChoice) -> None:
+    """Once per process and choice (the policy and the reference model ask alike)."""
+    log.info("trainer.attention implementation=%s reason=%r", *choice,
+             extra={"attention_implementation": choice.implementation,
+                    "attention_reason": choice.reason})
+
+
+def use_varlen_flash_attention(model: PreTrainedModel, config: TrainerConfig,
+                               dtype: torch.dtype | None = None) -> bool:
+    """Packed rows without CP go through flash-attention's varlen kernel, which
+    transformers drives from position ids that restart at 0 per sample, where
+    :func:`attention_choice` allows it; True when it was switched on. Elsewhere (CPU, CP,
+    fp32/fp64, no flash-attention 2) the SDPA block-diagonal mask is used.
+
+    ``dtype``: the compute dtype (None: ``trainer.dtype`` on the model's device). The
+    package is judged by transformers' own check, never by ``import flash_attn``:
+    flash-attn-4 alone also provides that module, and transformers would then try to
+    fetch a kernel from the Hub (impossible under HF_HUB_OFFLINE=1)."""
+    if not (config.packing and config.cp_size == 1):
         return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
+    from transformers.utils import is_flash_attn_2_available
+
+    device = next(model.parameters()).device
+    choice = attention_choice(is_flash_attn_2_available(),
+                              dtype or configured_dtype(config, device), device.type)
+    _log_choice(choice)
+    if choice.implementation != "flash_attention_2":
         return False
     model.set_attn_implementation("flash_attention_2")
     return True

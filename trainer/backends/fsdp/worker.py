@@ -56,7 +56,8 @@ class FSDPWorker(TrainerWorker):
 
     def _build(self) -> torch.nn.Module:
         model = fsdp.load_model(self.model_path, self.compute_dtype, self.device)
-        self.varlen_flash = fsdp.use_varlen_flash_attention(model, self.config)
+        self.varlen_flash = fsdp.use_varlen_flash_attention(model, self.config,
+                                                           self.compute_dtype)
         if (self.config.cp_size > 1 or packs(self.config)) and not self.varlen_flash:
             from trainer.cp_attention import enable_context_parallel
 

@@ -15,8 +15,10 @@ grouped-query attention; Qwen2 adds a bias to q/k/v. Their Megatron spelling:
 
 The vocabulary is padded to a multiple of 128·TP (Megatron's make-vocab-size-divisible-by)
 so it splits evenly over TP ranks; the loss masks the padded logits. The model keeps its
-logits vocab-parallel (``parallel_output=True``). On GPU with TransformerEngine the TE
-layer spec is used (it carries context-parallel attention); on CPU the local spec.
+logits vocab-parallel (``parallel_output=True``). The TE layer spec (it carries
+context-parallel and THD attention) is used where the driver's attention decision says so
+(``backends.megatron.megatron_attention``: GPU, TransformerEngine, bf16); else the local
+spec.
 """
 
 from __future__ import annotations
@@ -100,19 +102,12 @@ def model_shape(hf_config: object, tp_size: int) -> ModelShape:
     )
 
 
-def use_transformer_engine(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def build_gpt_model(hf_config: object, shape: ModelShape, cp_size: int, dtype: torch.dtype,
-                    device: torch.device) -> torch.nn.Module:
-    """An uninitialised GPTModel for this rank (weights come from ``convert``).
+                    device: torch.device, *, transformer_engine: bool = False
+                    ) -> torch.nn.Module:
+    """An uninitialised GPTModel for this rank (weights come from ``convert``), with
+    TransformerEngine's layer spec when ``transformer_engine`` (the driver's decision,
+    ``MegatronAttention.transformer_engine``), else megatron-core's local spec.
 
     Call inside ``cpu_bridge`` after ``parallel_state.initialize_model_parallel``.
     """
@@ -120,11 +115,13 @@ def build_gpt_model(hf_config: object, shape: ModelShape, cp_size: int, dtype: t
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer import TransformerConfig
 
-    use_te = use_transformer_engine(device)
-    if cp_size > 1 and not use_te:
+    if transformer_engine and device.type != "cuda":
+        raise NotImplementedError(f"TransformerEngine's layer spec runs on CUDA, and this "
+                                  f"rank's device is {device}")
+    if cp_size > 1 and not transformer_engine:
         raise NotImplementedError(
             "cp_size: context parallelism in the Megatron backend needs TransformerEngine "
-            "attention on GPU; megatron-core's local attention (CPU) has no CP")
+            "attention on GPU; megatron-core's local attention has no CP")
     rotary_base, rope_scaling_factor = _rope(hf_config)
     config = TransformerConfig(
         num_layers=shape.num_layers,
@@ -158,7 +155,8 @@ def build_gpt_model(hf_config: object, shape: ModelShape, cp_size: int, dtype: t
         perform_initialization=False,  # every weight is loaded from the HF checkpoint
         cp_comm_type="p2p" if cp_size > 1 else None,
     )
-    layer_spec = (specs.get_gpt_layer_with_transformer_engine_spec() if use_te
+    layer_spec = (specs.get_gpt_layer_with_transformer_engine_spec()
+                  if transformer_engine
                   else specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
     model = GPTModel(
         config=config,

@@ -2,8 +2,9 @@
 
 Rank layout (Megatron's order tp-cp-dp): rank = (dp_rank · cp + cp_rank) · tp + tp_rank.
 TP ranks of one DP×CP rank see the same tokens; DP ranks take ``plan.micro_batches
-[dp_rank]`` and CP ranks the zigzag shard of each sequence (``slice_for_plan``: padded
-micro-batches on CPU, packed THD rows on GPU with TransformerEngine).
+[dp_rank]`` and CP ranks the zigzag shard of each sequence (``slice_for_plan``: packed
+THD rows where the driver's attention decision, ``MegatronAttention``, has them, else
+padded micro-batches; the rank takes that decision, it does not detect TransformerEngine).
 
 One step: micro-batches run through Megatron's ``get_forward_backward_func`` schedule (on
 CPU inside ``cpu_bridge``) in the compute dtype, the loss function in Megatron's contract
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.batch import RolloutBatch
+from trainer.backends.megatron import MegatronAttention, decide_attention
 from trainer.backends.megatron import checkpoint as megatron_checkpoint
 from trainer.backends.megatron.convert import HF_TIED_HEAD
 from trainer.backends.megatron.cpu_bridge import cpu_bridge, install_rng_tracker
@@ -32,13 +34,9 @@ from trainer.backends.megatron.main_params import (
     clip_gradients,
     grad_norm,
 )
-from trainer.backends.megatron.model import (
-    build_gpt_model,
-    model_shape,
-    use_transformer_engine,
-)
+from trainer.backends.megatron.model import build_gpt_model, model_shape
 from trainer.backends.megatron.weights import WeightMover
-from trainer.config import ObjectiveConfig
+from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.micro_batch import (
     MicroBatch,
     gather_log_probs,
@@ -55,6 +53,14 @@ from trainer.worker import TrainerWorker
 class MegatronWorker(TrainerWorker):
     """The Megatron-core backend's verbs (``TrainerWorker``); its rank layout (tp-cp-dp)
     comes from Megatron's ``parallel_state``."""
+
+    def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
+                 rank: int, total_steps: int, attention: MegatronAttention | None = None
+                 ) -> None:
+        """``attention``: the driver's decision (``decide_attention``, the one the step
+        plan packs by); None decides the same way here, for a caller that passes none."""
+        super().__init__(config, objective, model_path, rank, total_steps)
+        self.attention = attention if attention is not None else decide_attention(config)
 
     def setup(self, master_addr: str, master_port: int) -> None:
         from megatron.core import parallel_state as ps
@@ -89,7 +95,8 @@ class MegatronWorker(TrainerWorker):
     def _build(self) -> torch.nn.Module:
         with cpu_bridge(self.device):
             return build_gpt_model(self.hf_config, self.shape, self.config.cp_size,
-                                   self.compute_dtype, self.device)
+                                   self.compute_dtype, self.device,
+                                   transformer_engine=self.attention.transformer_engine)
 
     def _build_reference(self) -> torch.nn.Module:
         """The frozen reference policy: no grads, so no main params; it only computes."""
@@ -98,9 +105,9 @@ class MegatronWorker(TrainerWorker):
         return model.requires_grad_(False)
 
     def _slice(self, batch: RolloutBatch, plan: StepPlan, samples: list[int]) -> MicroBatch:
-        """A packed row where THD runs (GPU with TransformerEngine), else the same
-        samples padded: Megatron's local attention has no packed-sequence path."""
-        if plan.packed and use_transformer_engine(self.device):
+        """A packed row where THD runs (the plan packs and this rank has TE's layer
+        spec), else the same samples padded: the local spec has no packed-sequence path."""
+        if plan.packed and self.attention.transformer_engine:
             return slice_packed_row(batch, plan, samples, self.config.cp_size, self.cp_rank)
         return slice_micro_batch(batch, plan, samples, self.config.cp_size, self.cp_rank)
 
