@@ -12,6 +12,7 @@ import torch
 from rollout.pretrained import (
     ModelImportError,
     check_hf_folder,
+    gguf_parsed_once,
     import_model,
     smollm2_gguf_path,
 )
@@ -25,7 +26,8 @@ def test_imported_folder_gives_the_gguf_models_weights_and_logits(smollm2_path: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with gguf_parsed_once():  # transformers' own GGUF loading, the file parsed once
+        reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     config = json.loads((smollm2_path / "config.json").read_text())
@@ -57,3 +59,15 @@ def test_missing_or_unsupported_sources_are_named(tmp_path: Path) -> None:
     with pytest.raises(ModelImportError, match="no weights"):
         import_model(tmp_path / "llama", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_parsing_once_hands_out_one_reader_per_file_and_restores_gguf() -> None:
+    import gguf
+
+    real = gguf.GGUFReader
+    path = smollm2_gguf_path()
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # the same file: parsed once
+        assert isinstance(first, real)
+    assert gguf.GGUFReader is real
