@@ -1,7 +1,8 @@
 """The controller for real: a `tally serve` process, a local Ray head (loopback job server),
 a SQLite file, and tiny demo jobs. Submit (JSON and YAML), logs, cancel, a job submitted
 straight to Ray that registers itself, a controller restart in the middle of a job, and
-Ray's own answer for a job it never had. (The four-mode sweep on real Ray is
+Ray's own answer for a job it never had; the README's ``ray job submit`` command on a
+token-authenticated head. (The four-mode sweep on real Ray is
 test_controller_gang's; the embedded head's start and stop, test_controller_restart's.)"""
 
 from __future__ import annotations
@@ -200,30 +201,49 @@ def test_yaml_submit_then_cancel_stops_the_job_and_its_actors(
         time.sleep(0.5)
 
 
-def test_a_ray_job_submit_job_registers_and_is_tracked(controller: ControllerProcess,
-                                                      ray_head: LocalRayHead) -> None:
-    """A job submitted straight to Ray (``ray job submit`` style) registers itself and is
-    tracked like the others: its steps, its end, its Ray submission, its logs."""
+def test_the_readme_ray_job_submit_runs_the_demo_registers_and_is_tracked(
+        controller: ControllerProcess, ray_head: LocalRayHead, tmp_path: Path) -> None:
+    """The README's ``ray job submit --working-dir . -- python -m services.train
+    configs/demo.yaml``, Ray's own CLI against a real head under token authentication
+    (the token Ray set up for this machine), the working directory uploaded by Ray: the
+    job runs to its end, prints its progress, registers itself with the controller
+    (``TALLY_CONTROLLER_URL``) and is tracked like the others — its steps, its end, its
+    Ray submission, its logs."""
+    import json
+
     data_dir = Path(controller.env["TALLY_DATA_DIR"])
-    sets = " ".join(f"--set {o}" for o in [*DEMO_OVERRIDES, "name=outside"])
-    submission = ray_client(ray_head).submit_job(
-        entrypoint=f"{sys.executable} -m services.train {ROOT / 'configs' / 'demo.yaml'} "
-                   f"{sets} --output-dir {data_dir / 'jobs' / 'outside'}",
-        runtime_env={"env_vars": {"TALLY_CONTROLLER_URL": controller.url,
-                                  "TALLY_DATA_DIR": str(data_dir)}})
-    deadline = time.monotonic() + 300
-    while not (found := httpx.get(f"{controller.url}/api/jobs",
-                                  params={"name": "outside"}).json()["items"]):
-        assert time.monotonic() < deadline, "the ray job submit job never registered"
-        time.sleep(0.5)
-    outside = found[0]
+    assert os.environ.get("RAY_AUTH_MODE") == "token"  # the head asks for the token
+    runtime_env = {"env_vars": {"TALLY_CONTROLLER_URL": controller.url,
+                                "TALLY_DATA_DIR": str(data_dir)}}
+    command = [str(Path(sys.executable).parent / "ray"), "job", "submit",
+               "--address", ray_head.address, "--working-dir", str(ROOT),
+               "--runtime-env-json", json.dumps(runtime_env), "--",
+               "python", "-m", "services.train", "configs/demo.yaml",
+               *[arg for o in [*DEMO_OVERRIDES, "name=outside"] for arg in ("--set", o)],
+               "--output-dir", str(tmp_path / "outside")]
+    deadline = time.monotonic() + 300  # a guard, polled for the agent to take the job
+    while True:  # the dashboard answers before its job agent is ready: submit again
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                                env={k: v for k, v in os.environ.items()
+                                     if k != "RAY_ADDRESS"})
+        if "No available agent to submit job" not in result.stderr + result.stdout:
+            break
+        assert time.monotonic() < deadline, "the head's job agent never came up"
+        time.sleep(2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step 2/2" in result.stdout and "succeeded" in result.stdout.lower()
+    rows = (tmp_path / "outside" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [0, 1]
+    (outside,) = httpx.get(f"{controller.url}/api/jobs", params={"name": "outside"}
+                           ).json()["items"]
     assert outside["source"] == "registered"
     done = wait_job(controller.url, outside["id"], ("succeeded",), timeout_s=300)
     assert done["last_step"] == 1
-    while httpx.get(f"{controller.url}/api/jobs/{outside['id']}").json()[
-            "ray_submission_id"] != submission:
+    while not (submission := httpx.get(f"{controller.url}/api/jobs/{outside['id']}"
+                                       ).json()["ray_submission_id"]):
         assert time.monotonic() < deadline, "its Ray submission was never found"
         time.sleep(0.5)
+    assert f"'{submission}'" in result.stdout  # the CLI's own submission
     assert "step 2/2" in httpx.get(f"{controller.url}/api/jobs/{outside['id']}/logs").text
 
 
