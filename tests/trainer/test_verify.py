@@ -1,8 +1,8 @@
 """The layout verifier on real Ray actors and process groups: packed DP=2 and CP=2 give
 the gradients and terms of padded DP=1 for every update of a rollout, mode and term, and
 for a custom reducer's dense weights; its tolerance judges a term against its own scale;
-``tally verify-aggregation`` exits 1 on each subtle planted error (the README command and
-the ×2 planted error: tests/services/test_cli.py)."""
+``tally verify-aggregation`` exits 1 on a ×2 and on each subtle planted error (the README
+command passing: tests/services/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -166,17 +166,20 @@ def test_custom_reducer_is_exact_under_every_layout_and_a_planted_error_fails(
     assert all(1e-7 < r.grad_rel < 1e-2 for r in bad), bad  # small, and still caught
 
 
-SUBTLE_PLANTS = {"dp3cp1": "local_tokens", "dp1cp2": "shard_coefficient",
-                 "dp1cp1-packed": "entropy_coefficient"}
+PLANTS = {"dp2cp1": "pg,kl", "dp3cp1": "local_tokens", "dp1cp2": "shard_coefficient",
+          "dp1cp1-packed": "entropy_coefficient"}
 """Layout -> the planted error its ranks make (trainer/objective.py, PLANTED_ERROR_ENV)."""
 
 
 @pytest.mark.slow  # the demo's warm start and four layouts on Ray actors
-def test_verify_aggregation_exits_1_on_each_subtle_planted_error(
+def test_verify_aggregation_exits_1_on_each_planted_error(
         ray_cluster: None, shared_data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One run of the README's command (demo.yaml, a 16-sample rollout, one micro-batch per
     rank), each planted error in a layout of its own against padded DP=1; the command
     exits 1 on any failed row, and each layout's rows fail where its error is:
+
+    - ``pg,kl`` (rank 0 of DP=2 doubles its pg and KL weights): exactly the pg and KL rows
+      of every mode, each far off (relative gradient difference > 1 %).
 
     - ``local_tokens`` (each rank normalises by its own tokens, then the ranks are
       averaged): 16 samples cannot split evenly over 3 ranks, so the sample_mean KL and
@@ -188,25 +191,33 @@ def test_verify_aggregation_exits_1_on_each_subtle_planted_error(
     from services.cli import app
 
     monkeypatch.setenv("TALLY_TEST_PLANT", ";".join(f"{lay}:{err}"
-                                                    for lay, err in SUBTLE_PLANTS.items()))
+                                                    for lay, err in PLANTS.items()))
     result = CliRunner().invoke(app, [
         "verify-aggregation", str(ROOT / "configs" / "demo.yaml"),
-        "--layouts", ",".join(["dp1cp1-padded", *SUBTLE_PLANTS]),
+        "--layouts", ",".join(["dp1cp1-padded", *PLANTS]),
         "--set", "rollout.global_batch_size=16"])
     print(result.output)  # the figures, for -s
     assert result.exit_code == 1, result.output
+    header = next(line for line in result.output.splitlines() if line.startswith("layout"))
+    assert header.split() == ["layout", "mode", "update", "term", "|Δgrad|", "rel", "|ΔJ|",
+                              "rel", "result"]
     rows = [line.split() for line in result.output.splitlines() if line.startswith("dp")]
     assert {(r[0], r[1], r[3]) for r in rows} == {
-        (layout, mode, term) for layout in SUBTLE_PLANTS for mode in MODES
+        (layout, mode, term) for layout in PLANTS for mode in MODES
         for term in ("pg", "kl", "entropy")}
     failed = {(r[0], r[1], r[3]) for r in rows if r[-1] == "FAIL"}
+    assert {(m, t) for lay, m, t in failed if lay == "dp2cp1"} == {
+        (mode, term) for mode in MODES for term in ("pg", "kl")}
+    for r in rows:
+        if r[0] == "dp2cp1":  # ×2: large where planted, rounding elsewhere
+            assert (float(r[5]) > 0.01) == (r[-1] == "FAIL"), r
     for mode in MODES:
         assert {("dp3cp1", mode, "kl"), ("dp3cp1", mode, "entropy")} <= failed
         assert {("dp1cp2", mode, "kl"), ("dp1cp2", mode, "entropy")} <= failed
     assert {(m, t) for lay, m, t in failed if lay == "dp1cp1-packed"} == {
         (mode, "entropy") for mode in MODES}
     for r in rows:
-        if r[0] != "dp3cp1" and r[-1] == "FAIL":  # one coefficient off by 1e-3
+        if r[0] not in ("dp2cp1", "dp3cp1") and r[-1] == "FAIL":  # one coefficient, 1e-3
             assert 1e-7 < float(r[5]) < 1e-2, r
     assert f"{len(rows) - len(failed)}/{len(rows)} comparisons within tolerance" in (
         result.output)
