@@ -12,9 +12,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
 from rollout.tokenizer import build_char_tokenizer
 
 TINY_MODEL_NAME = "tiny"
@@ -32,6 +29,10 @@ TINY_ARCHITECTURE = {
 def create_tiny_checkpoint(path: str | Path, seed: int = 0) -> str:
     """Write the tiny model and its tokenizer to `path`; same seed, same weights."""
     path = Path(path)
+    # Imported here: resolving an already built model (every job start) needs none of it.
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer),

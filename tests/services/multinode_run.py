@@ -2,7 +2,7 @@
 (``ray.cluster_utils.Cluster``, loopback). First the head alone, two CPUs: gang placement
 (a job's bundles are reserved all at once or not at all; one that does not fit waits
 holding nothing and says what it misses). Then a second node: trainer ranks pinned to one
-node and rollout engines to the other, versus everything on one node. Prints a JSON
+node and rollout engines to the other, versus everything colocated on one node. Prints a JSON
 report."""
 
 from __future__ import annotations
@@ -85,12 +85,10 @@ def main(out_dir: str) -> None:
         nodes = {next(k for k in n["Resources"] if k.startswith("node_")): n["NodeID"]
                  for n in ray.nodes() if n["Alive"]}
         split = run(out / "split", "node_b", "node_a")
-        together = run(out / "together", "node_b", "node_b")
-        colocated = run(out / "colocated", "node_a", None)
-        a, b = load_file(split["weights"]), load_file(together["weights"])
+        colocated = run(out / "colocated", "node_a", None)  # all on one node, shared bundles
+        a, b = load_file(split["weights"]), load_file(colocated["weights"])
         max_diff = max(float((a[k] - b[k]).abs().max()) for k in a)
         print(json.dumps({"gang": gang, "nodes": nodes, "split": split["placement"],
-                          "together": together["placement"],
                           "colocated": colocated["placement"], "max_weight_diff": max_diff}))
     finally:
         ray.shutdown()
