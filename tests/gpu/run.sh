@@ -12,7 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ -x .venv/bin/python ]; then PYTHON="${PYTHON:-.venv/bin/python}"; else PYTHON="${PYTHON:-python3}"; fi
 WHEELS="${WHEELS:-.whl}"
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
+# The carried wheels, where the interpreter lacks what they hold (a dev venv has them all).
+if compgen -G "$WHEELS/*.whl" >/dev/null && ! "$PYTHON" -c "import pydantic, megatron.core" 2>/dev/null; then
     SITE="${TALLY_GPU_SITE:-/tmp/tally-gpu-site}"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" "$WHEELS"/*.whl
