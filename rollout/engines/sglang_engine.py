@@ -132,10 +132,7 @@ class SGLangEngine(Engine):
         timeout = httpx.Timeout(self.config.request_timeout_s)
         async with httpx.AsyncClient(base_url=self.url, timeout=timeout) as client:
             responses = await asyncio.gather(*(client.post(route, json=p) for p in payloads))
-        for response in responses:
-            if response.status_code != 200:
-                raise SGLangError(f"{route}: HTTP {response.status_code}: {response.text[:500]}")
-        return [response.json() for response in responses]
+        return [self._json(response, route) for response in responses]
 
     def _json(self, response: httpx.Response, route: str) -> Any:
         if response.status_code != 200:

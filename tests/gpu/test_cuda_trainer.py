@@ -134,7 +134,14 @@ def test_trainer_log_probs_match_the_cuda_engine_at_its_temperature(tiny_model: 
 
 def _packed_vs_padded(rank: int, port: int, model_path: str, batch: RolloutBatch,
                       dtype: str) -> dict[str, object]:
-    from trainer.verify import TermResult, compare, default_tolerance, mode_objectives, perturbed
+    from trainer.verify import (
+        TERMS,
+        TermResult,
+        compare,
+        default_tolerance,
+        mode_objectives,
+        perturbed,
+    )
 
     config = _cuda_config(dtype=dtype, packing=True, max_tokens_per_micro_batch=24,
                           loss=LossConfig(kl_coef=0.1, entropy_coef=0.01,
@@ -152,7 +159,7 @@ def _packed_vs_padded(rank: int, port: int, model_path: str, batch: RolloutBatch
     rows = []
     for (mode, term, _), (ref_sums, ref_grads), (sums, grads) in zip(
             checked, padded, packed, strict=True):
-        logged = {"pg": "pg_loss", "kl": "kl", "entropy": "entropy"}[term]
+        logged = TERMS[term]
         ref = TermResult(ref_sums[logged], ref_sums[f"magnitude/{logged}"], ref_grads)
         got = TermResult(sums[logged], sums[f"magnitude/{logged}"], grads)
         rows.append((mode, term, *compare(ref, got, rtol, atol)))
