@@ -68,7 +68,6 @@ from services.config import JobConfig, WarmupConfig
 from services.driver.run_dir import data_dir
 from services.quiet import QUIET_ENV, quiet_transformers
 from services.warmup import warm_start
-from trainer import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VERSION = "1.16.0"
@@ -283,7 +282,6 @@ def run_tally(job: JobConfig, run_dir: Path) -> Run:
     written = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     ends = [row["time"] for row in written]
     rows = [row["metrics"] for row in written]
-    latest = checkpoint.checkpoints(job_dir / "checkpoints")[0]
     phases = {name: statistics.median(m[f"perf/{name}_s"] for m in rows[1:] or rows)
               for name in ("rollout", "train", "sync")}
     phases["generation (hidden share)"] = statistics.median(
@@ -291,7 +289,7 @@ def run_tally(job: JobConfig, run_dir: Path) -> Run:
     rows = [m for m in rows if "perf/step_time_s" in m]  # a skipped step has no phases
     return Run(f"Tally DP={job.trainer.dp_size} async={job.rollout.async_steps}", walls(ends),
                [m["tokens/total"] for m in rows], [m["reward/mean"] for m in rows], wall,
-               latest / checkpoint.MODEL_DIR, phases=phases)
+               job_dir / "final_model", phases=phases)
 
 
 # -- the table -------------------------------------------------------------------------

@@ -150,6 +150,25 @@ def import_model_command(
     typer.echo(folder)
 
 
+@app.command("export")
+def export_command(
+    checkpoint: Annotated[Path, typer.Argument(
+        help="a checkpoint folder (<job>/checkpoints/step_N)")],
+    out_dir: Annotated[Path, typer.Argument(help="the Hugging Face folder to write")],
+    dtype: Annotated[str, typer.Option(
+        help="float32 (the trained fp32 weights), bfloat16 or float16")] = "float32",
+) -> None:
+    """Write a checkpoint's weights as a Hugging Face folder (safetensors, config,
+    tokenizer, generation config) that from_pretrained loads, a few tensors at a time."""
+    from trainer.export import ExportError, export_checkpoint
+
+    try:
+        typer.echo(export_checkpoint(checkpoint, out_dir, dtype))
+    except ExportError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def warmup(config: ConfigArg, set_: SetOpt = None) -> None:
     """Run (or find cached) the supervised warm start of a job config."""

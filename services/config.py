@@ -177,6 +177,40 @@ class JobConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _weight_transport_fits_engine(self) -> JobConfig:
+        transport, engine = self.trainer.weight_sync.transport, self.rollout.engine.type
+        serves = {"torch": ("auto", "object_store"),
+                  "sglang": ("auto", "disk", "nccl", "cuda_ipc")}[engine]
+        if transport not in serves:
+            raise ValueError(f"trainer.weight_sync.transport: {transport} cannot reach "
+                             f"{engine} engines; use one of {', '.join(serves)}")
+        if transport in ("nccl", "cuda_ipc") and not self.trainer.num_gpus_per_rank:
+            raise ValueError(f"trainer.weight_sync.transport: {transport} sends from GPU "
+                             "trainer ranks; set trainer.num_gpus_per_rank, or use disk")
+        if transport == "cuda_ipc" and not self.colocate:
+            raise ValueError("trainer.weight_sync.transport: cuda_ipc needs the engine on "
+                             "trainer rank 0's GPU; set colocate: true, or use nccl")
+        return self
+
+    def weight_transport(self) -> str:
+        """The transport ``auto`` resolves to for this job's engines and trainer."""
+        transport = self.trainer.weight_sync.transport
+        if transport != "auto":
+            return transport
+        if self.rollout.engine.type == "torch":
+            return "object_store"
+        return "nccl" if self.trainer.num_gpus_per_rank else "disk"
+
+    def engine_dtype(self) -> str:
+        """The dtype the engines hold their weights in (what a sync sends)."""
+        engine = self.rollout.engine
+        if engine.type == "torch":
+            return engine.dtype
+        flags = list(engine.extra_args)
+        given = flags[flags.index("--dtype") + 1] if "--dtype" in flags[:-1] else "bfloat16"
+        return {"half": "float16", "float": "float32", "auto": "bfloat16"}.get(given, given)
+
+    @model_validator(mode="after")
     def _ranks_match_layout(self) -> JobConfig:
         if self.num_ranks is not None and self.num_ranks != self.trainer.world_size:
             raise ValueError(

@@ -1,9 +1,24 @@
-"""Checkpoints: the model as a Hugging Face folder (safetensors, loadable with
-``from_pretrained``) and the trainer state (optimizer, scheduler, RNG) beside it.
+"""Checkpoints: sharded model and optimizer state, each rank writing and reading its own
+shards, and the trainer state (scheduler, RNG) beside them.
 
-This module is the one writer and reader of that format: the backends hand it their
-weights (as HF names), their full optimizer state and their scheduler; the driver's part
-(services/driver/checkpoint.py) goes in the same folder.
+    step_N/
+        shards/             torch.distributed.checkpoint (DCP): .metadata + one or more
+                            __<rank>_<k>.distcp per rank ({"model": …, "optimizer": …})
+        shards/manifest.json  every shard file's size and CRC-32 (what ``unreadable`` checks)
+        trainer_state.pt    scheduler and RNG (rank 0's, restored on every rank)
+        model_config/       config.json, generation config and tokenizer files: what
+                            ``tally export`` needs to write a Hugging Face folder
+        driver_state.json … the driver's part (services/driver/checkpoint.py)
+
+Nothing is gathered on one rank: at 7 B the full fp32 weights and AdamW state would be
+~84 GB. DCP reshards on load, so a job may resume at another DP (or CP) size. The Hugging
+Face folder is an export (trainer/export.py), not the checkpoint. Every rank writes into
+the same folder: on several nodes it must be on shared storage (as for any DCP user).
+
+The Megatron backend still writes its older format here (``model/`` as a Hugging Face
+folder of the gathered fp32 main params, ``trainer_state.pt`` with the full optimizer
+state under HF names; trainer/backends/megatron/checkpoint.py): TP- and DP-independent,
+but gathered on rank 0. Both formats are read by ``unreadable`` and the export.
 
 A checkpoint is written under ``<name>.tmp`` and renamed when complete (see
 ``commit_checkpoint``), so a crash never leaves a half-written checkpoint that a resume
@@ -18,6 +33,7 @@ import json
 import os
 import random
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +43,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 MODEL_DIR, TRAINER_STATE = "model", "trainer_state.pt"
+SHARDS_DIR, MANIFEST, MODEL_CONFIG_DIR = "shards", "manifest.json", "model_config"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 STEP_PREFIX, TMP_SUFFIX, OLD_SUFFIX = "step_", ".tmp", ".old"
@@ -41,11 +58,89 @@ def save_hf_model(path: str | Path, model_path: str, config: object,
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # from_pretrained re-ties it to the embeddings
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_model_config(out, model_path, config)
+
+
+def save_model_config(out: Path, model_path: str, config: object) -> None:
+    """config.json, and the tokenizer and generation files of the source folder."""
+    out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)  # type: ignore[attr-defined]
     for name in TOKENIZER_FILES:
         source = Path(model_path) / name
         if source.exists() and not (out / name).exists():
             shutil.copy(source, out / name)
+
+
+def _digest(path: Path) -> dict[str, int]:
+    crc = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return {"bytes": path.stat().st_size, "crc32": crc}
+
+
+def save_sharded(path: str | Path, state: dict[str, Any], trainer_state: dict,
+                 model_path: str, model_config: object) -> None:
+    """Collective: every rank writes its shards of ``state`` (DCP) and their digests;
+    rank 0 adds the manifest, the trainer state and the model config."""
+    from torch.distributed import checkpoint as dcp
+
+    shards = Path(path) / SHARDS_DIR
+    dcp.save(state, checkpoint_id=str(shards))
+    own = {f.name: _digest(f) for f in sorted(shards.glob(f"__{dist.get_rank()}_*.distcp"))}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, own)
+    if dist.get_rank() == 0:
+        files = {name: d for part in parts for name, d in part.items()}
+        files[".metadata"] = _digest(shards / ".metadata")
+        (shards / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+        torch.save(_to_safe(trainer_state), Path(path) / TRAINER_STATE)
+        save_model_config(Path(path) / MODEL_CONFIG_DIR, model_path, model_config)
+    dist.barrier()
+
+
+def _weights_only(planner: type) -> type:
+    """``planner`` loading the non-tensor entries (the optimizer's param groups) with
+    ``torch.load(weights_only=True)``: DCP's own planners unpickle them freely, and a
+    checkpoint is data, never code to run."""
+
+    class WeightsOnly(planner):  # type: ignore[misc, valid-type]
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                            loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return WeightsOnly
+
+
+def load_planner(empty: bool = False) -> Any:
+    """A DCP load planner that never unpickles (``empty``: it builds the whole nested
+    state dict from the checkpoint's metadata, on one process)."""
+    from torch.distributed.checkpoint import default_planner
+
+    return _weights_only(default_planner._EmptyStateDictLoadPlanner if empty
+                         else default_planner.DefaultLoadPlanner)()
+
+
+def load_sharded(path: str | Path, state: dict[str, Any]) -> dict:
+    """Collective: fill ``state`` (this rank's shards, as laid out now: DCP reshards) in
+    place; rank 0 returns the trainer state, the others {}."""
+    from torch.distributed import checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=str(Path(path) / SHARDS_DIR), planner=load_planner())
+    if dist.get_rank() != 0:
+        return {}
+    # weights_only: a checkpoint folder is data, never code to run (a pickle can run any)
+    return _from_safe(torch.load(Path(path) / TRAINER_STATE, weights_only=True))
+
+
+def is_sharded(path: str | Path) -> bool:
+    return (Path(path) / SHARDS_DIR).is_dir()
 
 
 NDARRAY = "__ndarray__"
@@ -78,12 +173,14 @@ def _from_safe(value: Any) -> Any:
     return value
 
 
-def trainer_state(optimizer_state: dict, scheduler: torch.optim.lr_scheduler.LRScheduler
-                  ) -> dict:
-    """What a checkpoint keeps besides the weights."""
-    return {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                    "python": random.getstate()}}
+def trainer_state(optimizer_state: dict | None,
+                  scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
+    """What a checkpoint keeps besides the weights (the optimizer state too, unless it is
+    in the shards: None)."""
+    state = {"scheduler": scheduler.state_dict(),
+             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                     "python": random.getstate()}}
+    return state if optimizer_state is None else {"optimizer": optimizer_state, **state}
 
 
 def restore_schedule_and_rng(state: dict, scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -104,7 +201,29 @@ def save_trainer_checkpoint(path: str, model_path: str, model: torch.nn.Module,
     torch.save(_to_safe(trainer_state), Path(path) / TRAINER_STATE)
 
 
+def read_sharded_whole(path: str | Path) -> dict[str, Any]:
+    """One process, no process group: the whole nested {"model", "optimizer"} state of a
+    sharded checkpoint in memory (what a backend that gathers, Megatron, resumes from)."""
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _load_state_dict(state, storage_reader=FileSystemReader(str(Path(path) / SHARDS_DIR)),
+                         planner=load_planner(empty=True), no_dist=True)
+    return state
+
+
 def load_trainer_checkpoint(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Rank 0 of a backend that gathers: the full HF-named weights and the trainer state
+    with the full optimizer state (torch's layout, HF names), from either format."""
+    if is_sharded(path):
+        whole = read_sharded_whole(path)
+        saved = _from_safe(torch.load(Path(path) / TRAINER_STATE, weights_only=True))
+        return whole["model"], {**saved, "optimizer": whole["optimizer"]}
     model_state = load_file(str(Path(path) / MODEL_DIR / "model.safetensors"))
     config = json.loads((Path(path) / MODEL_DIR / "config.json").read_text())
     if config.get("tie_word_embeddings") and "lm_head.weight" not in model_state:
@@ -182,19 +301,42 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def unreadable(path: str | Path) -> str | None:
-    """Why the trainer's part of a committed checkpoint cannot be loaded (a truncated or
-    corrupt file), or None; reads the headers only (mmap), so the ranks are never asked to
-    load a broken one. The driver's part is checked by services/driver/checkpoint.py."""
-    from safetensors import safe_open
-
+    """Why the trainer's part of a committed checkpoint cannot be loaded (a missing,
+    truncated or corrupt file), or None, so the ranks are never asked to load a broken
+    one: every shard against its size and CRC-32 in the manifest, every file DCP's
+    metadata names present, the trainer state (mmap). The driver's part is checked by
+    services/driver/checkpoint.py."""
     path = Path(path)
     try:
-        with safe_open(str(path / MODEL_DIR / "model.safetensors"), framework="pt") as weights:
-            list(weights.keys())
+        if is_sharded(path):
+            _check_shards(path / SHARDS_DIR)
+        else:  # the Megatron backend's format
+            from safetensors import safe_open
+
+            with safe_open(str(path / MODEL_DIR / "model.safetensors"),
+                           framework="pt") as weights:
+                list(weights.keys())
         torch.load(path / TRAINER_STATE, weights_only=True, mmap=True)
     except Exception as err:  # any failure to read is the answer
         return f"{type(err).__name__}: {str(err).strip()[:300]}"
     return None
+
+
+def _check_shards(shards: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    files = json.loads((shards / MANIFEST).read_text())["files"]
+    for name, want in sorted(files.items()):
+        if not (shards / name).is_file():
+            raise FileNotFoundError(f"{name}: missing")
+        if _digest(shards / name) != want:
+            raise ValueError(f"{name}: {(shards / name).stat().st_size} bytes that do not "
+                             f"match the manifest ({want['bytes']} bytes, CRC-32 "
+                             f"{want['crc32']:08x})")
+    metadata = FileSystemReader(str(shards)).read_metadata()
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    if missing := sorted(named - set(files)):
+        raise FileNotFoundError(f"{missing[0]}: named by the DCP metadata, not written")
 
 
 def checkpoint_step(path: str | Path) -> int:

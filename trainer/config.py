@@ -159,6 +159,22 @@ class OptimizerConfig(BaseModel):
     """Floor of the cosine schedule as a fraction of lr."""
 
 
+class WeightSyncConfig(BaseModel):
+    """How the trained weights reach the rollout engines after each rollout step."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    bucket_mb: float = Field(default=256.0, gt=0, le=65536)
+    """Size of one bucket in the engine's dtype: a rank gathers, casts and sends one bucket
+    at a time, so it never holds more than its shard plus one bucket."""
+    transport: Literal["auto", "object_store", "disk", "nccl", "cuda_ipc"] = "auto"
+    """object_store: Ray's object store (torch engines, any node); nccl: a broadcast from
+    trainer rank 0 to SGLang servers (update_weights_from_distributed); cuda_ipc: CUDA IPC
+    handles to an SGLang server on rank 0's GPU (update_weights_from_tensor); disk:
+    safetensors files an SGLang server reloads (the fallback). auto: object_store for
+    torch engines; for SGLang, nccl with GPU trainer ranks, else disk."""
+
+
 class TrainerConfig(BaseModel):
     """Trainer actors: backend, parallel layout, micro-batching, loss and optimizer."""
 
@@ -210,6 +226,8 @@ class TrainerConfig(BaseModel):
     reshuffles the order of whole groups."""
     seed: int = 0
     """Seed of the trainer's RNG (and of the order of groups within a rollout)."""
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    """Weight sync to the rollout engines (buckets, transport)."""
 
     @model_validator(mode="after")
     def _backend_layout(self) -> TrainerConfig:

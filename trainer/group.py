@@ -51,6 +51,14 @@ def worker_class(backend: str) -> type[TrainerWorker]:
     return load_object(WORKER_CLASSES[backend], "trainer.backend")
 
 
+MEMORY_PREFIXES = ("perf/peak_mem_gb/", "perf/peak_extra_mem_gb/")
+
+
+def most(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Each metric's largest value over the ranks (times, peak memory)."""
+    return {name: max(rank[name] for rank in per_rank) for name in per_rank[0]}
+
+
 def _remote(worker: ray.actor.ActorHandle, verb: Verb, *args: Any, num_returns: int = 1
             ) -> Any:
     """Start ``verb`` on one rank's actor; its ref, or a list of ``num_returns`` refs."""
@@ -149,7 +157,10 @@ class TrainerGroup:
         """
         plan = self.plan(batch, objective)
         ref = batch_ref if batch_ref is not None else ray.put(batch)
-        return self._call(TrainerWorker.train_step, ref, ray.put(plan))[0]
+        per_rank = self._call(TrainerWorker.train_step, ref, ray.put(plan))
+        memory = most([{k: v for k, v in rank.items() if k.startswith(MEMORY_PREFIXES)}
+                       for rank in per_rank])
+        return {**per_rank[0], **memory}  # the sums are global; memory is each rank's
 
     def log_probs(self, batch: RolloutBatch) -> Any:
         """log π_T [N, S] of every response token under the current policy (no update)."""
@@ -175,6 +186,18 @@ class TrainerGroup:
         self._wait(verb, list(receipts))
         return weights[0]
 
+    def async_export_weight_buckets(self, dtype: str, bucket_mb: float
+                                    ) -> tuple[ray.ObjectRef, dict[str, float]]:
+        """Put the weights in the object store a bucket at a time, cast to ``dtype``
+        (collective, bounded like every verb); return a ref to rank 0's list of bucket
+        refs (never fetched here) and the sync's time and peak memory, the most of any
+        rank."""
+        verb = TrainerWorker.export_weight_buckets
+        receipts, buckets = zip(*(_remote(worker, verb, dtype, bucket_mb, num_returns=2)
+                                  for worker in self.workers), strict=True)
+        self._wait(verb, list(receipts))
+        return buckets[0], most(ray.get(list(receipts)))
+
     def load_weights(self, state_dict: dict | ray.ObjectRef) -> None:
         """Replace the policy weights on every rank (rank 0's copy is broadcast)."""
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
@@ -182,8 +205,10 @@ class TrainerGroup:
         self._wait(verb, [_remote(worker, verb, ref if rank == 0 else None)
                           for rank, worker in enumerate(self.workers)])
 
-    def save_checkpoint(self, path: str) -> None:
-        self._call(TrainerWorker.save_checkpoint, path)
+    def save_checkpoint(self, path: str) -> dict[str, float]:
+        """Every rank writes its shards at ``path``; the time and peak memory, the most
+        of any rank."""
+        return most(self._call(TrainerWorker.checkpoint, path))
 
     def load_checkpoint(self, path: str) -> None:
         self._call(TrainerWorker.load_checkpoint, path)

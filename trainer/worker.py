@@ -4,9 +4,14 @@ does the same way around them.
     group (driver)                     every rank                    backend
     rendezvous_address ─► rank 0 ───── hosts the store
     setup(addr, port) ──► all ranks ── _join_process_group ────────► setup (model, optimizer)
-    train_step ─────────► all ranks ── forward_backward + optimizer_step (+ timing)
+    train_step ─────────► all ranks ── forward_backward + optimizer_step (+ timing, memory)
     gradients ──────────► all ranks ── _gradients for each objective
-    export_with_receipt ► all ranks ── export_weights / export_engine_weights
+    export_weight_buckets ► all ranks ─ weight_buckets, rank 0 puts each in the object store
+    checkpoint ─────────► all ranks ── save_checkpoint (+ memory)
+    export_with_receipt ► all ranks ── export_weights / export_engine_weights (tests, verify)
+
+Every verb that moves weights reports this rank's peak memory in its phase
+(``perf/peak_mem_gb/<phase>``, trainer/memory.py).
 
 Backends (``backends/fsdp``, ``backends/megatron``) subclass :class:`TrainerWorker` and
 implement its abstract verbs; each keeps its own rank layout (``dp_rank``, ``cp_rank``),
@@ -27,10 +32,12 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import ObjectiveConfig, TrainerConfig
+from trainer.memory import PeakMemory, phase_metrics
 from trainer.rank import init_rank, open_store
 
 if TYPE_CHECKING:
     from rollout.batch import RolloutBatch
+    from rollout.weight_bucket import TensorSpec
     from trainer.step_plan import StepPlan
 
 
@@ -79,11 +86,69 @@ class TrainerWorker(abc.ABC):
         """Collective: one optimizer step on this rank's micro-batches of ``plan``; the
         step's exact sums, its grad norm and lr, and this rank's compute time."""
         started = time.perf_counter()
-        sums = self.forward_backward(batch, plan)
-        sums.update(self.optimizer_step())
+        with PeakMemory(self.device) as peak:
+            sums = self.forward_backward(batch, plan)
+            sums.update(self.optimizer_step())
         sums["padding_fraction"] = plan.padding_fraction
         sums["perf/compute_s"] = time.perf_counter() - started  # rank-local fwd+bwd+step
-        return sums
+        return {**sums, **phase_metrics("train", peak)}
+
+    def checkpoint(self, path: str) -> dict[str, float]:
+        """Collective: ``save_checkpoint``; this rank's time and peak memory."""
+        started = time.perf_counter()
+        with PeakMemory(self.device) as peak:
+            self.save_checkpoint(path)
+        return {"perf/checkpoint_s": time.perf_counter() - started,
+                **phase_metrics("checkpoint", peak)}
+
+    def export_weight_buckets(self, dtype: str, bucket_mb: float
+                              ) -> tuple[dict[str, float], list[Any] | None]:
+        """Collective: (this rank's sync time and peak memory, rank 0's list of object refs
+        of its buckets) as two Ray returns. Rank 0 puts each bucket in the object store as
+        soon as it is packed and drops its own copy, so it never holds two."""
+        import ray
+
+        from rollout.weight_bucket import WeightBucket
+
+        started, refs = time.perf_counter(), []
+        with PeakMemory(self.device) as peak:
+            for specs, flat in zip(self.weight_bucket_specs(dtype, bucket_mb),
+                                   self.weight_buckets(dtype, bucket_mb), strict=True):
+                if flat is not None:
+                    refs.append(ray.put(WeightBucket(specs, flat.numpy())))
+                del flat
+        receipt = {"perf/export_s": time.perf_counter() - started,
+                   **phase_metrics("sync", peak)}
+        return receipt, refs if self.rank == 0 else None
+
+    def weight_bucket_specs(self, dtype: str, bucket_mb: float
+                            ) -> list[tuple[TensorSpec, ...]]:
+        """The buckets of one sync, in send order (the same on every rank)."""
+        from rollout.weight_bucket import plan_buckets
+
+        shapes = self._weight_shapes()
+        return plan_buckets(shapes, dtype, int(bucket_mb * 2**20))
+
+    def _weight_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        if not hasattr(self, "_gathered_shapes"):  # the backend gathers to learn them once
+            state = self.export_weights()
+            holder = [None if state is None else [(n, tuple(t.shape))
+                                                  for n, t in state.items()]]
+            dist.broadcast_object_list(holder, src=0)
+            self._gathered_shapes = holder[0]
+        return self._gathered_shapes
+
+    def weight_buckets(self, dtype: str, bucket_mb: float, device: str = "cpu"
+                       ) -> Iterator[torch.Tensor | None]:
+        """Collective: the flat buckets of ``weight_bucket_specs`` in order, on rank 0
+        (None elsewhere). This default gathers the whole model on rank 0 first
+        (``export_weights``: the Megatron backend); FSDP streams a bucket at a time."""
+        from rollout.weight_bucket import pack_flat
+
+        specs = self.weight_bucket_specs(dtype, bucket_mb)
+        state = self.export_weights()
+        for bucket in specs:
+            yield None if state is None else pack_flat(bucket, state.__getitem__, device)
 
     def gradients(self, batch: RolloutBatch, plans: list[StepPlan],
                   objectives: list[ObjectiveConfig]) -> list[tuple[dict[str, float], Any]]:

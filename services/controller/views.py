@@ -22,6 +22,7 @@ CHART_METRICS = (
     *(f"length_bias/{mode}/{bucket}" for bucket in ("long", "short")
       for mode in AGGREGATION_MODES),
     "eval/accuracy", "eval/pass@k", "eval/k",
+    *(f"perf/peak_mem_gb/{phase}" for phase in ("train", "sync", "checkpoint")),
 )
 """What the dashboard charts (the defaults of a sweep's metrics)."""
 

@@ -178,6 +178,15 @@ def restore(job: RunningJob, log: Callable[[str], None]) -> int:
     return state.step + 1
 
 
+def export_final_weights(run_dir: RunDir, log: Callable[[str], None]) -> None:
+    """The last checkpoint (the last step always has one) as a Hugging Face folder."""
+    from trainer.export import export_checkpoint
+
+    latest = trainer_checkpoint.latest_checkpoint(run_dir.checkpoints_dir)
+    if latest is not None:
+        log(f"final weights: {export_checkpoint(latest, run_dir.final_model_dir)}")
+
+
 def run_job(config: JobConfig, output_dir: Path | None = None,
             extra_sinks: list[MetricsSink] | None = None, log: Callable[[str], None] = print,
             after_step: Callable[[int, RunningJob], None] | None = None
@@ -237,6 +246,7 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
                     save_checkpoint(job, step)
                 if after_step is not None:
                     after_step(step, job)
+            export_final_weights(run_dir, log)
             return list(history.values())
         except (TrainerRankDied, ray.exceptions.RayActorError, TimeoutError) as err:
             reason = str(err).splitlines()[0]

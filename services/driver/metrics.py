@@ -27,6 +27,7 @@ def optimizer_steps_summary(per_update: list[dict[str, float]]) -> dict[str, flo
         return out
     names = [k for k in taken[0] if k not in ("valid_tokens", "skipped")]
     out |= {k: sum(u[k] for u in taken) / len(taken) for k in names}
+    out |= {k: max(u[k] for u in taken) for k in names if k.startswith("perf/peak_")}
     for name in SPREAD_METRICS:
         out[f"{name}/min"] = min(u[name] for u in taken)
         out[f"{name}/max"] = max(u[name] for u in taken)

@@ -10,6 +10,8 @@
     <job>/tensorboard/        TensorBoard event files
     <job>/wandb/              W&B run files (offline runs sync from here)
     <job>/checkpoints/step_N  trainer state + driver state (services/driver/checkpoint.py)
+    <job>/final_model/        the last checkpoint's weights as a Hugging Face folder
+                              (trainer/export.py), written when the job ends
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ LOG_FILE = "driver.log"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 CHECKPOINTS_DIR = "checkpoints"
+FINAL_MODEL_DIR = "final_model"
 
 
 def data_dir() -> Path:
@@ -90,6 +93,10 @@ class RunDir:
     @property
     def checkpoints_dir(self) -> Path:
         return self.path / CHECKPOINTS_DIR
+
+    @property
+    def final_model_dir(self) -> Path:
+        return self.path / FINAL_MODEL_DIR
 
     def create(self) -> RunDir:
         self.path.mkdir(parents=True, exist_ok=True)

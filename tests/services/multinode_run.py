@@ -69,8 +69,7 @@ def run(out: Path, trainer_node: str, engine_node: str | None) -> dict:
     placement = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
                  if json.loads(line)["kind"] == "placement"]
     return {"placement": placement[-1]["message"],
-            "weights": str(out / "checkpoints" / "step_00000000" / "model" /
-                           "model.safetensors")}
+            "weights": str(out / "final_model" / "model.safetensors")}
 
 
 def main(out_dir: str) -> None:

@@ -2,8 +2,9 @@
 
 A job with metrics shows its charts with data points (the chosen mode highlighted; the
 length-bias charts one series per mode; evaluation, logged every few steps, drawn across
-the steps between), a job without some metrics says "no data" for those charts, and the
-sweep page overlays one series per aggregation mode. Screenshots land in tmp_path.
+the steps between; peak memory per phase, a checkpoint's only every few steps), a job
+without some metrics says "no data" for those charts, and the sweep page overlays one
+series per aggregation mode. Screenshots land in tmp_path.
 """
 
 from __future__ import annotations
@@ -28,11 +29,22 @@ CHROMIUM = Path(os.environ.get("TALLY_CHROMIUM", "/usr/bin/chromium"))
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 MODES = ["sample_mean", "token_mean", "prompt_mean", "constant"]
+PHASES = ["train", "sync", "checkpoint"]
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(),
     reason=f"{CHROMIUM} missing: run deploy/ci/install-system-deps.sh (Debian's chromium)")
+
+
+def with_peak_memory(rows: list[dict], checkpoint_every: int = 10) -> list[dict]:
+    """``rows`` plus a rank's peak memory in train and sync every step, and in checkpoint
+    on every ``checkpoint_every``-th step only (trainer/memory.py: phase_metrics)."""
+    for row in rows:
+        phases = PHASES if row["step"] % checkpoint_every == 0 else PHASES[:2]
+        row["metrics"] |= {f"perf/peak_mem_gb/{phase}": 1.5 + 0.5 * i
+                           for i, phase in enumerate(phases)}
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +59,8 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory):
                                            "overrides": [*DEMO_OVERRIDES, "num_steps=40",
                                                          "aggregation.mode=token_mean"]}).json()
         http.post(f"/api/jobs/{job['id']}/metrics",
-                  json={"rows": with_length_bias_and_eval(step_rows(40), eval_every=5)})
+                  json={"rows": with_peak_memory(with_length_bias_and_eval(step_rows(40),
+                                                                          eval_every=5))})
         sweep = http.post("/api/sweeps", json={"config_yaml": config, "modes": MODES,
                                                "overrides": [*DEMO_OVERRIDES, "num_steps=4"]}
                           ).json()
@@ -77,7 +90,7 @@ def page(dashboard):
 
 JOB_CHARTS = ("pg_loss_modes", "length_bias_long", "length_bias_short", "reward", "eval", "kl",
               "entropy", "clip_fraction", "grad_norm", "response_length", "tokens_per_s",
-              "padding_fraction")
+              "padding_fraction", "peak_mem")
 """The job page's charts, in page order (charts.js: JOB_CHARTS)."""
 
 # Columns of a chart's canvas holding blue (the first series' colour, #4269d0), counted
@@ -123,6 +136,11 @@ def test_job_page_draws_every_chart_with_points(dashboard, page) -> None:
         == (16, "2")
     assert "k = 4" in tab.locator('[data-chart="eval"] h3').inner_text()
     assert "pass@k" in tab.locator('[data-chart="eval"] .u-legend').inner_text()
+    # Peak memory: train and sync on 40 steps, checkpoint on steps 0, 10, 20, 30.
+    assert (points_of(tab, "peak_mem"), tab.get_attribute('[data-chart="peak_mem"]',
+                                                          "data-series")) == (84, "3")
+    assert all(p in tab.locator('[data-chart="peak_mem"] .u-legend').inner_text()
+               for p in PHASES)
     covered, width = tab.evaluate(BLUE_COLUMNS, '[data-chart="eval"]')
     assert covered > width / 2, (covered, width)
     legend = tab.locator('[data-chart="pg_loss_modes"] .u-legend').inner_text()
@@ -137,7 +155,7 @@ def test_charts_without_points_say_no_data(dashboard, page) -> None:
     run = httpx.get(f"{url}/api/sweeps/{sweep_id}").json()["jobs"][1]["id"]  # no eval
     tab.goto(f"{url}/jobs/{run}")
     tab.wait_for_selector('[data-chart="pg_loss_modes"][data-points="8"]', timeout=15_000)
-    for chart in ("eval", "length_bias_long", "length_bias_short"):
+    for chart in ("eval", "length_bias_long", "length_bias_short", "peak_mem"):
         assert points_of(tab, chart) == 0, chart
         assert tab.locator(f'[data-chart="{chart}"] .no-data').is_visible(), chart
     assert tab.locator('[data-chart="eval"] .no-data').inner_text() == "no evaluation logged"

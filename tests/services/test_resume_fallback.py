@@ -1,4 +1,4 @@
-"""A resume whose newest checkpoint is unreadable falls back to the one before it, on real
+"""A resume whose newest checkpoint is unreadable (a corrupted shard) falls back to the one before it, on real
 Ray, says so in the job's events, and the job ends as the clean run
 (tests/services/driver/clean_run.py)."""
 
@@ -18,7 +18,7 @@ from tests.services.driver.clean_run import (
     rows,
     stop_after,
 )
-from trainer.checkpoint import TRAINER_STATE
+from trainer.checkpoint import SHARDS_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,15 @@ def test_newest_checkpoint_unreadable_resumes_exactly_from_the_previous(
     job = tmp_path / "job"
     with pytest.raises(Interrupted):
         run_job(clean_config(), job, log=lambda *_: None, after_step=stop_after(2))
-    newest = job / "checkpoints" / "step_00000002" / TRAINER_STATE
-    newest.write_bytes(newest.read_bytes()[:100])  # a disk that filled up mid-write
+    shard = job / "checkpoints" / "step_00000002" / SHARDS_DIR / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x01  # rank 1's shard, one bit flipped on the disk
+    shard.write_bytes(bytes(data))
     resumed = run_job(clean_config(), job, log=lambda *_: None)
     assert len(resumed) == 2  # steps 2 and 3 again, from step_00000001
     events = [json.loads(line) for line in (job / "events.jsonl").read_text().splitlines()]
     skipped = [e["message"] for e in events if e["kind"] == "checkpoint_unreadable"]
-    assert len(skipped) == 1 and skipped[0].startswith("step_00000002: ")
+    assert len(skipped) == 1 and skipped[0].startswith("step_00000002: ValueError: "
+                                                       "__1_0.distcp: "), skipped
     assert [r["step"] for r in rows(job / "metrics.jsonl")] == [0, 1, 2, 3]
     assert_same_training(job, clean_run)

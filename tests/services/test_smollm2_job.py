@@ -58,14 +58,13 @@ def test_one_rl_step_and_its_evaluations_on_smollm2(ray_cluster: None, smollm2_p
     assert first["eval/weight_version"] == 1.0
     assert [r["step"] for r in read_metrics(job / "eval.jsonl")] == [1]
 
-    # The checkpoint holds one AdamW step at the logged learning rate from the start: every
-    # weight moves by at most lr (|m̂ / √v̂| ≤ 1 on a first step, no weight decay), the
-    # largest by about lr (float32 rounding of the weight aside).
+    # The final weights (the export of its checkpoint) hold one AdamW step at the logged
+    # learning rate from the start: every weight moves by at most lr (|m̂ / √v̂| ≤ 1 on a
+    # first step, no weight decay), the largest by about lr (float32 rounding aside).
     (update,) = read_metrics(job / "updates.jsonl")
     lr = update["metrics"]["lr"]
     start = load_file(str(smollm2_path / "model.safetensors"))
-    trained = load_file(str(job / "checkpoints" / "step_00000000" / "model" /
-                            "model.safetensors"))
+    trained = load_file(str(job / "final_model" / "model.safetensors"))
     assert trained.keys() <= start.keys()
     rounding = torch.finfo(torch.float32).eps
     for name, weights in trained.items():
@@ -78,7 +77,7 @@ def test_one_rl_step_and_its_evaluations_on_smollm2(ray_cluster: None, smollm2_p
     # the logged metrics.
     manager = RolloutManager(config.rollout, str(smollm2_path))  # num_threads as the job's
     try:
-        manager.update_weights_from_disk(str(job / "checkpoints" / "step_00000000" / "model"))
+        manager.update_weights_from_disk(str(job / "final_model"))
         manager.load_state_dict(held["state"])
         rollout = manager.generate_batch(1)
         assert torch.equal(rollout.input_ids, held["rollout"].input_ids)

@@ -20,6 +20,7 @@ from tests.services.driver.clean_run import (
     rows,
     stop_after,
 )
+from trainer.checkpoint import unreadable
 
 ROOT = Path(__file__).resolve().parents[2]
 # demo.yaml's warm-up (the one every test shares, tests/conftest.py's data folder caches
@@ -43,7 +44,8 @@ def test_short_run_improves_reward(ray_cluster: None, tmp_path: Path) -> None:
         assert f"pg_loss/{mode}" in logged[-1]["metrics"]
         assert sum(logged[-1]["metrics"][f"length_bias/{mode}/{bucket}"]
                    for bucket in ("short", "middle", "long")) == pytest.approx(1.0)
-    assert (tmp_path / "job" / "checkpoints" / "step_00000039" / "model" / "config.json").exists()
+    assert unreadable(tmp_path / "job" / "checkpoints" / "step_00000039") is None
+    assert (tmp_path / "job" / "final_model" / "config.json").exists()
 
 
 # Exact resume of an in-job restart: tests/services/test_recovery.py; of a newest

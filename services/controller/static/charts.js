@@ -5,12 +5,13 @@ const MODES = ["sample_mean", "token_mean", "prompt_mean", "constant"];
 const PALETTE = ["#4269d0", "#efb118", "#ff725c", "#6cc5b0", "#3ca951", "#ff8ab7",
   "#a463f2", "#97bbf5", "#9c6b4e", "#9498a0"];
 const MODE_COLOR = Object.fromEntries(MODES.map((m, i) => [m, PALETTE[i]]));
+const PHASES = ["train", "sync", "checkpoint"]; // of a rank's perf/peak_mem_gb/<phase>
 const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000, 10000,
   20000, 50000, 100000, 200000, 500000, 1000000];
 
-// Metrics logged only on some steps (evaluation): drawn with their points, lines across
-// the steps between them.
-const SPARSE_METRICS = new Set(["eval/accuracy", "eval/pass@k"]);
+// Metrics logged only on some steps (evaluation, a checkpoint's memory): drawn with their
+// points, lines across the steps between them.
+const SPARSE_METRICS = new Set(["eval/accuracy", "eval/pass@k", "perf/peak_mem_gb/checkpoint"]);
 
 // Metrics that are fractions: a chart of only these keeps its y-axis inside [0, 1].
 const FRACTION_METRICS = new Set(["clip_fraction", "clip_fraction/min", "clip_fraction/max",
@@ -61,6 +62,10 @@ const JOB_CHARTS = [
     series: [{ name: "perf/tokens_per_s", label: "tokens/s" }] },
   { id: "padding_fraction", title: "padding fraction",
     series: [{ name: "padding_fraction", label: "padding" }] },
+  // trainer/memory.py; a checkpoint is written only every checkpoint_every steps
+  { id: "peak_mem", title: "peak memory (GB) per phase", empty: "no memory logged",
+    hint: "each rank's peak: resident anonymous memory on CPU, max_memory_allocated on GPU",
+    series: PHASES.map((p) => ({ name: `perf/peak_mem_gb/${p}`, label: p })) },
 ];
 const JOB_METRICS = [...new Set(JOB_CHARTS.flatMap((c) => [...c.series.map((s) => s.name),
   ...(c.note ? [c.note.name] : [])]))];

@@ -50,8 +50,7 @@ class CleanRun:
 
 
 def final_weights(job: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(job / "checkpoints" / "step_00000003" / "model" /
-                         "model.safetensors"))
+    return load_file(str(job / "final_model" / "model.safetensors"))
 
 
 def rows(path: Path) -> list[dict]:

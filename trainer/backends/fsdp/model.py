@@ -1,4 +1,4 @@
-"""torch FSDP2 backend: load a Hugging Face causal LM, shard it, move whole state dicts.
+"""torch FSDP2 backend: load a Hugging Face causal LM, shard it, move its state.
 
 Precision: parameters (and so AdamW's state) are fp32 master weights; FSDP2's
 ``MixedPrecisionPolicy`` casts them to the compute dtype for each forward/backward and
@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -33,7 +34,6 @@ from trainer.rank import master_dtype
 
 log = logging.getLogger("tally.trainer")
 
-FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
@@ -160,13 +160,38 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Ten
     set_model_state_dict(model, state_dict, options=FROM_RANK0)
 
 
-def export_optimizer_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict:
-    return get_optimizer_state_dict(model, optimizer, options=FULL_ON_RANK0)
-
-
-def load_optimizer_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
-) -> None:
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict) -> None:
+    """Collective: rank 0 passes a full (HF-named) optimizer state, the others {}."""
     set_optimizer_state_dict(model, optimizer, state, options=FROM_RANK0)
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                  ) -> dict[str, dict]:
+    """This rank's shards (DTensors) of the weights and the AdamW state, as DCP saves and
+    loads them: nothing is gathered. (An optimizer without state yet gets it first, so a
+    fresh rank has every tensor a checkpoint holds to load into.)"""
+    return {"model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def set_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      state: dict[str, dict]) -> None:
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def weight_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """The HF names and full shapes of what an engine loads, in a fixed order: each
+    parameter once (a tied head is its embedding's alias), then persistent buffers."""
+    saved = set(model.state_dict())
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    shapes += [(name, tuple(b.shape)) for name, b in model.named_buffers() if name in saved]
+    return shapes
+
+
+def full_tensor(owned: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Collective: one weight unsharded, in its master dtype (one all-gather of a
+    DTensor; every rank gets it). ``owned``: the model's parameters and buffers by name."""
+    tensor = owned[name].detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

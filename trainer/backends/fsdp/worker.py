@@ -8,14 +8,24 @@ of π_T; ``trainer/objective.py`` turns them into the loss and the logged sums.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from rollout.batch import RolloutBatch
+from rollout.weight_bucket import TensorSpec, pack_flat, plan_buckets
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
-from trainer.checkpoint import restore_schedule_and_rng, trainer_state
+from trainer.checkpoint import (
+    is_sharded,
+    load_sharded,
+    load_trainer_checkpoint,
+    restore_schedule_and_rng,
+    save_sharded,
+    trainer_state,
+)
 from trainer.config import ObjectiveConfig
 from trainer.losses import log_probs_and_entropy, loss_positions, spread, token_log_probs
 from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
@@ -159,26 +169,45 @@ class FSDPWorker(TrainerWorker):
         state = fsdp.export_full_state_dict(self.model)
         return state if self.rank == 0 else None
 
+    def weight_buckets(self, dtype: str, bucket_mb: float, device: str = "cpu"
+                       ) -> Iterator[torch.Tensor | None]:
+        """Collective, one bucket at a time: each tensor gathered, cast to ``dtype`` and
+        copied into rank 0's flat bucket on ``device`` (None elsewhere), then freed: a
+        rank holds its shard, one bucket and one gathered tensor."""
+        owned = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        for specs in self.weight_bucket_specs(dtype, bucket_mb):
+            if self.rank == 0:
+                yield pack_flat(specs, lambda name: fsdp.full_tensor(owned, name), device)
+            else:
+                for spec in specs:
+                    fsdp.full_tensor(owned, spec.name)
+                yield None
+
+    def weight_bucket_specs(self, dtype: str, bucket_mb: float
+                            ) -> list[tuple[TensorSpec, ...]]:
+        return plan_buckets(fsdp.weight_shapes(self.model), dtype, int(bucket_mb * 2**20))
+
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None) -> None:
         """Collective; rank 0 passes the full state dict, the others None."""
         fsdp.load_full_state_dict(self.model, state_dict or {})
 
     def save_checkpoint(self, path: str) -> None:
-        """Collective; rank 0 writes the model (HF safetensors) and the trainer state."""
-        from trainer.checkpoint import save_trainer_checkpoint
-
-        model_state = fsdp.export_full_state_dict(self.model)
-        optim_state = fsdp.export_optimizer_state(self.model, self.optimizer)
-        if self.rank == 0:
-            save_trainer_checkpoint(path, self.model_path, self.model, model_state,
-                                    trainer_state(optim_state, self.scheduler))
-        dist.barrier()
+        """Collective; each rank writes its shards of the weights and the AdamW state,
+        rank 0 the schedule, RNG and model config (trainer/checkpoint.py)."""
+        save_sharded(path, fsdp.sharded_state(self.model, self.optimizer),
+                     trainer_state(None, self.scheduler), self.model_path,
+                     self.model.config)
 
     def load_checkpoint(self, path: str) -> None:
-        """Collective; rank 0 reads, FSDP broadcasts to the other ranks."""
-        from trainer.checkpoint import load_trainer_checkpoint
-
-        model_state, saved = load_trainer_checkpoint(path) if self.rank == 0 else ({}, {})
-        fsdp.load_full_state_dict(self.model, model_state)
-        fsdp.load_optimizer_state(self.model, self.optimizer, saved.get("optimizer", {}))
+        """Collective; each rank reads the shards it owns under this layout (DCP
+        reshards a checkpoint written at another DP or CP size)."""
+        if not is_sharded(path):  # the Megatron backend's (gathered) format, from rank 0
+            model_state, saved = load_trainer_checkpoint(path) if self.rank == 0 else ({}, {})
+            fsdp.load_full_state_dict(self.model, model_state)
+            fsdp.load_full_optimizer_state(self.model, self.optimizer,
+                                           saved.get("optimizer", {}))
+        else:
+            state = fsdp.sharded_state(self.model, self.optimizer)
+            saved = load_sharded(path, state)
+            fsdp.set_sharded_state(self.model, self.optimizer, state)
         restore_schedule_and_rng(saved, self.scheduler)

@@ -1,0 +1,121 @@
+"""A checkpoint as a Hugging Face folder: what ``tally export`` and the end of a job write.
+
+    export_checkpoint(step_N, out_dir, dtype="float32")
+        out_dir/model.safetensors            (or model-0000k-of-0000n.safetensors + index)
+        out_dir/config.json, generation_config.json, tokenizer files
+
+Written a group of tensors at a time (at most ``max_shard_bytes`` in memory, one
+safetensors file each): the export never holds the whole model, whatever its size. A
+sharded checkpoint (trainer/checkpoint.py) is read with DCP without any process group,
+each tensor whole, from however many ranks wrote it; the Megatron backend's Hugging Face
+folder is read tensor by tensor. The folder is written beside ``out_dir`` and renamed
+into place, so a reader never sees half an export.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rollout.weight_bucket import DTYPES, plan_buckets
+from trainer.checkpoint import (
+    MODEL_CONFIG_DIR,
+    MODEL_DIR,
+    SHARDS_DIR,
+    is_sharded,
+    load_planner,
+)
+
+MODEL_PREFIX = "model."
+"""DCP flattens {"model": state_dict} into "model.<HF name>"."""
+DEFAULT_SHARD_BYTES = 2 << 30
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported (said in one line)."""
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "float32",
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write ``checkpoint``'s weights in ``dtype`` as a Hugging Face folder at ``out_dir``
+    (replacing an earlier export there); returns ``out_dir``."""
+    checkpoint, out = Path(checkpoint), Path(out_dir)
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    config_dir = checkpoint / (MODEL_CONFIG_DIR if is_sharded(checkpoint) else MODEL_DIR)
+    if not (config_dir / "config.json").is_file():
+        raise ExportError(f"{checkpoint}: not a Tally checkpoint (no {config_dir.name}/"
+                          "config.json)")
+    config = json.loads((config_dir / "config.json").read_text())
+    shapes = _stored_shapes(checkpoint)
+    if config.get("tie_word_embeddings"):
+        shapes.pop("lm_head.weight", None)  # from_pretrained re-ties it to the embeddings
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    groups = plan_buckets(shapes.items(), dtype, max_shard_bytes)
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))])
+    weight_map = {}
+    for name, tensors in zip(names, _read_groups(checkpoint, groups), strict=True):
+        save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()},
+                  str(staging / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, name)
+        del tensors
+    if len(groups) > 1:
+        total = sum(spec.num_bytes for group in groups for spec in group)
+        (staging / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    for file in config_dir.iterdir():
+        if file.is_file() and not file.name.endswith((".safetensors", ".index.json")):
+            shutil.copy(file, staging / file.name)
+    (staging / "config.json").write_text(json.dumps(
+        {**config, "torch_dtype": dtype, "dtype": dtype}, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return out
+
+
+def _stored_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
+    """HF name -> full shape of every weight the checkpoint holds."""
+    if is_sharded(checkpoint):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = FileSystemReader(str(checkpoint / SHARDS_DIR)).read_metadata()
+        return {key.removeprefix(MODEL_PREFIX): tuple(item.size)
+                for key, item in metadata.state_dict_metadata.items()
+                if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata)}
+    with safe_open(str(checkpoint / MODEL_DIR / "model.safetensors"), framework="pt") as f:
+        return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+
+
+def _read_groups(checkpoint: Path, groups: list) -> Iterator[dict[str, torch.Tensor]]:
+    """Each group's tensors whole, in the stored dtype, one group in memory at a time."""
+    if not is_sharded(checkpoint):
+        with safe_open(str(checkpoint / MODEL_DIR / "model.safetensors"),
+                       framework="pt") as f:
+            for group in groups:
+                yield {spec.name: f.get_tensor(spec.name) for spec in group}
+        return
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(str(checkpoint / SHARDS_DIR))
+    stored = reader.read_metadata().state_dict_metadata
+    for group in groups:
+        state = {MODEL_PREFIX + spec.name: torch.empty(
+            spec.shape, dtype=stored[MODEL_PREFIX + spec.name].properties.dtype)
+            for spec in group}
+        with warnings.catch_warnings():  # "assuming ... a single process": it is one
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=load_planner(),
+                     no_dist=True)
+        yield {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in state.items()}
