@@ -301,6 +301,50 @@ class RolloutManager:
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
+    def update_weight_buckets(self, buckets: list, version: int) -> int:
+        """Every engine loads weights ``version`` from the trainer's buckets: ``buckets``
+        is ``[ref]``, a ref to the list of bucket refs (fetched here: a few refs), each
+        engine reads the buckets from the object store itself."""
+        (ref,) = buckets
+        refs = ray.get(ref)
+        ray.get([engine.load_weight_buckets.remote(refs, version) for engine in self.engines])
+        self.weight_version = version
+        return version
+
+    def num_weight_ranks(self) -> int:
+        """GPUs the SGLang servers add to a weight-update group, over all engines."""
+        return sum(ray.get([engine.num_weight_ranks.remote() for engine in self.engines]))
+
+    def init_weights_update_group(self, address: str, port: int, group_name: str,
+                                  world_size: int) -> None:
+        """Every server joins trainer rank 0's weight-update group (rank 0 joins too,
+        meanwhile); server k's ranks follow those of the servers before it."""
+        sizes = ray.get([engine.num_weight_ranks.remote() for engine in self.engines])
+        offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
+        ray.get([engine.init_weights_update_group.remote(address, port, offset, world_size,
+                                                         group_name)
+                 for engine, offset in zip(self.engines, offsets, strict=True)])
+
+    def update_weights_from_distributed(self, buckets: list, version: int,
+                                        group_name: str) -> int:
+        """Every server receives the buckets trainer rank 0 broadcasts, in order."""
+        ray.get([engine.update_weights_from_distributed.remote(buckets, version, group_name,
+                                                               True)
+                 for engine in self.engines])
+        self.weight_version = version
+        return version
+
+    def update_weights_from_tensor(self, serialized: list[str], version: int | None) -> None:
+        """The colocated server loads one bucket from CUDA IPC handles (``version`` on the
+        last bucket: it flips then)."""
+        ray.get([engine.update_weights_from_tensor.remote(serialized, version)
+                 for engine in self.engines])
+        if version is not None:
+            self.weight_version = version
+
+    def ping(self) -> int:
+        return self.weight_version
+
     def update_weights_from_disk(self, path: str) -> int:
         """Have every engine load a saved HF checkpoint directory."""
         ray.get([engine.update_weights_from_disk.remote(path) for engine in self.engines])

@@ -114,9 +114,10 @@ def pack_bucket(specs: Sequence[TensorSpec],
 def resolve(buckets: Sequence[WeightBucket | Any]) -> list[WeightBucket]:
     """Buckets, fetching those given as Ray object refs (mapped in place from the node's
     object store, not copied)."""
-    import ray
-
-    refs = [i for i, bucket in enumerate(buckets) if isinstance(bucket, ray.ObjectRef)]
+    refs = [i for i, bucket in enumerate(buckets) if not isinstance(bucket, WeightBucket)]
+    if not refs:
+        return list(buckets)
+    import ray  # only where refs came: a GPU check without Ray passes buckets
     fetched = dict(zip(refs, ray.get([buckets[i] for i in refs]), strict=True)) if refs else {}
     return [fetched.get(i, bucket) for i, bucket in enumerate(buckets)]
 

@@ -199,7 +199,11 @@ class JobConfig(BaseModel):
             return transport
         if self.rollout.engine.type == "torch":
             return "object_store"
-        return "nccl" if self.trainer.num_gpus_per_rank else "disk"
+        if not self.trainer.num_gpus_per_rank:
+            return "disk"
+        # NCCL refuses two ranks of one group on one GPU: a colocated server maps IPC
+        # handles of the trainer's own buffers instead
+        return "cuda_ipc" if self.colocate else "nccl"
 
     def engine_dtype(self) -> str:
         """The dtype the engines hold their weights in (what a sync sends)."""

@@ -172,7 +172,8 @@ class WeightSyncConfig(BaseModel):
     trainer rank 0 to SGLang servers (update_weights_from_distributed); cuda_ipc: CUDA IPC
     handles to an SGLang server on rank 0's GPU (update_weights_from_tensor); disk:
     safetensors files an SGLang server reloads (the fallback). auto: object_store for
-    torch engines; for SGLang, nccl with GPU trainer ranks, else disk."""
+    torch engines; for SGLang, cuda_ipc when colocated, nccl with GPU trainer ranks,
+    else disk."""
 
 
 class TrainerConfig(BaseModel):

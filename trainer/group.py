@@ -198,6 +198,36 @@ class TrainerGroup:
         self._wait(verb, list(receipts))
         return buckets[0], most(ray.get(list(receipts)))
 
+    # The GPU weight transports (services/driver/weight_sync.py).
+
+    def _on_rank0(self, verb: Verb, *args: Any) -> Any:
+        ref = _remote(self.workers[0], verb, *args)
+        self._wait(verb, [ref])
+        return ray.get(ref)
+
+    def weight_group_address(self) -> tuple[str, int]:
+        return self._on_rank0(TrainerWorker.weight_group_address)
+
+    def join_weight_group(self, address: str, port: int, world_size: int,
+                          group_name: str) -> None:
+        self._on_rank0(TrainerWorker.join_weight_group, address, port, world_size,
+                       group_name)
+
+    def weight_bucket_specs(self, dtype: str, bucket_mb: float) -> list:
+        return self._call(TrainerWorker.weight_bucket_specs, dtype, bucket_mb)[0]
+
+    def broadcast_weight_buckets(self, dtype: str, bucket_mb: float) -> dict[str, float]:
+        return most(self._call(TrainerWorker.broadcast_weight_buckets, dtype, bucket_mb))
+
+    def share_weight_bucket(self, index: int, dtype: str, bucket_mb: float, tp_size: int
+                            ) -> tuple[list[str], dict[str, float]]:
+        answers = self._call(TrainerWorker.share_weight_bucket, index, dtype, bucket_mb,
+                             tp_size)
+        return answers[0][0], most([metrics for _, metrics in answers])
+
+    def release_shared_bucket(self) -> None:
+        self._on_rank0(TrainerWorker.release_shared_bucket)
+
     def load_weights(self, state_dict: dict | ray.ObjectRef) -> None:
         """Replace the policy weights on every rank (rank 0's copy is broadcast)."""
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from rollout.weight_bucket import DTYPES
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.memory import PeakMemory, phase_metrics
 from trainer.rank import init_rank, open_store
@@ -118,6 +119,9 @@ class TrainerWorker(abc.ABC):
                     refs.append(ray.put(WeightBucket(specs, flat.numpy())))
                 del flat
         receipt = {"perf/export_s": time.perf_counter() - started,
+                   "perf/sync_bytes": float(sum(spec.num_bytes for bucket in
+                                                self.weight_bucket_specs(dtype, bucket_mb)
+                                                for spec in bucket)),
                    **phase_metrics("sync", peak)}
         return receipt, refs if self.rank == 0 else None
 
@@ -182,6 +186,65 @@ class TrainerWorker(abc.ABC):
         the small receipt (an error there says this rank died or failed) and hands the
         weights on by reference, never fetching them into the driver."""
         return None, self.export_engine_weights() if for_engines else self.export_weights()
+
+    # GPU weight transports (trainer/weight_broadcast.py): rank 0 meets the SGLang servers.
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """Rank 0: where the weight-update group's rendezvous will listen (this node, a
+        port free now: rank 0 binds it in ``join_weight_group``)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join_weight_group(self, address: str, port: int, world_size: int,
+                          group_name: str) -> None:
+        """Rank 0: host and join the group while the servers join it."""
+        from trainer.weight_broadcast import init_weight_update_group
+
+        self._weight_group = init_weight_update_group(
+            address, port, world_size, group_name,
+            timeout_s=self.config.collective_timeout_s)
+
+    def broadcast_weight_buckets(self, dtype: str, bucket_mb: float) -> dict[str, float]:
+        """Collective: each bucket packed on rank 0's GPU and broadcast to the servers as
+        one flattened tensor (their /update_weights_from_distributed receives it)."""
+        from trainer.weight_broadcast import broadcast_bucket
+
+        started = time.perf_counter()
+        with PeakMemory(self.device) as peak:
+            for flat in self.weight_buckets(dtype, bucket_mb, device=str(self.device)):
+                if flat is not None:
+                    broadcast_bucket(self._weight_group, [flat], flattened=True)
+                del flat
+        return {"perf/export_s": time.perf_counter() - started, **phase_metrics("sync", peak)}
+
+    def share_weight_bucket(self, index: int, dtype: str, bucket_mb: float, tp_size: int
+                            ) -> tuple[list[str] | None, dict[str, float]]:
+        """Collective: bucket ``index`` packed on rank 0's GPU and kept alive there; its
+        CUDA IPC handles for /update_weights_from_tensor (rank 0; None elsewhere)."""
+        from trainer.weight_broadcast import serialize_named_tensors
+
+        if index == 0:
+            self._sharing = zip(self.weight_bucket_specs(dtype, bucket_mb),
+                                self.weight_buckets(dtype, bucket_mb, str(self.device)),
+                                strict=True)
+        self._shared = None  # the server copied the previous bucket: free it first
+        with PeakMemory(self.device) as peak:
+            specs, self._shared = next(self._sharing)
+        if self._shared is None:
+            return None, phase_metrics("sync", peak)
+        views = [(spec.name, self._shared[spec.offset:spec.offset + spec.num_bytes]
+                  .view(DTYPES[spec.dtype]).view(spec.shape)) for spec in specs]
+        return serialize_named_tensors(views, tp_size), phase_metrics("sync", peak)
+
+    def release_shared_bucket(self) -> None:
+        """Rank 0: the last shared bucket is loaded; free it."""
+        self._shared = None
 
     # Backend verbs.
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from rollout.config import SamplingConfig
+from rollout.weight_bucket import WeightBucket
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -66,6 +67,12 @@ class Engine(ABC):
     @abstractmethod
     def update_weights_from_disk(self, path: str) -> None:
         """Load new policy weights from a saved HF checkpoint directory."""
+
+    @abstractmethod
+    def load_weight_buckets(self, buckets: Sequence[WeightBucket], version: int) -> None:
+        """Load weights ``version`` sent as buckets (rollout/weight_bucket.py; given as
+        Ray object refs from the trainer, resolved with ``weight_bucket.resolve``), and
+        serve it only once every bucket is in."""
 
     weight_version: int = 0
     """How many weight updates this engine has loaded."""

@@ -16,8 +16,9 @@ is one token, "apples" another), and any of them ends the response.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -27,6 +28,7 @@ from rollout.config import SamplingConfig, TorchEngineConfig
 from rollout.engines.base import Engine, Generation, as_tensors
 from rollout.engines.sampling import sample_next_tokens
 from rollout.tokenizer import eos_token_ids, load_tokenizer
+from rollout.weight_bucket import WeightBucket, check_buckets, iter_tensors, resolve
 
 
 class TorchEngine(Engine):
@@ -185,6 +187,18 @@ class TorchEngine(Engine):
                 )
             own[name].copy_(tensor)
         self.weight_version += 1
+
+    @torch.no_grad()
+    def load_weight_buckets(self, buckets: Sequence[WeightBucket | Any], version: int) -> None:
+        """Every bucket mapped in place from the object store and checked (names,
+        shapes, sizes) before any weight is copied, so a bad version leaves the old one
+        serving; then each tensor copied and cast to the engine's dtype."""
+        buckets = resolve(buckets)
+        own = self.model.state_dict()  # tied weights appear under both names; either works
+        check_buckets(buckets, {name: tuple(t.shape) for name, t in own.items()})
+        for name, tensor in iter_tensors(buckets):
+            own[name].copy_(tensor)
+        self.weight_version = version
 
     def update_weights_from_disk(self, path: str) -> None:
         """Load every *.safetensors file of a checkpoint directory."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -37,7 +37,7 @@ from services.driver.pipeline import RolloutPipeline
 from services.driver.run_dir import EVAL_FILE, UPDATES_FILE, RunDir, job_dir
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink
 from services.driver.wandb_sink import wandb_sinks
-from services.driver.weight_sync import WeightSync
+from services.driver.weight_sync import WeightSync, transport_for
 from services.preflight import preflight
 from services.quiet import quiet_transformers
 from trainer import checkpoint as trainer_checkpoint
@@ -61,6 +61,9 @@ class RunningJob:
     evaluation: Evaluation
     updates: JsonlSink
     """updates.jsonl: one row per optimizer step."""
+    checkpointed: dict[str, float] = field(default_factory=dict)
+    """The last checkpoint's time and peak memory, for the next row (a checkpoint is
+    written after its step's row)."""
 
     @classmethod
     def start(cls, config: JobConfig, run_dir: RunDir, model_path: str,
@@ -73,8 +76,9 @@ class RunningJob:
             RolloutPipeline(manager.generate_batch.remote,
                             lambda ref: call(ref, "generate_batch"),
                             config.rollout.async_steps, config.num_steps),
-            WeightSync(lambda: actors.trainer.async_export_weights(for_engines=True),
-                       manager.update_weights.remote, call),
+            WeightSync(transport_for(config.weight_transport(), actors.trainer, manager,
+                                     config.engine_dtype(),
+                                     config.trainer.weight_sync.bucket_mb, call), call),
             Evaluation(config.eval, config.num_steps, lambda version: manager.evaluate.remote(
                 config.eval_dataset(), config.eval.num_prompts, config.eval.num_samples,
                 config.eval.temperature or config.rollout.sampling.temperature, version),
@@ -109,12 +113,13 @@ def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
         per_update = train_optimizer_steps(job, step, batch, batch_ref)
         job.pipeline.trained(step, (train_window, time.time()))
         trained = time.perf_counter()
-        job.weights.start(version=step + 1)  # the engines load while the driver goes on
+        synced = job.weights.start(version=step + 1)  # the engines load meanwhile
         times = {"rollout": generated - started, "train": trained - generated,
                  "sync": time.perf_counter() - trained}
         metrics = {**rollout_metrics(batch, per_update, times,
                                      job.actors.trainer.objective.mode_metric_divisor),
-                   **job.pipeline.metrics(batch, step)}
+                   **job.pipeline.metrics(batch, step), **synced, **job.checkpointed}
+        job.checkpointed = {}
     if last:  # the final trained weights are evaluated too, in the last row
         job.weights.wait()
         job.evaluation.start(version=step + 1)
@@ -149,7 +154,7 @@ def save_checkpoint(job: RunningJob, step: int) -> Path:
     committed as one folder."""
     root = job.run_dir.checkpoints_dir
     staging = trainer_checkpoint.staging_path(root, step)
-    job.actors.trainer.save_checkpoint(str(staging))
+    job.checkpointed = job.actors.trainer.save_checkpoint(str(staging))
     rollout_state = job.actors.rollout_call(job.actors.manager.state_dict.remote(),
                                             "state_dict")
     checkpoint.save_driver_state(staging, checkpoint.DriverState(

@@ -8,6 +8,8 @@ prints (tests/gpu/conftest.py).
 - packed rows (SDPA block-diagonal, or the varlen kernel where transformers has it) give
   padding's gradients in bf16, and the verifier's float64 comparison holds on CUDA;
 - a Megatron TP 1 step on the local spec;
+- weight buckets packed on the GPU (what NCCL and CUDA IPC send) and a sharded
+  checkpoint written and read back on CUDA;
 - the train-step tokens/s and MFU of SmolLM2-135M's architecture (random weights: the
   GGUF does not fit in what travels to the GPU machine, and speed does not need them).
 """
@@ -73,6 +75,54 @@ def _plan(batch: RolloutBatch, objective: ObjectiveConfig, config: TrainerConfig
 
     return plan_step(batch, objective, 1, 1, config.max_tokens_per_micro_batch,
                      packed=packs(config) if packed is None else packed)
+
+
+def _buckets_and_checkpoint(rank: int, port: int, model_path: str, batch: RolloutBatch,
+                            path: str) -> dict[str, object]:
+    from trainer.memory import PeakMemory
+
+    config = _cuda_config(optimizer=OptimizerConfig(lr=1e-3))
+    objective = ObjectiveConfig.compose(AggregationConfig(), config.loss, 10, 1.0)
+    worker = _worker(config, objective, model_path, port)
+    worker.train_step(batch, _plan(batch, objective, config))
+    full = worker.export_weights()
+    device = str(worker.device)
+    with PeakMemory(worker.device) as peak:
+        buckets = list(zip(worker.weight_bucket_specs("bfloat16", 0.05),
+                           worker.weight_buckets("bfloat16", 0.05, device=device),
+                           strict=True))
+    exact = all(torch.equal(flat[spec.offset:spec.offset + spec.num_bytes].cpu()
+                            .view(torch.bfloat16).view(spec.shape), full[spec.name].bfloat16())
+                for specs, flat in buckets for spec in specs)
+    saved = worker.checkpoint(path)
+    worker.train_step(batch, _plan(batch, objective, config))  # moves away from the save
+    worker.load_checkpoint(path)
+    reloaded = worker.export_weights()
+    return {"num_buckets": len(buckets), "exact": exact,
+            "bucket_device": buckets[0][1].device.type,
+            "bytes": sum(flat.numel() for _, flat in buckets),
+            "params": sum(p.numel() for p in worker.model.parameters()),
+            "sync_peak_gb": peak.extra_gb, "checkpoint_s": saved["perf/checkpoint_s"],
+            "same_after_load": all(torch.equal(reloaded[n], t) for n, t in full.items())}
+
+
+@needs(1)
+def test_weight_buckets_on_the_gpu_and_a_sharded_checkpoint(tiny_model: str, tmp_path: Path,
+                                                            report) -> None:
+    """The NCCL and CUDA IPC transports send what ``weight_buckets`` packs on the GPU:
+    bf16, bit-exact, 2 bytes per parameter; DCP's shards write and read back on CUDA."""
+    batch = sampled_train_batch(tiny_model, temperature=1.0)
+    result = run_ranks(_buckets_and_checkpoint, 1, tiny_model, batch,
+                       str(tmp_path / "step"))[0]
+    assert result["exact"] and result["num_buckets"] > 1, result
+    assert result["bucket_device"] == DEVICE
+    assert result["same_after_load"]
+    report("weight buckets on the GPU: bytes per parameter (bf16)",
+           f"{result['bytes'] / result['params']:.2f}", "2.00")
+    report("  peak extra GPU memory packing them (GB)", f"{result['sync_peak_gb']:.3f}",
+           "≈ one bucket")
+    report("sharded checkpoint save on CUDA (s), reloads equal", f"{result['checkpoint_s']:.2f}",
+           "equal")
 
 
 def _bf16_step(rank: int, port: int, model_path: str, batch: RolloutBatch

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import json
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rollout.config import SamplingConfig, SGLangEngineConfig
-from rollout.engines.sglang_engine import SGLangEngine, SGLangError
+from rollout.engines.sglang_engine import INDEX_FILE, SGLangEngine, SGLangError
 from rollout.engines.sglang_server import launch_command
+from rollout.weight_bucket import TensorSpec, WeightBucket, pack_bucket, plan_buckets
 from tests.rollout.fake_sglang import (
     EOS,
     INITIAL_WEIGHT_VERSION,
+    WEIGHT_ROUTE_KEYS,
     fake_generation,
     serve_fake_sglang,
 )
@@ -89,7 +95,8 @@ def test_weight_updates_go_through_disk(tiny_model_path: str) -> None:
         assert "/flush_cache" not in [route for route, _ in fake.requests]
         assert [u["weight_version"] for u in updates] == ["1", "2"]
         assert fake.weight_version == "2" and engine.weight_version == 2
-        assert "model.safetensors" in fake.loaded_files[1]
+        # One shard and its index, in Hugging Face's layout.
+        assert {"model-00001-of-00001.safetensors", INDEX_FILE} <= set(fake.loaded_files[1])
         assert "config.json" in fake.loaded_files[1] and "tokenizer.json" in fake.loaded_files[1]
         fake.fail_updates = True
         with pytest.raises(SGLangError, match=r"update_weights_from_disk: HTTP 400: .*bad shape"):
@@ -175,3 +182,224 @@ def test_real_sglang_server_log_probs(tiny_model_path: str) -> None:
         engine.update_weights_from_disk(tiny_model_path)
     finally:
         engine.shutdown()
+
+
+# ---- weights in buckets -------------------------------------------------------------------
+
+GROUP = "tally-weights"
+
+
+def _parameters(path: str) -> dict[str, torch.Tensor]:
+    """Each parameter once (the tied head is the embedding), as a trainer sends them."""
+    model = AutoModelForCausalLM.from_pretrained(path)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _plan(state: dict[str, torch.Tensor], dtype: str, num_buckets: int
+          ) -> list[tuple[TensorSpec, ...]]:
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    total = sum(t.numel() for t in state.values()) * size
+    return plan_buckets([(n, tuple(t.shape)) for n, t in state.items()], dtype,
+                        total // num_buckets + 1)
+
+
+def _routes(fake: object) -> list[str]:
+    return [route for route, _ in fake.requests]  # type: ignore[attr-defined]
+
+
+def test_init_weights_update_group_sends_sglangs_fields(tiny_model_path: str) -> None:
+    with serve_fake_sglang() as (url, fake):
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url], tp_size=2), tiny_model_path)
+        assert engine.num_weight_ranks() == 2
+        engine.init_weights_update_group("10.0.0.1", 29600, 1, 3, GROUP)
+        # Exactly InitWeightsUpdateGroupReqInput's fields (the fake refuses any other).
+        assert fake.groups[GROUP] == {
+            "master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1,
+            "world_size": 3, "group_name": GROUP, "backend": "nccl"}
+        fake.fail_init = "connection refused"
+        with pytest.raises(SGLangError, match=r"init_weights_update_group 'g2' .*connection "
+                                              r"refused"):
+            engine.init_weights_update_group("10.0.0.1", 29601, 1, 3, "g2", backend="gloo")
+
+
+@pytest.mark.parametrize("flattened", [True, False])
+def test_buckets_over_a_group_in_order_the_version_on_the_last(
+        tiny_model_path: str, flattened: bool) -> None:
+    state = _parameters(tiny_model_path)
+    buckets = _plan(state, "bfloat16", 3)
+    assert len(buckets) >= 3
+    with serve_fake_sglang() as (url, fake):
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
+        engine.init_weights_update_group("127.0.0.1", 29600, 1, 2, GROUP)
+        del fake.requests[:]
+        engine.update_weights_from_distributed(buckets, 7, GROUP, flattened)
+        routes = _routes(fake)
+        assert routes == (["/begin_weight_update"]
+                          + ["/update_weights_from_distributed"] * len(buckets)
+                          + ["/end_weight_update", "/model_info"])
+        posts = [body for route, body in fake.requests
+                 if route == "/update_weights_from_distributed"]
+        for index, (specs, body) in enumerate(zip(buckets, posts, strict=True)):
+            last = index == len(buckets) - 1
+            assert body["names"] == [spec.name for spec in specs]
+            assert body["dtypes"] == ["bfloat16"] * len(specs)
+            assert body["shapes"] == [list(state[spec.name].shape) for spec in specs]
+            assert body["group_name"] == GROUP
+            assert body["flush_cache"] is last  # one flush, once the version is in
+            assert body.get("weight_version") == ("7" if last else None)
+            assert body.get("load_format") == ("flattened_bucket" if flattened else None)
+        assert [n for body in posts for n in body["names"]] == list(state)  # all, once
+        assert fake.weight_version == "7" and engine.weight_version == 7
+        assert not fake.session_open
+        engine.generate([[1, 2]], SamplingConfig(max_new_tokens=2), seed=0)
+
+
+def test_a_failed_bucket_keeps_the_old_version_and_stops_generation(
+        tiny_model_path: str) -> None:
+    state = _parameters(tiny_model_path)
+    buckets = _plan(state, "float32", 3)
+    with serve_fake_sglang() as (url, fake):
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
+        engine.init_weights_update_group("127.0.0.1", 29600, 1, 2, GROUP)
+        engine.update_weights_from_distributed(buckets, 1, GROUP, flattened=True)
+        fake.fail_bucket = 1
+        with pytest.raises(SGLangError, match=(
+                rf"weight version 2, bucket 1 of {len(buckets)} failed: Failed to update "
+                r"parameter online: size mismatch .*partially updated")):
+            engine.update_weights_from_distributed(buckets, 2, GROUP, flattened=True)
+        # Bucket 2 was never sent, the session was closed, the server kept its version.
+        posts = [b for r, b in fake.requests if r == "/update_weights_from_distributed"]
+        assert len(posts) == len(buckets) + 2
+        assert _routes(fake)[-1] == "/end_weight_update" and not fake.session_open
+        assert engine.served_weight_version() == "1" and engine.weight_version == 1
+        with pytest.raises(SGLangError, match=r"weights partially updated \(bucket 1 of \d "
+                                              r"of weight version 2 failed\); the job restarts "
+                                              r"from its last checkpoint"):
+            engine.generate([[1, 2]], SamplingConfig(max_new_tokens=2), seed=0)
+        assert "/generate" not in _routes(fake)
+        # A full version (here from the object store, through disk) lifts it.
+        engine.load_weight_buckets([pack_bucket(specs, state) for specs in buckets], 3)
+        assert engine.served_weight_version() == "3"
+        engine.generate([[1, 2]], SamplingConfig(max_new_tokens=2), seed=0)
+
+
+def test_the_fake_refuses_what_sglang_would_drop(tiny_model_path: str) -> None:
+    """A misspelt field must fail a test: SGLang itself would ignore it."""
+    with serve_fake_sglang() as (url, fake):
+        good = {"names": ["a"], "dtypes": ["bfloat16"], "shapes": [[2]],
+                "group_name": GROUP, "flush_cache": True, "weight_version": "1"}
+        for route, body in [
+            ("/update_weights_from_distributed", {**good, "weight_versoin": "1"}),
+            ("/update_weights_from_distributed", {k: v for k, v in good.items()
+                                                  if k != "shapes"}),
+            ("/init_weights_update_group", {"master_address": "h", "master_port": 1,
+                                            "rank_offset": 1, "world_size": 2,
+                                            "group": GROUP}),
+            ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="],
+                                             "flush_cache": True, "version": "1"}),
+            ("/update_weights_from_disk", {"model_path": "/m", "weight_version": 1}),
+            ("/begin_weight_update", {"flush": True}),
+        ]:
+            answer = httpx.post(f"{url}{route}", json=body)
+            assert answer.status_code == 422, (route, answer.text)
+        assert set(WEIGHT_ROUTE_KEYS["/update_weights_from_distributed"][0]) >= set(good)
+        # Outside a begin/end session SGLang 0.5.23 refuses to load; dtypes are torch names.
+        outside = httpx.post(f"{url}/update_weights_from_distributed", json=good)
+        assert outside.status_code == 400 and "begin_weight_update" in outside.text
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
+        with pytest.raises(SGLangError, match=r"Group tally-weights not in \[\]"):
+            engine.update_weights_from_distributed([(TensorSpec("a", (2,), "bfloat16"),)], 1,
+                                                   GROUP, flattened=False)
+        assert fake.weight_version == INITIAL_WEIGHT_VERSION
+
+
+def test_a_flattened_bucket_must_be_laid_out_as_sglang_lays_it(tiny_model_path: str) -> None:
+    with serve_fake_sglang() as (url, fake):
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
+        gap = (TensorSpec("a", (2,), "float32", 0), TensorSpec("b", (2,), "float32", 16))
+        with pytest.raises(ValueError, match=r"bucket 0: b lies at byte 16; .* byte 8"):
+            engine.update_weights_from_distributed([gap], 1, GROUP, flattened=True)
+        with pytest.raises(ValueError, match="empty"):
+            engine.update_weights_from_distributed([()], 1, GROUP, flattened=False)
+        assert fake.requests == [("/health", None)]
+
+
+def test_update_weights_from_tensor_one_payload_per_tp_rank(tiny_model_path: str) -> None:
+    payloads = [base64.b64encode(f"rank {k}".encode()).decode() for k in range(2)]
+    with serve_fake_sglang() as (url, fake):
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url], tp_size=2), tiny_model_path)
+        # A version bucket by bucket: the first ones carry no version and flush nothing.
+        engine.update_weights_from_tensor(payloads, None)
+        assert fake.weight_version == INITIAL_WEIGHT_VERSION and engine.weight_version == 0
+        with pytest.raises(SGLangError, match="weights partially updated"):
+            engine.generate([[1]], SamplingConfig(max_new_tokens=1), seed=0)
+        engine.update_weights_from_tensor(payloads, 5)
+        first, last = [b for r, b in fake.requests if r == "/update_weights_from_tensor"]
+        assert first == {"serialized_named_tensors": payloads, "flush_cache": False}
+        assert last == {"serialized_named_tensors": payloads, "flush_cache": True,
+                        "weight_version": "5"}
+        assert _routes(fake)[-4:] == ["/begin_weight_update", "/update_weights_from_tensor",
+                                      "/end_weight_update", "/model_info"]
+        assert engine.weight_version == 5 and fake.weight_version == "5"
+        engine.generate([[1]], SamplingConfig(max_new_tokens=1), seed=0)
+        with pytest.raises(ValueError, match="1 payloads for a server of 2 TP ranks"):
+            engine.update_weights_from_tensor(payloads[:1], 6)
+        fake.fail_updates = True
+        with pytest.raises(SGLangError, match=r"weight version 6, request failed"):
+            engine.update_weights_from_tensor(payloads, 6, load_format="direct")
+        assert fake.weight_version == "5" and not fake.session_open
+        with pytest.raises(SGLangError, match="weights partially updated"):
+            engine.generate([[1]], SamplingConfig(max_new_tokens=1), seed=0)
+
+
+def _shards(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("*.safetensors"))
+
+
+def test_load_weight_buckets_writes_a_sharded_checkpoint(tiny_model_path: str) -> None:
+    state = _parameters(tiny_model_path)
+    buckets = [pack_bucket(specs, state) for specs in _plan(state, "float32", 3)]
+    count = len(buckets)
+    with serve_fake_sglang() as (url, fake):
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
+        engine.load_weight_buckets(buckets, version=4)
+        (body,) = [b for r, b in fake.requests if r == "/update_weights_from_disk"]
+        directory = Path(body["model_path"])
+        assert body == {"model_path": str(directory), "weight_version": "4"}
+        assert engine.weight_version == 4 and fake.weight_version == "4"
+        assert _shards(directory) == [f"model-{k:05d}-of-{count:05d}.safetensors"
+                                      for k in range(1, count + 1)]
+        index = json.loads((directory / INDEX_FILE).read_text())
+        assert set(index["weight_map"]) == set(state)
+        for bucket, shard in zip(buckets, _shards(directory), strict=True):
+            assert {index["weight_map"][s.name] for s in bucket.specs} == {shard}
+            loaded = load_file(str(directory / shard))
+            assert set(loaded) == {s.name for s in bucket.specs}
+        assert index["metadata"]["total_size"] == sum(b.num_bytes for b in buckets)
+        assert {"config.json", "tokenizer.json"} <= {p.name for p in directory.iterdir()}
+        # A Hugging Face folder: it loads to the same weights, the tied head re-tied.
+        reloaded = AutoModelForCausalLM.from_pretrained(str(directory)).state_dict()
+        for name, tensor in AutoModelForCausalLM.from_pretrained(
+                tiny_model_path).state_dict().items():
+            assert torch.equal(reloaded[name], tensor), name
+
+        # The next version in fewer (bf16) shards: no shard of the previous one is left.
+        fewer = [pack_bucket(specs, state) for specs in _plan(state, "bfloat16", 2)]
+        engine.load_weight_buckets(fewer, version=5)
+        assert _shards(directory) == [f"model-{k:05d}-of-{len(fewer):05d}.safetensors"
+                                      for k in range(1, len(fewer) + 1)]
+        loaded = {}
+        for shard in _shards(directory):
+            loaded.update(load_file(str(directory / shard)))
+        assert set(loaded) == set(state)
+        for name, tensor in state.items():
+            assert torch.equal(loaded[name], tensor.to(torch.bfloat16)), name
+        assert fake.weight_version == "5"
+
+        # A bucket whose buffer is short of its specs is refused before anything is written.
+        short = WeightBucket(buckets[0].specs, buckets[0].data[:-4])
+        with pytest.raises(ValueError, match="weight bucket 0"):
+            engine.load_weight_buckets([short], version=6)
+        assert fake.weight_version == "5"
+        engine.shutdown()
+        assert not directory.exists()

@@ -167,3 +167,31 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_decodes_as_if_alone(
     for gen in sampled:
         expected = _teacher_forced_log_probs(reference, PROMPTS[1], gen, 1.0)
         assert torch.allclose(torch.tensor(gen.log_probs), expected, atol=1e-5, rtol=0)
+
+
+def test_weights_in_buckets_load_whole_or_not_at_all(
+    tiny_model_path: str, other_tiny_model_path: str
+) -> None:
+    from rollout.weight_bucket import pack_bucket, plan_buckets
+
+    engine = TorchEngine(TorchEngineConfig(dtype="bfloat16"), tiny_model_path)
+    sampling = SamplingConfig(max_new_tokens=8)
+    before = engine.generate(PROMPTS, sampling, seed=0)
+    other = AutoModelForCausalLM.from_pretrained(other_tiny_model_path)
+    shapes = [(n, tuple(p.shape)) for n, p in other.named_parameters()]
+    plans = plan_buckets(shapes, "bfloat16", bucket_bytes=4096)
+    assert len(plans) > 2
+    buckets = [pack_bucket(specs, dict(other.named_parameters())) for specs in plans]
+
+    broken = [*buckets[:-1], pack_bucket(  # the last bucket's first tensor mis-shaped
+        [plans[-1][0].__class__(plans[-1][0].name, (1, 1), "bfloat16", 0)],
+        {plans[-1][0].name: torch.zeros(1, 1)})]
+    with pytest.raises(ValueError, match=rf"weight bucket {len(plans) - 1}: .* has shape"):
+        engine.load_weight_buckets(broken, version=5)
+    assert engine.weight_version == 0  # nothing was copied: the old weights still serve
+    assert engine.generate(PROMPTS, sampling, seed=0) == before
+
+    engine.load_weight_buckets(buckets, version=5)
+    assert engine.weight_version == 5
+    for name, param in other.named_parameters():  # every weight, cast to the engine's dtype
+        assert torch.equal(engine.model.state_dict()[name], param.detach().bfloat16()), name

@@ -55,6 +55,28 @@ def test_num_ranks_must_match_layout() -> None:
         parse_job_config("num_ranks: 3\ntrainer: {dp_size: 2, cp_size: 2}\n")
 
 
+def test_a_weight_transport_must_reach_the_engines() -> None:
+    sglang = "rollout: {engine: {type: sglang, urls: ['http://127.0.0.1:30000']}}\n"
+    with pytest.raises(ConfigError, match=r"trainer\.weight_sync\.transport: nccl cannot "
+                                          r"reach torch engines; use one of auto, object_s"):
+        parse_job_config("trainer: {weight_sync: {transport: nccl}}\n")
+    with pytest.raises(ConfigError, match=r"weight_sync\.transport: nccl sends from GPU.*"
+                                          r"trainer\.num_gpus_per_rank"):
+        parse_job_config(sglang + "trainer: {weight_sync: {transport: nccl}}\n")
+    with pytest.raises(ConfigError, match=r"cuda_ipc needs the engine.*colocate: true"):
+        parse_job_config(sglang + "trainer: {num_gpus_per_rank: 1, weight_sync: "
+                                  "{transport: cuda_ipc}}\n")
+    with pytest.raises(ConfigError, match=r"trainer\.weight_sync\.bucket_mb: Input should be "
+                                          r"greater than 0"):
+        parse_job_config("trainer: {weight_sync: {bucket_mb: 0}}\n")
+    assert parse_job_config("{}\n").weight_transport() == "object_store"
+    assert parse_job_config(sglang).weight_transport() == "disk"  # CPU trainer ranks
+    gpu = parse_job_config(sglang + "trainer: {num_gpus_per_rank: 1}\n")
+    assert gpu.weight_transport() == "nccl" and gpu.engine_dtype() == "bfloat16"
+    half = parse_job_config("rollout: {engine: {type: torch, dtype: bfloat16}}\n")
+    assert half.engine_dtype() == "bfloat16"
+
+
 def test_pg_aggregation_lives_at_the_top_level() -> None:
     with pytest.raises(ConfigError, match=r"trainer\.loss\.aggregation: set the pg aggregation"):
         parse_job_config("trainer: {loss: {aggregation: {mode: token_mean}}}\n")

@@ -1,6 +1,6 @@
-"""A resume whose newest checkpoint is unreadable (a corrupted shard) falls back to the one before it, on real
-Ray, says so in the job's events, and the job ends as the clean run
-(tests/services/driver/clean_run.py)."""
+"""A resume whose newest checkpoint is unreadable (a corrupted shard) falls back to the
+one before it, on real Ray, says so in the job's events, and the job ends as the clean
+run (tests/services/driver/clean_run.py)."""
 
 from __future__ import annotations
 
