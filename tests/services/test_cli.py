@@ -150,3 +150,36 @@ def test_tally_train_without_a_cluster_starts_and_stops_its_own_head(
         (scalar,) = events.Scalars(name)
         assert scalar.step == 0
         assert scalar.value == pytest.approx(value, rel=1e-6, abs=1e-30), name
+
+
+@pytest.mark.slow
+def test_export_writes_a_checkpoint_as_the_jobs_final_weights(clean_run: CleanRun,
+                                                              tmp_path: Path) -> None:
+    """`tally export` of the last checkpoint gives what the job itself exported at its end
+    (the trained fp32 weights, bit for bit), and in bf16 on request; a folder that is no
+    checkpoint is one line and exit 2."""
+    from safetensors.torch import load_file
+
+    from tests.services.driver.clean_run import final_weights
+
+    last = clean_run.path / "checkpoints" / "step_00000003"
+    result = runner.invoke(app, ["export", str(last), str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str(tmp_path / "hf")
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    job = final_weights(clean_run.path)
+    assert exported.keys() == job.keys() and all(
+        exported[name].equal(tensor) for name, tensor in job.items())
+    assert {"config.json", "tokenizer.json"} <= {p.name for p in (tmp_path / "hf").iterdir()}
+
+    result = runner.invoke(app, ["export", str(last), str(tmp_path / "half"), "--dtype",
+                                 "bfloat16"])
+    assert result.exit_code == 0, result.output
+    half = load_file(str(tmp_path / "half" / "model.safetensors"))
+    assert all(half[name].equal(tensor.bfloat16()) for name, tensor in job.items())
+
+    result = runner.invoke(app, ["export", str(tmp_path), str(tmp_path / "none")])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"error: {tmp_path}: not a Tally checkpoint (no "
+                                     "model/config.json)")
+    assert not (tmp_path / "none").exists()
