@@ -166,11 +166,29 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     set_optimizer_state_dict(model, optimizer, state, options=FROM_RANK0)
 
 
+def init_adamw_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh AdamW the state its first step would create (step 0, zero moments,
+    each sharded like its parameter), so a checkpoint has tensors to load into. torch's
+    own way (``_init_optim_state``: a step on zero gradients) holds a gradient for every
+    parameter meanwhile: 4 more bytes per parameter at the peak of a resume."""
+    if optimizer.state or not isinstance(optimizer, torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            state["step"] = torch.zeros((), dtype=torch.float32)  # AdamW's, uncaptured
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p)
+
+
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                   ) -> dict[str, dict]:
     """This rank's shards (DTensors) of the weights and the AdamW state, as DCP saves and
     loads them: nothing is gathered. (An optimizer without state yet gets it first, so a
     fresh rank has every tensor a checkpoint holds to load into.)"""
+    init_adamw_state(optimizer)
     return {"model": get_model_state_dict(model),
             "optimizer": get_optimizer_state_dict(model, optimizer)}
 
