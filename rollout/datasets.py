@@ -3,14 +3,17 @@ JSONL / Parquet file, or a reasoning-gym dataset (when that optional package is 
 
 A record has a prompt (a string, or a list of chat messages ``{"role", "content"}``),
 an optional label (the reference answer, kept as a string) and free metadata that is
-handed to the reward function untouched. Every loading error names the file and the
-line (JSONL, 1-based) or row (Parquet, 0-based) at fault.
+handed to the reward function untouched. Files are read as a stream of rows, one reader
+for the job and for :func:`check_prompt_dataset` (the check before anything starts), and
+every error is one line ``dataset.<field>: <file>:<line>: what is wrong; how to fix it``
+(JSONL lines 1-based, Parquet rows 0-based).
 """
 
 from __future__ import annotations
 
 import json
-import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from rollout.config import (
     SyntheticDatasetConfig,
 )
 from rollout.math_words import make_math_word_problems, math_word_prompt
-from rollout.splits import HELDOUT_PERCENT, split_of
+from rollout.splits import HELDOUT_PERCENT, split_by_fraction, split_of
 from rollout.tasks import make_task_examples
 
 Prompt = str | list[dict[str, str]]
@@ -56,14 +59,25 @@ def load_prompt_dataset(config: DatasetConfig) -> list[PromptRecord]:
         return _math_word_records(config)
     if isinstance(config, ReasoningGymDatasetConfig):
         return _reasoning_gym_records(config)
-    path = Path(config.path).expanduser()
-    if not path.is_file():
-        raise DatasetError(f"dataset.path: {path} does not exist or is not a file")
-    rows = _read_jsonl(path) if config.type == "jsonl" else _read_parquet(path)
-    records = [_to_record(row, config, where) for where, row in rows]
+    path = dataset_file(config)
+    records = [record for record, _ in _file_records(path, config)]
     if not records:
-        raise DatasetError(f"{path}: no records (empty file)")
-    return records
+        raise _no_records(path)
+    if config.split_fraction is None:
+        return records
+    side = [r for r in records
+            if split_by_fraction(_canonical(r.prompt), config.split_fraction) == config.split]
+    if not side:
+        raise DatasetError(f"{path}: no {config.split} records with split_fraction "
+                           f"{config.split_fraction:g} ({len(records)} in the file)")
+    return side
+
+
+def _canonical(prompt: Any) -> str:
+    """The text a record's split is decided by (chat messages as canonical JSON)."""
+    if isinstance(prompt, str):
+        return prompt
+    return json.dumps(prompt, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def _math_word_records(config: MathWordsDatasetConfig) -> list[PromptRecord]:
@@ -130,67 +144,182 @@ def _reasoning_gym_records(config: ReasoningGymDatasetConfig) -> list[PromptReco
     )
 
 
-def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # blank lines (a trailing newline) are not records
+# ---- files: one streaming reader of rows, for the job and for the check --------------
+
+CHECK_MAX_BYTES = 256 * 2**20
+""":func:`check_prompt_dataset` reads at most this much of a file (every record of a file
+of reasonable size), ..."""
+CHECK_MAX_S = 5.0
+"""... and for at most this long; then it says how much it checked."""
+DEFAULT_LABEL_KEYS = ("label", "answer")
+"""Where the label is read from when ``label_key`` is left at its default."""
+MAX_FIELDS_LISTED = 20
+"""An error about a record names at most this many of its fields."""
+
+
+@dataclass(frozen=True)
+class DatasetCheck:
+    """How much of a dataset file :func:`check_prompt_dataset` read (every record of it,
+    unless it stopped at CHECK_MAX_BYTES or CHECK_MAX_S)."""
+
+    path: Path
+    num_records: int
+    num_bytes_read: int
+    num_bytes: int
+    seconds: float
+
+    @property
+    def complete(self) -> bool:
+        return self.num_bytes_read >= self.num_bytes
+
+    def note(self) -> str | None:
+        """None when every record was checked; else one line saying what was not."""
+        if self.complete:
+            return None
+        return (f"dataset.path: checked the first {self.num_records:,} records of "
+                f"{self.path} ({_mib(self.num_bytes_read)} of {_mib(self.num_bytes)} in "
+                f"{self.seconds:.1f} s); the rest is checked as the job reads it")
+
+
+def check_prompt_dataset(config: DatasetConfig, max_bytes: int | None = None,
+                         max_seconds: float | None = None) -> DatasetCheck | None:
+    """The check before anything starts: the packages the dataset needs and, for a file,
+    every record's fields as the job will read them, up to ``max_bytes`` (CHECK_MAX_BYTES)
+    and ``max_seconds`` (CHECK_MAX_S). Raises DatasetError naming the field and file:line;
+    None for a generated dataset."""
+    check_dataset_available(config)
+    if not isinstance(config, FileDatasetConfig):
+        return None
+    max_bytes = CHECK_MAX_BYTES if max_bytes is None else max_bytes
+    max_seconds = CHECK_MAX_S if max_seconds is None else max_seconds
+    path = dataset_file(config)
+    num_bytes, start = path.stat().st_size, time.monotonic()
+    num_records = offset = 0
+    for _, offset in _file_records(path, config):
+        num_records += 1
+        if offset >= max_bytes or (num_records % 256 == 0
+                                   and time.monotonic() - start > max_seconds):
+            break
+    if not num_records:
+        raise _no_records(path)
+    return DatasetCheck(path, num_records, offset, num_bytes, time.monotonic() - start)
+
+
+def dataset_file(config: FileDatasetConfig) -> Path:
+    """The dataset's file; DatasetError naming ``dataset.path`` when there is none."""
+    given = Path(config.path).expanduser()
+    if given.is_file():
+        return given
+    looked = "" if given.is_absolute() else f" (looked for {given.resolve()})"
+    if given.is_dir():
+        raise DatasetError(f"dataset.path: {config.path} is a folder{looked}; name the "
+                           f"{config.type.upper()} file inside it")
+    raise DatasetError(f"dataset.path: {config.path} does not exist or is not a file{looked}")
+
+
+def label_keys(config: FileDatasetConfig) -> tuple[str, ...]:
+    """The fields a record's label is read from, first present wins: ``label_key`` when
+    set, and left at its default ("label") also "answer" (what most datasets call it)."""
+    if config.label_key is None:
+        return ()
+    return (config.label_key,) if "label_key" in config.model_fields_set else DEFAULT_LABEL_KEYS
+
+
+def _no_records(path: Path) -> DatasetError:
+    return DatasetError(f"dataset.path: {path} has no records (empty file); a JSONL file "
+                        "holds one JSON object per line")
+
+
+def _file_records(path: Path, config: FileDatasetConfig) -> Iterator[tuple[PromptRecord, int]]:
+    """(record, bytes read so far) for each row of the file, in order."""
+    rows = _jsonl_rows(path) if config.type == "jsonl" else _parquet_rows(path)
+    keys = label_keys(config)
+    for where, row, offset in rows:
+        yield _to_record(row, config, keys, where), offset
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any, int]]:
+    offset = 0
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            offset += len(raw)
             where = f"{path}:{line_number}"
             try:
-                rows.append((where, json.loads(line)))
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"dataset.path: {where}: not UTF-8 text (byte "
+                                   f"{e.start + 1} of the line); save the file as UTF-8") from None
+            if not line.strip():
+                continue  # blank lines (a trailing newline) are not records
+            try:
+                row = json.loads(line.rstrip("\r\n"))  # columns stay on this line
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
-    return rows
+                raise DatasetError(f"dataset.path: {where}: invalid JSON ({e.msg} at column "
+                                   f"{e.colno}); each line holds one JSON object") from None
+            yield where, row, offset
 
 
-def _read_parquet(path: Path) -> list[tuple[str, Any]]:
-    import datasets  # optional dependency (tally[data]); only Parquet users need it
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any, int]]:
+    try:
+        import pyarrow.parquet as pq  # optional dependency (tally[data]): Parquet users only
+    except ImportError:
+        raise DatasetError("dataset.type: 'parquet' needs pyarrow, which is not installed "
+                           "here (pip install 'tally[data]')") from None
+    try:
+        file = pq.ParquetFile(path)
+        batches = file.iter_batches(batch_size=1024)
+        num_rows, num_bytes = max(1, file.metadata.num_rows), path.stat().st_size
+        index = 0
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            for row in batch.to_pylist():
+                index += 1
+                yield f"{path} row {index - 1}", row, num_bytes * index // num_rows
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        text = str(e).strip().splitlines()
+        raise DatasetError(f"dataset.path: {path}: not a readable Parquet file "
+                           f"({text[0] if text else type(e).__name__})") from None
 
-    datasets.disable_progress_bars()
-    # A throwaway cache: reading a local file should leave nothing in ~/.cache.
-    with tempfile.TemporaryDirectory() as cache_dir:
-        try:
-            table = datasets.Dataset.from_parquet(
-                str(path), keep_in_memory=True, cache_dir=cache_dir
-            )
-        except Exception as e:
-            raise DatasetError(f"{path}: not a readable Parquet file ({e})") from e
-        return [(f"{path} row {i}", row) for i, row in enumerate(table.to_list())]
 
-
-def _to_record(row: Any, config: FileDatasetConfig, where: str) -> PromptRecord:
+def _to_record(row: Any, config: FileDatasetConfig, keys: tuple[str, ...],
+               where: str) -> PromptRecord:
     if not isinstance(row, dict):
-        raise DatasetError(f"{where}: expected an object, got {type(row).__name__}")
+        raise DatasetError(f"dataset.path: {where}: expected a JSON object, got "
+                           f"{type(row).__name__}")
     if config.prompt_key not in row:
-        raise DatasetError(
-            f"{where}: missing field {config.prompt_key!r} (dataset.prompt_key); "
-            f"fields are {sorted(row)}"
-        )
+        raise DatasetError(f"dataset.prompt_key: {where}: no field {config.prompt_key!r}; "
+                           f"fields are {_fields(row)}; set prompt_key to the field holding "
+                           "the prompt")
     prompt = row[config.prompt_key]
     if not _is_prompt(prompt):
         raise DatasetError(
-            f"{where}: field {config.prompt_key!r} must be a non-empty string or a list of "
-            f"{{'role', 'content'}} messages"
-        )
+            f"dataset.prompt_key: {where}: field {config.prompt_key!r} must be a non-empty "
+            f"string or a list of {{'role', 'content'}} messages, got {prompt!r:.40}")
+    used = next((key for key in keys if row.get(key) is not None), None)
+    if keys and used is None:
+        named = " or ".join(repr(k) for k in keys)
+        null = [k for k in keys if k in row]
+        default = " (the default label fields)" if len(keys) > 1 else ""
+        what = f"field {null[0]!r} is null" if null else f"no field {named}{default}"
+        raise DatasetError(
+            f"dataset.label_key: {where}: {what}; fields are {_fields(row)}; set "
+            "label_key to the field holding the reference answer, or to null if the reward "
+            "needs no label")
     label = None
-    if config.label_key is not None:
-        if row.get(config.label_key) is None:
-            raise DatasetError(
-                f"{where}: missing field {config.label_key!r} (dataset.label_key; set it "
-                f"to null if the reward needs no label)"
-            )
-        value = row[config.label_key]
+    if used is not None:
+        value = row[used]
         label = value if isinstance(value, str) else json.dumps(value)
     if config.metadata_keys is None:
-        skip = {config.prompt_key, config.label_key}
+        skip = {config.prompt_key, used}
         metadata = {k: v for k, v in row.items() if k not in skip}
     else:
         missing = [k for k in config.metadata_keys if k not in row]
         if missing:
-            raise DatasetError(
-                f"{where}: missing metadata field(s) {missing} (dataset.metadata_keys)"
-            )
+            raise DatasetError(f"dataset.metadata_keys: {where}: missing metadata field(s) "
+                               f"{missing}; fields are {_fields(row)}")
         metadata = {k: row[k] for k in config.metadata_keys}
     return PromptRecord(prompt, label, metadata)
 
@@ -203,3 +332,13 @@ def _is_prompt(value: Any) -> bool:
         and bool(value)
         and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
     )
+
+
+def _fields(row: dict[str, Any]) -> str:
+    names = [repr(str(k)) for k in sorted(row, key=str)]
+    more = [f"… {len(names) - MAX_FIELDS_LISTED} more"] if len(names) > MAX_FIELDS_LISTED else []
+    return f"[{', '.join(names[:MAX_FIELDS_LISTED] + more)}]"
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.0f} MiB"

@@ -33,6 +33,7 @@ from rollout.datasets import PromptRecord, load_prompt_dataset
 from rollout.dynamic_sampling import split_by_spread
 from rollout.engines import check_engine_available, engine_actor_options, engine_class
 from rollout.engines.base import Generation
+from rollout.prompts import PromptTooLong, fit_prompt, model_context
 from rollout.rewards import RewardScorer, check_error_rate
 from rollout.tokenizer import encode_prompt, load_tokenizer
 
@@ -65,6 +66,15 @@ class EvalRun:
     outcomes: list[EvalOutcome]
 
 
+def prompt_budget(config: RolloutConfig, model_path: str) -> int | None:
+    """The most prompt tokens a sample may have: rollout.max_prompt_tokens, and what the
+    model's context leaves after sampling.max_new_tokens."""
+    context = model_context(model_path)
+    left = None if context is None else context - config.sampling.max_new_tokens
+    budgets = [b for b in (config.max_prompt_tokens, left) if b is not None]
+    return min(budgets) if budgets else None
+
+
 @dataclass
 class _StepStats:
     num_draws: int = 0
@@ -74,6 +84,8 @@ class _StepStats:
     reward_errors: int = 0
     first_error: str | None = None
     all_rewards: list[float] = field(default_factory=list)
+    prompts_truncated: int = 0
+    prompts_dropped: int = 0
 
 
 def _shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
@@ -101,6 +113,10 @@ class RolloutManager:
         self.tokenizer = load_tokenizer(tokenizer_path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self.apply_chat_template = (config.apply_chat_template
+                                    if config.apply_chat_template is not None
+                                    else self.tokenizer.chat_template is not None)
+        self.max_prompt_tokens = prompt_budget(config, model_path)
         self.records: list[PromptRecord] = load_prompt_dataset(config.dataset)
         self.cursor = PromptCursor(len(self.records), config.dataset.seed, config.dataset.shuffle)
         self.scorer = RewardScorer(config.reward)
@@ -131,7 +147,7 @@ class RolloutManager:
             if len(kept) == num_prompts:
                 break
             groups = self._rollout_round(
-                self.cursor.take(num_prompts - len(kept)), step, draw, stats
+                self._take_prompts(num_prompts - len(kept), stats), step, draw, stats
             )
             if dynamic.enabled:
                 spread, flat = split_by_spread([g.rewards for g in groups])
@@ -154,6 +170,8 @@ class RolloutManager:
             "rollout/gen_time_s": stats.gen_time_s,
             "rollout/gen_tokens_per_s": stats.gen_tokens / max(stats.gen_time_s, 1e-9),
             "rollout/reward_errors": float(stats.reward_errors),
+            "rollout/prompts_truncated": float(stats.prompts_truncated),
+            "rollout/prompts_dropped": float(stats.prompts_dropped),
             "rollout/weight_version": float(self.weight_version),
             "rollout/epoch": float(self.cursor.epoch),
             "rollout/gen_start_time": gen_start_time,
@@ -165,16 +183,41 @@ class RolloutManager:
         digest = hashlib.sha256(f"{self.seed}:{step}:{draw}:{rank}".encode()).digest()
         return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
+    def _encode(self, record: PromptRecord, where: str) -> list[int] | None:
+        """The record's prompt ids within rollout.max_prompt_tokens (and the context left
+        after max_new_tokens), by rollout.prompt_truncation; None: dropped."""
+        ids = encode_prompt(self.tokenizer, record.prompt, self.apply_chat_template)
+        return fit_prompt(ids, self.max_prompt_tokens, self.config.prompt_truncation, where)
+
+    def _take_prompts(self, count: int, stats: _StepStats
+                      ) -> list[tuple[int, list[int]]]:
+        """The next ``count`` records from the cursor with their prompt ids; a dropped
+        prompt is replaced by the next one (a whole epoch of drops is an error)."""
+        taken: list[tuple[int, list[int]]] = []
+        while len(taken) < count:
+            for index in self.cursor.take(count - len(taken)):
+                full = encode_prompt(self.tokenizer, self.records[index].prompt,
+                                     self.apply_chat_template)
+                ids = fit_prompt(full, self.max_prompt_tokens, self.config.prompt_truncation,
+                                 f"record {index}")
+                if ids is None:
+                    stats.prompts_dropped += 1
+                    if stats.prompts_dropped > len(self.records):
+                        raise PromptTooLong(
+                            f"rollout.max_prompt_tokens: every prompt is longer than "
+                            f"{self.max_prompt_tokens} tokens; nothing is left to train on")
+                    continue
+                stats.prompts_truncated += len(ids) < len(full)
+                taken.append((index, ids))
+        return taken
+
     def _rollout_round(
-        self, indices: list[int], step: int, draw: int, stats: _StepStats
+        self, taken: list[tuple[int, list[int]]], step: int, draw: int, stats: _StepStats
     ) -> list[_Group]:
         """Generate and score G responses for each of the given records."""
         group_size = self.config.n_samples_per_prompt
-        records = [self.records[i] for i in indices]
-        prompt_ids = [
-            encode_prompt(self.tokenizer, r.prompt, self.config.apply_chat_template)
-            for r in records
-        ]
+        records = [self.records[i] for i, _ in taken]
+        prompt_ids = [ids for _, ids in taken]
         sample_prompts = [ids for ids in prompt_ids for _ in range(group_size)]
         started = time.perf_counter()
         generations = self._generate(sample_prompts, self.config.sampling, step, draw)
@@ -247,9 +290,10 @@ class RolloutManager:
         key = dataset.model_dump_json()
         if key not in self._eval_records:
             self._eval_records[key] = load_prompt_dataset(dataset)
-        records = self._eval_records[key][:num_prompts]
-        prompts = [encode_prompt(self.tokenizer, r.prompt, self.config.apply_chat_template)
-                   for r in records]
+        fitted = [(r, self._encode(r, f"held-out record {i}"))
+                  for i, r in enumerate(self._eval_records[key][:num_prompts])]
+        records = [r for r, ids in fitted if ids is not None]
+        prompts = [ids for _, ids in fitted if ids is not None]
         greedy = self.config.sampling.model_copy(update={"temperature": 0.0})
         sampled = self.config.sampling.model_copy(update={"temperature": temperature})
         greedy_out = self._generate(prompts, greedy, f"eval:{step}:greedy")

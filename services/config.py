@@ -8,8 +8,6 @@ packages' ``config`` modules, so the controller validates a job without torch or
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,56 +21,24 @@ from pydantic import (
     model_validator,
 )
 
-from rollout.config import DatasetConfig, RolloutConfig, SyntheticDatasetConfig
+from rollout.config import (
+    DatasetConfig,
+    FileDatasetConfig,
+    RolloutConfig,
+    SyntheticDatasetConfig,
+)
+from services.config_errors import ConfigError, ConfigProblem, validation_error
+from services.config_errors import error_field as error_field  # where the controller finds it
 from services.driver.config import EvalConfig, LoggingConfig
 from trainer.config import AggregationConfig, ObjectiveConfig, TrainerConfig
 
-RULE_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.+)$", re.DOTALL)
-"""How every rule here names its field: ``field.path: message``."""
-
-
-@dataclass(frozen=True)
-class ConfigProblem:
-    """One thing wrong with a job config."""
-
-    field: str
-    """Full dotted path of the field at fault (``aggregation.divisor``); "" when it is the
-    whole input (YAML syntax with its line and column, not a mapping, no such file)."""
-    message: str
-    """What is wrong, without the field."""
-
-    @classmethod
-    def from_rule(cls, text: str, section: str = "") -> ConfigProblem:
-        """A rule's ``field.path: message`` raised inside ``section`` (a dotted path, ""
-        for the job); a text naming no field is about the section itself."""
-        named = RULE_FIELD.match(text)
-        if not named:
-            return cls(section, text)
-        return cls(f"{section}.{named[1]}" if section else named[1], named[2])
-
+FILE_DATASETS = ("jsonl", "parquet")
+"""rollout.dataset types read from a file, which eval.split_fraction can split."""
+EMPTY_CONFIG = "is empty; a job config is a YAML mapping, e.g. configs/demo.yaml"
+"""Said of a config file (or text) with nothing but whitespace, comments or ``null``."""
 
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 """libyaml's safe loader when PyYAML has it (far faster on hostile input), else Python's."""
-
-
-class ConfigError(ValueError):
-    """A job config that cannot run; ``problems`` name the field (or the line) of each.
-
-    ``source`` is where the config came from (a path, ``<config>``, ``--set key``), "" for a
-    check of a config already validated. The text is ``text`` when given, else one line per
-    problem: ``source: message``, or ``field: message`` without a source.
-    """
-
-    def __init__(self, source: str, problems: list[ConfigProblem],
-                 text: str | None = None) -> None:
-        self.source, self.problems = source, list(problems)
-        if text is None:
-            text = "\n".join(f"{source or p.field}: {p.message}" if source or p.field
-                             else p.message for p in self.problems)
-        super().__init__(text)
-
-    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, list[ConfigProblem], str]]:
-        return type(self), (self.source, self.problems, str(self))  # crosses Ray intact
 
 
 class WarmupConfig(BaseModel):
@@ -124,7 +90,9 @@ class JobConfig(BaseModel):
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every this many steps (0: only at the end)."""
     resume: bool = True
-    """Continue from the newest checkpoint in output_dir when there is one."""
+    """Continue from the newest checkpoint in output_dir when there is one (`tally train
+    --resume auto|PATH` / `--no-resume` choose per run; a changed setting that breaks
+    exactness is refused unless --force)."""
     max_restarts: int = Field(default=1, ge=0)
     """Restart a dead actor group from the last checkpoint at most this many times."""
     colocate: bool = False
@@ -229,20 +197,74 @@ class JobConfig(BaseModel):
                              "use rollout.dataset.type: synthetic or disable it")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_split_carves_training_file(cls, data: object) -> object:
+        """eval.split_fraction f holds out a share f of a jsonl / parquet rollout.dataset,
+        by a hash of each record's prompt: the training side of the same split is what the
+        job trains on, so the resolved config holds rollout.dataset.split_fraction: f (a
+        fraction set there already is left to :meth:`_eval_split_agrees` to compare)."""
+        evaluation = data.get("eval") if isinstance(data, dict) else None
+        fraction = evaluation.get("split_fraction") if isinstance(evaluation, dict) else None
+        rollout = data.get("rollout") if isinstance(data, dict) else None
+        dataset = rollout.get("dataset") if isinstance(rollout, dict) else None
+        valid = (isinstance(fraction, int | float) and not isinstance(fraction, bool)
+                 and 0 < fraction < 1)  # else EvalConfig names what is wrong with it
+        if (not valid or not isinstance(dataset, dict) or "split_fraction" in dataset
+                or dataset.get("type") not in FILE_DATASETS):
+            return data
+        return {**data, "rollout": {**rollout, "dataset": {**dataset,
+                                                           "split_fraction": fraction}}}
+
+    @model_validator(mode="after")
+    def _eval_split_agrees(self) -> JobConfig:
+        fraction, dataset = self.eval.split_fraction, self.rollout.dataset
+        if fraction is None:
+            return self
+        if not isinstance(dataset, FileDatasetConfig):
+            own = (" (it has a held-out split of its own, which eval uses when eval.dataset "
+                   "is unset: drop split_fraction)" if hasattr(dataset, "split") else
+                   "; name the held-out prompts in eval.dataset instead")
+            raise ValueError(f"eval.split_fraction: splits a jsonl or parquet rollout.dataset, "
+                             f"not {dataset.type}{own}")
+        if dataset.split_fraction != fraction:
+            raise ValueError(f"eval.split_fraction: {fraction:g} differs from "
+                             f"rollout.dataset.split_fraction {dataset.split_fraction:g}; "
+                             "set one of the two")
+        return self
+
     @model_validator(mode="after")
     def _eval_has_prompts(self) -> JobConfig:
-        if self.eval.enabled and self.eval.dataset is None and not hasattr(
-                self.rollout.dataset, "split"):
-            raise ValueError(f"eval.dataset: rollout.dataset (type "
-                             f"{self.rollout.dataset.type}) has no held-out split; name the "
-                             "held-out prompts here")
+        dataset = self.rollout.dataset
+        held_out = self.eval_dataset() if self.eval.dataset is not None else None
+        if (isinstance(held_out, FileDatasetConfig) and isinstance(dataset, FileDatasetConfig)
+                and Path(held_out.path) == Path(dataset.path)
+                and held_out.split_fraction is None):
+            raise ValueError("eval.dataset: is the training file, so every evaluated record "
+                             "is trained on; name a held-out file, or leave eval.dataset "
+                             "unset and set eval.split_fraction (e.g. 0.1)")
+        if not self.eval.enabled or self.eval.dataset is not None:
+            return self
+        if not has_heldout_split(dataset):
+            carve = (", or set eval.split_fraction (e.g. 0.1) to hold out that share of the "
+                     "training file" if isinstance(dataset, FileDatasetConfig) else "")
+            raise ValueError(f"eval.dataset: rollout.dataset (type {dataset.type}) has no "
+                             "held-out split; name the held-out prompts here (a JSONL path, "
+                             f"e.g. eval.dataset: data/heldout.jsonl, or a dataset block){carve}")
+        if dataset.split == "heldout":
+            raise ValueError("eval.dataset: rollout.dataset.split is heldout, so its held-out "
+                             "split is what the job trains on; train on split: train, or name "
+                             "the held-out prompts here")
         return self
 
     def eval_dataset(self) -> DatasetConfig:
-        """The held-out prompts of the evaluation (eval.dataset, or the training
-        dataset's held-out split)."""
-        if self.eval.dataset is not None:
-            return self.eval.dataset
+        """The held-out prompts of the evaluation: eval.dataset (a path read as a file
+        dataset with rollout.dataset's keys), or the training dataset's held-out split."""
+        dataset = self.eval.dataset
+        if isinstance(dataset, str):
+            return file_dataset_like(dataset, self.rollout.dataset)
+        if dataset is not None:
+            return dataset
         return self.rollout.dataset.model_copy(update={"split": "heldout"})
 
     @property
@@ -286,24 +308,28 @@ class JobConfig(BaseModel):
                                        self.max_response_len, self.rollout.sampling.temperature)
 
 
-def error_field(loc: tuple[int | str, ...] | list[int | str]) -> str:
-    """A pydantic error location as a dotted field path (``trainer.optimizer.lr``),
-    without the ``function-…`` steps of validators; "" for the input itself."""
-    return ".".join(str(part) for part in loc if not str(part).startswith("function-"))
+def has_heldout_split(dataset: DatasetConfig) -> bool:
+    """Does the dataset hold records out by content (a ``split``; a file only with a
+    ``split_fraction``)?"""
+    if isinstance(dataset, FileDatasetConfig):
+        return dataset.split_fraction is not None
+    return hasattr(dataset, "split")
+
+
+def file_dataset_like(path: str, training: DatasetConfig) -> FileDatasetConfig:
+    """The file at ``path`` (parquet for ``.parquet``, else JSONL) read with the keys of the
+    training dataset (prompt_key, label_key, metadata_keys) when that is a file too, else
+    with the defaults: one reward scores both."""
+    keys = ({k: getattr(training, k) for k in ("prompt_key", "label_key", "metadata_keys")
+             if k in training.model_fields_set}  # an unset label_key keeps its fallback
+            if isinstance(training, FileDatasetConfig) else {})
+    kind = "parquet" if path.lower().endswith(".parquet") else "jsonl"
+    return FileDatasetConfig(type=kind, path=path, **keys)
 
 
 def _validation_error(err: ValidationError, source: str) -> ConfigError:
-    """One problem per pydantic error, with the full field path (a section's rule adds its
-    own field); the text keeps pydantic's location: ``  aggregation: divisor: ...``."""
-    problems, lines = [], [f"{source}: invalid job config"]
-    for item in err.errors():
-        where = error_field(item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            message = "unknown key"
-        problems.append(ConfigProblem.from_rule(message, where))
-        lines.append(f"  {where or '<root>'}: {message}")
-    return ConfigError(source, problems, "\n".join(lines))
+    """One problem per pydantic error, on the field a user writes (services/config_errors)."""
+    return validation_error(err, source, JobConfig)
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
@@ -351,13 +377,23 @@ def load_yaml(text: str, source: str = "<config>", aliases: bool = True) -> Any:
         raise ConfigError(source, [ConfigProblem("", message)]) from err
 
 
-def parse_job_config(text: str, overrides: list[str] | None = None,
-                     source: str = "<config>") -> JobConfig:
-    """YAML (or JSON) text plus ``--set`` overrides -> a validated JobConfig."""
-    data = load_yaml(text, source)
+def job_mapping(data: Any, source: str, what: str = "config") -> dict[str, Any]:
+    """Loaded YAML as the mapping a job config is; ConfigError for nothing at all (None:
+    an empty ``what``, comments only, ``null``) and for any other kind of value."""
+    if data is None:
+        raise ConfigError(source, [ConfigProblem("", f"the {what} {EMPTY_CONFIG}")])
     if not isinstance(data, dict):
         raise ConfigError(source, [ConfigProblem(
             "", f"a job config is a mapping of keys, got {type(data).__name__}")])
+    return data
+
+
+def parse_job_config(text: str, overrides: list[str] | None = None,
+                     source: str = "<config>", what: str = "config") -> JobConfig:
+    """YAML (or JSON) text plus ``--set`` overrides -> a validated JobConfig. "" is no
+    text (the defaults and the overrides, as tests build configs); text that says nothing
+    (comments only, ``null``) is refused as an empty ``what``."""
+    data = job_mapping(load_yaml(text, source), source, what)
     for override in overrides or []:
         apply_override(data, override)
     try:
@@ -367,10 +403,18 @@ def parse_job_config(text: str, overrides: list[str] | None = None,
 
 
 def load_job_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """A config file plus ``--set`` overrides; an empty file (or comments only, or
+    ``null``) is refused rather than run as the defaults (``{}`` written out is valid)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), [ConfigProblem("", "no such config file")])
-    return parse_job_config(path.read_text(), overrides, source=str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), [ConfigProblem("", "not UTF-8 text")]) from None
+    if not text.strip():
+        job_mapping(None, str(path), "file")
+    return parse_job_config(text, overrides, source=str(path), what="file")
 
 
 def job_json_schema() -> str:

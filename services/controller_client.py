@@ -172,7 +172,10 @@ class ControllerSink:
 
 
 def error_text(err: BaseException) -> str:
-    return "".join(traceback.format_exception(err)[-20:]).strip()
+    """The failure's cause in one line, as the job view shows it (``ValueError: boom``;
+    a message of several lines joined with "; "); the traceback is in the job's log."""
+    text = "".join(traceback.format_exception_only(err)).strip()
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 @contextlib.contextmanager

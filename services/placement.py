@@ -10,12 +10,18 @@ needs. While it waits, the job writes a ``waiting`` event ("waiting for resource
 bundle (on its node and device). Trainer ranks must share one node unless
 ``trainer.allow_cross_node``; with engine bundles in the group that is checked once the
 group is placed (Ray has one strategy per group).
+
+A Ray head that Tally starts itself (``tally train`` without ``--address`` /
+``RAY_ADDRESS``) knows everything it will ever have, so a job it cannot place is refused
+before anything starts, naming the field (:func:`check_local_head`); only a cluster, where
+nodes may still join, is waited on.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout.engines import engine_actor_options
-from services.config import JobConfig
+from services.config import ConfigError, ConfigProblem, JobConfig
 
 if TYPE_CHECKING:  # Ray is imported where a group is made: the controller counts needs only
     from ray.util.placement_group import PlacementGroup
@@ -184,3 +190,97 @@ def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
                                f" ranks of {trainer_bundle(config)} on one node")
     return JobPlacement(group, config.trainer.world_size, config.rollout.engine.num_engines,
                         config.colocate, has_engines)
+
+
+# ---- a Ray head started here: what it has, and a job it could never place ------------
+
+HEAD_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""What a Ray head started by ``ray.init`` has; any other resource a job asks for (a node
+label) it never will."""
+
+
+def starts_local_head() -> bool:
+    """Whether ``ensure_ray`` will start a Ray head in this process: no ``RAY_ADDRESS``
+    (``--address``) and Ray not yet initialized here."""
+    ray = sys.modules.get("ray")
+    return not os.environ.get("RAY_ADDRESS") and not (ray is not None and ray.is_initialized())
+
+
+def local_head_cpus(config: JobConfig) -> int:
+    """CPUs of the head Tally starts for this job: every core, and at least what the
+    trainer ranks need plus two (an oversubscribed small machine runs; an undersized
+    head would wait forever)."""
+    needed = config.trainer.world_size * config.trainer.num_cpus_per_rank + 2
+    return max(os.cpu_count() or 1, int(needed + 0.999))
+
+
+def local_gpu_count() -> int:
+    """GPUs a Ray head started here gets: CUDA's device count (``CUDA_VISIBLE_DEVICES``
+    applied, as Ray applies it). A machine with no NVIDIA (or ROCm, or WSL) device node
+    has none, said without importing torch (1-2 s); only a machine that may have a GPU
+    asks torch, lazily: the controller never calls this."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    nodes = ("nvidia[0-9]*", "kfd", "dxg")
+    if not any(next(Path("/dev").glob(pattern), None) for pattern in nodes):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def check_local_head(config: JobConfig, num_cpus: int | None = None,
+                     num_gpus: int | None = None) -> None:
+    """Refuse (ConfigError naming the field) a job the Ray head Tally starts here could
+    never place: it would wait for resources forever. ``num_cpus`` / ``num_gpus``: the
+    head's (default :func:`local_head_cpus`, and :func:`local_gpu_count` when the job
+    asks for a GPU at all)."""
+    needs, engine, trainer = job_needs(config), config.rollout.engine, config.trainer
+    cuda_engine = getattr(engine, "device", "cpu").startswith("cuda")
+    cpus = local_head_cpus(config) if num_cpus is None else num_cpus
+    gpus = num_gpus if num_gpus is not None else (
+        local_gpu_count() if needs.get("GPU") or cuda_engine else 0)
+    has = f"Ray head started by Tally: {_count(cpus, 'CPU')}, {_count(gpus, 'GPU')}"
+    machine = f"this machine has {'no GPU' if not gpus else 'only ' + _count(gpus, 'GPU')}"
+    join = "or join a cluster with --address"
+    problems = [ConfigProblem(f"{section}.resources", f"asks for {name!r}, which this "
+                              f"machine does not have ({has}); remove it {join}")
+                for section, bundle in (("trainer", trainer_bundle(config)),
+                                        ("rollout.engine", engine_bundle(config)))
+                for name in bundle if name not in HEAD_RESOURCES]
+    rank_gpus = trainer.world_size * trainer.num_gpus_per_rank
+    all_gpus = needs.get("GPU", 0.0)
+    if rank_gpus > gpus + 1e-9:
+        ranks = (f" ({trainer.world_size} ranks: {_count(rank_gpus, 'GPU')})"
+                 if trainer.world_size > 1 else "")
+        fix = "set it to 0" if not gpus else "lower it (or trainer.dp_size),"
+        problems.append(ConfigProblem("trainer.num_gpus_per_rank", (
+            f"{trainer.num_gpus_per_rank:g} GPU per rank asked for{ranks}, but {machine} "
+            f"({has}); {fix} {join}")))
+    elif all_gpus > gpus + 1e-9:  # the engines' own bundles tip it over
+        field = ("rollout.engine.tp_size" if getattr(engine, "num_gpus", 0) is None
+                 else "rollout.engine.num_gpus")
+        per_engine = (all_gpus - rank_gpus) / engine.num_engines
+        ranks = f" and {rank_gpus:g} for the trainer" if rank_gpus else ""
+        fix = ("give running servers in rollout.engine.urls" if engine.type == "sglang"
+               else "set rollout.engine.num_gpus to 0")
+        problems.append(ConfigProblem(field, (
+            f"{per_engine:g} GPU per engine asked for ({_count(engine.num_engines, 'engine')}"
+            f"{ranks}: {_count(all_gpus, 'GPU')} in all), but {machine} ({has}); {fix} "
+            f"{join}")))
+    if cuda_engine and not gpus:
+        problems.append(ConfigProblem("rollout.engine.device", (
+            f"{engine.device} asked for, but this machine has no GPU ({has}); set it to cpu "
+            f"{join}")))
+    if needs.get("CPU", 0.0) > cpus + 1e-9:  # the ranks always fit: local_head_cpus
+        problems.append(ConfigProblem("rollout.engine.num_cpus", (
+            f"{getattr(engine, 'num_cpus', 0):g} CPUs per engine asked for "
+            f"({_count(needs['CPU'], 'CPU')} in all with the trainer ranks), but this "
+            f"machine has {cpus} ({has}); lower it {join}")))
+    if problems:
+        raise ConfigError("", problems)
+
+
+def _count(amount: float, what: str) -> str:
+    return f"{amount:g} {what}{'s' * (amount != 1)}"

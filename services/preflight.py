@@ -1,43 +1,110 @@
-"""Checks a job needs before anything starts that pydantic cannot see: optional packages
-and local paths. Free of torch and Ray, so the controller runs them at submit time and the
-driver again at start."""
+"""Checks a job needs before anything starts that pydantic cannot see: optional packages;
+local paths and what they hold (every record of a dataset file, bounded in time; the model
+folder); the user's own modules (``rollout.reward.custom_function``,
+``aggregation.custom_reducer``); and, for a Ray head Tally starts itself, the machine's
+CPUs and GPUs. The controller runs them at submit time, ``tally train`` before Ray starts
+and the driver again at start.
+
+Free of torch and Ray, so the controller stays light: only the local-head check may import
+torch, lazily, on a machine with a GPU device. Each problem is one line that names the
+field (and the file:line for a dataset record) and how to fix it.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
-from rollout.datasets import DatasetError, check_dataset_available
+from rollout.config import DatasetConfig
+from rollout.datasets import check_prompt_dataset
 from rollout.engines import check_engine_available
-from rollout.pretrained import SMOLLM2_NAME, ModelImportError, require_gguf, smollm2_gguf_path
+from rollout.plugins import check_object
+from rollout.pretrained import (
+    BUILTIN_MODELS,
+    SMOLLM2_NAME,
+    check_model,
+    require_gguf,
+    smollm2_gguf_path,
+)
+from rollout.rewards import check_reward_function
 from services.config import ConfigError, ConfigProblem, JobConfig
 from services.driver.wandb_sink import check_wandb_available
+from services.placement import check_local_head
+
+CHECKED = (RuntimeError, ValueError)
+"""What a check raises, its message ``field: …`` within its section: DatasetError and
+PluginError (ValueErrors), ModelImportError and EngineUnavailableError (RuntimeErrors)."""
 
 
-def preflight(config: JobConfig) -> None:
-    """Raises ConfigError naming the field (source "": the config is already parsed)."""
-    try:
-        check_engine_available(config.rollout)
-    except RuntimeError as err:
-        raise ConfigError("", [ConfigProblem.from_rule(str(err), "rollout")]) from None
-    try:
-        check_dataset_available(config.rollout.dataset)
-    except DatasetError as err:
-        raise ConfigError("", [ConfigProblem.from_rule(str(err), "rollout")]) from None
-    if config.rollout.model == SMOLLM2_NAME:
+def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
+    """Raises ConfigError (source "": the config is already parsed) with one problem per
+    failed check, each naming its field. Returns notes, one line each, on what was checked
+    only in part (a dataset file too large to read whole in the time allowed).
+
+    ``local_head``: the job runs on a Ray head started here (``tally train`` without
+    ``--address`` / ``RAY_ADDRESS``; services.placement.starts_local_head), so a job that
+    head could never place is refused instead of waiting forever. Never at submit: a
+    cluster's nodes may still join.
+    """
+    problems: list[ConfigProblem] = []
+    notes: list[str] = []
+
+    def check(section: str, run: Callable[[], object]) -> None:
         try:
-            smollm2_gguf_path()  # imported into the data folder at start, once
-            require_gguf()
-        except ModelImportError as err:
-            raise ConfigError("", [ConfigProblem.from_rule(str(err), "rollout")]) from None
-    check_wandb_available(config.logging.wandb)
-    local_model = config.rollout.model not in ("tiny", SMOLLM2_NAME)
-    if local_model and not Path(config.rollout.model).is_dir():
-        raise ConfigError("", [ConfigProblem(
-            "rollout.model", f"{config.rollout.model} is not a local directory")])
+            run()
+        except ConfigError as err:  # already names its whole field
+            problems.extend(err.problems)
+        except CHECKED as err:
+            problems.append(ConfigProblem.from_rule(str(err), section))
+
+    check("rollout", lambda: check_engine_available(config.rollout))
+    check("rollout", lambda: _check_model(config))
+    check("rollout", lambda: check_reward_function(config.rollout.reward))
+    if config.aggregation.custom_reducer is not None:
+        check("aggregation", lambda: check_object(config.aggregation.custom_reducer,
+                                                  "custom_reducer"))
+    check("", lambda: check_wandb_available(config.logging.wandb))
     if config.trainer.backend == "megatron":
-        from trainer.backends.megatron import check_available
+        check("", lambda: _check_megatron(config))
+    if local_head:
+        check("", lambda: check_local_head(config))
+    check("rollout", lambda: _check_dataset(config.rollout.dataset, "rollout", notes))
+    if config.eval.enabled and config.eval.dataset is not None:  # else: rollout.dataset's
+        num_checked = len(problems)
+        check("eval", lambda: _check_dataset(config.eval_dataset(), "eval", notes))
+        if isinstance(config.eval.dataset, str):  # `eval.dataset: held.jsonl`
+            keys_from = "rollout.dataset" if hasattr(config.rollout.dataset, "path") else None
+            problems[num_checked:] = [_eval_path_problem(p, keys_from)
+                                      for p in problems[num_checked:]]
+    if problems:
+        raise ConfigError("", problems)
+    return notes
 
-        try:
-            check_available(config.trainer, config.rollout.model if local_model else None)
-        except ValueError as err:
-            raise ConfigError("", [ConfigProblem.from_rule(str(err))]) from None
+
+def _check_model(config: JobConfig) -> None:
+    if config.rollout.model == SMOLLM2_NAME:
+        smollm2_gguf_path()  # imported into the data folder at start, once
+        require_gguf()
+    check_model(config.rollout.model, config.rollout.tokenizer)
+
+
+def _check_megatron(config: JobConfig) -> None:
+    from trainer.backends.megatron import check_available
+
+    local_model = config.rollout.model not in BUILTIN_MODELS
+    check_available(config.trainer, config.rollout.model if local_model else None)
+
+
+def _eval_path_problem(problem: ConfigProblem, keys_from: str | None) -> ConfigProblem:
+    """A problem of an ``eval.dataset`` given as a path names that field, or the training
+    dataset's key it is read with (prompt_key, label_key, metadata_keys)."""
+    key = problem.field.removeprefix("eval.dataset").lstrip(".")
+    field = f"{keys_from}.{key}" if keys_from and key not in ("", "path", "type") else \
+        "eval.dataset"
+    return ConfigProblem(field, problem.message)
+
+
+def _check_dataset(dataset: DatasetConfig, section: str, notes: list[str]) -> None:
+    checked = check_prompt_dataset(dataset)
+    note = checked.note() if checked is not None else None
+    if note:  # "dataset.path: checked the first … records"
+        notes.append(f"{section}.{note}")

@@ -8,28 +8,62 @@ import sys
 from pathlib import Path
 
 from services.config import ConfigError, load_job_config
-from services.controller_client import controller_sinks
-from services.driver.loop import run_job
-from services.driver.run_dir import job_dir
+from services.driver.run_dir import CHECKPOINTS_DIR, job_dir
+from services.placement import starts_local_head
 from services.preflight import preflight
+
+Resume = bool | Path | None
+"""None: the config's ``resume`` decides; True: the newest readable checkpoint of the job
+folder (``--resume auto``); False: none (``--no-resume``); a Path: that checkpoint."""
 
 
 def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
-                   output_dir: Path | None = None) -> int:
-    """Load and preflight the config (a ConfigError goes to stderr, exit code 2), then run
-    it, reporting to the controller when ``TALLY_CONTROLLER_URL`` is set. Returns the
-    exit code."""
+                   output_dir: Path | None = None, resume: Resume = None,
+                   force: bool = False) -> int:
+    """Load and preflight the config, decide where the job resumes (a ConfigError goes to
+    stderr, exit code 2: nothing started), then run it, reporting to the controller when
+    ``TALLY_CONTROLLER_URL`` is set. A job that fails for good says why in its last line
+    (exit code 1). ``force``: resume even with settings that break exactness."""
     try:
         config = load_job_config(config_path, overrides or [])
-        preflight(config)
+        for note in preflight(config, local_head=starts_local_head()):
+            print(f"note: {note}")
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    # Only now the driver (torch, Ray): a refused config answers in about a second.
+    from services.controller_client import controller_sinks
+    from services.driver.loop import JobFailed, run_job
+
+    if resume is not None:
+        config = config.model_copy(update={"resume": resume is not False})
+    named = Path(resume) if isinstance(resume, Path) else None
+    if named is not None and not output_dir and not config.output_dir and (
+            named.resolve().parent.name == CHECKPOINTS_DIR):
+        output_dir = named.resolve().parent.parent  # the job the checkpoint belongs to
     output_dir = output_dir or (Path(config.output_dir) if config.output_dir
                                 else job_dir(config.name, config.output_dir))
-    with controller_sinks(config, output_dir) as sinks:  # [] unless TALLY_CONTROLLER_URL
-        run_job(config, output_dir, extra_sinks=sinks)
+    try:
+        with controller_sinks(config, output_dir) as sinks:  # [] unless TALLY_CONTROLLER_URL
+            run_job(config, output_dir, extra_sinks=sinks, resume_from=named, force=force)
+    except ConfigError as err:  # the resume refused, before anything started
+        print(err, file=sys.stderr)
+        return 2
+    except JobFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
+
+
+def resume_option(resume: str | None, no_resume: bool) -> Resume:
+    """``--resume auto|PATH`` / ``--no-resume`` as :data:`Resume` (ValueError for both)."""
+    if resume is not None and no_resume:
+        raise ValueError("--resume and --no-resume: choose one")
+    if no_resume:
+        return False
+    if resume is None:
+        return None
+    return True if resume == "auto" else Path(resume)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,8 +74,19 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="KEY=VALUE",
                         help="override a field, e.g. trainer.optimizer.lr=1e-5")
     parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--resume", metavar="auto|PATH", default=None,
+                        help="resume from the job folder's newest checkpoint (auto) or "
+                             "from this checkpoint folder")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start at step 0 (the folder's checkpoints are set aside)")
+    parser.add_argument("--force", action="store_true",
+                        help="resume even with changed settings that break exactness")
     args = parser.parse_args(argv)
-    return train_from_cli(args.config, args.overrides, args.output_dir)
+    try:
+        resume = resume_option(args.resume, args.no_resume)
+    except ValueError as err:
+        parser.error(str(err))
+    return train_from_cli(args.config, args.overrides, args.output_dir, resume, args.force)
 
 
 if __name__ == "__main__":

@@ -183,13 +183,22 @@ def trainer_state(optimizer_state: dict | None,
     return state if optimizer_state is None else {"optimizer": optimizer_state, **state}
 
 
-def restore_schedule_and_rng(state: dict, scheduler: torch.optim.lr_scheduler.LRScheduler
+def restore_schedule_and_rng(state: dict, scheduler: torch.optim.lr_scheduler.LambdaLR
                              ) -> None:
     """Collective: rank 0 read ``state``; every rank restores its scheduler and RNG."""
     holder = [state.get("scheduler"), state.get("rng")]
     dist.broadcast_object_list(holder, src=0)
     scheduler_state, rng = holder
+    configured = list(scheduler.base_lrs)  # this run's trainer.optimizer.lr
     scheduler.load_state_dict(scheduler_state)
+    # A resume may change the lr (allowed, logged as config_changed): the schedule's
+    # position comes from the checkpoint, its peak from this run's config.
+    scheduler.base_lrs = configured
+    for group, base, factor in zip(scheduler.optimizer.param_groups, configured,
+                                   scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])

@@ -12,7 +12,11 @@ from typing import Any
 import httpx
 import typer
 
+from services.controller.job_logs import ANSI
+
 DEFAULT_URL = "http://127.0.0.1:8000"
+WHOLE_INPUT = ("<config>", "<body>")
+"""The ``field`` of a 422 problem with the whole config or request (said without it)."""
 
 
 def base_url(url: str | None) -> str:
@@ -42,9 +46,15 @@ def checked(response: httpx.Response) -> Any:
         body = response.json()
     except ValueError:
         body = {"detail": response.text}
-    lines = [f"  {e['field']}: {e['message']}" for e in body.get("errors", [])]
-    detail = body.get("detail") if not lines else "invalid request:"
-    typer.echo("\n".join([f"error {response.status_code}: {detail}", *lines]), err=True)
+    errors = body.get("errors") or []
+    if len(errors) == 1:  # one line: the field (none for the whole config) and what to fix
+        field, message = errors[0]["field"], errors[0]["message"]
+        named = "" if field in WHOLE_INPUT else f"{field}: "
+        typer.echo(f"error {response.status_code}: {named}{message}", err=True)
+    else:
+        lines = [f"  {e['field']}: {e['message']}" for e in errors]
+        detail = body.get("detail") if not lines else "invalid request:"
+        typer.echo("\n".join([f"error {response.status_code}: {detail}", *lines]), err=True)
     raise typer.Exit(2 if response.status_code == 422 else 1)
 
 
@@ -77,11 +87,18 @@ def print_job(job: dict[str, Any], url: str) -> None:
     last = (job.get("events") or [{}])[-1]
     if last.get("kind") == "waiting" and job["status"] in ("queued", "pending", "running"):
         typer.echo(f"{'waiting:':<19} {last['message'].removeprefix('waiting for ')}")
-    if job.get("error"):
-        typer.echo(f"error:\n  {job['error']}")
-    if job.get("log_tail"):
-        typer.echo("last log lines:\n" + "\n".join(f"  {line}" for line in
-                                                    job["log_tail"].splitlines()))
+    cause = (job.get("error") or "").strip()
+    if cause:
+        typer.echo(f"{'error:':<19} {cause}")
+    shown = [line for line in (job.get("log_tail") or "").splitlines()
+             if not _says(ANSI.sub("", line).strip(), cause)]  # the cause once, above
+    if any(line.strip() for line in shown):
+        typer.echo("last log lines:\n" + "\n".join(f"  {line}" for line in shown))
+
+
+def _says(line: str, cause: str) -> bool:
+    """Is ``line`` the cause (or its first line, when its lines were joined with "; ")?"""
+    return bool(line) and (cause == line or cause.startswith(line + "; "))
 
 
 def stream_logs(url: str | None, job_id: str, follow: bool, tail: int | None) -> None:

@@ -3,7 +3,8 @@
 Each pass (every ``reconcile_interval_s``, or at once when woken by a submit):
 
 1. poll Ray for every pending/running job: new status, and on the end its logs are saved
-   to ``<job>/driver.log`` and, for a failure, the error and the last log lines stored;
+   to ``<job>/driver.log`` (a stopped driver's stack dumps left out) and, for a failure,
+   its cause (one line, services/controller/job_logs.py) and the last log lines stored;
 2. find the Ray submission of jobs that registered themselves (``ray job submit``);
 3. submit queued jobs while fewer than ``max_running_jobs`` run and the cluster has room
    for their whole placement group (a job that waits says so in its events);
@@ -26,6 +27,7 @@ from pathlib import Path
 from services.config import JobConfig
 from services.controller.auth import job_token
 from services.controller.capacity import Capacity
+from services.controller.job_logs import failure_cause, without_stop_dumps
 from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobInfo
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
@@ -114,6 +116,7 @@ class Reconciler:
         except BackendUnavailable:
             self.errors += 1
             return  # the next pass tries again
+        logs = without_stop_dumps(logs) if logs is not None else None
         if logs is not None and self.settings.inside_roots(job.output_dir):
             try:
                 Path(job.output_dir).mkdir(parents=True, exist_ok=True)
@@ -122,12 +125,11 @@ class Reconciler:
                 log.warning("cannot save the logs of job %s", job.id)
         failed = info.status == "failed" or job.status == "failed"
         log_tail = tail(logs or "") if failed else ""
+        cause = failure_cause(logs, info.message) if failed else None  # once, one line
         if job.status in TERMINAL:  # the driver (or a cancel) got there first
-            self.store.update_job(job.id, log_tail=log_tail, error=job.error or (
-                info.message if failed else None))
+            self.store.update_job(job.id, log_tail=log_tail, error=job.error or cause)
             return
-        error = info.message if info.status == "failed" else None
-        self.store.transition(job.id, info.status, error=error, log_tail=log_tail)
+        self.store.transition(job.id, info.status, error=cause, log_tail=log_tail)
 
     # ---- 2. registered jobs --------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from services.controller.job_logs import StopDumps
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.reconcile import tail
 from services.controller.routes_jobs import NOT_FOUND, get_or_404
@@ -93,8 +94,8 @@ def current_logs(ctl: Controller, job: Job, lines: int | None = None) -> str | N
 async def job_logs(job_id: str, ctl: Ctl,
                    tail_lines: Annotated[int | None, Query(alias="tail", ge=1, le=100_000)]
                    = None, follow: bool = False) -> PlainTextResponse | StreamingResponse:
-    """The driver's output. ``tail`` keeps the last lines; ``follow`` streams new output
-    until the job ends."""
+    """The driver's output (a stopped driver's stack dumps as one line). ``tail`` keeps
+    the last lines; ``follow`` streams new output until the job ends."""
     job = await run_in_threadpool(get_or_404, ctl, job_id)
     text = await run_in_threadpool(current_logs, ctl, job, tail_lines)
     if text is None:
@@ -102,8 +103,11 @@ async def job_logs(job_id: str, ctl: Ctl,
             text = ""
         else:
             raise HTTPException(404, f"no logs for job {job_id} (not run by Ray here)")
-    first = tail(text, tail_lines) + "\n" if tail_lines and text else text
-    if not (follow and job.status in ACTIVE and job.ray_submission_id):
+    following = follow and job.status in ACTIVE and job.ray_submission_id
+    dumps = StopDumps()
+    shown = dumps.feed(text) + ("" if following else dumps.flush())
+    first = tail(shown, tail_lines) + "\n" if tail_lines and shown else shown
+    if not following:
         return PlainTextResponse(first)
 
     async def stream() -> AsyncIterator[str]:
@@ -113,8 +117,10 @@ async def job_logs(job_id: str, ctl: Ctl,
             async for chunk in ctl.backend.follow(job.ray_submission_id):
                 new = chunk[max(0, len(text) - seen):] if seen < len(text) else chunk
                 seen += len(chunk)
-                if new:
-                    yield new
+                if new and (out := dumps.feed(new)):
+                    yield out
+            if rest := dumps.flush():
+                yield rest
         except (RuntimeError, OSError) as err:
             yield f"\n[tally: log stream ended: {err}]\n"
 

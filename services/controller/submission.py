@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +21,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollout.pretrained import SMOLLM2_NAME
+from rollout.pretrained import BUILTIN_MODELS
 from services.config import (
     ConfigError,
     JobConfig,
     _validation_error,
     apply_override,
+    job_mapping,
     load_yaml,
     set_dotted,
 )
@@ -36,8 +38,6 @@ MAX_CONFIG_BYTES = 64 * 1024
 """A job config (YAML text or JSON object) larger than this is refused with 413."""
 MAX_DEPTH = 32
 """Deepest nesting of sections, lists and flow brackets a config may have."""
-NAMED_MODELS = ("tiny", SMOLLM2_NAME)
-"""``rollout.model`` values that name a model Tally builds itself, not a folder."""
 
 
 class SubmissionError(ValueError):
@@ -66,8 +66,11 @@ class Resolved:
 
 def from_config_error(err: ConfigError) -> SubmissionError:
     """ConfigError's problems -> (field path, message) pairs; a problem of the whole input
-    (YAML syntax, not a mapping) is ``<config>``'s."""
-    return SubmissionError(str(err), [(p.field or "<config>", p.message) for p in err.problems])
+    (YAML syntax, not a mapping, empty) is ``<config>``'s. One problem is one line of
+    detail, as ``tally train`` says it: ``field: message``."""
+    pairs = [(p.field or "<config>", p.message) for p in err.problems]
+    detail = f"{pairs[0][0]}: {pairs[0][1]}" if len(pairs) == 1 else str(err)
+    return SubmissionError(detail, pairs)
 
 
 def _config_problem(message: str) -> SubmissionError:
@@ -132,8 +135,10 @@ def load_config_text(text: str) -> dict[str, Any]:
         data = load_yaml(text, "<config>", aliases=False)
     except ConfigError as err:
         raise from_config_error(err) from None
-    if not isinstance(data, dict):
-        raise _config_problem(f"a job config is a mapping of keys, got {type(data).__name__}")
+    try:
+        data = job_mapping(data if text.strip() else None, "<config>")
+    except ConfigError as err:  # nothing at all, or not a mapping
+        raise from_config_error(err) from None
     if data_depth(data) > MAX_DEPTH:  # e.g. a long "- - - -" line
         raise _config_problem(f"nested deeper than {MAX_DEPTH} levels")
     return data
@@ -181,30 +186,31 @@ def _inside_roots(value: str, field_path: str, settings: Settings) -> Path:
     path = (path if path.is_absolute() else settings.data_dir / path).resolve()
     if not any(path.is_relative_to(root) for root in settings.roots):
         roots = ", ".join(str(r) for r in settings.roots)
-        raise SubmissionError(f"{field_path}: {value} is outside the allowed roots ({roots})",
-                              [(field_path, f"{value} is outside the allowed roots ({roots})")])
+        message = (f"{value} is outside the allowed roots ({roots}); move it into one, or "
+                   f"start the controller with its folder in TALLY_ALLOWED_ROOTS "
+                   f"('{os.pathsep}'-separated)")
+        raise SubmissionError(f"{field_path}: {message}", [(field_path, message)])
     return path
 
 
 def resolve_paths(config: JobConfig, data: dict[str, Any], settings: Settings,
                   default_output: Path) -> Path:
-    """Check every path field, write resolved ones into ``data``; returns the job folder."""
-    rollout = config.rollout
-    checks: list[tuple[str, str | None, str]] = [
-        ("rollout.model", None if rollout.model in NAMED_MODELS else rollout.model, "dir"),
-        ("rollout.tokenizer", rollout.tokenizer, "dir"),
-        ("rollout.dataset.path", getattr(rollout.dataset, "path", None), "file"),
-        ("rollout.engine.weight_sync_dir", getattr(rollout.engine, "weight_sync_dir", None), ""),
+    """Check every path field is inside the allowed roots, write resolved ones into
+    ``data``; returns the job folder. Whether each exists and reads is the preflight's
+    (the same one-line messages as ``tally train``)."""
+    rollout, held_out = config.rollout, config.eval.dataset
+    checks: list[tuple[str, str | None]] = [
+        ("rollout.model", None if rollout.model in BUILTIN_MODELS else rollout.model),
+        ("rollout.tokenizer", rollout.tokenizer),
+        ("rollout.dataset.path", getattr(rollout.dataset, "path", None)),
+        ("rollout.engine.weight_sync_dir", getattr(rollout.engine, "weight_sync_dir", None)),
+        ("eval.dataset", held_out) if isinstance(held_out, str) else
+        ("eval.dataset.path", getattr(held_out, "path", None)),
     ]
-    for field_path, value, kind in checks:
+    for field_path, value in checks:
         if value is None:
             continue
-        path = _inside_roots(value, field_path, settings)
-        exists = path.is_dir() if kind == "dir" else path.is_file() if kind == "file" else True
-        if not exists:
-            message = f"{value} is not an existing {'directory' if kind == 'dir' else 'file'}"
-            raise SubmissionError(f"{field_path}: {message}", [(field_path, message)])
-        set_dotted(data, field_path, str(path))
+        set_dotted(data, field_path, str(_inside_roots(value, field_path, settings)))
     output_dir = (_inside_roots(config.output_dir, "output_dir", settings)
                   if config.output_dir else default_output)
     data["output_dir"] = str(output_dir)
@@ -262,6 +268,6 @@ def resolve(data: dict[str, Any], overrides: list[str], settings: Settings, job_
     try:
         final = JobConfig.model_validate(data)
     except ValidationError as err:  # a resolved path broke a rule: report, never 500
-        raise SubmissionError(f"{source}: {err}", [("<config>", str(err))]) from None
+        raise from_config_error(_validation_error(err, source)) from None
     check_runnable(final)  # after path resolution: paths are checked where they will be read
     return Resolved(final, data, output_dir, stored_text, list(overrides))

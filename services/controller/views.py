@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fastapi import HTTPException
 
+from services.controller.job_logs import ANSI
 from services.controller.schemas import JobDetail, JobEvent, JobOut, JobStatus, MetricsOut
 from services.controller.store import MetricTriple
 from services.controller.tables import Job
@@ -33,8 +34,9 @@ def job_out(job: Job) -> JobOut:
 
 def job_events(output_dir: str | None, roots: Sequence[Path], limit: int = 200
                ) -> list[JobEvent]:
-    """The last events the driver wrote to <job folder>/events.jsonl (torn lines skipped);
-    none from a folder outside the allowed ``roots``."""
+    """The last events the driver wrote to <job folder>/events.jsonl (torn lines skipped,
+    terminal colours of a copied Ray message left out); none from a folder outside the
+    allowed ``roots``."""
     if not output_dir or not any(Path(output_dir).resolve().is_relative_to(root)
                                  for root in roots):
         return []
@@ -45,9 +47,10 @@ def job_events(output_dir: str | None, roots: Sequence[Path], limit: int = 200
     events = []
     for line in lines[-limit:]:
         try:
-            events.append(JobEvent.model_validate_json(line))
+            event = JobEvent.model_validate_json(line)
         except ValueError:
             continue
+        events.append(event.model_copy(update={"message": ANSI.sub("", event.message)}))
     return events
 
 

@@ -1,20 +1,33 @@
-"""The driver's part of a checkpoint, as data: never a pickle.
+"""The driver's part of a checkpoint, as data (never a pickle), and where a start of a
+job resumes from.
 
-    checkpoints/step_N/
-        model/, trainer_state.pt           the trainer's part (trainer/checkpoint.py)
+    checkpoints/step_N/                    after rollout step N (0-based, 8 digits)
+        shards/, trainer_state.pt, …       the trainer's part (trainer/checkpoint.py)
         driver_state.json                  {"step": N, "rollout": manager state}
         rollouts_in_flight.safetensors     async only: the rollouts generated for the steps
                                            after N, each RolloutBatch's tensors under
                                            "<step>/<field>", its scalars in the header
+    checkpoints/latest -> step_N           the newest committed one (:func:`link_latest`)
 
 A checkpoint folder is staged and committed by trainer/checkpoint.py (written aside,
 renamed when complete). Loading reads JSON and safetensors only, so a checkpoint from
 anywhere cannot run code; :func:`unreadable` checks every file before a resume uses it.
+
+A start resumes (:func:`plan_resume`, before Ray starts) from the newest readable
+checkpoint of the job folder (``resume: true``, ``--resume auto``), from a named one
+(``--resume PATH``), or from nothing (``--no-resume``); the checkpoints after the start
+are set aside, so that no restart and no ``latest`` link picks them. A job whose
+checkpoint holds every step is finished. The settings are compared with the config.json
+of the checkpoint's job: what changes the trained stream (batch sizes, G, aggregation,
+model, data, loss, seeds) is refused naming the field unless forced; the learning-rate
+schedule and ``num_steps`` may change (a ``config_changed`` event); where and how the
+job runs (layout, resources, timeouts, evaluation, logging) changes freely.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,8 +38,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rollout.batch import RolloutBatch
-from services.config import JobConfig
-from services.driver.run_dir import RunDir
+from services.config import ConfigError, ConfigProblem, JobConfig
+from services.driver.run_dir import CONFIG_FILE, LATEST_LINK, RunDir
 from services.driver.sinks import truncate_after
 from trainer import checkpoint as trainer_checkpoint
 
@@ -63,6 +76,134 @@ def newest_readable(run_dir: RunDir, log: Callable[[str], None]) -> Path | None:
                             "the one before")
         log(f"checkpoint {folder.name} is unreadable ({reason})")
     return None
+
+
+def link_latest(run_dir: RunDir) -> None:
+    """Point checkpoints/latest at the newest committed checkpoint (no link when there is
+    none), atomically: a new link made beside it is renamed over the old one."""
+    newest = trainer_checkpoint.latest_checkpoint(run_dir.checkpoints_dir)
+    if newest is None:
+        run_dir.latest_link.unlink(missing_ok=True)
+        return
+    staging = run_dir.checkpoints_dir / f".{LATEST_LINK}.{os.getpid()}.tmp"
+    staging.unlink(missing_ok=True)
+    os.symlink(newest.name, staging)
+    os.replace(staging, run_dir.latest_link)
+
+
+def set_aside(run_dir: RunDir, after: int, log: Callable[[str], None]) -> None:
+    """Move the committed checkpoints after rollout step ``after`` (-1: all) into a
+    ``set-aside-<time>`` folder of checkpoints/, where no resume looks, and say so."""
+    later = [folder for folder in trainer_checkpoint.checkpoints(run_dir.checkpoints_dir)
+             if trainer_checkpoint.checkpoint_step(folder) > after]
+    if not later:
+        return
+    target = run_dir.set_aside_dir()
+    target.mkdir()
+    for folder in later:
+        os.replace(folder, target / folder.name)
+    link_latest(run_dir)
+    message = (f"{len(later)} checkpoint(s) after step {after} moved to {target}: this "
+               "start does not continue them" if after >= 0 else
+               f"{len(later)} checkpoint(s) moved to {target}: this start begins at step 0")
+    run_dir.write_event("checkpoints_set_aside", message)
+    log(message)
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Where a start of the job begins, decided before anything starts."""
+
+    checkpoint: Path | None
+    """The checkpoint to resume from; None: rollout step 0."""
+    step: int = -1
+    """The last rollout step it holds (-1: none)."""
+    finished: bool = False
+    """It holds every rollout step of the job: nothing to run."""
+    changes: tuple[str, ...] = ()
+    """Settings changed since it was written that the resume takes on (one line each,
+    for the ``config_changed`` events)."""
+
+
+RESUME_FREE = (
+    "name", "output_dir", "resume", "max_restarts", "checkpoint_every", "eval", "logging",
+    "colocate", "num_ranks", "rollout.call_timeout_s", "rollout.engine.num_threads",
+    "rollout.engine.num_cpus", "rollout.engine.num_gpus", "rollout.engine.resources",
+    "rollout.engine.device", "trainer.dp_size", "trainer.cp_size", "trainer.tp_size",
+    "trainer.num_cpus_per_rank", "trainer.num_threads", "trainer.num_gpus_per_rank",
+    "trainer.resources", "trainer.allow_cross_node", "trainer.collective_timeout_s",
+    "trainer.call_timeout_s", "trainer.max_tokens_per_micro_batch", "trainer.packing",
+    "trainer.weight_sync")
+"""Settings a resume may change silently: where and how the job runs, evaluation and
+logging, never what it trains (a layout changes nothing: docs/loss-aggregation.md)."""
+RESUME_LOGGED = ("num_steps", "trainer.optimizer.lr", "trainer.optimizer.warmup_steps",
+                 "trainer.optimizer.schedule", "trainer.optimizer.min_lr_ratio")
+"""Settings a resume may change, said in a ``config_changed`` event: the learning-rate
+schedule from the resumed step on, and how many rollout steps the job has."""
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict) or not data:
+        return {prefix: data}
+    return {key: value for name, item in data.items()
+            for key, value in _flat(item, f"{prefix}{name}.").items()}
+
+
+def _within(field: str, names: tuple[str, ...]) -> bool:
+    return any(field == name or field.startswith(name + ".") for name in names)
+
+
+def resume_changes(config: JobConfig, stored: Path, force: bool) -> tuple[str, ...]:
+    """The settings of ``config`` that differ from ``stored`` (a job's config.json) and
+    matter to a resume: ConfigError naming each one that breaks an exact continuation
+    (unless ``force``); the allowed ones, one line each."""
+    if not stored.is_file():
+        if force:
+            return (f"{stored} is missing: the settings were not compared (--force)",)
+        raise ConfigError("", [ConfigProblem("", (
+            f"--resume: {stored} is missing, so this config cannot be checked against the "
+            "one the checkpoint was trained with; pass --force to resume anyway"))])
+    old = {k.removesuffix("."): v for k, v in _flat(json.loads(stored.read_text())).items()}
+    new = {k.removesuffix("."): v for k, v in _flat(config.model_dump(mode="json")).items()}
+    changed = sorted(field for field in old if new.get(field, "<unset>") != old[field]
+                     and not _within(field, RESUME_FREE))
+    refused = [field for field in changed if not _within(field, RESUME_LOGGED)]
+    if refused and not force:
+        raise ConfigError("", [ConfigProblem(field, (
+            f"was {json.dumps(old[field])} when the checkpoints in {stored.parent} were "
+            f"written, is {json.dumps(new.get(field))} now: the resumed run would not "
+            "continue the same training; set it back, pass --force to resume anyway, or "
+            "use another --output-dir")) for field in refused])
+    return tuple(f"{field}: {json.dumps(old[field])} → {json.dumps(new.get(field))}"
+                 + (" (--force)" if field in refused else "") for field in changed)
+
+
+def plan_resume(config: JobConfig, run_dir: RunDir, named: Path | None, force: bool,
+                log: Callable[[str], None]) -> ResumePlan:
+    """Where this start begins (no actor needed): ``named`` (a checkpoint folder, its
+    ``latest`` link too), else the job folder's newest readable checkpoint when
+    ``config.resume``; the job folder's checkpoints after it (unreadable ones, or all of
+    them when it is in another job or there is none) are set aside. ConfigError for a
+    named checkpoint that cannot be read or a changed setting that breaks exactness
+    (``force``: resume anyway)."""
+    if named is not None:
+        folder = Path(named).resolve()
+        reason = (unreadable(folder) if (folder / DRIVER_STATE).is_file()
+                  else f"not a checkpoint folder (no {DRIVER_STATE})")
+        if reason:
+            raise ConfigError("", [ConfigProblem("", f"--resume: {named}: {reason}")])
+    else:
+        folder = newest_readable(run_dir, log) if config.resume else None
+    if folder is None:
+        set_aside(run_dir, -1, log)
+        return ResumePlan(None)
+    step = int(json.loads((folder / DRIVER_STATE).read_text())["step"])
+    if step >= config.num_steps - 1:
+        return ResumePlan(folder, step, finished=True)
+    changes = resume_changes(config, folder.parent.parent / CONFIG_FILE, force)
+    in_job = folder.parent.resolve() == run_dir.checkpoints_dir.resolve()
+    set_aside(run_dir, step if in_job else -1, log)
+    return ResumePlan(folder, step, changes=changes)
 
 
 def truncate_rows_after(run_dir: RunDir, step: int, num_updates_per_rollout: int) -> None:

@@ -5,11 +5,23 @@ job without torch or Ray; ``services/config.py`` composes them into JobConfig.""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from rollout.config import DatasetConfig
+
+
+def _path_or_block(value: Any) -> str:
+    return "path" if isinstance(value, str) else "block"
+
+
+EvalDataset = Annotated[
+    Annotated[Annotated[str, Field(min_length=1, max_length=4096)], Tag("path")]
+    | Annotated[DatasetConfig, Tag("block")],
+    Discriminator(_path_or_block),
+]
+"""eval.dataset: a file's path (JSONL; Parquet when it ends in .parquet) or a dataset block."""
 
 
 class EvalConfig(BaseModel):
@@ -23,9 +35,14 @@ class EvalConfig(BaseModel):
     """Evaluate during training."""
     every_steps: int = Field(default=10, gt=0)
     """Evaluate the weights every this many rollout steps (0, n, 2n, …) and the final ones."""
-    dataset: DatasetConfig | None = None
-    """Held-out prompts; None: the training dataset's held-out split (datasets with a
-    ``split`` field, e.g. math_words)."""
+    dataset: EvalDataset | None = None
+    """Held-out prompts: a JSONL path (read with rollout.dataset's prompt_key, label_key and
+    metadata_keys) or a dataset block; None: the training dataset's held-out split
+    (math_words, reasoning_gym, or a file with a split_fraction)."""
+    split_fraction: float | None = Field(default=None, gt=0, lt=1)
+    """Hold out this share of a jsonl / parquet rollout.dataset for evaluation, chosen by a
+    hash of each record's prompt, so training and evaluation never share a record (sets
+    rollout.dataset.split_fraction); None: no share carved."""
     num_prompts: int | None = Field(default=64, gt=0)
     """Evaluate the first this many held-out prompts; None: all of them."""
     num_samples: int = Field(default=4, ge=0, le=64)
@@ -42,6 +59,14 @@ class EvalConfig(BaseModel):
         if self.k is not None and self.k > self.num_samples:
             raise ValueError(f"k: pass@{self.k} needs at least {self.k} samples per prompt, "
                              f"num_samples is {self.num_samples}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_source_of_heldout_prompts(self) -> EvalConfig:
+        if self.split_fraction is not None and self.dataset is not None:
+            raise ValueError("split_fraction: carves the held-out prompts out of "
+                             "rollout.dataset, but eval.dataset names them already; set one "
+                             "of the two")
         return self
 
     @property

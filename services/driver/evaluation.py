@@ -19,20 +19,26 @@ behind the load of its weights, so it measures exactly version v; with
 ``rollout.async_steps`` that load queues behind the rollouts already asked for, so the
 driver does not wait: it collects the result at the end of a later step (and waits only
 at the end of the job). Every result also goes to ``eval.jsonl`` keyed by v.
+
+``tally eval CHECKPOINT --config CONFIG`` (:func:`evaluate_checkpoint`) evaluates the
+weights of checkpoint ``step_N`` — version N + 1 — the same way, without training.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.driver.config import EvalConfig
 
 if TYPE_CHECKING:
     from rollout.manager import EvalOutcome, EvalRun
+    from services.config import JobConfig
 
 
 def is_eval_version(version: int, num_steps: int, config: EvalConfig) -> bool:
@@ -111,3 +117,44 @@ class Evaluation:
                    "perf/eval_s": time.perf_counter() - started}
             self.record(version, row)
         return row
+
+
+def evaluate_checkpoint(config: JobConfig, checkpoint: str | Path,
+                        log: Callable[[str], None] = lambda _: None) -> dict[str, float]:
+    """``tally eval``: the eval section of ``config`` on a checkpoint's weights, no
+    training. The checkpoint is exported (float32, the trained weights) to a temporary
+    Hugging Face folder that a rollout manager loads as its model; the evaluation runs
+    with the seeds of weight version v = step + 1, so it measures what the job's own
+    evaluation of those weights did. Starts (and stops) Ray if none runs; ExportError
+    for a folder that is not a readable checkpoint."""
+    import tempfile
+
+    import ray
+
+    from rollout.manager import RolloutManagerActor
+    from services.driver.job import ensure_ray
+    from services.quiet import QUIET_ENV, quiet_transformers
+    from trainer.checkpoint import checkpoint_step, unreadable
+    from trainer.export import ExportError, export_checkpoint
+
+    folder = Path(checkpoint).resolve()  # a `latest` link names its target
+    if reason := unreadable(folder):
+        raise ExportError(f"{checkpoint}: not a readable checkpoint ({reason})")
+    version = checkpoint_step(folder) + 1
+    quiet_transformers()
+    with tempfile.TemporaryDirectory(prefix="tally-eval-") as tmp:
+        model_path = str(export_checkpoint(folder, Path(tmp) / "model"))
+        started = ensure_ray(os.cpu_count() or 1)
+        try:
+            manager = RolloutManagerActor.options(runtime_env={"env_vars": QUIET_ENV}).remote(
+                config.rollout, model_path)
+            eval_config = config.eval
+            run = ray.get(manager.evaluate.remote(
+                config.eval_dataset(), eval_config.num_prompts, eval_config.num_samples,
+                eval_config.temperature or config.rollout.sampling.temperature, version))
+            ray.get(manager.shutdown.remote())
+        finally:
+            if started:
+                ray.shutdown()
+    log(f"evaluated {folder.name} (weight version {version})")
+    return {**eval_metrics(run.outcomes, eval_config), "eval/weight_version": float(version)}

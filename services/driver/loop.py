@@ -14,12 +14,19 @@ rollout step top to bottom.
 
 The driver owns the order; the rollout manager and the trainer group expose a few verbs.
 Vocabulary (docs/glossary.md): a *rollout step* generates one RolloutBatch and trains it
-in ``num_updates_per_rollout`` *optimizer steps*; ``num_steps`` counts rollout steps.
+in ``num_updates_per_rollout`` *optimizer steps*; ``num_steps`` counts rollout steps,
+numbered 0 … num_steps − 1 in every row, event file, checkpoint name and progress line.
+
+A fault (an actor killed, a node lost, a call past its timeout) restarts the actors from
+the last checkpoint, at most ``max_restarts`` times; an exception an actor raises (in its
+constructor, its setup or a verb: a dataset or model that does not load) fails the job
+at once, since a restart would raise it again.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,10 +39,15 @@ from services.config import JobConfig
 from services.driver import checkpoint
 from services.driver.evaluation import Evaluation
 from services.driver.job import JobActors, ensure_ray, job_model_path, with_threads
-from services.driver.metrics import progress_line, rollout_metrics, skipped_rollout_metrics
+from services.driver.metrics import (
+    LearningSignalWatch,
+    Progress,
+    rollout_metrics,
+    skipped_rollout_metrics,
+)
 from services.driver.pipeline import RolloutPipeline
 from services.driver.run_dir import EVAL_FILE, UPDATES_FILE, RunDir, job_dir
-from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink
+from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 from services.driver.weight_sync import WeightSync, transport_for
 from services.preflight import preflight
@@ -46,7 +58,8 @@ from trainer.mini_batches import mini_batch, rollout_updates
 
 
 class JobFailed(RuntimeError):
-    """The job stopped for good (an actor died and the restarts are used up)."""
+    """The job stopped for good: an actor raised an exception, or died and the restarts
+    are used up. Its text is one line that says why."""
 
 
 @dataclass
@@ -151,7 +164,7 @@ def train_optimizer_steps(job: RunningJob, step: int, batch: RolloutBatch,
 
 def save_checkpoint(job: RunningJob, step: int) -> Path:
     """Trainer state, then the driver's (rollout cursor, rollouts in flight), staged and
-    committed as one folder."""
+    committed as one folder; checkpoints/latest then points at it."""
     root = job.run_dir.checkpoints_dir
     staging = trainer_checkpoint.staging_path(root, step)
     job.checkpointed = job.actors.trainer.save_checkpoint(str(staging))
@@ -159,15 +172,16 @@ def save_checkpoint(job: RunningJob, step: int) -> Path:
                                             "state_dict")
     checkpoint.save_driver_state(staging, checkpoint.DriverState(
         step, rollout_state, job.pipeline.state_dict()))
-    return trainer_checkpoint.commit_checkpoint(root, step)
+    committed = trainer_checkpoint.commit_checkpoint(root, step)
+    checkpoint.link_latest(job.run_dir)
+    return committed
 
 
-def restore(job: RunningJob, log: Callable[[str], None]) -> int:
-    """Resume from the newest readable checkpoint (an unreadable one is reported and the
-    one before it tried); returns the first rollout step to run. The rows of the steps
-    from there on go: a stopped run or a failed attempt may have written some after its
-    last checkpoint, and each step keeps one row (that of the run that goes on)."""
-    latest = checkpoint.newest_readable(job.run_dir, log) if job.config.resume else None
+def restore(job: RunningJob, latest: Path | None, log: Callable[[str], None]) -> int:
+    """Resume from checkpoint ``latest`` (None: from the start); returns the first rollout
+    step to run. The rows of the steps from there on go: a stopped run or a failed
+    attempt may have written some after its last checkpoint, and each step keeps one row
+    (that of the run that goes on)."""
     if latest is None:
         checkpoint.truncate_rows_after(job.run_dir, -1, job.config.num_updates_per_rollout)
         return 0
@@ -179,7 +193,7 @@ def restore(job: RunningJob, log: Callable[[str], None]) -> int:
     job.weights.wait()
     job.pipeline.load_state_dict(state.in_flight)
     checkpoint.truncate_rows_after(job.run_dir, state.step, job.config.num_updates_per_rollout)
-    log(f"resumed from {latest.name} (step {state.step})")
+    log(f"resumed from {latest} (rollout step {state.step} done)")
     return state.step + 1
 
 
@@ -192,19 +206,41 @@ def export_final_weights(run_dir: RunDir, log: Callable[[str], None]) -> None:
         log(f"final weights: {export_checkpoint(latest, run_dir.final_model_dir)}")
 
 
+def finished(config: JobConfig, run_dir: RunDir, plan: checkpoint.ResumePlan,
+             log: Callable[[str], None]) -> list[dict[str, float]]:
+    """A job whose checkpoint holds every step: say so in one line (its final weights
+    exported first if a stop came between the two), start nothing; its rows."""
+    assert plan.checkpoint is not None
+    job_folder = plan.checkpoint.parent.parent
+    if job_folder.resolve() == run_dir.path.resolve() and not run_dir.final_model_dir.is_dir():
+        export_final_weights(run_dir, lambda _: None)
+    log(f"job {config.name} is finished: all {config.num_steps} rollout steps are done in "
+        f"{job_folder} (final weights: {job_folder / run_dir.final_model_dir.name}/); "
+        "raise num_steps to train further, or pass --no-resume to start again")
+    return [row["metrics"] for row in read_metrics(RunDir(job_folder).metrics_file)]
+
+
 def run_job(config: JobConfig, output_dir: Path | None = None,
             extra_sinks: list[MetricsSink] | None = None, log: Callable[[str], None] = print,
-            after_step: Callable[[int, RunningJob], None] | None = None
+            after_step: Callable[[int, RunningJob], None] | None = None,
+            resume_from: Path | None = None, force: bool = False
             ) -> list[dict[str, float]]:
     """Run a whole job; returns every step's row. Starts (and stops) Ray if none runs.
 
-    When an actor dies or a call times out, the actors are started again and the job
-    resumes from its last checkpoint, at most ``max_restarts`` times; the rows up to that
+    It resumes as :func:`checkpoint.plan_resume` decides (``resume_from``: that
+    checkpoint; ``force``: despite settings that break exactness), before anything
+    starts: a refused resume is a ConfigError, a finished job starts nothing. When an
+    actor dies or a call times out, the actors are started again and the job resumes
+    from its last checkpoint, at most ``max_restarts`` times; the rows up to that
     checkpoint are kept, those after it are written again (once).
     """
     preflight(config)
     quiet_transformers()
-    run_dir = RunDir(output_dir or job_dir(config.name, config.output_dir)).create()
+    run_dir = RunDir(output_dir or job_dir(config.name, config.output_dir))
+    plan = checkpoint.plan_resume(config, run_dir, resume_from, force, log)
+    if plan.finished:
+        return finished(config, run_dir, plan, log)
+    run_dir.create()
     needed = config.trainer.world_size * config.trainer.num_cpus_per_rank + 2
     started_ray = ensure_ray(max(os.cpu_count() or 1, int(needed + 0.999)))
     sinks: list[MetricsSink] = []
@@ -212,13 +248,20 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
         model_path = job_model_path(config, log)
         config = with_threads(config, model_path)
         run_dir.config_file.write_text(config.model_dump_json(indent=2))
+        for change in plan.changes:
+            log(f"config changed since {plan.checkpoint}: {change}")
+            run_dir.write_event("config_changed", change)
         for warning in config.warnings():  # rules that chose, inert options: say so
             log(f"warning: {warning.field}: {warning.message}")
             run_dir.write_event("config_warning", f"{warning.field}: {warning.message}")
         sinks = [JsonlSink(run_dir.path), TensorBoardSink(run_dir.path),
                  *wandb_sinks(config.logging.wandb, run_dir.path, config.name,
                               config.model_dump(mode="json")), *(extra_sinks or [])]
-        return run_with_restarts(config, run_dir, model_path, sinks, log, after_step)
+        history = run_with_restarts(config, run_dir, model_path, sinks, log, after_step,
+                                    plan.checkpoint)
+        for line in run_dir.describe():
+            log(line)
+        return history
     finally:
         for sink in sinks:
             sink.close()
@@ -228,17 +271,17 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
 
 def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
                       sinks: list[MetricsSink], log: Callable[[str], None],
-                      after_step: Callable[[int, RunningJob], None] | None
-                      ) -> list[dict[str, float]]:
+                      after_step: Callable[[int, RunningJob], None] | None,
+                      resume_from: Path | None) -> list[dict[str, float]]:
     history: dict[int, dict[str, float]] = {}
-    restarts = 0
+    restarts, signal = 0, LearningSignalWatch()
     while True:
         job = None
         try:
             job = RunningJob.start(config, run_dir, model_path, log)
             run_dir.write_event("placement", job.actors.placement())
-            start = restore(job, log)
-            log(f"job {config.name}: steps {start + 1}..{config.num_steps}, "
+            start, progress = restore(job, resume_from, log), Progress(config.num_steps)
+            log(f"job {config.name}: rollout steps {start}..{config.num_steps - 1}, "
                 f"mode={config.aggregation.mode}, dp={config.trainer.dp_size} "
                 f"cp={config.trainer.cp_size}, output {run_dir.path}")
             for step in range(start, config.num_steps):
@@ -246,16 +289,22 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
                 for sink in sinks:
                     sink.write(step, row)
                 history = {k: v for k, v in history.items() if k < step} | {step: row}
-                log(progress_line(step, config.num_steps, list(history.values())))
+                log(progress.line(step, list(history.values())))
+                if warning := signal.check(row):
+                    log(f"warning: {warning}")
+                    run_dir.write_event("no_learning_signal", warning)
                 if checkpoint.due(step, config):
                     save_checkpoint(job, step)
                 if after_step is not None:
                     after_step(step, job)
             export_final_weights(run_dir, log)
             return list(history.values())
-        except (TrainerRankDied, ray.exceptions.RayActorError, TimeoutError) as err:
-            reason = str(err).splitlines()[0]
+        except (TrainerRankDied, ray.exceptions.RayError, TimeoutError) as err:
+            reason, fault = failure(err)
             run_dir.write_event("actor_failed", reason)
+            if not fault:
+                raise JobFailed(f"job {config.name}: {reason} (not retried: a restart "
+                                "would raise it again)") from err
             if restarts >= config.max_restarts:
                 raise JobFailed(f"job {config.name}: {reason} (restarts used: "
                                 f"{restarts}/{config.max_restarts})") from err
@@ -264,6 +313,52 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
                                 "from the last checkpoint")
             log(f"{reason}; restarting ({restarts}/{config.max_restarts}) from the last "
                 "checkpoint")
+            resume_from = checkpoint.newest_readable(run_dir, log) or resume_from
         finally:
             if job is not None:
                 job.close()
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ACTOR = re.compile(r"ray::(\w+)\.(\w+)\(\)")
+FAULT_WORDS = ("The actor died unexpectedly", "ActorUnavailableError", "Worker exit type",
+               "NodeDiedError", "OutOfMemoryError", "ObjectLostError")
+"""Said by Ray when a process or node went away: a fault, even inside a constructor."""
+ACTOR_NAMES = {"RolloutManager": "the rollout manager"}
+
+
+def failure(err: BaseException) -> tuple[str, bool]:
+    """One line that says why the job's actors failed, and whether it is a fault a
+    restart may get past: a process killed, a node lost or a call past its timeout is;
+    an exception raised by an actor's constructor, setup or verb is not (its cause, in
+    Python's words, is the line)."""
+    cause = err.__cause__ if isinstance(err, TrainerRankDied) else err
+    if isinstance(cause, ray.exceptions.RayTaskError) and not isinstance(
+            cause.cause, ray.exceptions.RayError):
+        said = "; ".join(str(cause.cause).strip().splitlines())
+        return f"{_actor_of(str(cause))} failed: {type(cause.cause).__name__}: {said}", False
+    text = ANSI.sub("", str(cause))
+    if (isinstance(cause, ray.exceptions.RayActorError) and cause.actor_init_failed
+            and not any(word in text for word in FAULT_WORDS)):
+        who = (f"trainer rank {err.rank}" if isinstance(err, TrainerRankDied)
+               else _actor_of(text))
+        return f"{who} failed to start: {_exception_line(text)}", False
+    return ANSI.sub("", str(err)).strip().splitlines()[0], True
+
+
+def _actor_of(text: str) -> str:
+    """``the rollout manager`` (its constructor), ``FSDPWorker.setup``: who raised."""
+    found = ACTOR.search(ANSI.sub("", text))
+    if found is None:
+        return "an actor"
+    name, method = found.groups()
+    return ACTOR_NAMES.get(name, name) if method == "__init__" else f"{name}.{method}"
+
+
+def _exception_line(text: str) -> str:
+    """The exception of the innermost traceback in Ray's text, on one line."""
+    lines = text.strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    said = [line.strip() for line in lines[frames[-1] + 1:] if line and not line[0].isspace()
+            ] if frames else []
+    return " ".join(said or lines[-1:])

@@ -1,12 +1,22 @@
-"""What one rollout step logs (metrics.jsonl's row), and the progress line it prints.
+"""What one rollout step logs (metrics.jsonl's row), the progress line it prints, and the
+warning when the rewards give nothing to learn from.
 
 A rollout step trains ``num_updates_per_rollout`` optimizer steps; each optimizer step's
 J is exact for its own mini-batch (trainer/objective.py). The rollout's row holds their
 mean (min/max of a few), the rollout's own statistics, timings, and the share of weight
 each aggregation mode gives to short, middle and long responses (docs/glossary.md).
+
+Rollout steps are numbered from 0 everywhere (docs/glossary.md): row ``step`` s of
+metrics.jsonl, TensorBoard's step s, ``checkpoints/step_{s:08d}`` and the progress line
+``step s (s+1/N done)``, where N is ``num_steps``.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
 
 from rollout.batch import RolloutBatch
 from services.driver.pipeline import WALL_CLOCK_METADATA
@@ -46,6 +56,18 @@ def length_bias_metrics(batch: RolloutBatch, constant_divisor: float) -> dict[st
             for bucket, share in zip(LENGTH_BUCKETS, by_bucket, strict=True)}
 
 
+def groups_with_signal(batch: RolloutBatch) -> float:
+    """The share of the rollout's prompt groups whose rewards differ: a group whose G
+    rewards are all equal has advantage 0 for every sample (GRPO), so it teaches nothing."""
+    _, dense = torch.unique(batch.group_index, return_inverse=True)
+    num_groups = int(dense.max()) + 1
+    highest = torch.full((num_groups,), -torch.inf).scatter_reduce(
+        0, dense, batch.rewards.float(), "amax")
+    lowest = torch.full((num_groups,), torch.inf).scatter_reduce(
+        0, dense, batch.rewards.float(), "amin")
+    return float((highest > lowest).float().mean())
+
+
 def rollout_metrics(batch: RolloutBatch, per_update: list[dict[str, float]],
                     times: dict[str, float], constant_divisor: float) -> dict[str, float]:
     """Everything the dashboard plots for one rollout step; ``constant_divisor`` is the L
@@ -57,6 +79,7 @@ def rollout_metrics(batch: RolloutBatch, per_update: list[dict[str, float]],
         **optimizer_steps_summary(per_update),
         "reward/mean": float(batch.rewards.mean()),
         "reward/std": float(batch.rewards.std()) if batch.num_samples > 1 else 0.0,
+        "reward/groups_with_signal": groups_with_signal(batch),
         "response_length/mean": float(batch.response_lengths.float().mean()),
         "tokens/valid": float(batch.num_valid_tokens),
         "tokens/total": num_tokens,
@@ -69,13 +92,44 @@ def rollout_metrics(batch: RolloutBatch, per_update: list[dict[str, float]],
 
 def skipped_rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
     """A rollout with no valid token: nothing to learn from, skipped (never NaN)."""
-    return {"skipped": 1.0, "reward/mean": float(batch.rewards.mean())}
+    return {"skipped": 1.0, "reward/mean": float(batch.rewards.mean()),
+            "reward/groups_with_signal": groups_with_signal(batch)}
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``3m05s``, ``2h10m``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Progress:
+    """The progress line of each rollout step, with the time left: the mean wall-clock
+    time of this start's steps so far (generation, training, sync, evaluation and
+    checkpoint alike; made when the actors are up) × the steps left."""
+
+    def __init__(self, num_steps: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.num_steps, self.clock = num_steps, clock
+        self.started, self.num_done = clock(), 0
+
+    def line(self, step: int, history: list[dict[str, float]]) -> str:
+        """``step 3 (4/20 done) | reward … | pg_loss … | kl … | entropy … | lr … | tok/s |
+        s | padding [| updates] [| eval] | ETA …``."""
+        self.num_done += 1
+        left = self.num_steps - 1 - step
+        mean = (self.clock() - self.started) / self.num_done
+        eta = f" | ETA {duration(mean * left)}" if left > 0 else ""
+        return progress_line(step, self.num_steps, history) + eta
 
 
 def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) -> str:
-    """``step 3/20 | reward … | pg_loss … | tok/s | s | padding [| updates] [| eval]``."""
+    """``step 3 (4/20 done) | reward … | pg_loss … | kl … | entropy … | lr … | tok/s | s |
+    padding [| updates] [| eval]``: step 3 is row 3 of metrics.jsonl."""
     metrics = history[-1]
-    head = f"step {step + 1}/{num_steps}"
+    head = f"step {step} ({step + 1}/{num_steps} done)"
     evaluated = (f" | eval accuracy {metrics['eval/accuracy']:.3f}"
                  + (f" pass@{metrics['eval/k']:.0f} {metrics['eval/pass@k']:.3f}"
                     if "eval/pass@k" in metrics else "")
@@ -84,9 +138,13 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
     if metrics.get("skipped") or not metrics.get("updates", 1):
         return f"{head} | skipped: no valid token in the batch" + evaluated
     recent = [m["reward/mean"] for m in history[-10:]]
+    terms = "".join(f" | {name} {metrics[name]:{spec}}"
+                    for name, spec in (("kl", ".4f"), ("entropy", ".3f"), ("lr", ".2e"))
+                    if name in metrics)
     return (f"{head} | reward {metrics['reward/mean']:.3f} "
             f"(last 10: {sum(recent) / len(recent):.3f}) "
-            f"| pg_loss {metrics['pg_loss']:+.4f} | {metrics['perf/tokens_per_s']:,.0f} tok/s "
+            f"| pg_loss {metrics['pg_loss']:+.4f}{terms} "
+            f"| {metrics['perf/tokens_per_s']:,.0f} tok/s "
             f"| {metrics['perf/step_time_s']:.1f} s "
             f"| padding {metrics.get('padding_fraction', 0.0):.1%}"
             + (f" | {metrics['updates']:.0f} updates, clip ≤ {metrics['clip_fraction/max']:.3f}"
@@ -94,3 +152,30 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
             + (f" ({metrics['updates/skipped']:.0f} skipped: no valid token)"
                if metrics.get("updates/skipped") else "")
             + evaluated)
+
+
+NO_SIGNAL_STEPS = 3
+"""Rollout steps in a row with no group whose rewards differ before the job warns."""
+
+
+class LearningSignalWatch:
+    """Says once when ``NO_SIGNAL_STEPS`` rollout steps in a row had no prompt group whose
+    rewards differ (``reward/groups_with_signal`` 0): GRPO's advantages are then all zero
+    and nothing is learned — usually a reward function that never matches, or an instruct
+    model prompted without its chat template."""
+
+    def __init__(self, patience: int = NO_SIGNAL_STEPS) -> None:
+        self.patience, self.flat_steps, self.said = patience, 0, False
+
+    def check(self, row: dict[str, float]) -> str | None:
+        """The warning, the first time the rule holds; else None."""
+        if row.get("reward/groups_with_signal", 1.0) > 0:
+            self.flat_steps = 0
+            return None
+        self.flat_steps += 1
+        if self.said or self.flat_steps < self.patience:
+            return None
+        self.said = True
+        return (f"no learning signal: every group has the same reward for "
+                f"{self.flat_steps} steps (reward {row.get('reward/mean', 0.0):.3f}); check "
+                "the reward function and rollout.apply_chat_template")

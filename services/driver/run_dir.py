@@ -9,7 +9,11 @@
     <job>/driver.log          the driver's output, when the controller started it
     <job>/tensorboard/        TensorBoard event files
     <job>/wandb/              W&B run files (offline runs sync from here)
-    <job>/checkpoints/step_N  trainer state + driver state (services/driver/checkpoint.py)
+    <job>/checkpoints/step_N  trainer state + driver state after rollout step N, N in 8
+                              digits: step_00000003 (services/driver/checkpoint.py)
+    <job>/checkpoints/latest  a link to the newest committed checkpoint
+    <job>/checkpoints/set-aside-<time>/  checkpoints after the one a resume named, or
+                              all of them for --no-resume: kept, never resumed from
     <job>/final_model/        the last checkpoint's weights as a Hugging Face folder
                               (trainer/export.py), written when the job ends
 """
@@ -37,6 +41,9 @@ TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_MODEL_DIR = "final_model"
+LATEST_LINK = "latest"
+"""In checkpoints/: a relative symbolic link to the newest committed checkpoint."""
+SET_ASIDE_PREFIX = "set-aside-"
 
 
 def data_dir() -> Path:
@@ -97,6 +104,39 @@ class RunDir:
     @property
     def final_model_dir(self) -> Path:
         return self.path / FINAL_MODEL_DIR
+
+    @property
+    def latest_link(self) -> Path:
+        return self.checkpoints_dir / LATEST_LINK
+
+    def set_aside_dir(self) -> Path:
+        """A new folder in checkpoints/ for checkpoints no resume may use."""
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
+        return self.checkpoints_dir / f"{SET_ASIDE_PREFIX}{stamp}"
+
+    def describe(self) -> list[str]:
+        """What the job folder holds, one line each, for the end of a job."""
+        lines = [f"output: {self.path}"]
+        for name, what in ((METRICS_FILE, "one per rollout step"),
+                           (UPDATES_FILE, "one per optimizer step"),
+                           (EVAL_FILE, "one per evaluated weight version")):
+            if (self.path / name).is_file():
+                with (self.path / name).open("rb") as rows:
+                    count = sum(1 for _ in rows)
+                if count:
+                    lines.append(f"  {name:<20} {count} rows ({what})")
+        if self.final_model_dir.is_dir():
+            lines.append(f"  {FINAL_MODEL_DIR + '/':<20} the last checkpoint's weights as a "
+                         "Hugging Face folder")
+        if self.latest_link.is_symlink():
+            lines.append(f"  {CHECKPOINTS_DIR}/{LATEST_LINK} → "
+                         f"{os.readlink(self.latest_link)}")
+        if self.tensorboard_dir.is_dir():
+            lines.append(f"  {TENSORBOARD_DIR + '/':<20} tensorboard --logdir "
+                         f"{self.tensorboard_dir}")
+        if self.wandb_dir.is_dir():
+            lines.append(f"  {WANDB_DIR + '/':<20} W&B run files")
+        return lines
 
     def create(self) -> RunDir:
         self.path.mkdir(parents=True, exist_ok=True)

@@ -183,3 +183,68 @@ def test_export_writes_a_checkpoint_as_the_jobs_final_weights(clean_run: CleanRu
     assert result.stderr.strip() == (f"error: {tmp_path}: not a Tally checkpoint (no "
                                      "model/config.json)")
     assert not (tmp_path / "none").exists()
+
+
+def test_version_and_dash_h_on_every_command() -> None:
+    from importlib.metadata import version
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output == f"tally {version('tally')}\n"
+    names = [command.name or command.callback.__name__ for command in app.registered_commands]
+    assert {"train", "validate", "eval", "export", "status"} <= set(names)
+    for name in names:
+        result = runner.invoke(app, [name, "-h"])
+        assert result.exit_code == 0 and "Usage: " in result.output, name
+    assert runner.invoke(app, ["-h"]).exit_code == 0
+
+
+def test_validate_runs_every_check_and_starts_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_ray(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("validate must start nothing")
+
+    monkeypatch.setattr("services.driver.job.ensure_ray", no_ray)
+    result = runner.invoke(app, ["validate", str(ROOT / "configs" / "demo.yaml"),
+                                 "--set", "num_steps=7"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == (
+        "ok: demo: 7 rollout steps of 32 prompts × 8 samples, 1 optimizer step(s) each, "
+        "sample_mean, model tiny, fsdp dp=2 cp=1")
+    result = runner.invoke(app, ["validate", str(ROOT / "configs" / "demo.yaml"),
+                                 "--set", f"rollout.model={tmp_path / 'no-model'}"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("rollout.model: "), result.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_resume_and_no_resume_together_are_refused(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["train", str(ROOT / "configs" / "demo.yaml"), "--resume",
+                                 "auto", "--no-resume", "--output-dir", str(tmp_path / "j")])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: --resume and --no-resume: choose one"
+
+
+def test_status_of_a_failed_job_says_its_cause_once_and_exits_1(tmp_path: Path) -> None:
+    from services.controller.app import create_app
+    from tests.services.controller_fakes import FakeBackend, make_settings, serve_in_thread
+    from tests.services.test_controller_cli import in_ray
+
+    backend = FakeBackend()
+    with serve_in_thread(create_app(make_settings(tmp_path), backend=backend)) as url:
+        result = runner.invoke(app, ["submit", str(ROOT / "configs" / "demo.yaml"), "--url",
+                                     url])
+        job_id = result.output.split()[1]
+        in_ray(backend, job_id)
+        cause = "job demo: the rollout manager failed to start: DatasetError: x.jsonl: gone"
+        backend.finish(f"tally-{job_id}", "failed",
+                       f"loading\nstep 0 (1/20 done) | reward 0.1\nerror: {cause}\n",
+                       "Job entrypoint command failed with exit code 1")
+        deadline = time.monotonic() + 60
+        while (result := runner.invoke(app, ["status", job_id, "--url", url])).exit_code == 0:
+            assert time.monotonic() < deadline, result.output
+            time.sleep(0.2)
+    assert result.exit_code == 1
+    assert result.output.count("the rollout manager failed to start") == 1, result.output
+    assert result.output.splitlines()[-1] == f"error: {cause}"
+    assert "  step 0 (1/20 done) | reward 0.1" in result.output
+    assert "status:" in result.output and "failed" in result.output

@@ -271,3 +271,178 @@ def test_sglang_top_k_one_at_a_temperature_is_refused_at_submit_naming_the_field
         parse_job_config((ROOT / "configs" / "demo.yaml").read_text(), overrides)
     fields = [problem.field for problem in caught.value.problems]
     assert fields == ["rollout.sampling.top_k"], caught.value.problems
+
+
+EMPTY = "is empty; a job config is a YAML mapping, e.g. configs/demo.yaml"
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n", "# only a comment\n", "null\n", "~\n"])
+def test_an_empty_config_file_is_refused_not_run_as_the_defaults(tmp_path: Path,
+                                                                 text: str) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_job_config(path, ["num_steps=3"])
+    assert str(caught.value) == f"{path}: the file {EMPTY}"
+    assert caught.value.problems == [ConfigProblem("", f"the file {EMPTY}")]
+
+
+def test_an_explicit_empty_mapping_is_the_defaults(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text("{}\n")
+    assert load_job_config(tmp_path / "job.yaml").num_steps == JobConfig().num_steps
+    assert parse_job_config("{}\n") == parse_job_config("") == JobConfig()  # "" is no text
+    with pytest.raises(ConfigError, match=f"^<config>: the config {EMPTY}$"):
+        parse_job_config("# nothing\n")
+
+
+def test_a_problem_of_the_whole_config_has_no_root_prefix() -> None:
+    from pydantic import BaseModel, ValidationError, model_validator
+
+    from services.config_errors import validation_error
+
+    class Whole(BaseModel):
+        @model_validator(mode="after")
+        def _never(self) -> Whole:
+            raise ValueError("nothing here can run")
+
+    with pytest.raises(ValidationError) as caught:
+        Whole.model_validate({})
+    err = validation_error(caught.value, "job.yaml", Whole)
+    assert str(err) == "job.yaml: invalid job config\n  nothing here can run"
+    assert err.problems == [ConfigProblem("", "nothing here can run")]
+
+
+@pytest.mark.parametrize(("text", "field", "message"), [
+    ("trainer: {optimizer: {lrr: 1.0e-5}}", "trainer.optimizer.lrr",
+     "unknown key; did you mean lr?"),
+    ("num_step: 3", "num_step", "unknown key; did you mean num_steps?"),
+    ("rollout: {smapling: {temperature: 1.0}}", "rollout.smapling",  # two letters swapped
+     "unknown key; did you mean sampling?"),
+    ("rollout: {engine: {type: sglang, urlz: ['http://h:1']}}", "rollout.engine.urlz",
+     "unknown key; did you mean urls?"),
+    ("trainer: {optimizer: {learning_rate: 0.1}}", "trainer.optimizer.learning_rate",
+     "unknown key"),  # nothing one edit away: nothing suggested
+    ("rollout: {dataset: {type: jsonl, path: d.jsonl, prompt_kye: q}}",
+     "rollout.dataset.prompt_kye", "unknown key; did you mean prompt_key?"),
+])
+def test_an_unknown_key_names_the_known_key_one_edit_away(text: str, field: str,
+                                                          message: str) -> None:
+    assert problems_of(text + "\n") == [ConfigProblem(field, message)]
+    with pytest.raises(ConfigError) as caught:
+        parse_job_config(text + "\n", source="job.yaml")
+    assert str(caught.value) == f"job.yaml: invalid job config\n  {field}: {message}"
+
+
+def test_one_edit_is_the_damerau_levenshtein_distance_one() -> None:
+    from services.config_errors import did_you_mean, one_edit_apart
+
+    assert [one_edit_apart("lr", w) for w in ("lrr", "l", "lt", "rl", "lr", "lrrr")] == [
+        True, True, True, True, False, False]
+    assert did_you_mean("sed", ["seed", "shuffle", "set"]) == "; did you mean seed or set?"
+    assert did_you_mean("zzz", ["seed"]) == ""
+
+
+DATASET_TYPES = "synthetic, jsonl, parquet, math_words, reasoning_gym"
+
+
+@pytest.mark.parametrize(("text", "field", "message"), [
+    ("rollout: {dataset: {path: d.jsonl}}", "rollout.dataset.type",
+     f"missing; one of {DATASET_TYPES}"),
+    ("rollout: {dataset: {type: json, path: d.jsonl}}", "rollout.dataset.type",
+     f"'json' is not one of {DATASET_TYPES}; did you mean jsonl?"),
+    ("rollout: {dataset: {type: csv, path: d.csv}}", "rollout.dataset.type",
+     f"'csv' is not one of {DATASET_TYPES}"),
+    ("eval: {dataset: {path: heldout.jsonl}}", "eval.dataset.type",
+     f"missing; one of {DATASET_TYPES}"),
+])
+def test_a_variant_without_a_known_type_lists_the_types(text: str, field: str,
+                                                        message: str) -> None:
+    assert problems_of(text + "\n") == [ConfigProblem(field, message)]
+
+
+def test_engine_settings_without_an_engine_block_are_a_torch_engine() -> None:
+    config = parse_job_config("", ["rollout.engine.device=cuda"])
+    assert (config.rollout.engine.type, config.rollout.engine.device) == ("torch", "cuda")
+
+
+def test_fields_are_named_without_the_variant_steps_of_a_union() -> None:
+    # pydantic says rollout.dataset.jsonl.path and aggregation.divisor.float
+    assert problems_of("rollout: {dataset: {type: jsonl}}\n") == [
+        ConfigProblem("rollout.dataset.path", "Field required")]
+    assert problems_of("eval: {dataset: {type: parquet}}\n") == [
+        ConfigProblem("eval.dataset.path", "Field required")]
+    assert problems_of("aggregation: {mode: constant, divisor: many}\n") == [ConfigProblem(
+        "aggregation.divisor", "Input should be a valid number, unable to parse string as a "
+                               "number; or Input should be 'max_response_len'")]
+
+
+TRAINING_FILE = ("rollout: {dataset: {type: jsonl, path: data/train.jsonl, prompt_key: "
+                 "question, label_key: answer}}\n")
+
+
+def test_eval_dataset_may_be_a_path_read_like_the_training_file() -> None:
+    config = parse_job_config(TRAINING_FILE + "eval: {enabled: true, dataset: data/h.jsonl}\n")
+    held_out = config.eval_dataset()
+    assert (held_out.type, held_out.path, held_out.prompt_key, held_out.label_key) == (
+        "jsonl", "data/h.jsonl", "question", "answer")
+    assert config.eval.dataset == "data/h.jsonl"  # the resolved config reads back the same
+    assert JobConfig.model_validate_json(config.model_dump_json()).eval_dataset() == held_out
+    parquet = parse_job_config("eval: {enabled: true, dataset: h.parquet}\n").eval_dataset()
+    assert (parquet.type, parquet.prompt_key, parquet.label_key) == (
+        "parquet", "prompt", "label")  # the defaults beside a built-in training set
+
+
+HAS_NO_SPLIT = ("rollout.dataset (type jsonl) has no held-out split; name the held-out "
+                "prompts here (a JSONL path, e.g. eval.dataset: data/heldout.jsonl, or a "
+                "dataset block), or set eval.split_fraction (e.g. 0.1) to hold out that "
+                "share of the training file")
+
+
+def test_eval_on_a_file_without_held_out_records_says_both_ways_out() -> None:
+    assert problems_of(TRAINING_FILE + "eval: {enabled: true}\n") == [
+        ConfigProblem("eval.dataset", HAS_NO_SPLIT)]
+    assert problems_of("eval: {enabled: true}\n") == [ConfigProblem(
+        "eval.dataset", "rollout.dataset (type synthetic) has no held-out split; name the "
+                        "held-out prompts here (a JSONL path, e.g. eval.dataset: "
+                        "data/heldout.jsonl, or a dataset block)")]
+    assert problems_of(TRAINING_FILE + "eval: {enabled: true, dataset: data/train.jsonl}\n") \
+        == [ConfigProblem("eval.dataset", "is the training file, so every evaluated record is "
+                          "trained on; name a held-out file, or leave eval.dataset unset and "
+                          "set eval.split_fraction (e.g. 0.1)")]
+
+
+def test_eval_split_fraction_carves_held_out_records_from_the_training_file() -> None:
+    config = parse_job_config(TRAINING_FILE + "eval: {enabled: true, split_fraction: 0.1}\n")
+    train, held_out = config.rollout.dataset, config.eval_dataset()
+    assert (train.split, train.split_fraction) == ("train", 0.1)  # what the job trains on
+    assert (held_out.split, held_out.split_fraction, held_out.path) == (
+        "heldout", 0.1, "data/train.jsonl")
+    assert held_out.prompt_key == "question"
+    again = JobConfig.model_validate_json(config.model_dump_json())
+    assert again == config and again.eval_dataset() == held_out
+    said = parse_job_config(TRAINING_FILE.replace("answer}", "answer, split_fraction: 0.1}")
+                            + "eval: {enabled: true, split_fraction: 0.1}\n")
+    assert said == config
+
+
+@pytest.mark.parametrize(("text", "field", "message"), [
+    (TRAINING_FILE.replace("answer}", "answer, split_fraction: 0.2}")
+     + "eval: {split_fraction: 0.1}", "eval.split_fraction",
+     "0.1 differs from rollout.dataset.split_fraction 0.2; set one of the two"),
+    (TRAINING_FILE + "eval: {split_fraction: 0.1, dataset: h.jsonl}", "eval.split_fraction",
+     "carves the held-out prompts out of rollout.dataset, but eval.dataset names them "
+     "already; set one of the two"),
+    ("rollout: {dataset: {type: math_words}}\neval: {split_fraction: 0.1}",
+     "eval.split_fraction", "splits a jsonl or parquet rollout.dataset, not math_words (it "
+     "has a held-out split of its own, which eval uses when eval.dataset is unset: drop "
+     "split_fraction)"),
+    ("eval: {split_fraction: 0.1}", "eval.split_fraction", "splits a jsonl or parquet "
+     "rollout.dataset, not synthetic; name the held-out prompts in eval.dataset instead"),
+    (TRAINING_FILE + "eval: {split_fraction: 1}", "eval.split_fraction",
+     "Input should be less than 1"),
+    ("rollout: {dataset: {type: math_words, split: heldout}}\neval: {enabled: true}",
+     "eval.dataset", "rollout.dataset.split is heldout, so its held-out split is what the "
+     "job trains on; train on split: train, or name the held-out prompts here"),
+])
+def test_eval_split_rules_name_the_field(text: str, field: str, message: str) -> None:
+    assert problems_of(text + "\n") == [ConfigProblem(field, message)]

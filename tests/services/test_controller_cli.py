@@ -103,3 +103,35 @@ def test_logs_follow_prints_new_output_as_it_comes_until_the_job_ends(served) ->
     finally:
         follower.kill()
         follower.wait()
+
+
+def test_status_of_a_failed_job_says_the_cause_once_and_exits_1(served) -> None:
+    url, backend, ctl = served
+    _, out = run("submit", DEMO, "--set", "num_steps=2", "--url", url)
+    job_id = out.split()[1]
+    logs = ("step 1/2\nTraceback (most recent call last):\n  File \"loop.py\", line 3\n"
+            "\x1b[31mValueError: boom\x1b[0m\n")
+    in_ray(backend, job_id).update(
+        status="failed", logs=logs, message="Job entrypoint command failed with exit code 1, "
+                                            "last available logs (truncated to 20,000 "
+                                            "chars):\n" + logs)
+    deadline = time.monotonic() + 60  # the served reconcile loop records Ray's end
+    while ctl.store.get_job(job_id).status != "failed":
+        assert time.monotonic() < deadline, "the end was never recorded"
+        time.sleep(0.05)
+    assert ctl.store.get_job(job_id).error == "ValueError: boom (exit code 1)"  # the view's
+    code, out = run("status", job_id, "--url", url)
+    assert code == 1 and out.count("boom") == 1, out
+    assert "ValueError: boom\n" in out and "step 1/2\n" in out
+
+
+def test_one_problem_of_a_submit_is_one_line(served) -> None:
+    url, _, _ = served
+    code, out = run("submit", DEMO, "--set", "trainer.optimizer.lrr=1", "--url", url)
+    assert (code, out) == (2, "error 422: trainer.optimizer.lrr: unknown key; did you mean "
+                              "lr?\n")
+    code, out = run("submit", DEMO, "--set", "trainer.optimizer.lrr=1", "--set",
+                    "num_stepz=2", "--url", url)
+    assert code == 2 and out == ("error 422: invalid request:\n"
+                                 "  trainer.optimizer.lrr: unknown key; did you mean lr?\n"
+                                 "  num_stepz: unknown key; did you mean num_steps?\n")

@@ -140,3 +140,18 @@ def test_controller_sinks_reports_the_error_of_a_failed_run(
     detail = httpx.get(f"{controller}/api/jobs/{job['id']}").json()
     assert detail["status"] == "failed" and "RuntimeError: rank 0 died" in detail["error"]
     assert detail["last_step"] == 0 and detail["output_dir"] == str(tmp_path.resolve())
+
+
+def test_a_reported_error_is_its_cause_in_one_line() -> None:
+    """The job view says the cause once; the traceback stays in the job's log."""
+    from services.config import ConfigError, ConfigProblem
+    from services.controller_client import error_text
+
+    try:
+        raise RuntimeError("rank 0 died")
+    except RuntimeError as err:
+        assert error_text(err) == "RuntimeError: rank 0 died"
+    several = ConfigError("job.yaml", [ConfigProblem("a", "x"), ConfigProblem("b", "y")],
+                          "job.yaml: invalid job config\n  a: x\n  b: y")
+    assert error_text(several) == ("services.config_errors.ConfigError: job.yaml: invalid job "
+                                   "config; a: x; b: y")

@@ -166,8 +166,8 @@ def test_submit_json_and_restart_the_controller_mid_job(controller: ControllerPr
                         params={"names": [f"pg_loss/{m}" for m in MODES]}).json()
     assert metrics["steps"] == [0, 1]
     assert all(v is not None for series in metrics["series"].values() for v in series)
-    assert "step 2/2" in httpx.get(f"{controller.url}/api/jobs/{job['id']}/logs").text
-    assert "step 2/2" in (Path(job["output_dir"]) / "driver.log").read_text()
+    assert "(2/2 done)" in httpx.get(f"{controller.url}/api/jobs/{job['id']}/logs").text
+    assert "(2/2 done)" in (Path(job["output_dir"]) / "driver.log").read_text()
     listed = httpx.get(f"{controller.url}/api/jobs", params={"status": "succeeded"}).json()
     assert job["id"] in [j["id"] for j in listed["items"]]
 
@@ -231,7 +231,7 @@ def test_the_readme_ray_job_submit_runs_the_demo_registers_and_is_tracked(
         assert time.monotonic() < deadline, "the head's job agent never came up"
         time.sleep(2)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "step 2/2" in result.stdout and "succeeded" in result.stdout.lower()
+    assert "(2/2 done)" in result.stdout and "succeeded" in result.stdout.lower()
     rows = (tmp_path / "outside" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [0, 1]
     (outside,) = httpx.get(f"{controller.url}/api/jobs", params={"name": "outside"}
@@ -244,7 +244,7 @@ def test_the_readme_ray_job_submit_runs_the_demo_registers_and_is_tracked(
         assert time.monotonic() < deadline, "its Ray submission was never found"
         time.sleep(0.5)
     assert f"'{submission}'" in result.stdout  # the CLI's own submission
-    assert "step 2/2" in httpx.get(f"{controller.url}/api/jobs/{outside['id']}/logs").text
+    assert "(2/2 done)" in httpx.get(f"{controller.url}/api/jobs/{outside['id']}/logs").text
 
 
 def test_ray_answers_not_found_for_a_job_it_never_had(ray_head: LocalRayHead) -> None:

@@ -135,3 +135,40 @@ def test_a_saved_log_tail_is_read_from_the_end(tmp_path: Path) -> None:
             "line 199997\nline 199998\nline 199999\n"
         assert routes_stream.read_tail(log, 2).endswith("line 199999\n")
         assert len(routes_stream.read_tail(log, 5)) < 200_000  # not the whole 2.3 MB
+
+
+SIGTERM_DUMP = (  # what Ray's failure-signal handler prints when `ray job stop` stops a driver
+    "*** SIGTERM received at time=1796190819 on cpu 1 ***\n"
+    "PC: @     0x7ff1fe8a3f16  (unknown)  (unknown)\n"
+    "    @     0x7ff1fe85a050  (unknown)  (unknown)\n"
+    "[2026-12-02 05:53:39,908 E 15124 15124] logging.cc:474: *** SIGTERM received at "
+    "time=1796190819 on cpu 1 ***\n"
+    "[2026-12-02 05:53:39,908 E 15124 15124] logging.cc:474: PC: @     0x7ff1fe8a3f16  "
+    "(unknown)  (unknown)\n"
+    "[2026-12-02 05:53:39,908 E 15124 15124] logging.cc:474:     @     0x7ff1fe85a050  "
+    "(unknown)  (unknown)\n")
+STOPPED = "[tally: the driver was stopped (SIGTERM); its stack dump is left out]\n"
+
+
+def test_a_cancelled_jobs_log_ends_without_the_sigterm_dump(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    app = create_app(make_settings(tmp_path), backend=backend)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        job_id = in_ray(http)
+        ray_job = backend.jobs[f"tally-{job_id}"]
+        ray_job.update(status="running", logs="step 1/2\n")
+        with http.stream("GET", f"/api/jobs/{job_id}/logs", params={"follow": True}) as live:
+            chunks = live.iter_text()
+            assert next(chunks) == "step 1/2\n"
+            for start in range(0, len(SIGTERM_DUMP), 40):  # pieces that split the lines
+                ray_job["logs"] += SIGTERM_DUMP[start:start + 40]
+                time.sleep(0.03)
+            assert http.post(f"/api/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+            assert "".join(chunks) == STOPPED
+        assert http.get(f"/api/jobs/{job_id}/logs").text == "step 1/2\n" + STOPPED
+        deadline = time.monotonic() + 60  # the reconcile loop saves the log Ray confirms
+        saved = Path(http.get(f"/api/jobs/{job_id}").json()["output_dir"]) / "driver.log"
+        while not saved.exists():
+            assert time.monotonic() < deadline, "the log was never saved"
+            time.sleep(0.05)
+        assert saved.read_text() == "step 1/2\n" + STOPPED

@@ -90,3 +90,25 @@ def test_one_rl_step_and_its_evaluations_on_smollm2(ray_cluster: None, smollm2_p
         assert {k: first[k] for k in direct} == direct
     finally:
         manager.shutdown()
+
+
+@pytest.mark.slow  # SmolLM2 imported and trained one step on the example JSONL
+def test_the_jsonl_example_config_gets_reward_on_its_first_step(
+        ray_cluster: None, smollm2_path: Path, tmp_path: Path) -> None:
+    """configs/my-data.yaml, a user's own data as the README shows it, runs as written
+    (from the repository root, where its paths point) and learns from its first step: some
+    group has reward spread, so the policy gradient is not zero."""
+    import os
+
+    config = load_job_config(ROOT / "configs" / "my-data.yaml", [
+        f"rollout.model={smollm2_path}", "num_steps=1", "eval.enabled=false",
+        "trainer.dp_size=1", "rollout.engine.num_threads=1"])
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        (first,) = run_job(config, tmp_path / "job", log=lambda *_: None)
+    finally:
+        os.chdir(cwd)
+    assert first["reward/mean"] > 0 and first["reward/std"] > 0, first["reward/mean"]
+    assert first["rollout/prompts_truncated"] == 0 and first["rollout/prompts_dropped"] == 0
+    assert first["grad_norm"] > 0

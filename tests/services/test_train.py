@@ -108,7 +108,8 @@ def test_a_resume_past_the_last_checkpoint_repeats_the_steps_after_it_exactly(
         run_job(config, job, log=lambda *_: None, after_step=stop_after(2))
     assert [r["step"] for r in rows(job / "metrics.jsonl")] == [0, 1, 2]
     assert len(rows(job / "updates.jsonl")) == 3 * NUM_UPDATES
-    assert sorted(p.name for p in (job / "checkpoints").iterdir()) == ["step_00000001"]
+    assert sorted(p.name for p in (job / "checkpoints").iterdir()) == ["latest",
+                                                                       "step_00000001"]
     resumed = run_job(config, job, log=lambda *_: None)
     assert len(resumed) == 2  # steps 2 and 3
     # The saved rollouts, not fresh ones from the restored weights (version 2: staleness 0).

@@ -118,12 +118,18 @@ def test_evaluation_leaves_what_training_samples_and_trains_untouched(
     """The clean job evaluated at every weight version: its evaluations are queued in the
     same manager, on the same engines, between the rollouts; what it trains — every
     metrics and updates row but the eval ones, the final weights — is the clean run's,
-    bit for bit."""
-    from services.driver.loop import run_job
+    bit for bit. `tally eval` of its last checkpoint measures what the job's own last
+    evaluation did (the same weights, seeds and prompts)."""
+    from typer.testing import CliRunner
 
-    config = clean_config(
-        "eval.enabled=true", "eval.every_steps=1", "eval.num_prompts=8", "eval.num_samples=2",
-        "eval.dataset={type: synthetic, task: copy, difficulty: 1, seed: 7}")
+    from services.cli import app
+    from services.driver.loop import run_job
+    from tests.services.driver.clean_run import CLEAN, ROOT
+
+    evaluate = ["eval.enabled=true", "eval.every_steps=1", "eval.num_prompts=8",
+                "eval.num_samples=2",
+                "eval.dataset={type: synthetic, task: copy, difficulty: 1, seed: 7}"]
+    config = clean_config(*evaluate)
     history = run_job(config, tmp_path / "job", log=lambda *_: None)
     evaluated = rows(tmp_path / "job" / "eval.jsonl")
     assert [r["step"] for r in evaluated] == [0, 1, 2, 4]
@@ -132,3 +138,14 @@ def test_evaluation_leaves_what_training_samples_and_trains_untouched(
     assert history[-1]["eval/weight_version"] == 4.0
     assert history[-1]["eval/accuracy"] == evaluated[-1]["metrics"]["eval/accuracy"]
     assert_same_training(tmp_path / "job", clean_run, ignore=("eval/",))
+
+    result = CliRunner().invoke(app, [
+        "eval", str(tmp_path / "job" / "checkpoints" / "latest"), "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        *[arg for value in [*CLEAN, *evaluate] for arg in ("--set", value)]])
+    assert result.exit_code == 0, result.output
+    printed = dict(line.split() for line in result.output.splitlines())
+    want = evaluated[-1]["metrics"]
+    assert set(printed) == {k for k in want if k != "perf/eval_s"}, printed
+    for name, value in printed.items():
+        assert float(value) == pytest.approx(want[name], abs=1e-4), name

@@ -138,7 +138,7 @@ def test_a_start_with_no_checkpoint_drops_the_rows_an_earlier_attempt_wrote(
             sink.write(step, {"loss": 1.0})
         sink.close()
     job = SimpleNamespace(run_dir=run_dir,
-                          config=SimpleNamespace(resume=True, num_updates_per_rollout=2))
-    assert restore(job, log=lambda *_: None) == 0
+                          config=SimpleNamespace(num_updates_per_rollout=2))
+    assert restore(job, None, log=lambda *_: None) == 0
     for name in ("metrics.jsonl", "updates.jsonl", "eval.jsonl"):
         assert read_metrics(run_dir.path / name) == [], name
