@@ -58,6 +58,7 @@ def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
 
     check("rollout", lambda: check_engine_available(config.rollout))
     check("rollout", lambda: _check_model(config))
+    check("", lambda: _check_context(config))
     check("rollout", lambda: check_reward_function(config.rollout.reward))
     if config.aggregation.custom_reducer is not None:
         check("aggregation", lambda: check_object(config.aggregation.custom_reducer,
@@ -85,6 +86,18 @@ def _check_model(config: JobConfig) -> None:
         smollm2_gguf_path()  # imported into the data folder at start, once
         require_gguf()
     check_model(config.rollout.model, config.rollout.tokenizer)
+
+
+def _check_context(config: JobConfig) -> None:
+    """The prompt budget plus the generation budget within a local model's context."""
+    from rollout.prompts import context_problem
+
+    if config.rollout.model in BUILTIN_MODELS:
+        return  # built when the job starts; their context is far beyond their tasks
+    problem = context_problem(config.rollout.model, config.rollout.max_prompt_tokens,
+                              config.rollout.sampling.max_new_tokens)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _check_megatron(config: JobConfig) -> None:

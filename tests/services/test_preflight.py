@@ -177,6 +177,24 @@ def test_model_folders_and_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         "Hugging Face model folder (Tally does not download models)")
 
 
+def test_prompt_and_generation_budgets_past_the_context(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 64}')
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "tokenizer.json").write_text("{}")
+    assert problem(f"rollout.model={folder}", "rollout.max_prompt_tokens=40",
+                   "rollout.sampling.max_new_tokens=32") == (
+        "rollout.max_prompt_tokens: 40 + sampling.max_new_tokens 32 = 72 tokens exceed the "
+        "model's context of 64 (max_position_embeddings)")
+    assert problem(f"rollout.model={folder}", "rollout.sampling.max_new_tokens=64") == (
+        "rollout.sampling.max_new_tokens: 64 tokens do not fit the model's context of 64 "
+        "(max_position_embeddings) with any prompt")
+    assert preflight(parse_job_config("", [f"rollout.model={folder}",
+                                           "rollout.max_prompt_tokens=32",
+                                           "rollout.sampling.max_new_tokens=32"])) == []
+
+
 def test_gpus_on_a_head_tally_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU here, whatever the machine
     monkeypatch.setattr("services.placement.local_head_cpus", lambda config: 4)
