@@ -201,7 +201,8 @@ def _rewritten(root: type[BaseModel], item: Any) -> ConfigProblem | None:
 def validation_error(err: ValidationError, source: str, root: type[BaseModel]) -> ConfigError:
     """One problem per pydantic error, each on the field a user writes (a section's rule
     adds its own field: the text keeps it after the section, ``  aggregation: divisor:
-    ...``); a problem of the whole config is its message alone."""
+    ...``); a problem of the whole config is its message alone. One problem is one line,
+    ``source: field: message``; several are listed under ``source: invalid job config``."""
     problems, lines = [], [f"{source}: invalid job config"]
     for item in err.errors():
         problem = _rewritten(root, item)
@@ -219,4 +220,6 @@ def validation_error(err: ValidationError, source: str, root: type[BaseModel]) -
             where, message = problem.field, problem.message
         problems.append(problem)
         lines.append(f"  {where}: {message}" if where else f"  {message}")
+    if len(problems) == 1:  # one line that says what to fix, after where the config is
+        return ConfigError(source, problems, f"{source}: {lines[1].strip()}")
     return ConfigError(source, problems, "\n".join(lines))

@@ -14,20 +14,40 @@ from trainer.memory import PeakMemory, phase_metrics
 CPU = torch.device("cpu")
 
 
-def test_a_tensor_alive_in_the_block_counts() -> None:
+def _fresh(fn):
+    """Run ``fn`` in a fresh process: resident memory depends on what a process freed
+    before (a heap the suite's earlier tests shaped may serve a block from pages it
+    holds), and a rank's phase starts from its own history, not the suite's."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn)
+
+
+def _held_tensor() -> tuple[int, float, float, float]:
     with PeakMemory(CPU) as peak:
         held = torch.ones(75_000_000)  # 300 MB, every page touched
         time.sleep(0.02)
-    assert held.nbytes == 300_000_000
-    assert peak.extra_gb >= 0.28, (peak.entry_gb, peak.peak_gb)
-    assert peak.peak_gb >= peak.entry_gb + peak.extra_gb - 1e-9
+    return held.nbytes, peak.entry_gb, peak.peak_gb, peak.extra_gb
+
+
+def test_a_tensor_alive_in_the_block_counts() -> None:
+    nbytes, entry_gb, peak_gb, extra_gb = _fresh(_held_tensor)
+    assert nbytes == 300_000_000
+    assert extra_gb >= 0.28, (entry_gb, peak_gb)
+    assert peak_gb >= entry_gb + extra_gb - 1e-9
+
+
+def _nothing() -> tuple[float, float, float]:
+    with PeakMemory(CPU) as peak:
+        time.sleep(0.02)
+    return peak.entry_gb, peak.peak_gb, peak.extra_gb
 
 
 def test_a_block_allocating_nothing_adds_nothing() -> None:
-    with PeakMemory(CPU) as peak:
-        time.sleep(0.02)
-    assert peak.extra_gb < 0.05, (peak.entry_gb, peak.peak_gb)
-    assert peak.peak_gb > 0
+    entry_gb, peak_gb, extra_gb = _fresh(_nothing)
+    assert extra_gb < 0.05, (entry_gb, peak_gb)
+    assert peak_gb > 0
 
 
 @pytest.mark.skipif(not memory.STATUS.exists() or not memory._reset_high_water_mark(),
@@ -45,10 +65,7 @@ def _short_spike() -> tuple[float, float, float, float]:
 
 
 def test_a_peak_between_two_samples_is_caught_by_the_high_water_mark() -> None:
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        entry_gb, extra_gb, after_gb, lived_s = pool.apply(_short_spike)
+    entry_gb, extra_gb, after_gb, lived_s = _fresh(_short_spike)
     assert after_gb < entry_gb + 0.05, "the spike was not given back: the exit sample saw it"
     assert lived_s < 1.0
     assert extra_gb >= 0.18, (entry_gb, extra_gb, lived_s)
