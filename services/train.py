@@ -45,7 +45,8 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
                                 else job_dir(config.name, config.output_dir))
     try:
         with controller_sinks(config, output_dir) as sinks:  # [] unless TALLY_CONTROLLER_URL
-            run_job(config, output_dir, extra_sinks=sinks, resume_from=named, force=force)
+            run_job(config, output_dir, extra_sinks=sinks, resume_from=named, force=force,
+                    preflighted=True)
     except ConfigError as err:  # the resume refused, before anything started
         print(err, file=sys.stderr)
         return 2

@@ -112,15 +112,14 @@ class TrainerWorker(abc.ABC):
         from rollout.weight_bucket import WeightBucket
 
         started, refs = time.perf_counter(), []
+        plan = self.weight_bucket_specs(dtype, bucket_mb)
         with PeakMemory(self.device) as peak:
-            for specs, flat in zip(self.weight_bucket_specs(dtype, bucket_mb),
-                                   self.weight_buckets(dtype, bucket_mb), strict=True):
+            for specs, flat in zip(plan, self.weight_buckets(dtype, bucket_mb), strict=True):
                 if flat is not None:
                     refs.append(ray.put(WeightBucket(specs, flat.numpy())))
                 del flat
         receipt = {"perf/export_s": time.perf_counter() - started,
-                   "perf/sync_bytes": float(sum(spec.num_bytes for bucket in
-                                                self.weight_bucket_specs(dtype, bucket_mb)
+                   "perf/sync_bytes": float(sum(spec.num_bytes for bucket in plan
                                                 for spec in bucket)),
                    **phase_metrics("sync", peak)}
         return receipt, refs if self.rank == 0 else None

@@ -328,9 +328,7 @@ class SGLangEngine(Engine):
         parameter once), so no two tensors alias. The buckets are checked (every buffer
         holds its specs, no tensor twice) before any file is written; the names and shapes
         are the server's to check, which rolls back to the old weights if they are wrong."""
-        if not all(isinstance(bucket, WeightBucket) for bucket in buckets):
-            buckets = resolve(buckets)  # imports Ray: only for refs
-        buckets = [bucket for bucket in buckets if bucket.specs]
+        buckets = [bucket for bucket in resolve(buckets) if bucket.specs]  # Ray: for refs
         if not buckets:
             raise ValueError("load_weight_buckets: no tensors in the buckets")
         check_buckets(buckets, {spec.name: spec.shape for b in buckets for spec in b.specs})

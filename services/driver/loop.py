@@ -25,7 +25,6 @@ at once, since a restart would raise it again.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable
@@ -50,6 +49,7 @@ from services.driver.run_dir import EVAL_FILE, UPDATES_FILE, RunDir, job_dir
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 from services.driver.weight_sync import WeightSync, transport_for
+from services.placement import local_head_cpus
 from services.preflight import preflight
 from services.quiet import quiet_transformers
 from trainer import checkpoint as trainer_checkpoint
@@ -223,7 +223,7 @@ def finished(config: JobConfig, run_dir: RunDir, plan: checkpoint.ResumePlan,
 def run_job(config: JobConfig, output_dir: Path | None = None,
             extra_sinks: list[MetricsSink] | None = None, log: Callable[[str], None] = print,
             after_step: Callable[[int, RunningJob], None] | None = None,
-            resume_from: Path | None = None, force: bool = False
+            resume_from: Path | None = None, force: bool = False, preflighted: bool = False
             ) -> list[dict[str, float]]:
     """Run a whole job; returns every step's row. Starts (and stops) Ray if none runs.
 
@@ -232,17 +232,19 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
     starts: a refused resume is a ConfigError, a finished job starts nothing. When an
     actor dies or a call times out, the actors are started again and the job resumes
     from its last checkpoint, at most ``max_restarts`` times; the rows up to that
-    checkpoint are kept, those after it are written again (once).
+    checkpoint are kept, those after it are written again (once). ``preflighted``: the
+    caller ran ``preflight`` on this config already (services/train.py, before it imported
+    the driver), so the dataset is not read and the modules not imported twice.
     """
-    preflight(config)
+    if not preflighted:
+        preflight(config)
     quiet_transformers()
     run_dir = RunDir(output_dir or job_dir(config.name, config.output_dir))
     plan = checkpoint.plan_resume(config, run_dir, resume_from, force, log)
     if plan.finished:
         return finished(config, run_dir, plan, log)
     run_dir.create()
-    needed = config.trainer.world_size * config.trainer.num_cpus_per_rank + 2
-    started_ray = ensure_ray(max(os.cpu_count() or 1, int(needed + 0.999)))
+    started_ray = ensure_ray(local_head_cpus(config))  # the head preflight judged
     sinks: list[MetricsSink] = []
     try:
         model_path = job_model_path(config, log)

@@ -29,6 +29,7 @@ from services.config import parse_job_config
 from services.controller.app import create_app
 from services.preflight import preflight
 from tests.services.controller_fakes import FakeBackend, api_client, make_settings, serve_in_thread
+from tests.services.test_preflight import HINT, LABEL_FIX, NOT_ON_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 TALLY = Path(sys.executable).parent / "tally"
@@ -42,12 +43,6 @@ rollout:
   global_batch_size: 8
 """
 RECORD = {"prompt": "2+2=", "answer": 4}
-HINT = ("save the model and its tokenizer there with save_pretrained, or make the folder "
-        "with `tally import-model`")
-LABEL_FIX = ("set label_key to the field holding the reference answer, or to null if the "
-             "reward needs no label")
-NOT_ON_PATH = ("no module of that name on the Python path (put it in the job's working "
-               "directory or on PYTHONPATH, e.g. PYTHONPATH=. tally train ...)")
 NO_GPU = (r"but this machine has no GPU \(Ray head started by Tally: \d+ CPUs, 0 GPUs\); "
           r"set it to {} or join a cluster with --address")
 
