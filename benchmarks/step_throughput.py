@@ -1,10 +1,13 @@
 """Throughput of the RL step on the tiny model on CPU, two tables in one run:
 
-1. **Train step, padded vs packed** (one FSDP rank, no Ray): padding fraction and train
-   tokens/s (real tokens / fwd+bwd+optimizer time) of the same batch with padded
-   micro-batches and with packed rows, on the demo's batch (256 samples, responses ≤ 8
-   tokens) and on a long-tail length mix (responses 4–512 tokens, log-uniform).
-   Targets (issue #11): padding < 5% packed; tokens/s up by at least the padding saved.
+1. **Train step, padded vs packed vs shared prefix** (one FSDP rank, no Ray): padding
+   fraction, trained tokens per step (what the forward computes) and train tokens/s
+   (the batch's tokens / fwd+bwd+optimizer time) of the same batch with padded
+   micro-batches, packed rows, and packed rows sharing each group's prompt, on the demo's
+   batch (256 samples, responses ≤ 8 tokens), a math_words-like batch (prompts 60–90,
+   responses 24) and a long-tail length mix (responses 4–512 tokens, log-uniform).
+   Targets (issue #11): padding < 5% packed; tokens/s up by at least the padding saved;
+   (issue #21) shared prefix trains fewer tokens, and is faster by about as much.
 2. **End to end** (rollout + train + weight sync, real Ray), synchronous and with the
    async pipeline (``rollout.async_steps: 1``): tokens/s, the shares of step time in
    generation and forward/backward, how much of generation ran hidden behind training
@@ -58,28 +61,33 @@ def length_mix_batch(num_samples: int, group_size: int, prompt_range: tuple[int,
                                    [i // group_size for i in range(len(prompts))], group_size)
 
 
-def train_step_times(model_path: str, batch: RolloutBatch, packed: bool, budget: int,
-                     steps: int) -> tuple[float, list[float]]:
-    """(padding fraction, seconds of each train_step after a warm-up one) on one
-    in-process rank."""
+LAYOUTS = {"padded": (False, False), "packed": (True, False), "prefix": (True, True)}
+"""Name -> (trainer.packing, trainer.shared_prefix)."""
+
+
+def train_step_times(model_path: str, batch: RolloutBatch, layout: str, budget: int,
+                     steps: int) -> tuple[float, int, list[float]]:
+    """(padding fraction, trained tokens, seconds of each train_step after a warm-up
+    one) on one in-process rank."""
     import torch.distributed as dist
 
     from trainer.backends.fsdp.worker import FSDPWorker
 
+    packed, shared = LAYOUTS[layout]
     config = TrainerConfig(dp_size=1, max_tokens_per_micro_batch=budget, packing=packed,
-                           num_threads=2,
+                           shared_prefix=shared, num_threads=2,
                            optimizer=OptimizerConfig(lr=1e-5))
     objective = ObjectiveConfig()
     worker = FSDPWorker(config, objective, model_path, 0, total_steps=steps + 1)
     worker.setup(*worker.rendezvous_address("127.0.0.1"))
     try:
-        plan = plan_step(batch, objective, 1, 1, budget, packed=packed)
+        plan = plan_step(batch, objective, 1, 1, budget, packed=packed, shared_prefix=shared)
         times = []
         for _ in range(steps + 1):
             started = time.perf_counter()
             worker.train_step(batch, plan)
             times.append(time.perf_counter() - started)
-        return plan.padding_fraction, times[1:]
+        return plan.padding_fraction, plan.computed_tokens, times[1:]
     finally:
         dist.destroy_process_group()
 
@@ -94,27 +102,31 @@ def packing_table(repeats: int) -> None:
         workloads = {
             "demo batch (256 × ≤8 new)": (length_mix_batch(256, 8, (8, 17), (1, 8), False,
                                                            vocab), 2048),
+            "math_words-like (32 × 24)": (length_mix_batch(32, 4, (60, 91), (24, 24), False,
+                                                           vocab), 4096),
             "long tail (64 × 4-512 new)": (length_mix_batch(64, 4, (16, 65), (4, 512), True,
                                                             vocab), 4096),
         }
-        print(f"train step, padded vs packed (1 FSDP rank, 2 threads; {repeats} rounds of "
-              "3 steps each, padded and packed alternating; medians)")
-        print(f"{'workload':<28} {'pad padded':>10} {'pad packed':>10} {'tok/s padded':>13} "
-              f"{'tok/s packed':>13} {'speed-up':>9} {'padding saved':>14}")
+        print(f"train step by layout (1 FSDP rank, 2 threads; {repeats} rounds of 3 steps "
+              "each, layouts alternating; medians; tok/s = the batch's tokens / step time)")
+        print(f"{'workload':<28} {'layout':<7} {'padding':>8} {'trained tok':>12} "
+              f"{'tok/s':>9} {'vs padded':>10} {'vs packed':>10}")
         for name, (batch, budget) in workloads.items():
-            times: dict[bool, list[float]] = {False: [], True: []}
-            padding: dict[bool, float] = {}
-            for _ in range(repeats):  # alternating: a noisy machine slows both alike
-                for packed in (False, True):
-                    padding[packed], more = train_step_times(model_path, batch, packed,
-                                                             budget, 3)
-                    times[packed] += more
+            times: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+            padding: dict[str, float] = {}
+            trained: dict[str, int] = {}
+            for _ in range(repeats):  # alternating: a noisy machine slows all alike
+                for layout in LAYOUTS:
+                    padding[layout], trained[layout], more = train_step_times(
+                        model_path, batch, layout, budget, 3)
+                    times[layout] += more
             tokens = float(batch.sequence_lengths.sum())
-            pad_a, speed_a = padding[False], tokens / statistics.median(times[False])
-            pad_b, speed_b = padding[True], tokens / statistics.median(times[True])
-            saved = (1 - pad_b) / (1 - pad_a)  # computed tokens per real token, padded/packed
-            print(f"{name:<28} {pad_a:>10.1%} {pad_b:>10.1%} {speed_a:>13,.0f} "
-                  f"{speed_b:>13,.0f} {speed_b / speed_a:>8.2f}× {saved:>13.2f}×")
+            speed = {layout: tokens / statistics.median(t) for layout, t in times.items()}
+            for layout in LAYOUTS:
+                print(f"{name if layout == 'padded' else '':<28} {layout:<7} "
+                      f"{padding[layout]:>8.1%} {trained[layout]:>12,} "
+                      f"{speed[layout]:>9,.0f} {speed[layout] / speed['padded']:>9.2f}× "
+                      f"{speed[layout] / speed['packed']:>9.2f}×")
 
 
 def end_to_end_table(steps: int, batch_sizes: list[int], async_values: list[int]) -> None:

@@ -138,7 +138,7 @@ PLANT_ENV = "TALLY_TEST_PLANT"
 """Test hook, not an option: ``<layout>:<error>[,<error>]`` entries separated by ``;`` plant
 errors in those layouts' ranks (``trainer/objective.py``'s PLANTED_ERROR_ENV lists them:
 ``pg``/``kl``/``entropy`` doubled on rank 0, ``local_tokens``, ``shard_coefficient``,
-``entropy_coefficient``), e.g. ``dp2cp1:pg,kl`` or
+``entropy_coefficient``, ``prefix_mask``), e.g. ``dp2cp1:pg,kl`` or
 ``dp2cp1:local_tokens;dp1cp2:shard_coefficient``, so the tests can show the verifier
 failing."""
 
@@ -165,9 +165,10 @@ def _planted_env(layouts: list) -> dict[str, dict[str, str]]:
 def verify_aggregation(
     config: ConfigArg, set_: SetOpt = None,
     layouts: Annotated[str, typer.Option(
-        help="comma-separated, the first the reference, e.g. dp1cp1-padded,dp2cp1,dp1cp2 "
-             "(-padded / -packed force the micro-batch layout; plain: the job's)")]
-    = "dp1cp1-padded,dp2cp1,dp1cp2",
+        help="comma-separated, the first the reference, e.g. dp1cp1-padded,dp2cp1-prefix,"
+             "dp1cp2 (-padded / -packed / -prefix force padding, packing, packing with each "
+             "group's prompt shared; plain: the job's)")]
+    = "dp1cp1-padded,dp2cp1-prefix,dp1cp2",
     rtol: Annotated[float | None, typer.Option(
         help="relative tolerance (default 1e-7 on FSDP in float64, 1e-4 on Megatron)")] = None,
     atol: Annotated[float | None, typer.Option(

@@ -213,6 +213,12 @@ class TrainerConfig(BaseModel):
     a sample; no padding). Megatron packs only with TransformerEngine's THD rows (GPU,
     TE installed, bf16): elsewhere the default pads and says so, and an explicit true is
     refused naming this field. False pads every micro-batch to its longest sample."""
+    shared_prefix: bool | None = None
+    """Train each group's shared prompt once (arXiv 2506.05433): a packed row holds
+    [prompt, response₁ … response_G], each response attending to the prompt and to itself,
+    so J and ∇J are those of the unshared layout. None (default): on where it applies —
+    FSDP, packing, cp_size 1, and groups whose prompt tokens are identical (others are
+    packed as before). true insists (refused under CP, padding or Megatron)."""
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     """Compute dtype of the forward and backward (auto: fp32 on CPU, bf16 on GPU).
     Parameters, reduced gradients and optimizer state stay fp32 whatever it is (fp64
@@ -234,7 +240,24 @@ class TrainerConfig(BaseModel):
     def _backend_layout(self) -> TrainerConfig:
         if self.backend == "fsdp" and self.tp_size != 1:
             raise ValueError("tp_size: tensor parallelism needs backend=megatron")
+        if self.shared_prefix:
+            if self.cp_size > 1:
+                raise ValueError("shared_prefix: a shared prompt cannot be split across "
+                                 f"context-parallel ranks (trainer.cp_size={self.cp_size}); "
+                                 "set shared_prefix: false or cp_size: 1")
+            if not self.packing:
+                raise ValueError("shared_prefix: needs packed rows (trainer.packing: true)")
+            if self.backend != "fsdp":
+                raise ValueError("shared_prefix: backend=megatron packs only THD rows, which "
+                                 "cannot share a prompt; set shared_prefix: false")
         return self
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether packed rows share each group's prompt (``shared_prefix`` resolved)."""
+        if self.shared_prefix is not None:
+            return self.shared_prefix
+        return self.packing and self.cp_size == 1 and self.backend == "fsdp"
 
     @property
     def world_size(self) -> int:

@@ -18,6 +18,14 @@ token; a query then sees only keys of its own sample:
 
 which is block-diagonal causal attention, with or without CP (at CP 1 nothing is gathered).
 
+Shared prefix (CP 1): a sample that starts at position s_i of its row leaves its prompt
+to its head h(i) (the first sample of its group in the row) and reads it from there:
+
+    mask_ij = pos(q_i) ≥ pos(k_j) ∧ (seq(k_j) = seq(q_i) ∨ (seq(k_j) = h(q_i) ∧ pos(k_j) < s(q_i)))
+
+Each head and the samples after it form a block attended on its own (a [n, n] mask
+per block); the other samples go through the per-sample causal path.
+
 Usage: ``enable_context_parallel(model)`` once, then per forward
 ``with context_parallel(cp_group, position_ids, sequence_ids): model(input_ids=...,
 position_ids=...)``.
@@ -25,6 +33,7 @@ position_ids=...)``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -37,6 +46,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
 CP_ATTENTION_NAME = "tally_cp"
+_PLANTED_ERROR_ENV = "TALLY_TEST_PLANTED_ERROR"
+"""trainer/objective.py's PLANTED_ERROR_ENV (a test hook; ``prefix_mask`` is read here)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class _CPState:
     sequences_BS: torch.Tensor | None = None  # packed rows: sample slot of each token
     all_sequences_BS: torch.Tensor | None = None
     runs: _Runs | None = None  # a packed row without CP: per-sample causal attention
+    blocks: _Blocks | None = None  # a packed row sharing prefixes (CP 1)
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,62 @@ class _Runs:
             else:
                 runs.append([1, n])
         return cls(tuple((count, n) for count, n in runs))
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """A packed row with shared prefixes as consecutive blocks: (start, end, mask) where
+    mask is None for one sample alone (causal) or [1, 1, n, n] for a head and the samples
+    reading its prompt."""
+
+    blocks: tuple[tuple[int, int, torch.Tensor | None], ...]
+
+    @classmethod
+    def of(cls, sequence_ids_T: torch.Tensor, heads_T: torch.Tensor, starts_T: torch.Tensor,
+           positions_T: torch.Tensor) -> _Blocks:
+        blocks = []
+        bounds = torch.nonzero(heads_T[1:] != heads_T[:-1]).flatten().add(1).tolist()
+        for start, end in zip([0, *bounds], [*bounds, len(heads_T)], strict=True):
+            seq, head = sequence_ids_T[start:end], heads_T[start:end]
+            pos, first = positions_T[start:end], starts_T[start:end]
+            if bool((seq == head).all()):  # one sample alone (or several, each causal)
+                for sub_start, sub_end in _runs_of(seq, start):
+                    blocks.append((sub_start, sub_end, None))
+                continue
+            if "prefix_mask" in os.environ.get(_PLANTED_ERROR_ENV, ""):
+                first = first + 1  # test hook: the off-by-one (trainer/objective.py)
+            mask = (pos[:, None] >= pos[None, :]) & (
+                (seq[:, None] == seq[None, :])
+                | ((seq[None, :] == head[:, None]) & (pos[None, :] < first[:, None])))
+            blocks.append((start, end, mask[None, None]))
+        return cls(tuple(blocks))
+
+
+def _runs_of(sequence_ids_T: torch.Tensor, offset: int) -> list[tuple[int, int]]:
+    """(start, end) of each sample's consecutive tokens, shifted by ``offset``."""
+    counts = torch.unique_consecutive(sequence_ids_T, return_counts=True)[1].tolist()
+    spans, start = [], offset
+    for n in counts:
+        spans.append((start, start + n))
+        start += n
+    return spans
+
+
+def _shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             blocks: _Blocks, dropout: float, scale: float | None
+                             ) -> torch.Tensor:
+    """Attention of one packed row [1, H, T, D] block by block (``_Blocks``)."""
+    outputs = []
+    for start, end, mask in blocks.blocks:
+        q, k, v = (x[:, :, start:end] for x in (query, key, value))
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale,
+                                                 is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 dropout_p=dropout, scale=scale)
+        outputs.append(out)
+    return torch.cat(outputs, dim=2)
 
 
 def _per_sample_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -158,6 +226,9 @@ def cp_attention_forward(
     if num_groups > 1:  # GQA: query head h reads kv head h // num_groups (HF's repeat_kv)
         key = key.repeat_interleave(num_groups, dim=1)
         value = value.repeat_interleave(num_groups, dim=1)
+    if state is not None and state.blocks is not None:
+        out = _shared_prefix_attention(query, key, value, state.blocks, dropout, scaling)
+        return out.transpose(1, 2).contiguous(), None
     if state is not None and state.runs is not None:
         out = _per_sample_causal_attention(query, key, value, state.runs, dropout, scaling)
         return out.transpose(1, 2).contiguous(), None
@@ -180,12 +251,15 @@ def enable_context_parallel(model: PreTrainedModel) -> None:
 
 @contextmanager
 def context_parallel(cp_group: dist.ProcessGroup, position_ids: torch.Tensor,
-                     sequence_ids: torch.Tensor | None = None) -> Iterator[None]:
+                     sequence_ids: torch.Tensor | None = None,
+                     prefix_heads: torch.Tensor | None = None,
+                     prefix_starts: torch.Tensor | None = None) -> Iterator[None]:
     """Within this block, attention layers of CP-enabled models gather K/V over cp_group.
 
     position_ids: [B, S_local] true positions of this rank's zigzag shard; sequence_ids: the
-    sample slot of each token of a packed row (None: one sample per row). They are gathered
-    here, once per forward, not in every layer. Run backward inside the block too when
+    sample slot of each token of a packed row (None: one sample per row); prefix_heads and
+    prefix_starts: a row sharing prefixes (CP 1; see the module docstring). They are
+    gathered here, once per forward, not in every layer. Run backward inside the block too when
     activation checkpointing recomputes attention there.
     """
     gather = dist.get_world_size(cp_group) > 1
@@ -193,11 +267,16 @@ def context_parallel(cp_group: dist.ProcessGroup, position_ids: torch.Tensor,
     all_sequences = sequence_ids
     if sequence_ids is not None and gather:
         all_sequences = _all_gather_positions(sequence_ids, cp_group)
-    runs = None
-    if sequence_ids is not None and not gather and sequence_ids.shape[0] == 1:
+    runs = blocks = None
+    if prefix_heads is not None:
+        if gather or sequence_ids is None or prefix_starts is None:
+            raise ValueError("shared_prefix: needs cp_size 1 and a packed row")
+        blocks = _Blocks.of(sequence_ids[0], prefix_heads[0], prefix_starts[0],
+                            position_ids[0])
+    elif sequence_ids is not None and not gather and sequence_ids.shape[0] == 1:
         runs = _Runs.of(sequence_ids[0])
     token = _state.set(_CPState(cp_group, position_ids, all_positions, sequence_ids,
-                                all_sequences, runs))
+                                all_sequences, runs, blocks))
     try:
         yield
     finally:

@@ -146,7 +146,7 @@ class TrainerGroup:
         configured one for this step only)."""
         return plan_step(batch, objective or self.objective, self.config.dp_size,
                          self.config.cp_size, self.config.max_tokens_per_micro_batch,
-                         packed=packs(self.config))
+                         packed=packs(self.config), shared_prefix=self.config.shares_prefix)
 
     def train(self, batch: RolloutBatch, batch_ref: ray.ObjectRef | None = None,
               objective: ObjectiveConfig | None = None) -> dict[str, float]:

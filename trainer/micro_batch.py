@@ -6,7 +6,9 @@ samples back to back; every per-token tensor is shifted *within its sample* (a s
 last token has no target and weight 0: nothing crosses a boundary), each sample is
 rounded up to 2·cp and zigzag-sharded on its own (THD context parallelism), and
 ``sequence_ids`` tells the attention which tokens may see each other: same sample and
-true position not after the query's.
+true position not after the query's. Shared prefix (``plan.prefix_skip``, CP 1): a
+sample that leaves its first k tokens to its head starts at position k in the row, and
+``prefix_heads`` / ``prefix_starts`` let it see its head's tokens before position k.
 
 Per-token tensors are shifted *before* sharding, so a shard never needs its neighbour's
 token to know its target. Weights are built here from the plan's per-sample coefficients,
@@ -47,6 +49,12 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None = None
     """Packed rows: int32 [n + 1] boundaries of the row's samples, each rounded up to
     2·cp, over the whole (unsharded) row, as THD attention takes them."""
+    prefix_heads: torch.Tensor | None = None
+    """Shared prefix: [1, S] the slot of the sample whose prompt each token's sample
+    shares (its own slot when it shares nothing); None: nothing shared."""
+    prefix_starts: torch.Tensor | None = None
+    """Shared prefix: [1, S] first position of each token's sample in the row: a query
+    sees its head's keys at positions before it."""
 
     def to(self, device: torch.device) -> MicroBatch:
         def move(value: object) -> object:
@@ -96,12 +104,21 @@ def slice_micro_batch(
     )
 
 
-def packed_row_index(lengths: torch.Tensor, cp_size: int, cp_rank: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_row_index(lengths: torch.Tensor, cp_size: int, cp_rank: int,
+                     skips: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(slot, position) of every token of a CP rank's shard of a packed row whose samples
     have ``lengths``: each sample rounded up to 2·cp, cut into 2·cp chunks, chunks r and
     2·cp−1−r kept (zigzag_shard per sample, vectorized). Positions ≥ a sample's length
-    are its CP padding (they keep counting, as zigzag_positions does)."""
+    are its CP padding (they keep counting, as zigzag_positions does). ``skips`` (shared
+    prefix, CP 1): a sample's tokens start at position skips[slot]."""
+    if skips is not None and bool(skips.any()):
+        if cp_size > 1:
+            raise ValueError("shared_prefix: needs cp_size 1")
+        local = lengths - skips
+        slot = torch.repeat_interleave(torch.arange(len(lengths)), local)
+        within = torch.arange(int(local.sum())) - torch.repeat_interleave(
+            torch.cumsum(local, 0) - local, local)
+        return slot, within + skips[slot]
     chunk = torch.tensor([padded_length(int(n), cp_size) // (2 * cp_size) if cp_size > 1
                           else int(n) for n in lengths])
     local = chunk * 2 if cp_size > 1 else chunk
@@ -125,7 +142,8 @@ def slice_packed_row(
     empty = not samples
     index = torch.tensor(samples or [0])
     lengths = batch.sequence_lengths[index]
-    slot, position = packed_row_index(lengths, cp_size, cp_rank)
+    skips = None if plan.prefix_skip is None or empty else plan.prefix_skip[index]
+    slot, position = packed_row_index(lengths, cp_size, cp_rank, skips)
     sample, n = index[slot], lengths[slot]
     real, has_target = position < n, position + 1 < n
     width = batch.input_ids.shape[1]
@@ -143,7 +161,14 @@ def slice_packed_row(
     weights.update({term: at(w, after, has_target) * (0.0 if empty else 1.0)
                     for term, w in plan.dense_weights.items()})
     old = batch.old_log_probs
+    heads = starts = None
+    if skips is not None:  # each sample's head as a slot of this row (heads come first)
+        slot_of = {int(i): k for k, i in enumerate(index)}
+        head_slot = torch.tensor([slot_of[int(plan.prefix_head[i])] for i in index])
+        heads, starts = head_slot[slot][None], skips[slot][None]
     return MicroBatch(
+        prefix_heads=heads,
+        prefix_starts=starts,
         input_ids=at(batch.input_ids, here, real),
         position_ids=position[None],
         targets=at(batch.input_ids, after, has_target),
@@ -154,9 +179,10 @@ def slice_packed_row(
         old_log_probs=None if old is None else at(old, after, has_target),
         # a sample's CP padding keeps its slot: it is a key only of its own padding
         sequence_ids=slot[None],
-        cu_seqlens=torch.tensor(row_cu_seqlens(index.tolist(),
-                                               batch.sequence_lengths.tolist(), cp_size),
-                                dtype=torch.int32),
+        cu_seqlens=torch.tensor(row_cu_seqlens(
+            index.tolist(), (batch.sequence_lengths - (0 if plan.prefix_skip is None
+                                                       else plan.prefix_skip)).tolist(),
+            cp_size), dtype=torch.int32),
     )
 
 
@@ -170,11 +196,13 @@ def slice_for_plan(batch: RolloutBatch, plan: StepPlan, samples: list[int], cp_s
 def gather_log_probs(
     batch: RolloutBatch, samples: list[int], log_probs: torch.Tensor, out: torch.Tensor,
     cp_group: object, cp_size: int, owner: bool, packed: bool = False,
+    prefix_skip: torch.Tensor | None = None,
 ) -> None:
     """Collective over the CP group: put one micro-batch's log-probs (this rank's shard,
     next-token positions) back into ``out`` [N, S], aligned with input_ids and 0 outside
     the loss mask. Only an ``owner`` rank writes (one per DP group), so summing ``out``
-    over all ranks gives every sample exactly once."""
+    over all ranks gives every sample exactly once. ``prefix_skip``: the plan's (shared
+    prefix)."""
     import torch.distributed as dist
 
     shards = [log_probs]
@@ -186,8 +214,9 @@ def gather_log_probs(
     if packed:  # every rank's shard maps back through its own (slot, position)
         index = torch.tensor(samples)
         lengths = batch.sequence_lengths[index]
+        skips = None if prefix_skip is None else prefix_skip[index]
         for rank, shard in enumerate(shards):
-            slot, position = packed_row_index(lengths, cp_size, rank)
+            slot, position = packed_row_index(lengths, cp_size, rank, skips)
             keep = position + 1 < lengths[slot]
             rows, cols = index[slot][keep], position[keep] + 1
             out[rows, cols] = shard[0][keep].float().cpu() * batch.loss_mask[rows, cols]

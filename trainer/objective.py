@@ -44,11 +44,14 @@ have it in their environment, so tests can show ``verify-aggregation`` catching 
     shard_coefficient     rank 0's shard (one CP shard in a CP layout): the coefficient of
                           its sample with the most valid tokens ×(1 + 1e-3), every term
     entropy_coefficient   the same sample's coefficient ×(1 + 1e-3) in the entropy term only
+    prefix_mask           shared prefix (trainer/cp_attention.py): a response also sees its
+                          head's last prompt token, a copy of its own first token (the
+                          off-by-one a prefix mask invites), every rank
 
 Rank 0 is the one that owns the first DP×CP shard (every TP rank of it on Megatron)."""
 PLANTED_FACTOR_TERMS = ("pg", "kl", "entropy")
 """Planted errors that double rank 0's share of a term."""
-PLANTED_ON_EVERY_RANK = frozenset({"local_tokens"})
+PLANTED_ON_EVERY_RANK = frozenset({"local_tokens", "prefix_mask"})
 """Planted errors each rank of the layout makes (read here, not passed by the backend)."""
 PLANTED_ERRORS = frozenset({*PLANTED_FACTOR_TERMS, *PLANTED_ON_EVERY_RANK,
                             "shard_coefficient", "entropy_coefficient"})

@@ -42,6 +42,15 @@ class StepPlan:
     starting at 0; empty when padded."""
     dense_weights: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token weights [N, S] aligned with input_ids, only for a custom pg reducer."""
+    prefix_skip: torch.Tensor | None = None
+    """Shared prefix: [N] leading tokens each sample leaves to its head (0 for a head and
+    for a sample that shares nothing); None: nothing is shared."""
+    prefix_head: torch.Tensor | None = None
+    """Shared prefix: [N] the sample whose prompt tokens each sample attends to (itself
+    when it shares nothing); a head comes first in its row, its chunk right after it."""
+    computed_tokens: int = 0
+    """Tokens the forward computes over every rank's rows (padding and CP rounding
+    included; shared prompt tokens once)."""
 
     @property
     def terms(self) -> list[str]:
@@ -109,10 +118,10 @@ def assign_micro_batches(lengths: list[int], dp_size: int, max_tokens: int,
     return plans
 
 
-def padding_fraction(lengths: list[int], micro_batches: list[list[list[int]]], cp_size: int,
-                     packed: bool = True) -> float:
-    """1 − real tokens / computed tokens over every non-empty micro-batch of every rank.
-    Packed rows compute each sample's tokens rounded up to 2·cp; padded micro-batches
+def token_counts(lengths: list[int], micro_batches: list[list[list[int]]], cp_size: int,
+                 packed: bool = True) -> tuple[int, int]:
+    """(real, computed) tokens over every non-empty micro-batch of every rank. Packed
+    rows compute each sample's ``lengths`` rounded up to 2·cp; padded micro-batches
     compute b × (longest, rounded up to 2·cp)."""
     real = computed = 0
     for plan in micro_batches:
@@ -122,6 +131,13 @@ def padding_fraction(lengths: list[int], micro_batches: list[list[list[int]]], c
                 computed += (sum(padded_length(lengths[i], cp_size) for i in samples) if packed
                              else padded_length(max(lengths[i] for i in samples), cp_size)
                              * len(samples))
+    return real, computed
+
+
+def padding_fraction(lengths: list[int], micro_batches: list[list[list[int]]], cp_size: int,
+                     packed: bool = True) -> float:
+    """1 − real tokens / computed tokens (:func:`token_counts`)."""
+    real, computed = token_counts(lengths, micro_batches, cp_size, packed)
     return 1.0 - real / computed if computed else 0.0
 
 
@@ -131,6 +147,53 @@ def row_cu_seqlens(samples: list[int], lengths: list[int], cp_size: int) -> list
     for i in samples:
         bounds.append(bounds[-1] + padded_length(lengths[i], cp_size))
     return bounds
+
+
+def prefix_items(batch: RolloutBatch, max_tokens: int
+                 ) -> tuple[list[list[int]], list[int], torch.Tensor]:
+    """(items, their token costs, prefix_skip [N]): each group with identical prompt
+    tokens (P ≥ 2) as chunks of at most ``max_tokens`` (a chunk's first sample whole, the
+    others from position P − 1 on), every other sample an item alone."""
+    lengths = batch.sequence_lengths.tolist()
+    skip = torch.zeros(batch.num_samples, dtype=torch.int64)
+    items: list[list[int]] = []
+    costs: list[int] = []
+    for group in batch.group_ids.tolist():
+        members = (batch.group_index == group).nonzero().flatten().tolist()
+        prompt = int(batch.prompt_lengths[members[0]])
+        same = all(int(batch.prompt_lengths[j]) == prompt for j in members) and bool(
+            (batch.input_ids[members, :prompt] == batch.input_ids[members[0], :prompt]).all())
+        if not same or prompt < 2 or len(members) == 1:
+            items += [[j] for j in members]
+            costs += [lengths[j] for j in members]
+            continue
+        shared = prompt - 1
+        for j in sorted(members, key=lambda j: (-lengths[j], j)):
+            if items and items[-1][0] in members and costs[-1] + lengths[j] - shared <= max_tokens:
+                items[-1].append(j)
+                costs[-1] += lengths[j] - shared
+                skip[j] = shared
+            else:
+                items.append([j])
+                costs.append(lengths[j])
+    return items, costs, skip
+
+
+def plan_prefix_rows(batch: RolloutBatch, dp_size: int, max_tokens: int
+                     ) -> tuple[list[list[list[int]]], torch.Tensor, torch.Tensor]:
+    """([dp_rank][row] -> samples, prefix_skip, prefix_head): the items of
+    :func:`prefix_items` balanced over ranks by tokens, then first-fit decreasing into
+    rows; every rank gets the same number of rows."""
+    items, costs, skip = prefix_items(batch, max_tokens)
+    head = torch.arange(batch.num_samples)
+    for item in items:
+        head[item] = item[0]
+    plans = [[[j for k in row for j in items[k]] for row in pack_rows(rank, costs, max_tokens)]
+             for rank in balance_ranks(costs, dp_size)]
+    num_rows = max(1, *(len(p) for p in plans))
+    for plan in plans:
+        plan.extend([] for _ in range(num_rows - len(plan)))
+    return plans, skip, head
 
 
 def packs(config: TrainerConfig) -> bool:
@@ -153,8 +216,10 @@ def plan_step(
     cp_size: int,
     max_tokens_per_micro_batch: int,
     packed: bool = True,
+    shared_prefix: bool = False,
 ) -> StepPlan:
-    """Coefficients for every term and the micro-batch assignment of one step."""
+    """Coefficients for every term and the micro-batch assignment of one step
+    (``shared_prefix``: packed rows share each group's identical prompt; CP 1 only)."""
 
     counts = batch.loss_mask.to(torch.float64).sum(dim=-1)  # M_i
 
@@ -176,11 +241,23 @@ def plan_step(
         coefficients[MODE_METRIC_PREFIX + mode] = coefficients_of(TermAggregationConfig(
             mode=mode, divisor=divisor if mode == "constant" else None))
     lengths = batch.sequence_lengths.tolist()
-    budget_lengths = [padded_length(n, cp_size) for n in lengths] if packed else lengths
-    micro_batches = assign_micro_batches(budget_lengths, dp_size, max_tokens_per_micro_batch,
-                                         packed)
-    cu_seqlens = [[row_cu_seqlens(row, lengths, cp_size) for row in rank]
+    skip = head = None
+    if shared_prefix and packed:
+        if cp_size != 1:
+            raise ValueError(f"shared_prefix: needs cp_size 1 (trainer.cp_size={cp_size})")
+        micro_batches, skip, head = plan_prefix_rows(batch, dp_size, max_tokens_per_micro_batch)
+        if not skip.any():
+            skip = head = None  # no group shares its prompt: the plain packed layout
+    else:
+        budget_lengths = [padded_length(n, cp_size) for n in lengths] if packed else lengths
+        micro_batches = assign_micro_batches(budget_lengths, dp_size,
+                                             max_tokens_per_micro_batch, packed)
+    # a sample's tokens in its row: all but those it leaves to its head
+    row_lengths = lengths if skip is None else (batch.sequence_lengths - skip).tolist()
+    cu_seqlens = [[row_cu_seqlens(row, row_lengths, cp_size) for row in rank]
                   for rank in micro_batches] if packed else []
-    return StepPlan(coefficients, micro_batches,
-                    padding_fraction(lengths, micro_batches, cp_size, packed),
-                    dense_weights=dense_weights, packed=packed, cu_seqlens=cu_seqlens)
+    real, computed = token_counts(row_lengths, micro_batches, cp_size, packed)
+    padding = 1.0 - real / computed if computed else 0.0
+    return StepPlan(coefficients, micro_batches, padding, dense_weights=dense_weights,
+                    packed=packed, cu_seqlens=cu_seqlens, prefix_skip=skip, prefix_head=head,
+                    computed_tokens=computed)

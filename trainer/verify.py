@@ -14,7 +14,9 @@ its own (coefficient 1), so a KL weighting bug cannot hide under a small ``kl_co
 FSDP computes in float64 for this; Megatron in fp32 (looser default tolerance).
 
 Packed rows and padded micro-batches are layouts too (``dp1cp1-padded``): the default
-reference is one padded rank, so every packed layout is checked against padding.
+reference is one padded rank, so every packed layout is checked against padding. So is
+the shared prefix (``dp1cp1-prefix``, ``dp2cp1-prefix``: each group's prompt trained once,
+``trainer.shared_prefix``); ``-packed`` packs without sharing, a plain name is the job's.
 
 A rollout with several updates (``updates``: mini-batches × epochs) is compared update by
 update: at each update every mode's and term's gradient on its own mini-batch, then the
@@ -29,6 +31,7 @@ entropy by their own modes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -48,23 +51,39 @@ class Layout:
     cp_size: int
     packed: bool | None = None
     """Packed rows or padded micro-batches; None: the job's ``trainer.packing``."""
+    shared_prefix: bool | None = None
+    """Packed rows sharing each group's prompt; None: the job's (or off when ``packed``
+    is set: ``-packed`` packs without sharing)."""
+
+    def __post_init__(self) -> None:
+        if self.packed is not None and self.shared_prefix is None:  # -packed shares nothing
+            object.__setattr__(self, "shared_prefix", False)
+
+    STYLES: ClassVar[dict[str, tuple[bool | None, bool | None]]] = {
+        "": (None, None), "packed": (True, False), "padded": (False, False),
+        "prefix": (True, True)}
+    """Name suffix -> (packed, shared_prefix)."""
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """'dp2cp1' -> Layout(2, 1); 'dp1cp1-padded' / 'dp2cp2-packed' force the layout."""
+        """'dp2cp1' -> Layout(2, 1); 'dp1cp1-padded', 'dp2cp2-packed', 'dp2cp1-prefix'
+        force the layout."""
         shape, _, style = text.lower().partition("-")
         try:
-            if style not in ("", "packed", "padded"):
-                raise ValueError(style)
+            packed, shared = cls.STYLES[style]
             dp, cp = shape.removeprefix("dp").split("cp")
-            return cls(int(dp), int(cp), None if not style else style == "packed")
-        except ValueError as err:
-            raise ValueError(f"layouts: expected entries like 'dp2cp1' or 'dp1cp1-padded', "
-                             f"got {text!r}") from err
+            layout = cls(int(dp), int(cp), packed, shared)
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"layouts: expected entries like 'dp2cp1', 'dp1cp1-padded' or "
+                             f"'dp1cp1-prefix', got {text!r}") from err
+        if shared and layout.cp_size > 1:
+            raise ValueError(f"layouts: {text}: a shared prefix needs trainer.cp_size 1")
+        return layout
 
     def __str__(self) -> str:
-        style = "" if self.packed is None else "-packed" if self.packed else "-padded"
-        return f"dp{self.dp_size}cp{self.cp_size}{style}"
+        style = next(name for name, value in self.STYLES.items()
+                     if value == (self.packed, self.shared_prefix))
+        return f"dp{self.dp_size}cp{self.cp_size}{'-' if style else ''}{style}"
 
 
 @dataclass(frozen=True)
@@ -150,9 +169,12 @@ def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: st
 
     from trainer.group import TrainerGroup
 
-    config = config.model_copy(update={
-        "dp_size": layout.dp_size, "cp_size": layout.cp_size,
-        "packing": config.packing if layout.packed is None else layout.packed})
+    update: dict[str, object] = {"dp_size": layout.dp_size, "cp_size": layout.cp_size}
+    if layout.packed is not None:
+        update |= {"packing": layout.packed, "shared_prefix": layout.shared_prefix}
+    elif config.shared_prefix and layout.cp_size > 1:  # the job's own, where CP allows
+        update["shared_prefix"] = None
+    config = TrainerConfig.model_validate(config.model_dump() | update)
     group = TrainerGroup(config, objective, model_path, total_steps=len(updates),
                          env_vars=env_vars)
     try:

@@ -91,6 +91,7 @@ class TrainerWorker(abc.ABC):
             sums = self.forward_backward(batch, plan)
             sums.update(self.optimizer_step())
         sums["padding_fraction"] = plan.padding_fraction
+        sums["perf/trained_tokens"] = float(plan.computed_tokens)  # all ranks' rows
         sums["perf/compute_s"] = time.perf_counter() - started  # rank-local fwd+bwd+step
         return {**sums, **phase_metrics("train", peak)}
 

@@ -38,7 +38,8 @@ def test_varlen_flash_attention_on_packed_rows_equals_each_sample_alone(tmp_path
     plan = plan_step(batch, ObjectiveConfig.compose(AggregationConfig(), LossConfig(), 8, 1.0),
                      1, 1, 40)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
-    assert use_varlen_flash_attention(model, TrainerConfig(num_gpus_per_rank=1))
+    assert use_varlen_flash_attention(model, TrainerConfig(num_gpus_per_rank=1,
+                                                           shared_prefix=False))
     alone_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
     with torch.no_grad():
         for samples in plan.micro_batches[0]:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 
-README_LAYOUTS = "dp1cp1-padded,dp2cp1,dp1cp2"  # packed rows against one padded rank
+README_LAYOUTS = "dp1cp1-padded,dp2cp1-prefix,dp1cp2"  # packed rows against one padded rank
 # demo.yaml exactly as the README says: the other demo configs differ from it in their
 # aggregation mode only, and the verifier checks every mode whatever the job's
 # (max_response_len's resolution: tests/services/test_config.py). Every shipped config is

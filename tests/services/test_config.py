@@ -50,6 +50,20 @@ def test_aggregation_rules_surface_with_their_path() -> None:
         parse_job_config("aggregation: {mode: prompt_mean, calculate_per_token_loss: true}\n")
 
 
+def test_a_shared_prefix_is_refused_where_it_cannot_run() -> None:
+    """true insists: refused under CP (naming trainer.cp_size), padding and Megatron; the
+    default (None) resolves to on only where it applies."""
+    with pytest.raises(ConfigError, match=r"shared_prefix.*trainer\.cp_size=2"):
+        parse_job_config("trainer: {shared_prefix: true, cp_size: 2}\n")
+    with pytest.raises(ConfigError, match=r"shared_prefix: needs packed rows"):
+        parse_job_config("trainer: {shared_prefix: true, packing: false}\n")
+    with pytest.raises(ConfigError, match=r"shared_prefix: backend=megatron"):
+        parse_job_config("trainer: {shared_prefix: true, backend: megatron}\n")
+    assert parse_job_config("name: x\n").trainer.shares_prefix
+    assert not parse_job_config("trainer: {cp_size: 2}\n").trainer.shares_prefix
+    assert not parse_job_config("trainer: {backend: megatron}\n").trainer.shares_prefix
+
+
 def test_num_ranks_must_match_layout() -> None:
     with pytest.raises(ConfigError, match=r"num_ranks: 3 trainer actors.*= 4"):
         parse_job_config("num_ranks: 3\ntrainer: {dp_size: 2, cp_size: 2}\n")

@@ -211,3 +211,39 @@ def test_custom_reducer_weights_reach_every_shard_exactly(packed: bool, cp_size:
                 total += float(got.sum())
     assert num_micro_batches > 2  # several per rank
     assert total == pytest.approx(float(dense.sum()), rel=1e-12)
+
+
+def test_shared_prefix_keeps_groups_whole_and_splits_one_over_the_budget() -> None:
+    """Each group whose prompt is identical is one item on one DP rank, its head first and
+    its other samples skipping P − 1 tokens; a group longer than the budget is cut into
+    chunks that each carry the prompt again (a head of their own)."""
+    batch = random_train_batch(200, num_prompts=4, group_size=4, seed=5)
+    objective = ObjectiveConfig.compose(AggregationConfig(), LossConfig(), 8, 1.0)
+    budget = 20
+    plan = plan_step(batch, objective, dp_size=2, cp_size=1, max_tokens_per_micro_batch=budget,
+                     shared_prefix=True)
+    skip, head = plan.prefix_skip, plan.prefix_head
+    assert skip is not None and head is not None
+    for rank_rows in plan.micro_batches:
+        for row in rank_rows:
+            cost = int((batch.sequence_lengths[row] - skip[row]).sum())
+            assert cost <= budget or len(row) == 1
+            for k, i in enumerate(row):
+                if skip[i]:  # reads its head, which sits earlier in the same row
+                    assert int(head[i]) in row[:k]
+                    assert batch.group_index[head[i]] == batch.group_index[i]
+                    assert int(skip[i]) == int(batch.prompt_lengths[i]) - 1
+                else:
+                    assert int(head[i]) == i
+    rank_of = {i: r for r, rows in enumerate(plan.micro_batches) for row in rows for i in row}
+    assert sorted(rank_of) == list(range(batch.num_samples))
+    for i in range(batch.num_samples):  # a chunk never straddles two ranks
+        assert rank_of[int(head[i])] == rank_of[i]
+    heads_per_group = {int(g): len({int(head[i]) for i in range(batch.num_samples)
+                                    if batch.group_index[i] == g})
+                       for g in batch.group_ids}
+    assert max(heads_per_group.values()) > 1  # some group was over the budget: chunks
+    assert plan.computed_tokens == int((batch.sequence_lengths - skip).sum())
+    unshared = plan_step(batch, objective, 2, 1, budget)
+    assert unshared.prefix_skip is None
+    assert plan.computed_tokens < unshared.computed_tokens == int(batch.sequence_lengths.sum())

@@ -119,6 +119,10 @@ def test_layout_names_say_packed_or_padded() -> None:
     assert Layout.parse("dp2cp1") == Layout(2, 1)
     assert Layout.parse("dp1cp1-padded") == Layout(1, 1, packed=False)
     assert str(Layout.parse("DP1CP2-packed")) == "dp1cp2-packed"
+    assert Layout.parse("dp2cp1-prefix") == Layout(2, 1, packed=True, shared_prefix=True)
+    assert str(Layout(2, 1, packed=True, shared_prefix=True)) == "dp2cp1-prefix"
+    with pytest.raises(ValueError, match=r"trainer\.cp_size"):
+        Layout.parse("dp1cp2-prefix")
     with pytest.raises(ValueError, match="dp1cp1-padded"):
         Layout.parse("dp1cp1-ragged")
 
@@ -173,8 +177,8 @@ def test_custom_reducer_is_exact_under_every_layout_and_a_planted_error_fails(
     assert all(1e-7 < r.grad_rel < 1e-2 for r in bad), bad  # small, and still caught
 
 
-PLANTS = {"dp2cp1": "pg,kl,entropy_coefficient", "dp3cp1": "local_tokens",
-          "dp1cp2": "shard_coefficient"}
+PLANTS = {"dp2cp1-packed": "pg,kl,entropy_coefficient", "dp3cp1": "local_tokens",
+          "dp1cp2": "shard_coefficient", "dp2cp1-prefix": "prefix_mask"}
 """Layout -> the planted error its ranks make (trainer/objective.py, PLANTED_ERROR_ENV)."""
 
 
@@ -195,6 +199,13 @@ def test_verify_aggregation_exits_1_on_each_planted_error(
       entropy terms (demo.yaml's mode for them, whatever the pg row's mode) are off.
     - ``shard_coefficient`` (one sample's coefficient ×1.001 in CP rank 0's shard): KL and
       entropy in every row, by less than 1 %.
+    - ``prefix_mask`` (shared prefix: a response also sees its head's copy of the last
+      prompt token): the log-probs of every response but the group's first move, so every
+      row fails.
+
+    ``pg,kl`` is planted in ``-packed`` (no sharing): a shared prefix balances whole groups
+    over the ranks, and a rank holding only groups with equal rewards has no pg gradient
+    to double.
     """
     from services.cli import app
 
@@ -214,16 +225,17 @@ def test_verify_aggregation_exits_1_on_each_planted_error(
         (layout, mode, term) for layout in PLANTS for mode in MODES
         for term in ("pg", "kl", "entropy")}
     failed = {(r[0], r[1], r[3]) for r in rows if r[-1] == "FAIL"}
-    assert {(m, t) for lay, m, t in failed if lay == "dp2cp1"} == {
-        (mode, term) for mode in MODES for term in ("pg", "kl", "entropy")}
+    for planted in ("dp2cp1-packed", "dp2cp1-prefix"):
+        assert {(m, t) for lay, m, t in failed if lay == planted} == {
+            (mode, term) for mode in MODES for term in ("pg", "kl", "entropy")}, planted
     for r in rows:
-        if r[0] == "dp2cp1":  # ×2 on pg and KL: large; 1e-3 on entropy: small
+        if r[0] == "dp2cp1-packed":  # ×2 on pg and KL: large; 1e-3 on entropy: small
             assert (float(r[5]) > 0.01) == (r[3] in ("pg", "kl")), r
     for mode in MODES:
         assert {("dp3cp1", mode, "kl"), ("dp3cp1", mode, "entropy")} <= failed
         assert {("dp1cp2", mode, "kl"), ("dp1cp2", mode, "entropy")} <= failed
     for r in rows:
-        small = r[0] == "dp1cp2" or (r[0] == "dp2cp1" and r[3] == "entropy")
+        small = r[0] == "dp1cp2" or (r[0] == "dp2cp1-packed" and r[3] == "entropy")
         if small and r[-1] == "FAIL":  # one coefficient off by 1e-3
             assert 1e-7 < float(r[5]) < 1e-2, r
     assert f"{len(rows) - len(failed)}/{len(rows)} comparisons within tolerance" in (

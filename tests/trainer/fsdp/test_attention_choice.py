@@ -62,7 +62,8 @@ def test_switches_on_flash_where_the_choice_allows(fake_flash_attn_2: None,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     model = _Model()
     with caplog.at_level(logging.INFO, logger="tally.trainer"):
-        assert use_varlen_flash_attention(model, TrainerConfig(), torch.bfloat16)
+        assert use_varlen_flash_attention(model, TrainerConfig(shared_prefix=False),
+                                          torch.bfloat16)
     assert model.switched_to == "flash_attention_2"
     assert any(getattr(r, "attention_implementation", None) == "flash_attention_2"
                for r in caplog.records if r.name == "tally.trainer")
@@ -71,12 +72,13 @@ def test_switches_on_flash_where_the_choice_allows(fake_flash_attn_2: None,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_full_precision_keeps_sdpa(fake_flash_attn_2: None, dtype: torch.dtype) -> None:
     model = _Model()
-    assert not use_varlen_flash_attention(model, TrainerConfig(), dtype)
+    assert not use_varlen_flash_attention(model, TrainerConfig(shared_prefix=False), dtype)
     assert model.switched_to is None
 
 
-@pytest.mark.parametrize("config", [TrainerConfig(packing=False), TrainerConfig(cp_size=2)])
-def test_unpacked_or_cp_keeps_sdpa(fake_flash_attn_2: None, config: TrainerConfig) -> None:
+@pytest.mark.parametrize("config", [TrainerConfig(packing=False), TrainerConfig(cp_size=2),
+                                    TrainerConfig()])  # the default shares prefixes
+def test_unpacked_cp_or_shared_prefix_keeps_sdpa(fake_flash_attn_2: None, config: TrainerConfig) -> None:
     model = _Model()
     assert not use_varlen_flash_attention(model, config, torch.bfloat16)
     assert model.switched_to is None

@@ -42,7 +42,30 @@ def load_model(model_path: str, compute_dtype: torch.dtype, device: torch.device
     """A causal LM from a local Hugging Face folder (safetensors), master-weight dtype."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=master_dtype(compute_dtype))
     model.config.use_cache = False
+    if compute_dtype == torch.float64:
+        keep_norms_in_float64(model)
     return model.to(device)
+
+
+def keep_norms_in_float64(model: torch.nn.Module) -> int:
+    """Let Hugging Face's RMSNorms (Llama, Qwen, Mistral: ``weight · x/√(mean x² + ε)``
+    with ``variance_epsilon``) compute in float64 instead of their fp32 upcast, which
+    rounds a float64 input to fp32. The forward is the same either way per token, but a
+    backward that sums gradients before that rounding (a shared prefix sums its G
+    responses') then differs from one that sums after it by fp32 rounding, ~1e-7 — more
+    than the verifier's float64 tolerance. Returns how many norms it changed."""
+    import types
+
+    def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(forward, module)
+            changed += 1
+    return changed
 
 
 class AttentionChoice(NamedTuple):
@@ -86,13 +109,14 @@ def use_varlen_flash_attention(model: PreTrainedModel, config: TrainerConfig,
     """Packed rows without CP go through flash-attention's varlen kernel, which
     transformers drives from position ids that restart at 0 per sample, where
     :func:`attention_choice` allows it; True when it was switched on. Elsewhere (CPU, CP,
-    fp32/fp64, no flash-attention 2) the SDPA block-diagonal mask is used.
+    fp32/fp64, no flash-attention 2) and with a shared prefix (a response also reads its
+    group's prompt, which varlen cannot express) the SDPA masks of cp_attention are used.
 
     ``dtype``: the compute dtype (None: ``trainer.dtype`` on the model's device). The
     package is judged by transformers' own check, never by ``import flash_attn``:
     flash-attn-4 alone also provides that module, and transformers would then try to
     fetch a kernel from the Hub (impossible under HF_HUB_OFFLINE=1)."""
-    if not (config.packing and config.cp_size == 1):
+    if not (config.packing and config.cp_size == 1) or config.shares_prefix:
         return False
     from transformers.utils import is_flash_attn_2_available
 

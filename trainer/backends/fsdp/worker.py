@@ -80,11 +80,13 @@ class FSDPWorker(TrainerWorker):
         log-softmax after it, never see a prompt or padding position."""
         kwargs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids,
                   "logits_to_keep": keep}
-        if self.varlen_flash or (self.config.cp_size == 1 and micro.sequence_ids is None):
+        if micro.prefix_heads is None and (
+                self.varlen_flash or (self.config.cp_size == 1 and micro.sequence_ids is None)):
             return model(**kwargs).logits  # varlen flash finds samples from position_ids
         from trainer.cp_attention import context_parallel
 
-        with context_parallel(self.cp_group, micro.position_ids, micro.sequence_ids):
+        with context_parallel(self.cp_group, micro.position_ids, micro.sequence_ids,
+                              micro.prefix_heads, micro.prefix_starts):
             return model(**kwargs).logits
 
     def _token_log_probs(self, micro: MicroBatch) -> TokenLogProbs:
@@ -137,7 +139,8 @@ class FSDPWorker(TrainerWorker):
                                                micro.targets[keep],
                                                self.objective.temperature), keep)
             gather_log_probs(batch, samples, log_probs, out, self.cp_group,
-                             self.config.cp_size, owner=self.cp_rank == 0, packed=plan.packed)
+                             self.config.cp_size, owner=self.cp_rank == 0, packed=plan.packed,
+                             prefix_skip=plan.prefix_skip)
         dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
         return out if self.rank == 0 else None
 
