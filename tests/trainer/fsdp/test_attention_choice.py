@@ -78,7 +78,8 @@ def test_full_precision_keeps_sdpa(fake_flash_attn_2: None, dtype: torch.dtype) 
 
 @pytest.mark.parametrize("config", [TrainerConfig(packing=False), TrainerConfig(cp_size=2),
                                     TrainerConfig()])  # the default shares prefixes
-def test_unpacked_cp_or_shared_prefix_keeps_sdpa(fake_flash_attn_2: None, config: TrainerConfig) -> None:
+def test_unpacked_cp_or_shared_prefix_keeps_sdpa(fake_flash_attn_2: None,
+                                                 config: TrainerConfig) -> None:
     model = _Model()
     assert not use_varlen_flash_attention(model, config, torch.bfloat16)
     assert model.switched_to is None
