@@ -23,8 +23,8 @@ to its head h(i) (the first sample of its group in the row) and reads it from th
 
     mask_ij = pos(q_i) ≥ pos(k_j) ∧ (seq(k_j) = seq(q_i) ∨ (seq(k_j) = h(q_i) ∧ pos(k_j) < s(q_i)))
 
-Each head and the samples after it form a block attended on its own (a [n, n] mask
-per block); the other samples go through the per-sample causal path.
+A sample reading a prefix attends over [its head's first s_i tokens, its own tokens]
+under [all | causal]; runs of equal-length samples (and of plain samples) are batched.
 
 Usage: ``enable_context_parallel(model)`` once, then per forward
 ``with context_parallel(cp_group, position_ids, sequence_ids): model(input_ids=...,
@@ -81,58 +81,60 @@ class _Runs:
 
 @dataclass(frozen=True)
 class _Blocks:
-    """A packed row with shared prefixes as consecutive blocks: (start, end, mask) where
-    mask is None for one sample alone (causal) or [1, 1, n, n] for a head and the samples
-    reading its prompt."""
+    """A packed row with shared prefixes as pieces (start, count, length, prefix_start,
+    prefix_length): ``count`` consecutive samples of ``length`` tokens in the row from
+    ``start``, each attending causally to itself and, when prefix_length > 0, to the
+    row's tokens [prefix_start, prefix_start + prefix_length) — its head's prompt."""
 
-    blocks: tuple[tuple[int, int, torch.Tensor | None], ...]
+    pieces: tuple[tuple[int, int, int, int, int], ...]
 
     @classmethod
-    def of(cls, sequence_ids_T: torch.Tensor, heads_T: torch.Tensor, starts_T: torch.Tensor,
-           positions_T: torch.Tensor) -> _Blocks:
-        blocks = []
-        bounds = torch.nonzero(heads_T[1:] != heads_T[:-1]).flatten().add(1).tolist()
-        for start, end in zip([0, *bounds], [*bounds, len(heads_T)], strict=True):
-            seq, head = sequence_ids_T[start:end], heads_T[start:end]
-            pos, first = positions_T[start:end], starts_T[start:end]
-            if bool((seq == head).all()):  # one sample alone (or several, each causal)
-                for sub_start, sub_end in _runs_of(seq, start):
-                    blocks.append((sub_start, sub_end, None))
-                continue
-            if "prefix_mask" in os.environ.get(_PLANTED_ERROR_ENV, ""):
-                first = first + 1  # test hook: the off-by-one (trainer/objective.py)
-            mask = (pos[:, None] >= pos[None, :]) & (
-                (seq[:, None] == seq[None, :])
-                | ((seq[None, :] == head[:, None]) & (pos[None, :] < first[:, None])))
-            blocks.append((start, end, mask[None, None]))
-        return cls(tuple(blocks))
-
-
-def _runs_of(sequence_ids_T: torch.Tensor, offset: int) -> list[tuple[int, int]]:
-    """(start, end) of each sample's consecutive tokens, shifted by ``offset``."""
-    counts = torch.unique_consecutive(sequence_ids_T, return_counts=True)[1].tolist()
-    spans, start = [], offset
-    for n in counts:
-        spans.append((start, start + n))
-        start += n
-    return spans
+    def of(cls, sequence_ids_T: torch.Tensor, heads_T: torch.Tensor, starts_T: torch.Tensor
+           ) -> _Blocks:
+        slots, counts = torch.unique_consecutive(sequence_ids_T, return_counts=True)
+        firsts = (torch.cumsum(counts, 0) - counts).tolist()
+        offset = dict(zip(slots.tolist(), firsts, strict=True))
+        planted = "prefix_mask" in os.environ.get(_PLANTED_ERROR_ENV, "")
+        pieces: list[list[int]] = []
+        for start, n in zip(firsts, counts.tolist(), strict=True):
+            head, skip = int(heads_T[start]), int(starts_T[start])
+            prefix = (offset[head], skip + (1 if planted else 0)) if skip else (0, 0)
+            last = pieces[-1] if pieces else None
+            if last and last[2] == n and (last[3], last[4]) == prefix:
+                last[1] += 1  # one more sample of the same shape: batched with the run
+            else:
+                pieces.append([start, 1, n, *prefix])
+        return cls(tuple(tuple(piece) for piece in pieces))
 
 
 def _shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              blocks: _Blocks, dropout: float, scale: float | None
                              ) -> torch.Tensor:
-    """Attention of one packed row [1, H, T, D] block by block (``_Blocks``)."""
+    """Attention of one packed row [1, H, T, D] piece by piece (``_Blocks``): a run of
+    equal-length samples as a batch [count, H, L, D]; one reading a prefix gets the
+    prefix's keys in front of its own, under [all | causal] (no [T, T] mask is built)."""
+    heads, dim = query.shape[1], query.shape[3]
     outputs = []
-    for start, end, mask in blocks.blocks:
-        q, k, v = (x[:, :, start:end] for x in (query, key, value))
-        if mask is None:
+    for start, count, n, prefix_start, prefix_length in blocks.pieces:
+        def run_of(x: torch.Tensor, start: int = start, count: int = count, n: int = n
+                   ) -> torch.Tensor:
+            return x[0, :, start:start + count * n].reshape(heads, count, n, dim).transpose(0, 1)
+
+        q, k, v = run_of(query), run_of(key), run_of(value)
+        if not prefix_length:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale,
                                                  is_causal=True)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                 dropout_p=dropout, scale=scale)
-        outputs.append(out)
-    return torch.cat(outputs, dim=2)
+            shared = slice(prefix_start, prefix_start + prefix_length)
+            k = torch.cat([key[:, :, shared].expand(count, -1, -1, -1), k], dim=2)
+            v = torch.cat([value[:, :, shared].expand(count, -1, -1, -1), v], dim=2)
+            mask = torch.ones(n, prefix_length + n, dtype=torch.bool, device=q.device)
+            mask[:, prefix_length:] = torch.ones(n, n, dtype=torch.bool,
+                                                 device=q.device).tril()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                 scale=scale)
+        outputs.append(out.transpose(0, 1).reshape(heads, count * n, dim))
+    return torch.cat(outputs, dim=1)[None]
 
 
 def _per_sample_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -271,8 +273,8 @@ def context_parallel(cp_group: dist.ProcessGroup, position_ids: torch.Tensor,
     if prefix_heads is not None:
         if gather or sequence_ids is None or prefix_starts is None:
             raise ValueError("shared_prefix: needs cp_size 1 and a packed row")
-        blocks = _Blocks.of(sequence_ids[0], prefix_heads[0], prefix_starts[0],
-                            position_ids[0])
+        blocks = _Blocks.of(sequence_ids[0].cpu(), prefix_heads[0].cpu(),
+                            prefix_starts[0].cpu())
     elif sequence_ids is not None and not gather and sequence_ids.shape[0] == 1:
         runs = _Runs.of(sequence_ids[0])
     token = _state.set(_CPState(cp_group, position_ids, all_positions, sequence_ids,
