@@ -24,7 +24,8 @@ to its head h(i) (the first sample of its group in the row) and reads it from th
     mask_ij = pos(q_i) ≥ pos(k_j) ∧ (seq(k_j) = seq(q_i) ∨ (seq(k_j) = h(q_i) ∧ pos(k_j) < s(q_i)))
 
 A sample reading a prefix attends over [its head's first s_i tokens, its own tokens]
-under [all | causal]; runs of equal-length samples (and of plain samples) are batched.
+under [all | causal], runs of equal-length samples batched; a group of short samples
+of many lengths is cheaper as one call under its [n, n] mask (``_Blocks``).
 
 Usage: ``enable_context_parallel(model)`` once, then per forward
 ``with context_parallel(cp_group, position_ids, sequence_ids): model(input_ids=...,
@@ -79,58 +80,110 @@ class _Runs:
         return cls(tuple((count, n) for count, n in runs))
 
 
+CALL_COST = 2**14
+"""One attention call's fixed cost in units of query·key pairs (measured on CPU: a call
+on a few tokens costs about as much as 128 × 128 pairs), for choosing a block's kernel."""
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """``count`` consecutive samples of ``length`` tokens in the row from ``start``, each
+    attending causally to itself and to ``prefix_keys`` [a, b) of the row (its head's
+    prompt; empty for a sample alone or a head), batched as [count, H, length, D]; or,
+    with ``mask``, the ``length`` tokens from ``start`` under one [length, length] mask."""
+
+    start: int
+    count: int
+    length: int
+    prefix_keys: tuple[int, int] = (0, 0)
+    mask: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class _Blocks:
-    """A packed row with shared prefixes as pieces (start, count, length, prefix_start,
-    prefix_length): ``count`` consecutive samples of ``length`` tokens in the row from
-    ``start``, each attending causally to itself and, when prefix_length > 0, to the
-    row's tokens [prefix_start, prefix_start + prefix_length) — its head's prompt."""
+    """A packed row with shared prefixes as attention pieces. Each group (a head and the
+    samples reading its prompt) takes the cheaper of one call under its [n, n] mask and
+    one call per run of equal-length samples under [prompt | causal] (``CALL_COST``)."""
 
-    pieces: tuple[tuple[int, int, int, int, int], ...]
+    pieces: tuple[_Piece, ...]
 
     @classmethod
-    def of(cls, sequence_ids_T: torch.Tensor, heads_T: torch.Tensor, starts_T: torch.Tensor
-           ) -> _Blocks:
-        slots, counts = torch.unique_consecutive(sequence_ids_T, return_counts=True)
+    def of(cls, sequence_ids_T: torch.Tensor, heads_T: torch.Tensor, starts_T: torch.Tensor,
+           positions_T: torch.Tensor) -> _Blocks:
+        slots, counts = torch.unique_consecutive(sequence_ids_T.cpu(), return_counts=True)
         firsts = (torch.cumsum(counts, 0) - counts).tolist()
         offset = dict(zip(slots.tolist(), firsts, strict=True))
+        heads, skips = heads_T.cpu(), starts_T.cpu()
         planted = "prefix_mask" in os.environ.get(_PLANTED_ERROR_ENV, "")
-        pieces: list[list[int]] = []
+        groups: list[list[_Piece]] = []
         for start, n in zip(firsts, counts.tolist(), strict=True):
-            head, skip = int(heads_T[start]), int(starts_T[start])
-            prefix = (offset[head], skip + (1 if planted else 0)) if skip else (0, 0)
-            last = pieces[-1] if pieces else None
-            if last and last[2] == n and (last[3], last[4]) == prefix:
-                last[1] += 1  # one more sample of the same shape: batched with the run
+            head, skip = int(heads[start]), int(skips[start])
+            prefix = (offset[head], offset[head] + skip + planted) if skip else (0, 0)
+            piece = _Piece(start, 1, n, prefix)
+            if not skip:
+                groups.append([piece])
+                continue
+            last = groups[-1][-1]
+            if (last.length, last.prefix_keys) == (n, prefix):  # batched with the run
+                groups[-1][-1] = _Piece(last.start, last.count + 1, n, prefix)
             else:
-                pieces.append([start, 1, n, *prefix])
-        return cls(tuple(tuple(piece) for piece in pieces))
+                groups[-1].append(piece)
+        pieces: list[_Piece] = []
+        for group in groups:
+            start = group[0].start
+            end = group[-1].start + group[-1].count * group[-1].length
+            by_runs = sum(CALL_COST + p.count * p.length * (p.length + p.prefix_keys[1]
+                                                            - p.prefix_keys[0]) for p in group)
+            if len(group) == 1 or by_runs <= CALL_COST + (end - start) ** 2:
+                pieces += group
+                continue
+            seq, pos = sequence_ids_T[start:end], positions_T[start:end]
+            head = heads_T[start:end]
+            first = starts_T[start:end] + planted
+            mask = (pos[:, None] >= pos[None, :]) & (
+                (seq[:, None] == seq[None, :])
+                | ((seq[None, :] == head[:, None]) & (pos[None, :] < first[:, None])))
+            pieces.append(_Piece(start, 1, end - start, mask=mask))
+        merged: list[_Piece] = []  # neighbouring samples alone of one length: one batch
+        for piece in pieces:
+            last = merged[-1] if merged else None
+            if (last is not None and piece.mask is None and last.mask is None
+                    and piece.prefix_keys == last.prefix_keys == (0, 0)
+                    and last.length == piece.length):
+                merged[-1] = _Piece(last.start, last.count + piece.count, piece.length)
+            else:
+                merged.append(piece)
+        return cls(tuple(merged))
 
 
 def _shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              blocks: _Blocks, dropout: float, scale: float | None
                              ) -> torch.Tensor:
     """Attention of one packed row [1, H, T, D] piece by piece (``_Blocks``): a run of
-    equal-length samples as a batch [count, H, L, D]; one reading a prefix gets the
-    prefix's keys in front of its own, under [all | causal] (no [T, T] mask is built)."""
+    equal-length samples as a batch [count, H, L, D], those reading a prompt with its
+    keys in front of their own under [all | causal]; a group under its own mask."""
     heads, dim = query.shape[1], query.shape[3]
     outputs = []
-    for start, count, n, prefix_start, prefix_length in blocks.pieces:
+    for piece in blocks.pieces:
+        start, count, n = piece.start, piece.count, piece.length
+
         def run_of(x: torch.Tensor, start: int = start, count: int = count, n: int = n
                    ) -> torch.Tensor:
             return x[0, :, start:start + count * n].reshape(heads, count, n, dim).transpose(0, 1)
 
         q, k, v = run_of(query), run_of(key), run_of(value)
-        if not prefix_length:
+        a, b = piece.prefix_keys
+        if piece.mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=piece.mask,
+                                                 dropout_p=dropout, scale=scale)
+        elif a == b:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale,
                                                  is_causal=True)
         else:
-            shared = slice(prefix_start, prefix_start + prefix_length)
-            k = torch.cat([key[:, :, shared].expand(count, -1, -1, -1), k], dim=2)
-            v = torch.cat([value[:, :, shared].expand(count, -1, -1, -1), v], dim=2)
-            mask = torch.ones(n, prefix_length + n, dtype=torch.bool, device=q.device)
-            mask[:, prefix_length:] = torch.ones(n, n, dtype=torch.bool,
-                                                 device=q.device).tril()
+            k = torch.cat([key[:, :, a:b].expand(count, -1, -1, -1), k], dim=2)
+            v = torch.cat([value[:, :, a:b].expand(count, -1, -1, -1), v], dim=2)
+            mask = torch.ones(n, b - a + n, dtype=torch.bool, device=q.device)
+            mask[:, b - a:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                  scale=scale)
         outputs.append(out.transpose(0, 1).reshape(heads, count * n, dim))
@@ -273,8 +326,8 @@ def context_parallel(cp_group: dist.ProcessGroup, position_ids: torch.Tensor,
     if prefix_heads is not None:
         if gather or sequence_ids is None or prefix_starts is None:
             raise ValueError("shared_prefix: needs cp_size 1 and a packed row")
-        blocks = _Blocks.of(sequence_ids[0].cpu(), prefix_heads[0].cpu(),
-                            prefix_starts[0].cpu())
+        blocks = _Blocks.of(sequence_ids[0], prefix_heads[0], prefix_starts[0],
+                            position_ids[0])
     elif sequence_ids is not None and not gather and sequence_ids.shape[0] == 1:
         runs = _Runs.of(sequence_ids[0])
     token = _state.set(_CPState(cp_group, position_ids, all_positions, sequence_ids,

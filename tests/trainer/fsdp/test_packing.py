@@ -104,6 +104,8 @@ def test_a_shared_prefix_row_gives_each_samples_logits_alone(tiny_model: str) ->
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rollout.batch import RolloutBatch
+    from trainer.cp_attention import _Blocks
+    from trainer.micro_batch import slice_packed_row
 
     vocab = AutoConfig.from_pretrained(tiny_model).vocab_size
     shared = random_train_batch(vocab, num_prompts=3, group_size=3, seed=4)
@@ -113,16 +115,26 @@ def test_a_shared_prefix_row_gives_each_samples_logits_alone(tiny_model: str) ->
                                   int(shared.sequence_lengths[i])].tolist()
                  for i in range(shared.num_samples)]
     prompts[6:9] = [[5, 6, 7], [5, 6, 8], [9, 6, 7, 4]]  # group 2: prompts differ
+    gen = torch.Generator().manual_seed(0)  # group 0: long responses of one length
+    responses[0:3] = [torch.randint(3, vocab, (100,), generator=gen).tolist() for _ in range(3)]
     batch = RolloutBatch.from_samples(prompts, responses, [[-1.0] * len(r) for r in responses],
                                       [0.0] * 9, [0.5] * 9, [0, 0, 0, 1, 1, 1, 2, 2, 2], 3)
     objective = ObjectiveConfig.compose(AggregationConfig(), LossConfig(), 8, 1.0)
-    plan = plan_step(batch, objective, dp_size=1, cp_size=1, max_tokens_per_micro_batch=64,
+    plan = plan_step(batch, objective, dp_size=1, cp_size=1, max_tokens_per_micro_batch=512,
                      shared_prefix=True)
     skip = plan.prefix_skip
     assert skip is not None and skip[6:].tolist() == [0, 0, 0]
     assert sorted(skip[:6].tolist()) == sorted([0, *[int(batch.prompt_lengths[0]) - 1] * 2,
                                                 0, *[int(batch.prompt_lengths[3]) - 1] * 2])
     assert plan.computed_tokens == int((batch.sequence_lengths - skip).sum())
+    kinds = set()  # group 0 attends run by run, group 1 (short, uneven) under one mask
+    for samples in plan.micro_batches[0]:
+        micro = slice_packed_row(batch, plan, samples, 1, 0)
+        blocks = _Blocks.of(micro.sequence_ids[0], micro.prefix_heads[0],
+                            micro.prefix_starts[0], micro.position_ids[0])
+        kinds |= {"mask" if p.mask is not None else "prefix" if p.prefix_keys[1] else "alone"
+                  for p in blocks.pieces}
+    assert kinds == {"mask", "prefix", "alone"}
     (rows,) = run_distributed(shared_prefix_logits, 1, tiny_model, batch, plan)
     alone_model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     seen = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
