@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 
-README_LAYOUTS = "dp1cp1-padded,dp2cp1-prefix,dp1cp2"  # packed rows against one padded rank
+README_LAYOUTS = "dp1cp1-padded,dp2cp1-prefix,dp1cp2"  # shared-prefix and CP rows vs padding
 # demo.yaml exactly as the README says: the other demo configs differ from it in their
 # aggregation mode only, and the verifier checks every mode whatever the job's
 # (max_response_len's resolution: tests/services/test_config.py). Every shipped config is
@@ -44,7 +44,7 @@ def test_readme_verify_aggregation_command_passes_on_every_config(
     assert result.exit_code == 0, result.output
     rows = _rows(result.output)
     assert {(r[0], r[1], r[2], r[3]) for r in rows} == {
-        (layout, mode, "0", term) for layout in ("dp2cp1", "dp1cp2")
+        (layout, mode, "0", term) for layout in ("dp2cp1-prefix", "dp1cp2")
         for mode in ("sample_mean", "token_mean", "prompt_mean", "constant")
         for term in ("pg", "kl", "entropy")}
     assert all(r[-1] == "ok" for r in rows)
