@@ -111,22 +111,19 @@ def packed_row_index(lengths: torch.Tensor, cp_size: int, cp_rank: int,
     2·cp−1−r kept (zigzag_shard per sample, vectorized). Positions ≥ a sample's length
     are its CP padding (they keep counting, as zigzag_positions does). ``skips`` (shared
     prefix, CP 1): a sample's tokens start at position skips[slot]."""
-    if skips is not None and bool(skips.any()):
-        if cp_size > 1:
-            raise ValueError("shared_prefix: needs cp_size 1")
-        local = lengths - skips
-        slot = torch.repeat_interleave(torch.arange(len(lengths)), local)
-        within = torch.arange(int(local.sum())) - torch.repeat_interleave(
-            torch.cumsum(local, 0) - local, local)
-        return slot, within + skips[slot]
+    shared = skips is not None and bool(skips.any())
+    if shared and cp_size > 1:
+        raise ValueError("shared_prefix: needs cp_size 1")
     chunk = torch.tensor([padded_length(int(n), cp_size) // (2 * cp_size) if cp_size > 1
                           else int(n) for n in lengths])
+    if shared:
+        chunk = chunk - skips
     local = chunk * 2 if cp_size > 1 else chunk
     slot = torch.repeat_interleave(torch.arange(len(lengths)), local)
     within = torch.arange(int(local.sum())) - torch.repeat_interleave(
         torch.cumsum(local, 0) - local, local)
     if cp_size == 1:
-        return slot, within
+        return slot, (within + skips[slot] if shared else within)
     c = chunk[slot]
     first = within < c
     position = torch.where(first, cp_rank * c + within,
