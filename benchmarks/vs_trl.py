@@ -6,9 +6,10 @@ the same settings: GRPO advantages scaled by the group's std, token-mean loss (T
 ``dapo``), no KL (``beta=0``) and no entropy bonus, AdamW at a constant lr, gradient norm
 clipped to 1, fp32 on CPU, no gradient checkpointing, one optimizer step per rollout, on
 the same 2 cores (TRL: one process of 2 threads; Tally: its engine and trainer ranks with
-the threads services/placement.phase_threads gives them). Tally runs once per DP size and
-``rollout.async_steps`` value asked for (default 1: rollout r+1 is generated while rollout r
-trains; TIS corrects for the one-step staleness).
+the threads services/placement.phase_threads gives them). Tally runs once per DP size,
+``rollout.async_steps`` value (default 1: rollout r+1 is generated while rollout r
+trains; TIS corrects for the one-step staleness) and ``colocate`` value asked for
+(default 1: the engine inside trainer rank 0, generating from its weights).
 
     tiny     the 0.99 M-parameter Qwen2 with the character tokenizer (rollout/tiny.py), after
              the 50-step SFT warm start of services/warmup.py, on the synthetic `repeat`
@@ -34,7 +35,7 @@ project's torch pin, requirements/cpu.txt as constraints); it is never a depende
 Tally, and nothing in Tally imports it.
 
     .venv/bin/python benchmarks/vs_trl.py [--model tiny|smollm2] [--steps 60] [--dp 1,2]
-        [--async-steps 0,1]
+        [--async-steps 0,1] [--colocate 0,1]
         [--warm-steps 50] [--skip-trl] [--skip-tally] [--venv ~/.cache/tally-bench/trl-venv]
         [--keep DIR]
 """
@@ -138,10 +139,11 @@ def drawn_records(records: list[PromptRecord], job: JobConfig, steps: int
             for i in cursor.take(job.rollout.num_prompts_per_step)]
 
 
-def job_config(work: Workload, model_path: str, steps: int, dp_size: int, async_steps: int
-               ) -> JobConfig:
+def job_config(work: Workload, model_path: str, steps: int, dp_size: int, async_steps: int,
+               colocate: bool) -> JobConfig:
     return JobConfig.model_validate({
-        "name": f"vs-trl-dp{dp_size}-async{async_steps}", "num_steps": steps, "resume": False,
+        "name": f"vs-trl-dp{dp_size}-async{async_steps}-colocate{int(colocate)}",
+        "num_steps": steps, "resume": False, "colocate": colocate,
         "aggregation": {"mode": "token_mean"},
         "rollout": {
             "model": model_path, "dataset": work.dataset,
@@ -287,7 +289,9 @@ def run_tally(job: JobConfig, run_dir: Path) -> Run:
     phases["generation (hidden share)"] = statistics.median(
         m["perf/gen_overlap"] for m in rows[1:] or rows)
     rows = [m for m in rows if "perf/step_time_s" in m]  # a skipped step has no phases
-    return Run(f"Tally DP={job.trainer.dp_size} async={job.rollout.async_steps}", walls(ends),
+    name = (f"Tally DP={job.trainer.dp_size} async={job.rollout.async_steps}"
+            f"{' colocated' if job.colocate else ''}")
+    return Run(name, walls(ends),
                [m["tokens/total"] for m in rows], [m["reward/mean"] for m in rows], wall,
                job_dir / "final_model", phases=phases)
 
@@ -329,6 +333,9 @@ def main() -> None:
     parser.add_argument("--dp", default="1,2", help="Tally's DP sizes, one run each")
     parser.add_argument("--async-steps", default="1",
                         help="Tally's rollout.async_steps values, one run each per DP size")
+    parser.add_argument("--colocate", default="1",
+                        help="Tally's colocate values (1: generation inside the trainer "
+                             "ranks, the colocated fast path), one run each")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-tally", action="store_true")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV,
@@ -343,8 +350,8 @@ def main() -> None:
     quiet_transformers()
     model_path = start_folder(work, args.warm_steps)
     dp_sizes = [int(d) for d in args.dp.split(",")]
-    jobs = [job_config(work, model_path, steps, dp, int(k)) for dp in dp_sizes
-            for k in args.async_steps.split(",")]
+    jobs = [job_config(work, model_path, steps, dp, int(k), bool(int(c))) for dp in dp_sizes
+            for k in args.async_steps.split(",") for c in args.colocate.split(",")]
     records = load_prompt_dataset(jobs[0].rollout.dataset)
     accuracy_before = greedy_accuracy(model_path, model_path, records, work)
     print(f"{args.model}: {work.prompts_per_step} prompts × {work.group_size} samples, "

@@ -103,9 +103,12 @@ class RolloutManager:
     """Owns the engine actors, the dataset cursor and the reward function."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None,
-                 engine_placement: list[dict[str, Any]] | None = None) -> None:
+                 engine_placement: list[dict[str, Any]] | None = None,
+                 engines: list[Any] | None = None) -> None:
         """engine_placement: per-engine Ray options (e.g. a placement-group bundle) chosen
-        by the driver, which knows the whole job's layout; they override the defaults."""
+        by the driver, which knows the whole job's layout; they override the defaults.
+        ``engines``: actors that answer the engine verbs and belong to someone else (the
+        trainer ranks of the colocated fast path); the manager starts none and stops none."""
         check_engine_available(config)
         self.config = config
         self.seed = config.seed if seed is None else seed
@@ -123,13 +126,17 @@ class RolloutManager:
         self.next_group_index = 0
         self.weight_version = 0
         self._eval_records: dict[str, list[PromptRecord]] = {}  # held-out sets, loaded once
-        actor_class = ray.remote(engine_class(config.engine))
-        placement = engine_placement or [{} for _ in range(config.engine.num_engines)]
-        self.engines = [
-            actor_class.options(**{**engine_actor_options(config.engine), **placement[rank]})
-            .remote(config.engine, model_path, tokenizer_path, rank)
-            for rank in range(config.engine.num_engines)
-        ]
+        self.owns_engines = engines is None
+        if engines is None:
+            actor_class = ray.remote(engine_class(config.engine))
+            placement = engine_placement or [{} for _ in range(config.engine.num_engines)]
+            engines = [
+                actor_class.options(**{**engine_actor_options(config.engine),
+                                       **placement[rank]})
+                .remote(config.engine, model_path, tokenizer_path, rank)
+                for rank in range(config.engine.num_engines)
+            ]
+        self.engines = engines
         ray.get([engine.ping.remote() for engine in self.engines])  # constructor errors here
 
     # -- one step ---------------------------------------------------------------------
@@ -355,6 +362,13 @@ class RolloutManager:
         self.weight_version = version
         return version
 
+    def serve_staged_weights(self, version: int) -> int:
+        """Every colocated engine serves the weights its trainer rank staged as
+        ``version`` (queued, like a load, behind the rollouts asked for before it)."""
+        ray.get([engine.serve_engine_weights.remote(version) for engine in self.engines])
+        self.weight_version = version
+        return version
+
     def num_weight_ranks(self) -> int:
         """GPUs the SGLang servers add to a weight-update group, over all engines."""
         return sum(ray.get([engine.num_weight_ranks.remote() for engine in self.engines]))
@@ -419,7 +433,10 @@ class RolloutManager:
         return ray.get([engine.node_id.remote() for engine in self.engines])
 
     def shutdown(self) -> None:
-        """Stop the engines (and any servers they launched)."""
+        """Stop the engines (and any servers they launched), if they are ours."""
+        if not self.owns_engines:
+            self.engines = []
+            return
         ray.get([engine.shutdown.remote() for engine in self.engines])
         for engine in self.engines:
             ray.kill(engine)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from rollout.config import RolloutConfig
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
@@ -161,6 +164,18 @@ def _planted_env(layouts: list) -> dict[str, dict[str, str]]:
     return planted
 
 
+def spread_rollout(rollout: RolloutConfig) -> RolloutConfig:
+    """The rollout config the verifier draws its batch with: DAPO's dynamic sampling on (8
+    draws), since a group whose rewards are all equal has advantage 0 and no pg gradient,
+    and a pg row comparing zeros shows nothing."""
+    from rollout.config import DynamicSamplingConfig
+
+    if rollout.dynamic_sampling.enabled:
+        return rollout
+    return rollout.model_copy(update={"dynamic_sampling": DynamicSamplingConfig(
+        enabled=True, max_draws=8)})
+
+
 @app.command("verify-aggregation")
 def verify_aggregation(
     config: ConfigArg, set_: SetOpt = None,
@@ -194,9 +209,12 @@ def verify_aggregation(
 
         quiet_transformers()
         model_path = job_model_path(job, log=lambda *_: None)
-        manager = RolloutManagerActor.remote(job.rollout, model_path)
+        manager = RolloutManagerActor.remote(spread_rollout(job.rollout), model_path)
         batch = ray.get(manager.generate_batch.remote(0))
         ray.get(manager.shutdown.remote())
+        if batch.metadata["rollout/zero_spread_filled"] == batch.num_prompts:
+            typer.echo("warning: no group of the rollout has reward spread, so every pg "
+                       "gradient is 0 and the pg rows compare zeros")
         default_rtol, default_atol = default_tolerance(job.trainer)
         tolerance = (rtol if rtol is not None else default_rtol,
                      atol if atol is not None else default_atol)

@@ -97,7 +97,9 @@ class JobConfig(BaseModel):
     """Restart a dead actor group from the last checkpoint at most this many times."""
     colocate: bool = False
     """Run the rollout engines inside the trainer ranks' bundles (same node and device)
-    instead of bundles of their own."""
+    instead of bundles of their own; torch engines with the FSDP trainer run inside the
+    ranks' processes, generating from the ranks' own weights
+    (trainer.weight_sync.transport: in_process)."""
     num_ranks: int | None = Field(default=None, gt=0)
     """Trainer actors to start; when given it must equal dp_size × cp_size × tp_size."""
     _implied: tuple[ConfigProblem, ...] = PrivateAttr(default=())
@@ -147,7 +149,7 @@ class JobConfig(BaseModel):
     @model_validator(mode="after")
     def _weight_transport_fits_engine(self) -> JobConfig:
         transport, engine = self.trainer.weight_sync.transport, self.rollout.engine.type
-        serves = {"torch": ("auto", "object_store"),
+        serves = {"torch": ("auto", "in_process", "object_store"),
                   "sglang": ("auto", "disk", "nccl", "cuda_ipc")}[engine]
         if transport not in serves:
             raise ValueError(f"trainer.weight_sync.transport: {transport} cannot reach "
@@ -155,6 +157,21 @@ class JobConfig(BaseModel):
         if transport in ("nccl", "cuda_ipc") and not self.trainer.num_gpus_per_rank:
             raise ValueError(f"trainer.weight_sync.transport: {transport} sends from GPU "
                              "trainer ranks; set trainer.num_gpus_per_rank, or use disk")
+        if transport == "in_process" and not self.colocate:
+            raise ValueError("trainer.weight_sync.transport: in_process runs the engines "
+                             "inside the trainer ranks; set colocate: true, or use "
+                             "object_store")
+        if transport == "in_process" and self.trainer.backend != "fsdp":
+            raise ValueError("trainer.weight_sync.transport: in_process needs "
+                             "trainer.backend: fsdp (Megatron's engines run as actors: use "
+                             "object_store)")
+        engines = self.rollout.engine.num_engines
+        if self.weight_transport() == "in_process" and engines > self.trainer.world_size:
+            raise ValueError(f"rollout.engine.num_engines: {engines} engines inside the "
+                             f"trainer ranks need as many ranks; the trainer has "
+                             f"{self.trainer.world_size} (colocate: true with a torch "
+                             "engine generates in the ranks' processes; set "
+                             "trainer.weight_sync.transport: object_store for engine actors)")
         if transport == "cuda_ipc" and not self.colocate:
             raise ValueError("trainer.weight_sync.transport: cuda_ipc needs the engine on "
                              "trainer rank 0's GPU; set colocate: true, or use nccl")
@@ -166,7 +183,8 @@ class JobConfig(BaseModel):
         if transport != "auto":
             return transport
         if self.rollout.engine.type == "torch":
-            return "object_store"
+            colocated = self.colocate and self.trainer.backend == "fsdp"
+            return "in_process" if colocated else "object_store"
         if not self.trainer.num_gpus_per_rank:
             return "disk"
         # NCCL refuses two ranks of one group on one GPU: a colocated server maps IPC

@@ -52,11 +52,13 @@ def phase_threads(config: JobConfig, model_path: str, cores: int | None = None
     Synchronous (``rollout.async_steps: 0``) generation and training take turns, so each
     phase has every core of the node: the engines split them, and so do the ranks. With
     the async pipeline both run at once and each actor keeps to its Ray CPU share (at
-    least one thread). A model narrower than SMALL_HIDDEN_SIZE runs on one thread.
+    least one thread), except on the colocated fast path, where a rank generates and
+    trains in turn whatever the pipeline. A model narrower than SMALL_HIDDEN_SIZE runs on
+    one thread.
     """
     cores = cores or len(os.sched_getaffinity(0))
     engine_share = getattr(config.rollout.engine, "num_cpus", 1.0)
-    if config.rollout.async_steps:
+    if config.rollout.async_steps and config.weight_transport() != "in_process":
         engine, rank = engine_share, config.trainer.num_cpus_per_rank
     else:
         engine = cores / config.rollout.engine.num_engines

@@ -167,13 +167,17 @@ class WeightSyncConfig(BaseModel):
     bucket_mb: float = Field(default=256.0, gt=0, le=65536)
     """Size of one bucket in the engine's dtype: a rank gathers, casts and sends one bucket
     at a time, so it never holds more than its shard plus one bucket."""
-    transport: Literal["auto", "object_store", "disk", "nccl", "cuda_ipc"] = "auto"
-    """object_store: Ray's object store (torch engines, any node); nccl: a broadcast from
-    trainer rank 0 to SGLang servers (update_weights_from_distributed); cuda_ipc: CUDA IPC
-    handles to an SGLang server on rank 0's GPU (update_weights_from_tensor); disk:
-    safetensors files an SGLang server reloads (the fallback). auto: object_store for
-    torch engines; for SGLang, cuda_ipc when colocated, nccl with GPU trainer ranks,
-    else disk."""
+    transport: Literal["auto", "in_process", "object_store", "disk", "nccl",
+                       "cuda_ipc"] = "auto"
+    """in_process: the colocated fast path, torch engines inside the trainer ranks'
+    processes generating from the ranks' own weights (one rank, same dtype, synchronous:
+    no copy at all; else one gather per sync); object_store: Ray's object store (torch
+    engine actors, any node); nccl: a broadcast from trainer rank 0 to SGLang servers
+    (update_weights_from_distributed); cuda_ipc: CUDA IPC handles to an SGLang server on
+    rank 0's GPU (update_weights_from_tensor); disk: safetensors files an SGLang server
+    reloads (the fallback). auto: for torch engines in_process when colocated with the
+    FSDP trainer, else object_store; for SGLang, cuda_ipc when colocated, nccl with GPU
+    trainer ranks, else disk."""
 
 
 class TrainerConfig(BaseModel):

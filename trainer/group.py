@@ -198,6 +198,25 @@ class TrainerGroup:
         self._wait(verb, list(receipts))
         return buckets[0], most(ray.get(list(receipts)))
 
+    # The colocated fast path (trainer/colocated_engine.py).
+
+    def start_engines(self, engine: Any, tokenizer_path: str | None, num_engines: int,
+                      synchronous: bool) -> tuple[list[ray.actor.ActorHandle], bool]:
+        """Ranks 0 … num_engines − 1 become torch engines serving their own weights; their
+        actors (to hand to the rollout manager as its engines) and whether they alias the
+        weights (no copy at all)."""
+        verb = TrainerWorker.start_engine
+        refs = [_remote(worker, verb, engine, tokenizer_path,
+                        rank if rank < num_engines else None, synchronous)
+                for rank, worker in enumerate(self.workers)]
+        self._wait(verb, refs)
+        return self.workers[:num_engines], ray.get(refs[0])
+
+    def stage_engine_weights(self, version: int) -> dict[str, float]:
+        """Every rank gathers the weights for its engine as ``version`` (collective); the
+        time, bytes copied and peak memory, the most of any rank."""
+        return most(self._call(TrainerWorker.stage_engine_weights, version))
+
     # The GPU weight transports (services/driver/weight_sync.py).
 
     def _on_rank0(self, verb: Verb, *args: Any) -> Any:

@@ -38,7 +38,10 @@ from trainer.rank import init_rank, open_store
 
 if TYPE_CHECKING:
     from rollout.batch import RolloutBatch
+    from rollout.config import SamplingConfig, TorchEngineConfig
+    from rollout.engines.base import Generation
     from rollout.weight_bucket import TensorSpec
+    from trainer.colocated_engine import ColocatedEngine
     from trainer.step_plan import StepPlan
 
 
@@ -48,6 +51,7 @@ class TrainerWorker(abc.ABC):
     dp_rank: int
     cp_rank: int
     device: torch.device
+    compute_dtype: torch.dtype
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                  rank: int, total_steps: int) -> None:
@@ -245,6 +249,71 @@ class TrainerWorker(abc.ABC):
     def release_shared_bucket(self) -> None:
         """Rank 0: the last shared bucket is loaded; free it."""
         self._shared = None
+
+    # The colocated fast path (trainer/colocated_engine.py): generation in this process.
+
+    engine: ColocatedEngine | None = None
+
+    def start_engine(self, config: TorchEngineConfig, tokenizer_path: str | None,
+                     engine_rank: int | None, synchronous: bool) -> bool:
+        """Collective: this rank becomes engine ``engine_rank`` (None: it only takes part
+        in the gathers), serving the weights it holds now as version 0. It aliases them
+        (trainer/colocated_engine.py) when ``synchronous`` (rollout.async_steps 0), the
+        trainer has one rank and the engine's dtype is the master weights'; says so."""
+        from trainer.colocated_engine import ColocatedEngine
+        from trainer.rank import master_dtype
+
+        masters = master_dtype(self.compute_dtype)
+        alias = (synchronous and self.config.world_size == 1
+                 and getattr(torch, config.dtype) == masters)
+        if engine_rank is not None:
+            self.engine = ColocatedEngine(config, self.model_path, tokenizer_path,
+                                          engine_rank, self.device, alias)
+            self._engine_alias = alias
+        names = [name for name, _ in self.engine_tensors(alias=False, gather=False)]
+        if self.engine is not None:
+            self.engine.check_names(names)
+        self.stage_engine_weights(0)
+        if self.engine is not None:
+            self.engine.serve(0)
+        return alias
+
+    def stage_engine_weights(self, version: int) -> dict[str, float]:
+        """Collective: every rank gathers each weight once (none when aliased); an engine
+        rank keeps them as ``version``, served when the manager's queue reaches
+        :meth:`serve_engine_weights`. This rank's time and bytes copied."""
+        started = time.perf_counter()
+        with PeakMemory(self.device) as peak:
+            alias = self.engine is not None and self._engine_alias
+            tensors = self.engine_tensors(alias=alias, gather=not alias)
+            copied = (self.engine.stage(version, tensors) if self.engine is not None
+                      else sum(0 for _ in tensors))
+        return {"perf/export_s": time.perf_counter() - started,
+                "perf/sync_bytes": float(copied), **phase_metrics("sync", peak)}
+
+    def serve_engine_weights(self, version: int) -> int:
+        """This rank's engine serves the weights staged as ``version`` from now on."""
+        assert self.engine is not None, "serve_engine_weights: this rank has no engine"
+        self.engine.serve(version)
+        return version
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int
+                 ) -> list[Generation]:
+        """The engine verb: one response per prompt from the weights served."""
+        assert self.engine is not None, "generate: this rank has no engine"
+        return self.engine.generate(prompt_ids, sampling, seed)
+
+    def ping(self) -> int:
+        return self.engine.weight_version if self.engine is not None else -1
+
+    def engine_tensors(self, alias: bool, gather: bool = True
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective when ``gather``: every parameter (a tied one once) and buffer by
+        name, full; ``alias``: this rank's own storage (one rank only). The backend
+        implements it; only FSDP does."""
+        raise NotImplementedError(f"the colocated fast path (colocate: true with a torch "
+                                  f"engine) needs trainer.backend: fsdp, not "
+                                  f"{self.config.backend}")
 
     # Backend verbs.
 

@@ -8,6 +8,11 @@ For logits z ∈ ℝ^V and temperature T > 0:
     token ~ q
 
 T = 0 is greedy: token = argmax z, reported log-prob log_softmax(z)[token].
+
+The draw is by inverse CDF, one uniform per row: token = the first index whose cumulative
+mass exceeds u · Σq. ``torch.multinomial`` draws the same distribution from a far larger
+amount of randomness: 40 ms a step for 32 rows of SmolLM2's 49,152 tokens on one CPU
+thread, against 1.7 ms (0.58 against 0.05 ms for the tiny model's 256 rows).
 """
 
 from __future__ import annotations
@@ -32,6 +37,18 @@ def _truncate(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
     return scaled_BV
 
 
+def inverse_cdf_draw(probs_BV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row drawn from probs [B, V] (rows need not sum to exactly 1). A
+    token of probability 0 is never drawn: u stays below the row's total, and the search
+    finds the first index whose cumulative mass is strictly above u."""
+    cumulative_BV = probs_BV.cumsum(dim=-1)
+    total_B1 = cumulative_BV[:, -1:]
+    u_B1 = torch.rand(total_B1.shape, generator=generator, device=probs_BV.device,
+                      dtype=probs_BV.dtype) * total_B1
+    u_B1 = torch.minimum(u_B1, torch.nextafter(total_B1, torch.zeros_like(total_B1)))
+    return torch.searchsorted(cumulative_BV, u_B1, right=True).squeeze(-1)
+
+
 def sample_next_tokens(
     logits_BV: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +61,5 @@ def sample_next_tokens(
         scaled_BV = logits_BV / sampling.temperature
         log_probs_BV = scaled_BV.log_softmax(dim=-1)
         truncated_BV = _truncate(scaled_BV, sampling.top_k, sampling.top_p)
-        probs_BV = truncated_BV.softmax(dim=-1)
-        tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+        tokens_B = inverse_cdf_draw(truncated_BV.softmax(dim=-1), generator)
     return tokens_B, log_probs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)

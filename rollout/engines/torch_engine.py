@@ -40,14 +40,19 @@ class TorchEngine(Engine):
         model_path: str,
         tokenizer_path: str | None = None,
         rank: int = 0,
+        model: torch.nn.Module | None = None,
     ) -> None:
-        torch.set_num_threads(config.num_threads or 1)  # the driver resolves None per phase
+        """``model``: decode this module (already on its device) instead of loading one
+        from ``model_path``, leaving the process's threads alone: the colocated fast path
+        (trainer/colocated_engine.py) serves a trainer rank's own weights through it."""
+        if model is None:
+            torch.set_num_threads(config.num_threads or 1)  # the driver resolves None
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=getattr(torch, config.dtype)).to(torch.device(config.device))
         self.config = config
         self.rank = rank
-        self.device = torch.device(config.device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, config.dtype)
-        ).to(self.device)
+        self.model = model
+        self.device = next(model.parameters()).device
         self.model.eval()
         self.model.requires_grad_(False)
         self.tokenizer = load_tokenizer(tokenizer_path or model_path)

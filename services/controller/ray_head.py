@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -41,12 +42,24 @@ DASHBOARD_LINE = re.compile(r"Dashboard head http address: (\S+)")
 """What Ray's dashboard logs once it listens (``http_server_head.py``)."""
 
 
+QUIET_PORTS = range(20000, 32768)
+"""Ports nobody hands out by themselves: above Ray's worker ports (10002–19999) and below
+Linux's ephemeral range (32768–60999, where every ``bind(0)`` lands: a port probed free
+there was taken by the head's own GCS or agent often enough to kill a test's head)."""
+
+
 def free_port() -> int:
-    """A port free right now: another process may take it before it is used. Only for a
-    port a program refuses to pick itself (Ray's client server); else bind port 0."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free right now, from QUIET_PORTS: another process may still take it before
+    it is used. Only for a port a program refuses to pick itself (Ray's client server);
+    else bind port 0."""
+    for port in random.sample(QUIET_PORTS, 64):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {QUIET_PORTS.start}–{QUIET_PORTS.stop - 1}")
 
 
 def dashboard_address(temp_dir: str | Path) -> str:

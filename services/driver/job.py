@@ -126,15 +126,24 @@ class JobActors:
             gang = reserve_job(config, on_wait=lambda message: (
                 log(message), run_dir.write_event("waiting", message)))
             started.callback(remove_placement_group, gang.group)
-            # The manager (and its engines) start loading now, while the trainer ranks do.
-            self.manager = RolloutManagerActor.options(
-                runtime_env={"env_vars": QUIET_ENV}, **gang.manager_options()).remote(
-                config.rollout, model_path, None, gang.engine_options)
-            started.callback(self._stop_manager)
+            manager = RolloutManagerActor.options(runtime_env={"env_vars": QUIET_ENV},
+                                                  **gang.manager_options())
+            in_process = config.weight_transport() == "in_process"
+            if not in_process:  # the engines load now, while the trainer ranks do
+                self.manager = manager.remote(config.rollout, model_path, None,
+                                              gang.engine_options)
+                started.callback(self._stop_manager)
             self.trainer = TrainerGroup(config.trainer, config.objective_config(), model_path,
                                         config.num_optimizer_steps, env_vars=QUIET_ENV,
                                         placement=gang.group)
             started.callback(self.trainer.shutdown)
+            self.weights_aliased = False
+            if in_process:  # the colocated fast path: the ranks are the engines
+                engines, self.weights_aliased = self.trainer.start_engines(
+                    config.rollout.engine, config.rollout.tokenizer,
+                    config.rollout.engine.num_engines, not config.rollout.async_steps)
+                self.manager = manager.remote(config.rollout, model_path, None, None, engines)
+                started.callback(self._stop_manager)
             self._started = started.pop_all()
 
     def rollout_call(self, ref: ray.ObjectRef, verb: str) -> Any:

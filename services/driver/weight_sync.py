@@ -13,6 +13,9 @@
 Weights version v = the rollout steps trained into them. Transports
 (``trainer.weight_sync.transport``; JobConfig.weight_transport resolves ``auto``):
 
+    in_process    the colocated fast path (trainer/colocated_engine.py): every rank
+                  stages the weights for the torch engine in its own process (one rank,
+                  synchronous: aliased, nothing copied), served in the manager's order
     object_store  rank 0 puts each bucket in Ray's object store as it is packed; every
                   engine maps them in place (torch engines; an SGLang engine writes them
                   to disk for its server: ``disk``)
@@ -105,8 +108,22 @@ class CudaIpcTransport:
         return self.manager.ping.remote(), metrics
 
 
+class InProcessTransport:
+    """The colocated fast path: each rank stages the weights for the engine in its own
+    process (aliased: nothing at all), which serves them in the manager's order."""
+
+    def __init__(self, trainer: Any, manager: Any) -> None:
+        self.trainer, self.manager = trainer, manager
+
+    def send(self, version: int) -> tuple[Any, dict[str, float]]:
+        metrics = self.trainer.stage_engine_weights(version)
+        return self.manager.serve_staged_weights.remote(version), metrics
+
+
 def transport_for(kind: str, trainer: Any, manager: Any, dtype: str, bucket_mb: float,
                   fetch: Callable[[Any, str], Any]) -> WeightTransport:
+    if kind == "in_process":
+        return InProcessTransport(trainer, manager)
     if kind in ("object_store", "disk"):  # an SGLang engine writes the buckets to disk
         return ObjectStoreTransport(trainer, manager, dtype, bucket_mb)
     if kind == "nccl":

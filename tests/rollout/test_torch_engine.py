@@ -122,6 +122,18 @@ def test_sampling_truncation_keeps_only_allowed_tokens() -> None:
     assert greedy.tolist() == [0] and lp.exp().item() == pytest.approx(0.5)
 
 
+def test_draws_follow_the_distribution_and_never_a_zero_probability_token() -> None:
+    from rollout.engines.sampling import inverse_cdf_draw
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    drawn = inverse_cdf_draw(probs.repeat(40000, 1), torch.Generator().manual_seed(1))
+    counts = torch.bincount(drawn, minlength=6).double() / len(drawn)
+    assert counts[[0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
+    assert torch.allclose(counts, probs.double(), atol=0.01)  # 4 σ at 40,000 draws
+    edge = torch.tensor([[1.0, 0.0, 0.0]]).repeat(1000, 1)  # u near the total
+    assert set(inverse_cdf_draw(edge, torch.Generator().manual_seed(2)).tolist()) == {0}
+
+
 @pytest.mark.slow
 def test_stop_strings_match_the_text_of_bpe_tokens(smollm2_path) -> None:
     """SmolLM2's BPE spells " apples" as one token, not as the tokens of "apples": the

@@ -72,7 +72,8 @@ def test_num_ranks_must_match_layout() -> None:
 def test_a_weight_transport_must_reach_the_engines() -> None:
     sglang = "rollout: {engine: {type: sglang, urls: ['http://127.0.0.1:30000']}}\n"
     with pytest.raises(ConfigError, match=r"trainer\.weight_sync\.transport: nccl cannot "
-                                          r"reach torch engines; use one of auto, object_s"):
+                                          r"reach torch engines; use one of auto, in_process, "
+                                          r"object_store"):
         parse_job_config("trainer: {weight_sync: {transport: nccl}}\n")
     with pytest.raises(ConfigError, match=r"weight_sync\.transport: nccl sends from GPU.*"
                                           r"trainer\.num_gpus_per_rank"):
@@ -89,6 +90,25 @@ def test_a_weight_transport_must_reach_the_engines() -> None:
     assert gpu.weight_transport() == "nccl" and gpu.engine_dtype() == "bfloat16"
     half = parse_job_config("rollout: {engine: {type: torch, dtype: bfloat16}}\n")
     assert half.engine_dtype() == "bfloat16"
+
+
+def test_colocated_torch_engines_run_in_the_trainer_ranks_where_they_can() -> None:
+    assert parse_job_config("colocate: true\n").weight_transport() == "in_process"
+    assert parse_job_config("colocate: true\ntrainer: {weight_sync: {transport: "
+                            "object_store}}\n").weight_transport() == "object_store"
+    megatron = parse_job_config("colocate: true\ntrainer: {backend: megatron}\n")
+    assert megatron.weight_transport() == "object_store"
+    with pytest.raises(ConfigError, match=r"in_process runs the engines inside the trainer "
+                                          r"ranks; set colocate: true"):
+        parse_job_config("trainer: {weight_sync: {transport: in_process}}\n")
+    with pytest.raises(ConfigError, match=r"in_process needs trainer\.backend: fsdp"):
+        parse_job_config("colocate: true\ntrainer: {backend: megatron, weight_sync: "
+                         "{transport: in_process}}\n")
+    with pytest.raises(ConfigError, match=r"rollout\.engine\.num_engines: 3 engines inside "
+                                          r"the trainer ranks need as many ranks; the trainer "
+                                          r"has 2"):
+        parse_job_config("colocate: true\nrollout: {engine: {num_engines: 3}}\n"
+                         "trainer: {dp_size: 2}\n")
 
 
 def test_pg_aggregation_lives_at_the_top_level() -> None:

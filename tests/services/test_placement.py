@@ -44,5 +44,8 @@ def test_threads_follow_the_phase_cores_and_set_values_win(tmp_path) -> None:
     assert threads(wide, "rollout.async_steps=1", "rollout.engine.num_cpus=3",
                    "trainer.num_cpus_per_rank=2") == (3, 2)
     assert threads(wide, "rollout.async_steps=1") == (1, 1)  # 0.5 CPU: still one thread
+    # The colocated fast path: a rank generates and trains in turn, on its share of all.
+    assert threads(wide, "rollout.async_steps=1", "colocate=true", "trainer.dp_size=2",
+                   "rollout.engine.num_engines=2")[1] == 4
     assert threads(narrow, "trainer.dp_size=1") == (1, 1)  # the tiny model: one thread
     assert threads(narrow, "rollout.engine.num_threads=3", "trainer.num_threads=5") == (3, 5)

@@ -92,23 +92,27 @@ def test_one_rl_step_and_its_evaluations_on_smollm2(ray_cluster: None, smollm2_p
         manager.shutdown()
 
 
-@pytest.mark.slow  # SmolLM2 imported and trained one step on the example JSONL
-def test_the_jsonl_example_config_gets_reward_on_its_first_step(
+@pytest.mark.slow  # SmolLM2 imported and trained two steps on the example JSONL
+def test_the_jsonl_example_config_gets_reward_in_its_first_steps(
         ray_cluster: None, smollm2_path: Path, tmp_path: Path) -> None:
     """configs/my-data.yaml, a user's own data as the README shows it, runs as written
-    (from the repository root, where its paths point) and learns from its first step: some
-    group has reward spread, so the policy gradient is not zero."""
+    (from the repository root, where its paths point) and learns from its first steps: a
+    group has reward spread, so the policy gradient is not zero. (Each of its 16 samples
+    is right about one time in six: a step with none right is one in twenty, two in a
+    row one in four hundred.)"""
     import os
 
     config = load_job_config(ROOT / "configs" / "my-data.yaml", [
-        f"rollout.model={smollm2_path}", "num_steps=1", "eval.enabled=false",
+        f"rollout.model={smollm2_path}", "num_steps=2", "eval.enabled=false",
         "trainer.dp_size=1", "rollout.engine.num_threads=1"])
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        (first,) = run_job(config, tmp_path / "job", log=lambda *_: None)
+        rows = run_job(config, tmp_path / "job", log=lambda *_: None)
     finally:
         os.chdir(cwd)
-    assert first["reward/mean"] > 0 and first["reward/std"] > 0, first["reward/mean"]
-    assert first["rollout/prompts_truncated"] == 0 and first["rollout/prompts_dropped"] == 0
-    assert first["grad_norm"] > 0
+    learned = [row for row in rows if row["reward/std"] > 0]
+    assert learned, [row["reward/mean"] for row in rows]
+    assert all(row["rollout/prompts_truncated"] == 0 and row["rollout/prompts_dropped"] == 0
+               for row in rows)
+    assert learned[0]["grad_norm"] > 0

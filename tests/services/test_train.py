@@ -173,3 +173,40 @@ def test_async_pipeline_made_to_wait_for_the_newest_weights_equals_synchronous(
         differing = {k for k in w if not k.startswith(("perf/", "rollout/gen_"))
                      and g[k] != w[k]}
         assert not differing, (step, {k: (g[k], w[k]) for k in differing})
+
+
+@pytest.mark.slow  # one colocated job, stopped and resumed
+def test_colocated_fast_path_trains_what_engine_actors_do_and_resumes_exactly(
+        clean_run: CleanRun, tmp_path: Path) -> None:
+    """colocate: true with a torch engine generates inside the trainer ranks: at DP 2 with
+    2 rollouts asked for ahead, each rank gathers a copy of every version it is sent,
+    served in the manager's order. Stopped after step 1 and resumed, the job trains bit
+    for bit what the clean run (an engine actor fed through the object store) did."""
+    config = clean_config("colocate=true")
+    assert config.weight_transport() == "in_process"
+    job = tmp_path / "job"
+    with pytest.raises(Interrupted):
+        run_job(config, job, log=lambda *_: None, after_step=stop_after(1))
+    run_job(config, job, log=lambda *_: None)
+    assert_same_training(job, clean_run)
+    assert all(r["metrics"]["perf/sync_bytes"] > 0 for r in rows(job / "metrics.jsonl"))
+
+
+@pytest.mark.slow  # two jobs
+def test_colocated_one_synchronous_rank_generates_from_its_own_weights(
+        ray_cluster: None, tmp_path: Path) -> None:
+    """One rank, rollout.async_steps 0, the engine in the trainer's dtype: the engine's
+    tensors are the rank's parameters, nothing is ever copied, and the job computes what
+    it computes with an engine actor loading each version."""
+    base = [*SMALL, "trainer.dp_size=1", "num_steps=2", "colocate=true"]
+    aliased = run_job(load_job_config(ROOT / "configs" / "demo.yaml", base),
+                      tmp_path / "aliased", log=lambda *_: None)
+    actors = run_job(load_job_config(ROOT / "configs" / "demo.yaml",
+                                     [*base, "trainer.weight_sync.transport=object_store"]),
+                     tmp_path / "actors", log=lambda *_: None)
+    assert [m["perf/sync_bytes"] for m in aliased] == [0.0, 0.0]
+    assert all(m["perf/sync_bytes"] > 0 for m in actors)
+    for got, want in zip(aliased, actors, strict=True):
+        differing = {k for k in want if not k.startswith(("perf/", "rollout/gen_"))
+                     and got[k] != want[k]}
+        assert not differing, {k: (got[k], want[k]) for k in differing}

@@ -190,6 +190,20 @@ class FSDPWorker(TrainerWorker):
                             ) -> list[tuple[TensorSpec, ...]]:
         return plan_buckets(fsdp.weight_shapes(self.model), dtype, int(bucket_mb * 2**20))
 
+    def engine_tensors(self, alias: bool, gather: bool = True
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter once (a tied head is its embedding) and every buffer (the
+        rotary tables too: an engine built empty has none): the full tensor, gathered
+        when ``gather``; ``alias`` (one rank): the shard's own storage, which is all of it."""
+        owned = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        for name, tensor in owned.items():
+            tensor = tensor.detach()
+            if alias:
+                assert self.config.world_size == 1, "only one rank's shard is the whole"
+                yield name, tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            else:
+                yield name, fsdp.full_tensor(owned, name) if gather else tensor
+
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None) -> None:
         """Collective; rank 0 passes the full state dict, the others None."""
         fsdp.load_full_state_dict(self.model, state_dict or {})
