@@ -156,6 +156,13 @@ class _Blocks:
         return cls(tuple(merged))
 
 
+def _run_view(x: torch.Tensor, start: int, count: int, n: int) -> torch.Tensor:
+    """``count`` equal-length samples of n tokens from ``start`` of a row [1, H, T, D], as a
+    batch [count, H, n, D] (a view: no copy)."""
+    heads, dim = x.shape[1], x.shape[3]
+    return x[0, :, start:start + count * n].reshape(heads, count, n, dim).transpose(0, 1)
+
+
 def _shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              blocks: _Blocks, dropout: float, scale: float | None
                              ) -> torch.Tensor:
@@ -167,11 +174,7 @@ def _shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     for piece in blocks.pieces:
         start, count, n = piece.start, piece.count, piece.length
 
-        def run_of(x: torch.Tensor, start: int = start, count: int = count, n: int = n
-                   ) -> torch.Tensor:
-            return x[0, :, start:start + count * n].reshape(heads, count, n, dim).transpose(0, 1)
-
-        q, k, v = run_of(query), run_of(key), run_of(value)
+        q, k, v = (_run_view(x, start, count, n) for x in (query, key, value))
         a, b = piece.prefix_keys
         if piece.mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=piece.mask,
@@ -199,12 +202,9 @@ def _per_sample_causal_attention(query: torch.Tensor, key: torch.Tensor, value: 
     heads, dim = query.shape[1], query.shape[3]
     outputs, start = [], 0
     for count, n in runs.runs:
-        def run_of(x: torch.Tensor, start: int = start, count: int = count, n: int = n
-                   ) -> torch.Tensor:
-            return x[0, :, start:start + count * n].reshape(heads, count, n, dim).transpose(0, 1)
-
-        out = F.scaled_dot_product_attention(run_of(query), run_of(key), run_of(value),
-                                             dropout_p=dropout, scale=scale, is_causal=True)
+        q, k, v = (_run_view(x, start, count, n) for x in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale,
+                                             is_causal=True)
         outputs.append(out.transpose(0, 1).reshape(heads, count * n, dim))
         start += count * n
     return torch.cat(outputs, dim=1)[None]

@@ -72,7 +72,7 @@ class FSDPWorker(TrainerWorker):
             from trainer.cp_attention import enable_context_parallel
 
             enable_context_parallel(model)  # attention masked by (sample, true position)
-        return fsdp.shard_model(model, self.compute_dtype)
+        return fsdp.shard_model(model, self.compute_dtype, self.config.world_size)
 
     def _logits(self, model: torch.nn.Module, micro: MicroBatch, keep: torch.Tensor
                 ) -> torch.Tensor:
@@ -196,13 +196,14 @@ class FSDPWorker(TrainerWorker):
         rotary tables too: an engine built empty has none): the full tensor, gathered
         when ``gather``; ``alias`` (one rank): the shard's own storage, which is all of it."""
         owned = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        if gather and not alias:
+            yield from fsdp.full_tensors(self.model, owned)
+            return
         for name, tensor in owned.items():
             tensor = tensor.detach()
             if alias:
                 assert self.config.world_size == 1, "only one rank's shard is the whole"
-                yield name, tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            else:
-                yield name, fsdp.full_tensor(owned, name) if gather else tensor
+            yield name, tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None) -> None:
         """Collective; rank 0 passes the full state dict, the others None."""
