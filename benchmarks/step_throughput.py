@@ -9,17 +9,19 @@
    Targets (issue #11): padding < 5% packed; tokens/s up by at least the padding saved;
    (issue #21) shared prefix trains fewer tokens, and is faster by about as much.
 2. **End to end** (rollout + train + weight sync, real Ray), synchronous and with the
-   async pipeline (``rollout.async_steps: 1``): tokens/s, the shares of step time in
-   generation and forward/backward, how much of generation ran hidden behind training
-   (perf/gen_overlap), and orchestration, the rest (target < 10%).
+   async pipeline (``rollout.async_steps: 1``), with engine actors and on the colocated
+   fast path (``colocate: true``: generation inside the trainer ranks): tokens/s, the
+   shares of step time in generation and forward/backward, how much of generation ran
+   hidden behind training (perf/gen_overlap), and orchestration, the rest (target < 10%).
 
     .venv/bin/python benchmarks/step_throughput.py [--steps 12] [--async-steps 0,1]
-        [--skip-e2e]
+        [--colocate 0,1] [--dp 2] [--skip-e2e | --skip-packing]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -129,32 +131,34 @@ def packing_table(repeats: int) -> None:
                       f"{speed[layout] / speed['packed']:>9.2f}×")
 
 
-def end_to_end_table(steps: int, batch_sizes: list[int], async_values: list[int]) -> None:
+def end_to_end_table(steps: int, batch_sizes: list[int], async_values: list[int],
+                     colocate_values: list[bool], dp_size: int) -> None:
     from services.driver.loop import run_job
 
-    print(f"\nend to end (demo config, DP=2, median of {steps - 2} steps; shares of the step "
-          "time; orchestration = step − exposed generation − fwd+bwd, exposed generation = "
-          "generation × (1 − hidden))")
-    print(f"{'batch':>6} {'async':>5} {'step s':>7} {'tokens/s':>9} {'generate':>9} "
-          f"{'hidden':>7} {'fwd+bwd':>8} {'orchestration':>14} {'padding':>8}")
-    for batch_size in batch_sizes:
-        for async_steps in async_values:
-            with tempfile.TemporaryDirectory() as tmp:
-                os.environ.setdefault("TALLY_DATA_DIR", str(Path(tmp) / "data"))
-                config = load_job_config(ROOT / "configs" / "demo.yaml", [
-                    f"num_steps={steps}", f"rollout.global_batch_size={batch_size}",
-                    "warmup.num_steps=60", f"rollout.async_steps={async_steps}"])
-                history = run_job(config, Path(tmp) / "job", log=lambda *_: None)[2:]
-            step = statistics.median(m["perf/step_time_s"] for m in history)
-            tokens = statistics.median(m["perf/tokens_per_s"] for m in history)
-            generate = statistics.median(m["rollout/gen_time_s"] for m in history)
-            hidden = statistics.median(m["perf/gen_overlap"] for m in history)
-            compute = statistics.median(m["perf/compute_s"] for m in history)
-            padding = statistics.median(m["padding_fraction"] for m in history)
-            orchestration = max(0.0, step - generate * (1 - hidden) - compute) / step
-            print(f"{batch_size:>6} {async_steps:>5} {step:>7.2f} {tokens:>9,.0f} "
-                  f"{generate / step:>9.1%} {hidden:>7.1%} {compute / step:>8.1%} "
-                  f"{orchestration:>14.1%} {padding:>8.1%}")
+    print(f"\nend to end (demo config, DP={dp_size}, median of {steps - 2} steps; shares of "
+          "the step time; orchestration = step − exposed generation − fwd+bwd, exposed "
+          "generation = generation × (1 − hidden))")
+    print(f"{'batch':>6} {'async':>5} {'coloc':>5} {'step s':>7} {'tokens/s':>9} "
+          f"{'generate':>9} {'hidden':>7} {'fwd+bwd':>8} {'orchestration':>14} {'padding':>8}")
+    for batch_size, async_steps, colocate in itertools.product(batch_sizes, async_values,
+                                                              colocate_values):
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ.setdefault("TALLY_DATA_DIR", str(Path(tmp) / "data"))
+            config = load_job_config(ROOT / "configs" / "demo.yaml", [
+                f"num_steps={steps}", f"rollout.global_batch_size={batch_size}",
+                "warmup.num_steps=60", f"rollout.async_steps={async_steps}",
+                f"colocate={str(colocate).lower()}", f"trainer.dp_size={dp_size}"])
+            history = run_job(config, Path(tmp) / "job", log=lambda *_: None)[2:]
+        step = statistics.median(m["perf/step_time_s"] for m in history)
+        tokens = statistics.median(m["perf/tokens_per_s"] for m in history)
+        generate = statistics.median(m["rollout/gen_time_s"] for m in history)
+        hidden = statistics.median(m["perf/gen_overlap"] for m in history)
+        compute = statistics.median(m["perf/compute_s"] for m in history)
+        padding = statistics.median(m["padding_fraction"] for m in history)
+        orchestration = max(0.0, step - generate * (1 - hidden) - compute) / step
+        print(f"{batch_size:>6} {async_steps:>5} {int(colocate):>5} {step:>7.2f} "
+              f"{tokens:>9,.0f} {generate / step:>9.1%} {hidden:>7.1%} {compute / step:>8.1%} "
+              f"{orchestration:>14.1%} {padding:>8.1%}")
 
 
 def main() -> None:
@@ -165,12 +169,19 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="64,256")
     parser.add_argument("--async-steps", default="0,1",
                         help="rollout.async_steps of the end-to-end runs")
+    parser.add_argument("--colocate", default="0,1",
+                        help="colocate values of the end-to-end runs (1: the colocated fast "
+                             "path, generation inside the trainer ranks)")
+    parser.add_argument("--dp", type=int, default=2, help="DP size of the end-to-end runs")
     parser.add_argument("--skip-e2e", action="store_true", help="only the packing table")
+    parser.add_argument("--skip-packing", action="store_true", help="only the e2e table")
     args = parser.parse_args()
-    packing_table(args.repeats)
+    if not args.skip_packing:
+        packing_table(args.repeats)
     if not args.skip_e2e:
         end_to_end_table(args.steps, [int(b) for b in args.batch_sizes.split(",")],
-                         [int(k) for k in args.async_steps.split(",")])
+                         [int(k) for k in args.async_steps.split(",")],
+                         [bool(int(c)) for c in args.colocate.split(",")], args.dp)
 
 
 if __name__ == "__main__":
