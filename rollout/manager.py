@@ -126,6 +126,8 @@ class RolloutManager:
         self.next_group_index = 0
         self.weight_version = 0
         self._eval_records: dict[str, list[PromptRecord]] = {}  # held-out sets, loaded once
+        self._encoded: dict[int, tuple[int, list[int] | None]] = {}
+        """Record index -> (its prompt's full length, the ids it trains on; None: dropped)."""
         self.owns_engines = engines is None
         if engines is None:
             actor_class = ray.remote(engine_class(config.engine))
@@ -203,10 +205,13 @@ class RolloutManager:
         taken: list[tuple[int, list[int]]] = []
         while len(taken) < count:
             for index in self.cursor.take(count - len(taken)):
-                full = encode_prompt(self.tokenizer, self.records[index].prompt,
-                                     self.apply_chat_template)
-                ids = fit_prompt(full, self.max_prompt_tokens, self.config.prompt_truncation,
-                                 f"record {index}")
+                if index not in self._encoded:  # a record's ids never change: once each
+                    full = encode_prompt(self.tokenizer, self.records[index].prompt,
+                                         self.apply_chat_template)
+                    self._encoded[index] = len(full), fit_prompt(
+                        full, self.max_prompt_tokens, self.config.prompt_truncation,
+                        f"record {index}")
+                full_length, ids = self._encoded[index]
                 if ids is None:
                     stats.prompts_dropped += 1
                     if stats.prompts_dropped > len(self.records):
@@ -214,7 +219,7 @@ class RolloutManager:
                             f"rollout.max_prompt_tokens: every prompt is longer than "
                             f"{self.max_prompt_tokens} tokens; nothing is left to train on")
                     continue
-                stats.prompts_truncated += len(ids) < len(full)
+                stats.prompts_truncated += len(ids) < full_length
                 taken.append((index, ids))
         return taken
 

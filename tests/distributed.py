@@ -84,6 +84,9 @@ def _rank(rank: int, world_size: int, ports: Any, out_dir: str, fn: Callable[...
     else:
         port = ports.get(timeout=PORT_WAIT_S)
     torch.save(fn(rank, port, *args), Path(out_dir) / f"rank{rank}.pt")
+    if dist.is_initialized():  # every rank is done before rank 0 takes the store down:
+        dist.barrier()  # exiting with the group up aborted rank 0 once under load
+        dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
