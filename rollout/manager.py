@@ -37,6 +37,10 @@ from rollout.prompts import PromptTooLong, fit_prompt, model_context
 from rollout.rewards import RewardScorer, check_error_rate
 from rollout.tokenizer import encode_prompt, load_tokenizer
 
+ENCODED_PROMPTS = 65536
+"""Records whose prompt ids the manager keeps (a small dataset's every record; a big one
+is encoded as drawn, its ids never all held)."""
+
 
 @dataclass
 class _Group:
@@ -205,13 +209,16 @@ class RolloutManager:
         taken: list[tuple[int, list[int]]] = []
         while len(taken) < count:
             for index in self.cursor.take(count - len(taken)):
-                if index not in self._encoded:  # a record's ids never change: once each
+                encoded = self._encoded.get(index)
+                if encoded is None:  # a record's ids never change: encoded once each
                     full = encode_prompt(self.tokenizer, self.records[index].prompt,
                                          self.apply_chat_template)
-                    self._encoded[index] = len(full), fit_prompt(
-                        full, self.max_prompt_tokens, self.config.prompt_truncation,
-                        f"record {index}")
-                full_length, ids = self._encoded[index]
+                    encoded = len(full), fit_prompt(full, self.max_prompt_tokens,
+                                                    self.config.prompt_truncation,
+                                                    f"record {index}")
+                    if len(self._encoded) < ENCODED_PROMPTS:
+                        self._encoded[index] = encoded
+                full_length, ids = encoded
                 if ids is None:
                     stats.prompts_dropped += 1
                     if stats.prompts_dropped > len(self.records):

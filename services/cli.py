@@ -166,14 +166,17 @@ def _planted_env(layouts: list) -> dict[str, dict[str, str]]:
 
 def spread_rollout(rollout: RolloutConfig) -> RolloutConfig:
     """The rollout config the verifier draws its batch with: DAPO's dynamic sampling on (8
-    draws), since a group whose rewards are all equal has advantage 0 and no pg gradient,
-    and a pg row comparing zeros shows nothing."""
-    from rollout.config import DynamicSamplingConfig
+    draws), since under a group baseline (grpo, reinforce_pp) a group whose rewards are
+    all equal has advantage 0 and no pg gradient, and a pg row comparing zeros shows
+    nothing."""
+    from rollout.config import RolloutConfig
 
-    if rollout.dynamic_sampling.enabled:
+    if (rollout.dynamic_sampling.enabled or rollout.advantage.type == "reward"
+            or rollout.n_samples_per_prompt < 2):  # spread is beside the point there
         return rollout
-    return rollout.model_copy(update={"dynamic_sampling": DynamicSamplingConfig(
-        enabled=True, max_draws=8)})
+    return RolloutConfig.model_validate({**rollout.model_dump(),
+                                         "dynamic_sampling": {"enabled": True,
+                                                              "max_draws": 8}})
 
 
 @app.command("verify-aggregation")
@@ -212,7 +215,8 @@ def verify_aggregation(
         manager = RolloutManagerActor.remote(spread_rollout(job.rollout), model_path)
         batch = ray.get(manager.generate_batch.remote(0))
         ray.get(manager.shutdown.remote())
-        if batch.metadata["rollout/zero_spread_filled"] == batch.num_prompts:
+        if (job.rollout.advantage.type != "reward"
+                and batch.metadata["rollout/zero_spread_filled"] == batch.num_prompts):
             typer.echo("warning: no group of the rollout has reward spread, so every pg "
                        "gradient is 0 and the pg rows compare zeros")
         default_rtol, default_atol = default_tolerance(job.trainer)

@@ -305,6 +305,18 @@ class JobConfig(BaseModel):
                 "has no effect with trainer.loss.old_log_probs: rollout (π_old is the "
                 "engine's, so the TIS weight π_old/π_rollout is 1); staleness is then "
                 "corrected by the PPO ratio π/π_rollout, clipped by eps_clip")))
+        engine, ranks = self.rollout.engine, self.trainer.world_size
+        if self.weight_transport() == "in_process":
+            said += [ConfigProblem(f"rollout.engine.{name}", "has no effect on the colocated "
+                                   "fast path: the engines run in the trainer ranks, on "
+                                   "their device and threads")
+                     for name in ("device", "num_threads") if name in engine.model_fields_set]
+            if self.rollout.async_steps and engine.num_engines < ranks:
+                said.append(ConfigProblem("rollout.engine.num_engines", (
+                    f"{engine.num_engines} engines in {ranks} trainer ranks with "
+                    "rollout.async_steps > 0: a rank without an engine waits inside the next "
+                    "collective while the others generate (trainer.collective_timeout_s "
+                    f"bounds the wait); set it to {ranks} to share the generation")))
         if self.num_updates_per_rollout > 1 or loss.old_log_probs == "rollout":
             return said
         why = ("has no effect: with one update per rollout and old_log_probs: trainer the "

@@ -38,13 +38,19 @@ def _truncate(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
 
 
 def inverse_cdf_draw(probs_BV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row drawn from probs [B, V] (rows need not sum to exactly 1). A
-    token of probability 0 is never drawn: u stays below the row's total, and the search
-    finds the first index whose cumulative mass is strictly above u."""
-    cumulative_BV = probs_BV.cumsum(dim=-1)
+    """One token per row drawn from probs [B, V] (rows need not sum to exactly 1). The
+    cumulative mass and u are float64, so a token's chance is its probability to ~1e-16
+    (in float32 a GPU scan would fold a long tail of small tokens into one value). u stays
+    below the row's total and the search finds the first index whose cumulative mass is
+    strictly above u, so a token of probability 0 is never drawn where the scan is
+    sequential (CPU); a parallel GPU scan may round it up by an ulp (~1e-16)."""
+    cumulative_BV = probs_BV.double().cumsum(dim=-1)
     total_B1 = cumulative_BV[:, -1:]
+    if not bool(torch.isfinite(total_B1).all()):
+        raise ValueError("sampling: a row's next-token probabilities are not finite (NaN or "
+                         "inf logits from the model)")
     u_B1 = torch.rand(total_B1.shape, generator=generator, device=probs_BV.device,
-                      dtype=probs_BV.dtype) * total_B1
+                      dtype=torch.float64) * total_B1
     u_B1 = torch.minimum(u_B1, torch.nextafter(total_B1, torch.zeros_like(total_B1)))
     return torch.searchsorted(cumulative_BV, u_B1, right=True).squeeze(-1)
 

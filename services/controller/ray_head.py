@@ -52,7 +52,7 @@ def free_port() -> int:
     """A port free right now, from QUIET_PORTS: another process may still take it before
     it is used. Only for a port a program refuses to pick itself (Ray's client server);
     else bind port 0."""
-    for port in random.sample(QUIET_PORTS, 64):
+    for port in random.SystemRandom().sample(QUIET_PORTS, 64):  # no seed shared
         with socket.socket() as sock:
             try:
                 sock.bind(("", port))

@@ -143,7 +143,9 @@ class JobActors:
                     config.rollout.engine, config.rollout.tokenizer,
                     config.rollout.engine.num_engines, not config.rollout.async_steps)
                 self.manager = manager.remote(config.rollout, model_path, None, None, engines)
-                started.callback(self._stop_manager)
+                # Killed, not asked: its engines are the ranks, and a call would queue
+                # behind a rollout waiting on a rank that may be stuck.
+                started.callback(ray.kill, self.manager)
             self._started = started.pop_all()
 
     def rollout_call(self, ref: ray.ObjectRef, verb: str) -> Any:

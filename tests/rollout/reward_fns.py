@@ -23,9 +23,10 @@ def wrong_length(responses: list[str], labels: list, metadata: list[dict]) -> li
 
 
 def spread_unless_flat(responses: list[str], labels: list, metadata: list[dict]) -> list[float]:
-    """0 for every sample of a `flat` record; otherwise 1 when the response starts with a
-    letter in a-m, so groups of such records (almost always) have reward spread."""
+    """0 for every sample of a `flat` record; otherwise 1 when the response's first
+    character has an even code point (about half of the tiny model's draws), so a group
+    of 4 such samples has reward spread 7 times in 8."""
     return [
-        0.0 if meta.get("flat") else float(r[:1] in "abcdefghijklm" and r[:1] != "")
+        0.0 if meta.get("flat") else float(r[:1] != "" and ord(r[0]) % 2 == 0)
         for r, meta in zip(responses, metadata, strict=True)
     ]

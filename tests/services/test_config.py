@@ -109,6 +109,13 @@ def test_colocated_torch_engines_run_in_the_trainer_ranks_where_they_can() -> No
                                           r"has 2"):
         parse_job_config("colocate: true\nrollout: {engine: {num_engines: 3}}\n"
                          "trainer: {dp_size: 2}\n")
+    waiting = parse_job_config("colocate: true\nrollout: {async_steps: 1}\n"
+                               "trainer: {dp_size: 2, loss: {tis_cap: 2.0}}\n").warnings()
+    assert [w.field for w in waiting] == ["rollout.engine.num_engines"]
+    assert "a rank without an engine waits inside the next collective" in waiting[0].message
+    threads = parse_job_config("colocate: true\nrollout: {engine: {num_threads: 2}}\n")
+    assert [(w.field, "no effect on the colocated" in w.message)
+            for w in threads.warnings()] == [("rollout.engine.num_threads", True)]
 
 
 def test_pg_aggregation_lives_at_the_top_level() -> None:
