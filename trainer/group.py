@@ -201,16 +201,15 @@ class TrainerGroup:
     # The colocated fast path (trainer/colocated_engine.py).
 
     def start_engines(self, engine: Any, tokenizer_path: str | None, num_engines: int,
-                      synchronous: bool) -> tuple[list[ray.actor.ActorHandle], bool]:
+                      synchronous: bool) -> list[ray.actor.ActorHandle]:
         """Ranks 0 … num_engines − 1 become torch engines serving their own weights; their
-        actors (to hand to the rollout manager as its engines) and whether they alias the
-        weights (no copy at all)."""
+        actors, to hand to the rollout manager as its engines."""
         verb = TrainerWorker.start_engine
         refs = [_remote(worker, verb, engine, tokenizer_path,
                         rank if rank < num_engines else None, synchronous)
                 for rank, worker in enumerate(self.workers)]
         self._wait(verb, refs)
-        return self.workers[:num_engines], ray.get(refs[0])
+        return self.workers[:num_engines]
 
     def stage_engine_weights(self, version: int) -> dict[str, float]:
         """Every rank gathers the weights for its engine as ``version`` (collective); the

@@ -255,11 +255,11 @@ class TrainerWorker(abc.ABC):
     engine: ColocatedEngine | None = None
 
     def start_engine(self, config: TorchEngineConfig, tokenizer_path: str | None,
-                     engine_rank: int | None, synchronous: bool) -> bool:
+                     engine_rank: int | None, synchronous: bool) -> None:
         """Collective: this rank becomes engine ``engine_rank`` (None: it only takes part
         in the gathers), serving the weights it holds now as version 0. It aliases them
         (trainer/colocated_engine.py) when ``synchronous`` (rollout.async_steps 0), the
-        trainer has one rank and the engine's dtype is the master weights'; says so."""
+        trainer has one rank and the engine's dtype is the master weights'."""
         from trainer.colocated_engine import ColocatedEngine
         from trainer.rank import master_dtype
 
@@ -269,14 +269,12 @@ class TrainerWorker(abc.ABC):
         if engine_rank is not None:
             self.engine = ColocatedEngine(config, self.model_path, tokenizer_path,
                                           engine_rank, self.device, alias)
-            self._engine_alias = alias
         names = [name for name, _ in self.engine_tensors(alias=False, gather=False)]
         if self.engine is not None:
             self.engine.check_names(names)
         self.stage_engine_weights(0)
         if self.engine is not None:
             self.engine.serve(0)
-        return alias
 
     def stage_engine_weights(self, version: int) -> dict[str, float]:
         """Collective: every rank gathers each weight once (none when aliased); an engine
@@ -284,10 +282,14 @@ class TrainerWorker(abc.ABC):
         :meth:`serve_engine_weights`. This rank's time and bytes copied."""
         started = time.perf_counter()
         with PeakMemory(self.device) as peak:
-            alias = self.engine is not None and self._engine_alias
+            alias = self.engine is not None and self.engine.alias
             tensors = self.engine_tensors(alias=alias, gather=not alias)
-            copied = (self.engine.stage(version, tensors) if self.engine is not None
-                      else sum(0 for _ in tensors))
+            if self.engine is not None:
+                copied = self.engine.stage(version, tensors)
+            else:  # no engine here: only this rank's part of each gather
+                copied = 0
+                for _ in tensors:
+                    pass
         return {"perf/export_s": time.perf_counter() - started,
                 "perf/sync_bytes": float(copied), **phase_metrics("sync", peak)}
 

@@ -137,9 +137,8 @@ class JobActors:
                                         config.num_optimizer_steps, env_vars=QUIET_ENV,
                                         placement=gang.group)
             started.callback(self.trainer.shutdown)
-            self.weights_aliased = False
             if in_process:  # the colocated fast path: the ranks are the engines
-                engines, self.weights_aliased = self.trainer.start_engines(
+                engines = self.trainer.start_engines(
                     config.rollout.engine, config.rollout.tokenizer,
                     config.rollout.engine.num_engines, not config.rollout.async_steps)
                 self.manager = manager.remote(config.rollout, model_path, None, None, engines)

@@ -164,23 +164,9 @@ def export_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     gathered on its own instead.
     """
     saved_names = set(model.state_dict())  # persistent buffers only, like state_dict
-    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if any(_casts_params(group) for group in groups):
-        state = {name: p.full_tensor().detach().cpu() if hasattr(p, "full_tensor")
-                 else p.detach().cpu().clone() for name, p in params.items()}
-    else:
-        for group in groups:
-            group.unshard()
-        try:
-            state = {name: p.detach().cpu().clone() for name, p in
-                     model.named_parameters(remove_duplicate=False)}
-        finally:
-            for group in groups:
-                group.reshard()
-    state.update({name: b.detach().cpu().clone() for name, b in model.named_buffers()
-                  if name in saved_names})
-    return state
+    owned = dict(model.named_parameters(remove_duplicate=False)) | {
+        name: b for name, b in model.named_buffers() if name in saved_names}
+    return {name: tensor.to("cpu", copy=True) for name, tensor in full_tensors(model, owned)}
 
 
 def _casts_params(group: FSDPModule) -> bool:
@@ -257,7 +243,8 @@ def full_tensors(model: torch.nn.Module, owned: dict[str, torch.Tensor]
     for group in groups:
         group.unshard()
     try:
-        unsharded = dict(model.named_parameters()) | dict(model.named_buffers())
+        unsharded = (dict(model.named_parameters(remove_duplicate=False))
+                     | dict(model.named_buffers()))
         for name in owned:
             yield name, unsharded[name].detach()
     finally:
