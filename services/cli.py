@@ -271,13 +271,18 @@ def export_command(
     out_dir: Annotated[Path, typer.Argument(help="the Hugging Face folder to write")],
     dtype: Annotated[str, typer.Option(
         help="float32 (the trained fp32 weights), bfloat16 or float16")] = "float32",
+    adapter: Annotated[bool, typer.Option(
+        "--adapter", help="a LoRA checkpoint: write peft's adapter folder instead of the "
+                          "merged model")] = False,
 ) -> None:
     """Write a checkpoint's weights as a Hugging Face folder (safetensors, config,
-    tokenizer, generation config) that from_pretrained loads, a few tensors at a time."""
+    tokenizer, generation config) that from_pretrained loads, a few tensors at a time; a
+    LoRA job's adapters merged into its base model (or, with --adapter, as peft's
+    adapter folder)."""
     from trainer.export import ExportError, export_checkpoint
 
     try:
-        typer.echo(export_checkpoint(checkpoint, out_dir, dtype))
+        typer.echo(export_checkpoint(checkpoint, out_dir, dtype, adapter=adapter))
     except ExportError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

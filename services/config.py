@@ -182,6 +182,8 @@ class JobConfig(BaseModel):
         transport = self.trainer.weight_sync.transport
         if transport != "auto":
             return transport
+        if self.trainer.lora is not None:  # adapters only: engine actors, or files to load
+            return "object_store" if self.rollout.engine.type == "torch" else "disk"
         if self.rollout.engine.type == "torch":
             colocated = self.colocate and self.trainer.backend == "fsdp"
             return "in_process" if colocated else "object_store"

@@ -8,6 +8,8 @@ shards, and the trainer state (scheduler, RNG) beside them.
         trainer_state.pt    scheduler and RNG (rank 0's, restored on every rank)
         model_config/       config.json, generation config and tokenizer files: what
                             ``tally export`` needs to write a Hugging Face folder
+        adapter/            under trainer.lora only: peft's adapter folder (the shards
+                            then hold the adapters and their AdamW state, not the base)
         driver_state.json … the driver's part (services/driver/checkpoint.py)
 
 Nothing is gathered on one rank: at 7 B the full fp32 weights and AdamW state would be
@@ -44,6 +46,9 @@ from safetensors.torch import load_file, save_file
 
 MODEL_DIR, TRAINER_STATE = "model", "trainer_state.pt"
 SHARDS_DIR, MANIFEST, MODEL_CONFIG_DIR = "shards", "manifest.json", "model_config"
+ADAPTER_DIR = "adapter"
+"""Under trainer.lora: peft's adapter folder of the step (the shards hold the adapters
+and their AdamW state only; the frozen base is the job's model folder)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 STEP_PREFIX, TMP_SUFFIX, OLD_SUFFIX = "step_", ".tmp", ".old"

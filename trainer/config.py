@@ -180,6 +180,34 @@ class WeightSyncConfig(BaseModel):
     trainer ranks, else disk."""
 
 
+LORA_ALL_LINEAR = "all-linear"
+
+
+class LoraConfig(BaseModel):
+    """Low-rank adapters (LoRA, via peft): W x + (alpha / rank) · B A x on each target
+    module, B starting at 0. Only A and B are trained (fp32 masters, AdamW state); the
+    base stays frozen in the compute dtype and, with its adapters disabled, is the KL
+    reference model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    rank: int = Field(default=16, gt=0)
+    """r: the adapters' inner dimension (A is [r, in], B is [out, r])."""
+    alpha: float = Field(default=32.0, gt=0)
+    """Scale numerator: the update is (alpha / rank) · B A."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (0: the old and reference log-probs
+    and the loss see the same function; verify-aggregation needs 0)."""
+    target_modules: list[str] | Literal["all-linear"] = LORA_ALL_LINEAR
+    """Names (suffixes) of the Linear modules to adapt, e.g. [q_proj, v_proj]; all-linear:
+    every Linear of the decoder but the output head."""
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank."""
+        return self.alpha / self.rank
+
+
 class TrainerConfig(BaseModel):
     """Trainer actors: backend, parallel layout, micro-batching, loss and optimizer."""
 
@@ -239,6 +267,10 @@ class TrainerConfig(BaseModel):
     """Seed of the trainer's RNG (and of the order of groups within a rollout)."""
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     """Weight sync to the rollout engines (buckets, transport)."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of every weight (absent: full fine-tuning). The
+    engines receive the adapters only; checkpoints hold the adapters and their optimizer
+    state; `tally export` writes the adapter folder or the merged model."""
 
     @model_validator(mode="after")
     def _backend_layout(self) -> TrainerConfig:
@@ -254,6 +286,15 @@ class TrainerConfig(BaseModel):
             if self.backend != "fsdp":
                 raise ValueError("shared_prefix: backend=megatron packs only THD rows, which "
                                  "cannot share a prompt; set shared_prefix: false")
+        if self.lora is not None:
+            if self.backend != "fsdp":
+                raise ValueError(f"lora: LoRA adapters are trained by backend=fsdp only "
+                                 f"(trainer.backend={self.backend}); remove trainer.lora or "
+                                 "set trainer.backend: fsdp")
+            if self.weight_sync.transport in ("in_process", "nccl", "cuda_ipc"):
+                raise ValueError(f"weight_sync.transport: {self.weight_sync.transport} sends "
+                                 "whole weights; with trainer.lora the engines receive "
+                                 "adapters (transport auto, object_store or disk)")
         return self
 
     @property

@@ -14,24 +14,28 @@ into place, so a reader never sees half an export.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rollout.adapters import read_peft_folder
 from rollout.weight_bucket import DTYPES, plan_buckets
 from trainer.checkpoint import (
+    ADAPTER_DIR,
     MODEL_CONFIG_DIR,
     MODEL_DIR,
     SHARDS_DIR,
     is_sharded,
     load_planner,
 )
+from trainer.lora import merged
 
 MODEL_PREFIX = "model."
 """DCP flattens {"model": state_dict} into "model.<HF name>"."""
@@ -43,9 +47,12 @@ class ExportError(ValueError):
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "float32",
-                      max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, adapter: bool = False
+                      ) -> Path:
     """Write ``checkpoint``'s weights in ``dtype`` as a Hugging Face folder at ``out_dir``
-    (replacing an earlier export there); returns ``out_dir``."""
+    (replacing an earlier export there); returns ``out_dir``. A LoRA checkpoint is merged
+    into its base model (W + (alpha/r)·B·A: a folder ``from_pretrained`` loads without
+    peft), or with ``adapter`` written as peft's adapter folder."""
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if dtype not in DTYPES:
         raise ExportError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -53,18 +60,32 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     if not (config_dir / "config.json").is_file():
         raise ExportError(f"{checkpoint}: not a Tally checkpoint (no {config_dir.name}/"
                           "config.json)")
+    adapters = checkpoint / ADAPTER_DIR
+    if adapter and not adapters.is_dir():
+        raise ExportError(f"--adapter: {checkpoint} holds full weights (its job trained "
+                          "without trainer.lora); export it without --adapter")
+    if adapter:
+        staging = _staging(out)
+        shutil.copytree(adapters, staging, dirs_exist_ok=True)
+        return _publish(staging, out)
     config = json.loads((config_dir / "config.json").read_text())
-    shapes = _stored_shapes(checkpoint)
+    if adapters.is_dir():
+        lora_config, factors = read_peft_folder(adapters)
+        base = _base_folder(lora_config, checkpoint)
+        scaling = float(lora_config["lora_alpha"]) / int(lora_config["r"])
+        shapes = _folder_shapes(base)
+        read = _merged_groups(base, factors, scaling)
+    else:
+        shapes = _stored_shapes(checkpoint)
+        read = functools.partial(_read_groups, checkpoint)
     if config.get("tie_word_embeddings"):
         shapes.pop("lm_head.weight", None)  # from_pretrained re-ties it to the embeddings
-    staging = out.with_name(out.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = _staging(out)
     groups = plan_buckets(shapes.items(), dtype, max_shard_bytes)
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))])
     weight_map = {}
-    for name, tensors in zip(names, _read_groups(checkpoint, groups), strict=True):
+    for name, tensors in zip(names, read(groups), strict=True):
         save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()},
                   str(staging / name), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(tensors, name)
@@ -78,9 +99,72 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
             shutil.copy(file, staging / file.name)
     (staging / "config.json").write_text(json.dumps(
         {**config, "torch_dtype": dtype, "dtype": dtype}, indent=2))
+    return _publish(staging, out)
+
+
+def _staging(out: Path) -> Path:
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _publish(staging: Path, out: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
     return out
+
+
+def _base_folder(lora_config: dict, checkpoint: Path) -> Path:
+    """The base model a LoRA checkpoint's adapters apply to (its job's model folder)."""
+    base = Path(str(lora_config.get("base_model_name_or_path", "")))
+    if not _folder_files(base):
+        raise ExportError(f"{checkpoint}: the base model of its adapters, {base}, has no "
+                          "safetensors weights here; export the adapters with --adapter")
+    return base
+
+
+def _folder_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file of a Hugging Face folder that holds it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return {}
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _folder_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for name, file in _folder_files(folder).items():
+        with safe_open(str(file), framework="pt") as f:
+            shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _merged_groups(base: Path, factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                   scaling: float) -> Callable[[list], Iterator[dict[str, torch.Tensor]]]:
+    """Each group's base tensors, an adapted weight merged with its factors."""
+    files = _folder_files(base)
+    by_weight = {f"{module}.weight": pair for module, pair in factors.items()}
+    if missing := sorted(set(by_weight) - set(files)):
+        raise ExportError(f"{base}: has no weight {missing[0]} for the checkpoint's adapter")
+
+    def read(groups: list) -> Iterator[dict[str, torch.Tensor]]:
+        for group in groups:
+            tensors = {}
+            for spec in group:
+                with safe_open(str(files[spec.name]), framework="pt") as f:
+                    weight = f.get_tensor(spec.name)
+                if spec.name in by_weight:
+                    weight = merged(weight.float(), *by_weight[spec.name], scaling)
+                tensors[spec.name] = weight
+            yield tensors
+
+    return read
 
 
 def _stored_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:

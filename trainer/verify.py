@@ -23,6 +23,9 @@ update: at each update every mode's and term's gradient on its own mini-batch, t
 job's own optimizer step (its configured objective), the same in every layout, so every
 update of the rollout is checked, with the old log-probs of the rollout's start.
 
+Under ``trainer.lora`` the gradients compared are the adapters' (the base is frozen), with
+the KL reference the base itself, adapters disabled; B is perturbed away from 0 as well.
+
 A job with ``aggregation.custom_reducer`` is checked under one more mode, ``custom``: its
 pg term weighted by the reducer's dense [N, S] weights (sliced like the tokens), KL and
 entropy by their own modes.
@@ -117,6 +120,8 @@ def verification_config(config: TrainerConfig) -> TrainerConfig:
     """The job's trainer in float64 where the backend allows, with a reference model."""
     loss = config.loss.model_copy(update={"kl_coef": config.loss.kl_coef or 1.0})
     update: dict[str, object] = {"loss": loss}
+    if config.lora is not None:  # dropout would draw other masks in every layout
+        update["lora"] = config.lora.model_copy(update={"dropout": 0.0})
     if config.backend == "fsdp":
         update["dtype"] = "float64"
     return config.model_copy(update=update)
@@ -147,13 +152,16 @@ def mode_objectives(objective: ObjectiveConfig, modes: tuple[str, ...]
 
 def perturbed(state: dict[str, torch.Tensor], seed: int = 0, scale: float = 0.05
               ) -> dict[str, torch.Tensor]:
-    """The policy moved off the reference: each float tensor + scale·std·noise."""
+    """The policy moved off the reference: each float tensor + scale·std·noise. A tensor
+    that is all one value (LoRA's B starts at 0) gets noise of scale / √(its last dim)
+    instead, so an adapter's A has a gradient to compare too."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, value in state.items():
         if value.is_floating_point() and value.numel() > 1:
             noise = torch.randn(value.shape, generator=gen, dtype=torch.float64)
-            value = (value.double() + scale * value.double().std() * noise).to(value.dtype)
+            spread = float(value.double().std()) or value.shape[-1] ** -0.5
+            value = (value.double() + scale * spread * noise).to(value.dtype)
         out[name] = value
     return out
 

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from rollout.adapters import EngineAdapters, is_adapter_sync
 from rollout.config import SamplingConfig, TorchEngineConfig
 from rollout.engines.base import Engine, Generation, as_tensors
 from rollout.engines.sampling import sample_next_tokens
@@ -60,6 +61,8 @@ class TorchEngine(Engine):
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.eos_ids[0])
         self.weight_version = 0
+        self.adapters = EngineAdapters(self.model)
+        """LoRA adapters served on top of the weights (trainer.lora; none until a sync)."""
 
     def _ends_with_stop(self, tokens: list[int], stops: list[str]) -> bool:
         """Whether a stop string ends in the last token. The tail decoded is long enough
@@ -197,8 +200,13 @@ class TorchEngine(Engine):
     def load_weight_buckets(self, buckets: Sequence[WeightBucket | Any], version: int) -> None:
         """Every bucket mapped in place from the object store and checked (names,
         shapes, sizes) before any weight is copied, so a bad version leaves the old one
-        serving; then each tensor copied and cast to the engine's dtype."""
+        serving; then each tensor copied and cast to the engine's dtype. A sync of LoRA
+        adapters (rollout/adapters.py) swaps in the new factors, leaving the weights."""
         buckets = resolve(buckets)
+        if is_adapter_sync([spec.name for bucket in buckets for spec in bucket.specs]):
+            self.adapters.load(dict(iter_tensors(buckets)))  # checked whole, then swapped
+            self.weight_version = version
+            return
         own = self.model.state_dict()  # tied weights appear under both names; either works
         check_buckets(buckets, {name: tuple(t.shape) for name, t in own.items()})
         for name, tensor in iter_tensors(buckets):

@@ -198,12 +198,16 @@ def restore(job: RunningJob, latest: Path | None, log: Callable[[str], None]) ->
 
 
 def export_final_weights(run_dir: RunDir, log: Callable[[str], None]) -> None:
-    """The last checkpoint (the last step always has one) as a Hugging Face folder."""
+    """The last checkpoint (the last step always has one) as a Hugging Face folder, and
+    under LoRA its adapters as peft's folder too."""
     from trainer.export import export_checkpoint
 
     latest = trainer_checkpoint.latest_checkpoint(run_dir.checkpoints_dir)
     if latest is not None:
         log(f"final weights: {export_checkpoint(latest, run_dir.final_model_dir)}")
+        if (latest / trainer_checkpoint.ADAPTER_DIR).is_dir():
+            adapters = export_checkpoint(latest, run_dir.final_adapter_dir, adapter=True)
+            log(f"final adapters: {adapters}")
 
 
 def finished(config: JobConfig, run_dir: RunDir, plan: checkpoint.ResumePlan,

@@ -15,7 +15,10 @@
     <job>/checkpoints/set-aside-<time>/  checkpoints after the one a resume named, or
                               all of them for --no-resume: kept, never resumed from
     <job>/final_model/        the last checkpoint's weights as a Hugging Face folder
-                              (trainer/export.py), written when the job ends
+                              (trainer/export.py), written when the job ends; under
+                              trainer.lora the adapters merged into the base
+    <job>/final_adapter/      under trainer.lora: the last checkpoint's adapters as
+                              peft's adapter folder
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_MODEL_DIR = "final_model"
+FINAL_ADAPTER_DIR = "final_adapter"
 LATEST_LINK = "latest"
 """In checkpoints/: a relative symbolic link to the newest committed checkpoint."""
 SET_ASIDE_PREFIX = "set-aside-"
@@ -106,6 +110,10 @@ class RunDir:
         return self.path / FINAL_MODEL_DIR
 
     @property
+    def final_adapter_dir(self) -> Path:
+        return self.path / FINAL_ADAPTER_DIR
+
+    @property
     def latest_link(self) -> Path:
         return self.checkpoints_dir / LATEST_LINK
 
@@ -128,6 +136,9 @@ class RunDir:
         if self.final_model_dir.is_dir():
             lines.append(f"  {FINAL_MODEL_DIR + '/':<20} the last checkpoint's weights as a "
                          "Hugging Face folder")
+        if self.final_adapter_dir.is_dir():
+            lines.append(f"  {FINAL_ADAPTER_DIR + '/':<20} the last checkpoint's LoRA adapters "
+                         "(peft's folder)")
         if self.latest_link.is_symlink():
             lines.append(f"  {CHECKPOINTS_DIR}/{LATEST_LINK} → "
                          f"{os.readlink(self.latest_link)}")

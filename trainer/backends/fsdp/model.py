@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.config import TrainerConfig
+from trainer.lora import decoder_layers
 from trainer.rank import compute_dtype as configured_dtype
 from trainer.rank import master_dtype
 
@@ -147,7 +148,7 @@ def shard_model(model: PreTrainedModel, compute_dtype: torch.dtype, world_size: 
     policy = (MixedPrecisionPolicy(param_dtype=compute_dtype,
                                    reduce_dtype=master_dtype(compute_dtype))
               if casts else MixedPrecisionPolicy())  # fp32 throughout: nothing to cast
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):  # a LoRA model's too: adapters shard with them
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
@@ -203,20 +204,30 @@ def init_adamw_state(optimizer: torch.optim.Optimizer) -> None:
                 state["max_exp_avg_sq"] = torch.zeros_like(p)
 
 
-def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
-                  ) -> dict[str, dict]:
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  trainable_only: bool = False) -> dict[str, dict]:
     """This rank's shards (DTensors) of the weights and the AdamW state, as DCP saves and
     loads them: nothing is gathered. (An optimizer without state yet gets it first, so a
-    fresh rank has every tensor a checkpoint holds to load into.)"""
+    fresh rank has every tensor a checkpoint holds to load into.) ``trainable_only``:
+    the trained weights alone (LoRA's adapters; the frozen base is the model folder's)."""
     init_adamw_state(optimizer)
-    return {"model": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, optimizer)}
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    weights = get_model_state_dict(model, options=options)
+    if trainable_only:  # a head tied to the frozen embedding still shows up: drop it
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        weights = {name: value for name, value in weights.items() if name in trained}
+    return {"model": weights,
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
 
 
 def set_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      state: dict[str, dict]) -> None:
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+                      state: dict[str, dict], trainable_only: bool = False) -> None:
+    # strict=False under trainable_only: the frozen base is absent on purpose; DCP has
+    # already refused a checkpoint that lacks one of the trained tensors.
+    options = StateDictOptions(ignore_frozen_params=trainable_only,
+                               strict=not trainable_only)
+    set_model_state_dict(model, state["model"], options=options)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
 
 def weight_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:

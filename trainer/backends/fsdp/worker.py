@@ -8,7 +8,10 @@ of π_T; ``trainer/objective.py`` turns them into the loss and the logged sums.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,9 +19,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from rollout.batch import RolloutBatch
 from rollout.weight_bucket import TensorSpec, pack_flat, plan_buckets
+from trainer import lora
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
 from trainer.checkpoint import (
+    ADAPTER_DIR,
     is_sharded,
     load_sharded,
     load_trainer_checkpoint,
@@ -58,14 +63,19 @@ class FSDPWorker(TrainerWorker):
         self.compute_dtype = compute_dtype(config, self.device)
         self.planted_terms = planted_error_terms() if self.rank == 0 else frozenset()
         self.model = self._build()
-        self.ref_model = self._build() if config.loss.kl_coef > 0 else None
+        # Under LoRA the reference is the same base with its adapters disabled.
+        self.ref_model = (self._build() if config.loss.kl_coef > 0 and config.lora is None
+                          else None)
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
-        self.optimizer = build_optimizer(list(self.model.parameters()), config.optimizer)
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.trained, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.optimizer, self.total_steps)
 
     def _build(self) -> torch.nn.Module:
         model = fsdp.load_model(self.model_path, self.compute_dtype, self.device)
+        if self.config.lora is not None:
+            model = lora.add_adapters(model, self.config.lora, self.compute_dtype)
         self.varlen_flash = fsdp.use_varlen_flash_attention(model, self.config,
                                                            self.compute_dtype)
         if (self.config.cp_size > 1 or packs(self.config)) and not self.varlen_flash:
@@ -100,11 +110,20 @@ class FSDPWorker(TrainerWorker):
             with_entropy_grad=term_coefficients(self.config.loss,
                                                 self.objective.gradient_of)["entropy"] > 0)
         ref = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref = spread(token_log_probs(self._logits(self.ref_model, micro, keep),
+        if self.ref_model is not None or (self.config.lora and self.config.loss.kl_coef > 0):
+            with torch.no_grad(), self._reference() as reference:
+                ref = spread(token_log_probs(self._logits(reference, micro, keep),
                                              targets, temperature), keep)
         return TokenLogProbs(spread(log_probs, keep), spread(entropy, keep), ref)
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The KL reference model: its own copy, or the LoRA base with adapters off."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        with self.model.disable_adapter():
+            yield self.model
 
     def forward_backward(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         """Σ w·ℓ over this rank's tokens, backpropagated; returns the step's exact terms."""
@@ -150,6 +169,8 @@ class FSDPWorker(TrainerWorker):
             sums = self.forward_backward(batch, plan)
         grads = {}
         for name, p in self.model.named_parameters():
+            if not p.requires_grad:  # LoRA's frozen base
+                continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
             grads[name] = full.detach().cpu().double()
@@ -159,7 +180,7 @@ class FSDPWorker(TrainerWorker):
     def optimizer_step(self) -> dict[str, float]:
         clip = self.config.optimizer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), clip if clip is not None else float("inf"))
+            self.trained, clip if clip is not None else float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -177,18 +198,35 @@ class FSDPWorker(TrainerWorker):
         """Collective, one bucket at a time: each tensor gathered, cast to ``dtype`` and
         copied into rank 0's flat bucket on ``device`` (None elsewhere), then freed: a
         rank holds its shard, one bucket and one gathered tensor."""
-        owned = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        full = self._sync_tensors()
         for specs in self.weight_bucket_specs(dtype, bucket_mb):
             if self.rank == 0:
-                yield pack_flat(specs, lambda name: fsdp.full_tensor(owned, name), device)
+                yield pack_flat(specs, full, device)
             else:
                 for spec in specs:
-                    fsdp.full_tensor(owned, spec.name)
+                    full(spec.name)
                 yield None
 
     def weight_bucket_specs(self, dtype: str, bucket_mb: float
                             ) -> list[tuple[TensorSpec, ...]]:
-        return plan_buckets(fsdp.weight_shapes(self.model), dtype, int(bucket_mb * 2**20))
+        shapes = (lora.wire_shapes(self.model) if self.config.lora is not None
+                  else fsdp.weight_shapes(self.model))
+        return plan_buckets(shapes, dtype, int(bucket_mb * 2**20))
+
+    def _sync_tensors(self) -> Callable[[str], torch.Tensor]:
+        """Collective per call: name -> one tensor of a sync, whole: a weight or
+        persistent buffer, or under LoRA an adapter's A or s·B (rollout/adapters.py)."""
+        if self.config.lora is None:
+            owned = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+            return functools.partial(fsdp.full_tensor, owned)
+        sources = lora.wire_sources(self.model)
+
+        def scaled(name: str) -> torch.Tensor:
+            param, scale = sources[name]
+            full = fsdp.full_tensor({name: param}, name)
+            return full * scale if scale != 1.0 else full
+
+        return scaled
 
     def engine_tensors(self, alias: bool, gather: bool = True
                        ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -210,11 +248,21 @@ class FSDPWorker(TrainerWorker):
         fsdp.load_full_state_dict(self.model, state_dict or {})
 
     def save_checkpoint(self, path: str) -> None:
-        """Collective; each rank writes its shards of the weights and the AdamW state,
-        rank 0 the schedule, RNG and model config (trainer/checkpoint.py)."""
-        save_sharded(path, fsdp.sharded_state(self.model, self.optimizer),
+        """Collective; each rank writes its shards of the trained weights (all, or the
+        adapters) and their AdamW state, rank 0 the schedule, RNG and model config
+        (trainer/checkpoint.py) and, under LoRA, peft's adapter folder."""
+        trainable_only = self.config.lora is not None
+        save_sharded(path, fsdp.sharded_state(self.model, self.optimizer, trainable_only),
                      trainer_state(None, self.scheduler), self.model_path,
                      self.model.config)
+        if trainable_only:
+            owned = dict(self.model.named_parameters())
+            adapters = {name: fsdp.full_tensor(owned, name)
+                        for name in lora.trainable_names(self.model)}
+            if self.rank == 0:
+                lora.save_adapter_folder(Path(path) / ADAPTER_DIR, adapters, self.config.lora,
+                                         self.model_path)
+            dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
         """Collective; each rank reads the shards it owns under this layout (DCP
@@ -225,7 +273,9 @@ class FSDPWorker(TrainerWorker):
             fsdp.load_full_optimizer_state(self.model, self.optimizer,
                                            saved.get("optimizer", {}))
         else:
-            state = fsdp.sharded_state(self.model, self.optimizer)
+            trainable_only = self.config.lora is not None
+            state = fsdp.sharded_state(self.model, self.optimizer, trainable_only)
             saved = load_sharded(path, state)
-            fsdp.set_sharded_state(self.model, self.optimizer, state)
+            fsdp.set_sharded_state(self.model, self.optimizer, state, trainable_only)
         restore_schedule_and_rng(saved, self.scheduler)
+

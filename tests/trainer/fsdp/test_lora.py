@@ -1,0 +1,208 @@
+"""LoRA on the FSDP trainer: the adapters' gradients are the float64 reference's under
+every layout and mode (and a planted error is caught), a step moves the adapters and
+nothing else, resume from an adapter checkpoint equals the uninterrupted run, the merged
+export computes the adapted model's logits, and the adapters alone reach an engine whose
+log-probs then equal the trainer's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.tiny import create_tiny_checkpoint
+from tests.distributed import run_ranks
+from tests.trainer.helpers import random_train_batch, sampled_train_batch
+from trainer.config import (
+    AggregationConfig,
+    LoraConfig,
+    LossConfig,
+    ObjectiveConfig,
+    OptimizerConfig,
+    TrainerConfig,
+)
+
+MODES = ("sample_mean", "token_mean", "prompt_mean", "constant")
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def _config(**update: object) -> TrainerConfig:
+    base = TrainerConfig(lora=LORA, loss=LossConfig(kl_coef=0.1, entropy_coef=0.01),
+                         optimizer=OptimizerConfig(lr=1e-2), max_tokens_per_micro_batch=20)
+    return TrainerConfig.model_validate(base.model_dump() | update)
+
+
+@pytest.mark.slow
+def test_adapter_gradients_match_the_float64_reference_under_every_layout(
+        ray_cluster: None, tiny_model: str) -> None:
+    """Every mode and term: the adapters' summed gradients (A and B, B perturbed off 0)
+    and J under packed DP 2 and CP 2 equal one padded float64 rank's; a ×2 planted in the
+    pg and KL weights of one layout fails exactly its rows."""
+    from transformers import AutoConfig
+
+    from trainer.verify import Layout, verify_layouts
+
+    batch = random_train_batch(AutoConfig.from_pretrained(tiny_model).vocab_size,
+                               num_prompts=4, group_size=2, seed=3)
+    config = _config()
+    objective = ObjectiveConfig.compose(AggregationConfig(), config.loss, 8, 0.7)
+    planted = Layout(2, 1, packed=True)
+    rows = verify_layouts(config, objective, tiny_model, batch,
+                          [Layout(1, 1, packed=False), planted, Layout(1, 2),
+                           Layout(2, 1, packed=False)],
+                          modes=MODES, env_for_layout={str(planted): {
+                              "TALLY_TEST_PLANTED_ERROR": "pg,kl"}})
+    assert len(rows) == 3 * 4 * 3
+    good = [r for r in rows if r.layout != str(planted)]
+    assert all(r.ok for r in good), [r for r in good if not r.ok][:3]
+    assert max(r.grad_rel for r in good) < 1e-9  # float64: rounding only
+    bad = {(r.mode, r.term) for r in rows if r.layout == str(planted) and not r.ok}
+    assert bad == {(m, t) for m in MODES for t in ("pg", "kl")}
+
+
+def _gradient_names(rank: int, port: int, model_path: str) -> list[str]:
+    from trainer.backends.fsdp.worker import FSDPWorker
+
+    worker = FSDPWorker(_config(), ObjectiveConfig(), model_path, rank, total_steps=1)
+    worker.setup("127.0.0.1", port)
+    return sorted(name for name, p in worker.model.named_parameters() if p.requires_grad)
+
+
+def _steps(rank: int, port: int, model_path: str, batch, dp: int, dtype: str,
+           num_steps: int, save: str | None = None, load: str | None = None
+           ) -> dict[str, object]:
+    from trainer.backends.fsdp.worker import FSDPWorker
+    from trainer.step_plan import plan_step
+
+    config = _config(dp_size=dp, dtype=dtype)
+    objective = ObjectiveConfig.compose(AggregationConfig(), config.loss, 10, 1.0)
+    worker = FSDPWorker(config, objective, model_path, rank, total_steps=4)
+    worker.setup("127.0.0.1", port)
+    if load:
+        worker.load_checkpoint(load)
+    before = worker.export_weights()
+    plan = plan_step(batch, objective, dp, 1, max_tokens_per_micro_batch=64)
+    metrics = [worker.train_step(batch, plan) for _ in range(num_steps)]
+    if save:
+        worker.save_checkpoint(save)
+    after = worker.export_weights()
+    frozen = {str(p.dtype) for p in worker.model.parameters() if not p.requires_grad}
+    trained = {str(p.dtype) for p in worker.model.parameters() if p.requires_grad}
+    states = {str(s["exp_avg"].dtype) for s in worker.optimizer.state.values()}
+    return {"before": before, "after": after, "metrics": metrics,
+            "dtypes": (frozen, trained, states), "num_states": len(worker.optimizer.state)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dp", "dtype"), [(1, "float32"), (2, "bfloat16")])
+def test_a_step_moves_the_adapters_and_leaves_the_base_bit_identical(
+        tiny_model: str, dp: int, dtype: str) -> None:
+    batch = sampled_train_batch(tiny_model, temperature=1.0)
+    result = run_ranks(_steps, dp, tiny_model, batch, dp, dtype, 2)[0]
+    before, after = result["before"], result["after"]
+    adapters = {name for name in before if ".lora_" in name}
+    assert adapters and len(adapters) == result["num_states"]  # AdamW state: adapters only
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed == adapters  # every A and B moved, no base tensor did
+    frozen, trained, states = result["dtypes"]
+    assert trained == {"torch.float32"} and states == {"torch.float32"}  # fp32 masters
+    assert frozen == {f"torch.{dtype}"}  # the base in the compute dtype
+    assert all(m["kl"] >= 0 for m in result["metrics"]) and result["metrics"][-1]["kl"] > 0
+
+
+@pytest.mark.slow
+def test_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(
+        tiny_model: str, tmp_path: Path) -> None:
+    """Two steps then a save, one more step after loading it: bit for bit the adapters of
+    three steps in one go; saved at DP 2 and resumed at DP 1 (DCP reshards), equal up to
+    the rounding of a sum over two ranks. The checkpoint holds adapters and their AdamW
+    state only, and peft's adapter folder."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemReader
+
+    batch = sampled_train_batch(tiny_model, temperature=1.0)
+    whole = run_ranks(_steps, 1, tiny_model, batch, 1, "float32", 3)[0]["after"]
+    for dp in (1, 2):
+        saved = tmp_path / f"dp{dp}"
+        run_ranks(_steps, dp, tiny_model, batch, dp, "float32", 2, str(saved))
+        resumed = run_ranks(_steps, 1, tiny_model, batch, 1, "float32", 1, None,
+                            str(saved))[0]["after"]
+        for name in whole:
+            if dp == 1:
+                assert torch.equal(resumed[name], whole[name]), name
+            else:
+                torch.testing.assert_close(resumed[name], whole[name], rtol=1e-5,
+                                           atol=1e-5, msg=name)
+    stored = FileSystemReader(str(saved / "shards")).read_metadata().state_dict_metadata
+    model_keys = [k for k in stored if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys)  # no base weight stored
+    with safe_open(str(saved / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        assert len(list(f.keys())) == len(model_keys)
+
+
+@pytest.mark.slow
+def test_merged_export_and_the_adapter_folder_compute_the_adapted_models_logits(
+        tiny_model: str, tmp_path: Path) -> None:
+    """After two steps: the merged export, loaded by plain transformers, and the base
+    with peft's adapter folder give the trainer's own logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.export import export_checkpoint
+
+    batch = sampled_train_batch(tiny_model, temperature=1.0)
+    saved = tmp_path / "step_0"
+    result = run_ranks(_steps, 1, tiny_model, batch, 1, "float32", 2, str(saved))[0]
+    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(saved, tmp_path / "hf"))
+    adapter = export_checkpoint(saved, tmp_path / "adapter", adapter=True)
+    with_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model),
+                                          str(adapter))
+    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model),
+                                        str(adapter))
+    trained.load_state_dict(result["after"])  # the trainer's exported weights
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ids = batch.input_ids[:4]
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        for model in (merged, with_peft):
+            torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5,
+                                       atol=1e-5)
+        assert (base(input_ids=ids).logits - want).abs().max() > 1e-3  # the adapters matter
+
+
+def test_bad_lora_settings_name_their_field(tiny_model: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from services.config import parse_job_config
+    from services.config_errors import ConfigError
+    from trainer.lora import LoraTargetError, check_targets
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with pytest.raises(LoraTargetError, match=r"trainer.lora.target_modules: qq_proj is not "
+                                              r"a Linear module of the model; it has .*q_proj"):
+        check_targets(LoraConfig(target_modules=["q_proj", "qq_proj"]), model)
+    check_targets(LoraConfig(target_modules=["q_proj", "down_proj"]), model)
+    for overrides, said in (
+            (["trainer.lora.rank=0"], "trainer.lora.rank: Input should be greater than 0"),
+            (["trainer.lora.rank=8", "trainer.backend=megatron"],
+             "trainer: lora: LoRA adapters are trained by backend=fsdp only"),
+            (["trainer.lora.dropout=1"], "trainer.lora.dropout: Input should be less than 1"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            parse_job_config("", overrides)
+        assert said in str(err.value)
+    job = parse_job_config("", ["trainer.lora.rank=8", "colocate=true"])
+    assert job.weight_transport() == "object_store"  # adapters go to engine actors
+
+
+@pytest.mark.slow
+def test_only_adapters_get_gradients(tiny_model: str) -> None:
+    names = run_ranks(_gradient_names, 1, tiny_model)[0]
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    assert len(names) == 2 * 2 * 7  # 2 layers × 7 Linear modules × (A, B): all-linear
