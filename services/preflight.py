@@ -66,6 +66,8 @@ def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
     check("", lambda: check_wandb_available(config.logging.wandb))
     if config.trainer.backend == "megatron":
         check("", lambda: _check_megatron(config))
+    if config.trainer.lora is not None:
+        check("", lambda: _check_lora(config))
     if local_head:
         check("", lambda: check_local_head(config))
     check("rollout", lambda: _check_dataset(config.rollout.dataset, "rollout", notes))
@@ -105,6 +107,42 @@ def _check_megatron(config: JobConfig) -> None:
 
     local_model = config.rollout.model not in BUILTIN_MODELS
     check_available(config.trainer, config.rollout.model if local_model else None)
+
+
+LINEAR_MODULES = {
+    family: ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")}
+"""The Linear modules of the decoders whose names preflight knows (by config.json's
+model_type); another model's target_modules are checked when the trainer builds it."""
+BUILTIN_MODEL_TYPES = {"tiny": "qwen2", SMOLLM2_NAME: "llama"}
+
+
+def _check_lora(config: JobConfig) -> None:
+    """peft is installed, and every trainer.lora.target_modules entry names a Linear
+    module of the model (where its family is known)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    if importlib.util.find_spec("peft") is None:
+        raise ValueError("trainer.lora: needs the peft package (pip install 'tally[lora]')")
+    targets = config.trainer.lora.target_modules
+    if not isinstance(targets, list):
+        return
+    model = config.rollout.model
+    model_type = BUILTIN_MODEL_TYPES.get(model)
+    if model_type is None:
+        config_file = Path(model).expanduser() / "config.json"
+        if not config_file.is_file():
+            return  # check_model has said what the folder lacks
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    known = LINEAR_MODULES.get(model_type or "")
+    missing = [name for name in targets if known is not None and name not in known]
+    if missing:
+        raise ValueError(f"trainer.lora.target_modules: {', '.join(missing)} "
+                         f"{'is not a Linear module' if len(missing) == 1 else 'are not'} "
+                         f"of {model_type} models (they have {', '.join(known)}; or use "
+                         "all-linear)")
 
 
 def _eval_path_problem(problem: ConfigProblem, keys_from: str | None) -> ConfigProblem:

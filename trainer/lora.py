@@ -20,6 +20,7 @@ loads it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,7 +70,10 @@ def add_adapters(model: torch.nn.Module, config: LoraConfig, compute_dtype: torc
                                  lora_dropout=config.dropout, bias="none",
                                  target_modules=config.target_modules, task_type="CAUSAL_LM")
     master = next(model.parameters()).dtype
-    adapted = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing",
+                                category=FutureWarning)
+        adapted = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
     for param in adapted.parameters():
         if param.requires_grad:
             param.data = param.data.to(master)

@@ -32,13 +32,15 @@ def random_train_batch(vocab_size: int, num_prompts: int = 3, group_size: int = 
 
 def sampled_train_batch(model_path: str, temperature: float, num_prompts: int = 4,
                         group_size: int = 2, max_new_tokens: int = 10, seed: int = 0,
-                        engine_config: object = None) -> RolloutBatch:
+                        engine_config: object = None, engine: object = None) -> RolloutBatch:
     """A batch the torch engine sampled at ``temperature``, with the engine's log-probs
-    (``engine_config``: a ``TorchEngineConfig``, default 8 rows on the CPU in fp32)."""
+    (``engine_config``: a ``TorchEngineConfig``, default 8 rows on the CPU in fp32;
+    ``engine``: sample with this one instead of a fresh engine of ``model_path``)."""
     from rollout.config import SamplingConfig, TorchEngineConfig
     from rollout.engines.torch_engine import TorchEngine
 
-    engine = TorchEngine(engine_config or TorchEngineConfig(batch_size=8), model_path)
+    if engine is None:
+        engine = TorchEngine(engine_config or TorchEngineConfig(batch_size=8), model_path)
     gen = torch.Generator().manual_seed(seed)
     prompts = [[1, *torch.randint(30, 90, (int(torch.randint(2, 7, (1,), generator=gen)),),
                                   generator=gen).tolist()] for _ in range(num_prompts)]

@@ -199,6 +199,11 @@ def test_bad_lora_settings_name_their_field(tiny_model: str) -> None:
         assert said in str(err.value)
     job = parse_job_config("", ["trainer.lora.rank=8", "colocate=true"])
     assert job.weight_transport() == "object_store"  # adapters go to engine actors
+    from services.preflight import preflight  # before Ray starts: nothing is started
+
+    with pytest.raises(ConfigError, match=r"trainer.lora.target_modules: qkv is not a "
+                                          r"Linear module of qwen2 models"):
+        preflight(parse_job_config("", ["trainer.lora.target_modules=[q_proj, qkv]"]))
 
 
 @pytest.mark.slow
@@ -206,3 +211,53 @@ def test_only_adapters_get_gradients(tiny_model: str) -> None:
     names = run_ranks(_gradient_names, 1, tiny_model)[0]
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
     assert len(names) == 2 * 2 * 7  # 2 layers × 7 Linear modules × (A, B): all-linear
+
+
+def _engine_after_adapter_sync(rank: int, port: int, model_path: str, batch
+                               ) -> dict[str, float]:
+    """Two big steps, the adapters through the buckets into a torch engine, a batch that
+    engine samples, then the trainer's log-prob mismatch on it; the same for an engine
+    that got no sync (the control)."""
+    from rollout.config import TorchEngineConfig
+    from rollout.engines.torch_engine import TorchEngine
+    from rollout.weight_bucket import WeightBucket
+    from tests.trainer.helpers import sampled_train_batch as sample
+    from trainer.backends.fsdp.worker import FSDPWorker
+    from trainer.step_plan import plan_step
+
+    config = _config(optimizer=OptimizerConfig(lr=5e-2), loss=LossConfig(
+        old_log_probs="rollout"))
+    objective = ObjectiveConfig.compose(AggregationConfig(), config.loss, 10, 0.7)
+    worker = FSDPWorker(config, objective, model_path, rank, total_steps=2)
+    worker.setup("127.0.0.1", port)
+    plan = plan_step(batch, objective, 1, 1, max_tokens_per_micro_batch=64)
+    for _ in range(2):
+        worker.train_step(batch, plan)
+    specs = worker.weight_bucket_specs("float32", 0.01)  # several buckets of 10 KB
+    buckets = [WeightBucket(s, flat.numpy())
+               for s, flat in zip(specs, worker.weight_buckets("float32", 0.01), strict=True)]
+    out = {"buckets": len(buckets), "bytes": sum(b.num_bytes for b in buckets),
+           "full_bytes": sum(p.numel() * 4 for p in worker.model.parameters())}
+    engine_config = TorchEngineConfig(batch_size=8)
+    for synced in (True, False):
+        engine = TorchEngine(engine_config, model_path)
+        if synced:
+            engine.load_weight_buckets(buckets, version=1)
+            out["version"] = engine.weight_version
+        sampled = sample(model_path, 0.7, seed=5, engine_config=engine_config,
+                         engine=engine)
+        sampled_plan = plan_step(sampled, objective, 1, 1, max_tokens_per_micro_batch=64)
+        (sums, _), = worker.gradients(sampled, [sampled_plan], [objective])
+        out["synced" if synced else "unsynced"] = sums["mismatch/log_prob_abs_diff"]
+    return out
+
+
+@pytest.mark.slow
+def test_an_engine_after_an_adapter_sync_gives_the_trainers_log_probs(tiny_model: str
+                                                                      ) -> None:
+    batch = sampled_train_batch(tiny_model, temperature=0.7)
+    result = run_ranks(_engine_after_adapter_sync, 1, tiny_model, batch)[0]
+    assert result["version"] == 1 and result["buckets"] > 1
+    assert result["synced"] < 1e-5  # mean |log π_trainer − log π_engine| per token, fp32
+    assert result["unsynced"] > 1e-3  # an engine still serving the base is visibly off
+    assert result["bytes"] < 0.2 * result["full_bytes"]  # adapters only
