@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,21 +57,12 @@ def adapter_pairs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
     """module -> (A, s·B), checked against ``model``: raises naming the tensor unless every
     module is a Linear of the model with both factors of agreeing shapes."""
     modules = dict(model.named_modules())
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        split = split_wire_name(name)
-        if split is None:
-            raise KeyError(f"adapter sync: {name!r} is not an adapter factor")
-        module, factor = split
-        if not isinstance(modules.get(module), torch.nn.Linear):
-            raise KeyError(f"adapter sync: {name!r}: the model has no Linear {module!r}")
-        pairs.setdefault(module, {})[factor] = tensor
     out = {}
-    for module, factors in pairs.items():
-        if set(factors) != {LORA_A, LORA_B}:
-            missing = LORA_B if LORA_A in factors else LORA_A
-            raise ValueError(f"adapter sync: {wire_name(module, missing)} is missing")
-        a, b, linear = factors[LORA_A], factors[LORA_B], modules[module]
+    for module, (a, b) in group_factors(tensors.items(), "adapter sync").items():
+        linear = modules.get(module)
+        if not isinstance(linear, torch.nn.Linear):
+            raise KeyError(f"adapter sync: {wire_name(module, LORA_A)!r}: the model has no "
+                           f"Linear {module!r}")
         if (a.dim() != 2 or b.dim() != 2 or a.shape[1] != linear.in_features
                 or b.shape[0] != linear.out_features or a.shape[0] != b.shape[1]):
             raise ValueError(f"adapter sync: {module}: factors {tuple(a.shape)} and "
@@ -150,11 +141,30 @@ def read_peft_folder(folder: str | Path
 
     folder = Path(folder)
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    named = ((name.removeprefix(PEFT_PREFIX).removesuffix(".weight"), tensor)
+             for name, tensor in load_file(str(folder / ADAPTER_WEIGHTS)).items())
+    return config, group_factors(named, str(folder / ADAPTER_WEIGHTS))
+
+
+def group_factors(named: Iterable[tuple[str, torch.Tensor]], where: str
+                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module -> (A, B) from (``<module>.lora_A``/``.lora_B``, tensor) pairs; raises,
+    naming ``where``, for a name that is no factor or a module missing one."""
     factors: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in load_file(str(folder / ADAPTER_WEIGHTS)).items():
-        stem = name.removeprefix(PEFT_PREFIX).removesuffix(".weight")
-        split = split_wire_name(stem)
+    for name, tensor in named:
+        split = split_wire_name(name)
         if split is None:
-            raise ValueError(f"{folder / ADAPTER_WEIGHTS}: {name!r} is not a LoRA factor")
+            raise KeyError(f"{where}: {name!r} is not an adapter factor")
         factors.setdefault(split[0], {})[split[1]] = tensor
-    return config, {module: (f[LORA_A], f[LORA_B]) for module, f in factors.items()}
+    for module, found in factors.items():
+        if set(found) != {LORA_A, LORA_B}:
+            missing = LORA_B if LORA_A in found else LORA_A
+            raise ValueError(f"{where}: {wire_name(module, missing)} is missing")
+    return {module: (f[LORA_A], f[LORA_B]) for module, f in factors.items()}
+
+
+def iter_tensors_by_module(buckets: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module -> (A, s·B) of one adapter sync's buckets (rollout/weight_bucket.py)."""
+    from rollout.weight_bucket import iter_tensors
+
+    return group_factors(iter_tensors(buckets), "adapter sync")

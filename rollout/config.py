@@ -224,6 +224,13 @@ class SGLangEngineConfig(BaseModel):
     num_gpus: float | None = Field(default=None, ge=0.0)
     """Ray GPU slots per engine actor (a launched server inherits them); None reserves
     tp_size when launching and 0 when connecting to urls."""
+    max_lora_rank: int | None = Field(default=None, gt=0)
+    """Serve LoRA adapters up to this rank (launched servers get --enable-lora,
+    --max-lora-rank, --lora-target-modules; servers in urls must have them). Set from
+    trainer.lora by the job: every weight sync then loads the new adapters."""
+    lora_target_modules: list[str] | None = None
+    """The adapted modules (--lora-target-modules; ["all"] for every Linear); set from
+    trainer.lora.target_modules by the job."""
 
     @property
     def actor_num_gpus(self) -> float:

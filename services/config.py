@@ -30,7 +30,13 @@ from rollout.config import (
 from services.config_errors import ConfigError, ConfigProblem, validation_error
 from services.config_errors import error_field as error_field  # where the controller finds it
 from services.driver.config import EvalConfig, LoggingConfig
-from trainer.config import AggregationConfig, ObjectiveConfig, TrainerConfig
+from trainer.config import (
+    LORA_ALL_LINEAR,
+    AggregationConfig,
+    LoraConfig,
+    ObjectiveConfig,
+    TrainerConfig,
+)
 
 FILE_DATASETS = ("jsonl", "parquet")
 """rollout.dataset types read from a file, which eval.split_fraction can split."""
@@ -115,6 +121,23 @@ class JobConfig(BaseModel):
             raise ValueError("trainer.loss.aggregation: set the pg aggregation at the top-level "
                              "'aggregation:' of the job")
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_serves_adapters(cls, data: object) -> object:
+        """Under trainer.lora an SGLang server is launched with LoRA serving for the
+        trainer's rank and target modules (unless the engine block names its own)."""
+        trainer = data.get("trainer") if isinstance(data, dict) else None
+        lora = trainer.get("lora") if isinstance(trainer, dict) else None
+        rollout = data.get("rollout") if isinstance(data, dict) else None
+        engine = rollout.get("engine") if isinstance(rollout, dict) else None
+        if not (isinstance(lora, dict) and isinstance(engine, dict)
+                and engine.get("type") == "sglang"):
+            return data
+        targets = lora.get("target_modules", LORA_ALL_LINEAR)
+        serving = {"max_lora_rank": lora.get("rank", LoraConfig.model_fields["rank"].default),
+                   "lora_target_modules": ["all"] if targets == LORA_ALL_LINEAR else targets}
+        return {**data, "rollout": {**rollout, "engine": {**serving, **engine}}}
 
     @model_validator(mode="wrap")
     @classmethod

@@ -20,6 +20,9 @@
                                       "flush_cache": bool[, "weight_version": "k"]
                                       [, "load_format": str]}
         → each {"success": bool, "message": str}  (HTTP 400 when success is false)
+    POST /load_lora_adapter {"lora_name": str, "lora_path": str}
+    POST /unload_lora_adapter {"lora_name": str}
+        → each {"success": bool, "error_message": str | None, "loaded_adapters": {...}}
     GET /model_info → {..., "weight_version": "k"};  GET /health
 
 The request fields are those of UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput,
@@ -53,6 +56,11 @@ Weights in buckets (rollout/weight_bucket.py) reach the server one of three ways
   trainer/weight_broadcast.py is the trainer's side), one POST per bucket.
 * ``update_weights_from_tensor``: a server on the trainer's GPUs maps CUDA IPC handles.
 
+A sync of LoRA adapters (trainer.lora; rollout/adapters.py) is written as peft's adapter
+folder (B already scaled, so lora_alpha = r) and loaded with /load_lora_adapter under a
+name per version; every /generate then names it in ``lora_path`` and the previous
+version is unloaded. The server must run with --enable-lora (launch_command adds it).
+
 A failed update_weights_from_distributed or _from_tensor leaves the server's weights
 partially updated (SGLang: "The full weights of the ModelRunner are partially updated.
 Please discard the whole weights."): from then on ``generate`` refuses until a full
@@ -74,11 +82,18 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
+from rollout.adapters import is_adapter_sync, iter_tensors_by_module, write_peft_folder
 from rollout.config import SamplingConfig, SGLangEngineConfig
 from rollout.engines.base import Engine, FinishReason, Generation, as_tensors
 from rollout.engines.sglang_server import launch_server, stop_server, wait_healthy
 from rollout.tokenizer import eos_token_ids, load_tokenizer
-from rollout.weight_bucket import DTYPES, TensorSpec, WeightBucket, check_buckets, resolve
+from rollout.weight_bucket import (
+    DTYPES,
+    TensorSpec,
+    WeightBucket,
+    check_buckets,
+    resolve,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 """Hugging Face's index of a sharded safetensors checkpoint: {"metadata": {"total_size":
@@ -177,6 +192,8 @@ class SGLangEngine(Engine):
         self._sync_dir: Path | None = None
         self._partial_update: str | None = None
         """Why the server's weights are a mix of two versions (None: they are not)."""
+        self.lora_name: str | None = None
+        """The loaded LoRA adapter every request names (None: the base weights)."""
 
     def _sampling_params(self, sampling: SamplingConfig) -> dict[str, Any]:
         return {
@@ -205,9 +222,11 @@ class SGLangEngine(Engine):
                 ]
             else:
                 chunk_params = params
-            payloads.append(
-                {"input_ids": chunk, "sampling_params": chunk_params, "return_logprob": True}
-            )
+            payload = {"input_ids": chunk, "sampling_params": chunk_params,
+                       "return_logprob": True}
+            if self.lora_name is not None:
+                payload["lora_path"] = [self.lora_name] * len(chunk)
+            payloads.append(payload)
         responses = asyncio.run(self._post_all("/generate", payloads))
         out = []
         for payload, response in zip(payloads, responses, strict=True):
@@ -331,10 +350,33 @@ class SGLangEngine(Engine):
         buckets = [bucket for bucket in resolve(buckets) if bucket.specs]  # Ray: for refs
         if not buckets:
             raise ValueError("load_weight_buckets: no tensors in the buckets")
+        if is_adapter_sync([spec.name for bucket in buckets for spec in bucket.specs]):
+            self.load_adapters(buckets, version)
+            return
         check_buckets(buckets, {spec.name: spec.shape for b in buckets for spec in b.specs})
         directory = self._weights_dir()
         write_shards(directory, (bucket.tensors() for bucket in buckets), len(buckets))
         self.update_weights_from_disk(str(directory), version)
+
+    def load_adapters(self, buckets: Sequence[WeightBucket], version: int) -> None:
+        """Write one version's adapters as peft's folder, load them under a new name
+        (requests name it from then on) and unload the version before."""
+        factors = iter_tensors_by_module(buckets)
+        rank = next(iter(factors.values()))[0].shape[0]
+        name = f"tally-v{version}"
+        # B arrives multiplied by alpha / r: a folder with lora_alpha = r scales it by 1
+        folder = write_peft_folder(self._weights_dir() / name, factors, rank=rank,
+                                   alpha=float(rank), base_model_path=self.model_path)
+        result = self._post("/load_lora_adapter", {"lora_name": name,
+                                                   "lora_path": str(folder)})
+        if not isinstance(result, dict) or result.get("success") is not True:
+            error = result.get("error_message", result) if isinstance(result, dict) else result
+            raise SGLangError(f"load_lora_adapter: weight version {version}: {error}")
+        previous, self.lora_name = self.lora_name, name
+        self.weight_version = version
+        if previous is not None:
+            self._post("/unload_lora_adapter", {"lora_name": previous})
+            shutil.rmtree(self._weights_dir() / previous, ignore_errors=True)
 
     def num_weight_ranks(self) -> int:
         """The ranks this server adds to a weight-update group: its TP GPUs, ranks

@@ -52,6 +52,9 @@ def launch_command(config: SGLangEngineConfig, model_path: str, port: int) -> li
         command += ["--mem-fraction-static", str(config.mem_fraction_static)]
     if config.sampling_seed and DETERMINISTIC_FLAG not in config.extra_args:
         command.append(DETERMINISTIC_FLAG)
+    if config.max_lora_rank is not None:  # adapters arrive through /load_lora_adapter
+        command += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank),
+                    "--lora-target-modules", *(config.lora_target_modules or ["all"])]
     return command + list(config.extra_args)
 
 

@@ -62,6 +62,9 @@ WEIGHT_ROUTE_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
         "weight_version", "selector", "torch_empty_cache"},
         frozenset({"serialized_named_tensors"})),
     "/begin_weight_update": (_BASE_REQ | {"selector"}, frozenset()),
+    "/load_lora_adapter": (_BASE_REQ | {"lora_name", "lora_path", "pinned", "lora_id"},
+                           frozenset({"lora_name", "lora_path"})),
+    "/unload_lora_adapter": (_BASE_REQ | {"lora_name", "lora_id"}, frozenset({"lora_name"})),
     "/end_weight_update": (_BASE_REQ, frozenset()),
 }
 PARTIAL_UPDATE_MESSAGE = (
@@ -132,6 +135,8 @@ class FakeSGLang:
         self.session_open = False
         self.buckets_in_session = 0
         self.lock = threading.Lock()
+        self.loras: dict[str, str] = {}
+        """Loaded LoRA adapters: name → the folder they were read from."""
 
     def handle(self, route: str, body: Any) -> tuple[int, Any]:
         with self.lock:
@@ -167,6 +172,14 @@ class FakeSGLang:
             return self._update_weights_from_distributed(body)
         if route == "/update_weights_from_tensor":
             return self._update_weights_from_tensor(body)
+        if route == "/load_lora_adapter":
+            return self._load_lora_adapter(body)
+        if route == "/unload_lora_adapter":
+            if self.loras.pop(body["lora_name"], None) is None:
+                return 400, {"success": False, "loaded_adapters": self.loras,
+                             "error_message": f"{body['lora_name']} is not loaded"}
+            return 200, {"success": True, "error_message": None,
+                         "loaded_adapters": self.loras}
         if route == "/model_info":
             return 200, {"model_path": "fake", "is_generation": True,
                          "weight_version": self.weight_version}
@@ -174,8 +187,22 @@ class FakeSGLang:
             return 200, "Cache flushed."
         return 404, {"error": f"no route {route}"}
 
+    def _load_lora_adapter(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """Like SGLang: a peft folder (adapter_config.json, adapter_model.safetensors)."""
+        folder = Path(body["lora_path"])
+        files = ("adapter_config.json", "adapter_model.safetensors")
+        if body["lora_name"] in self.loras or not all((folder / f).is_file() for f in files):
+            return 400, {"success": False, "loaded_adapters": self.loras,
+                         "error_message": f"cannot load {body['lora_name']} from {folder}"}
+        self.loras[body["lora_name"]] = str(folder)
+        return 200, {"success": True, "error_message": None, "loaded_adapters": self.loras}
+
     def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:
         prompts, params = body["input_ids"], body["sampling_params"]
+        unknown = {n for n in body.get("lora_path") or [] if n not in self.loras}
+        if unknown:
+            return 400, {"error": {"message": f"lora_path: {sorted(unknown)} not loaded",
+                                   "code": 400}}
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         for p in per_prompt:
             unknown = sorted(set(p) - SAMPLING_PARAMS_KEYS)

@@ -403,3 +403,68 @@ def test_load_weight_buckets_writes_a_sharded_checkpoint(tiny_model_path: str) -
         assert fake.weight_version == "5"
         engine.shutdown()
         assert not directory.exists()
+
+
+def _adapter_buckets(model_path: str, rank: int, seed: int) -> list[WeightBucket]:
+    """One version of adapters for q_proj and v_proj of every layer, as a LoRA sync sends
+    them (rollout/adapters.py), in two buckets."""
+    from rollout.adapters import LORA_A, LORA_B, wire_name
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if name.endswith(("q_proj", "v_proj")):
+            tensors[wire_name(name, LORA_A)] = torch.randn(rank, module.in_features,
+                                                           generator=gen)
+            tensors[wire_name(name, LORA_B)] = torch.randn(module.out_features, rank,
+                                                           generator=gen)
+    specs = plan_buckets([(n, tuple(t.shape)) for n, t in tensors.items()], "float32",
+                         sum(t.nbytes for t in tensors.values()) // 2)
+    return [pack_bucket(s, tensors) for s in specs]
+
+
+def test_an_adapter_sync_loads_a_peft_folder_and_requests_name_it(tiny_model_path: str
+                                                                  ) -> None:
+    """A LoRA sync: peft's folder (alpha = r: B came scaled) loaded by /load_lora_adapter
+    under a name per version, /generate naming it, the version before unloaded."""
+    from rollout.adapters import iter_tensors_by_module, read_peft_folder
+
+    with serve_fake_sglang() as (url, fake):
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
+        engine.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=4), seed=0)
+        first = _adapter_buckets(tiny_model_path, rank=4, seed=0)
+        engine.load_weight_buckets(first, version=1)
+        engine.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=4), seed=0)
+        engine.load_weight_buckets(_adapter_buckets(tiny_model_path, 4, seed=1), version=2)
+        engine.generate(PROMPTS[:3], SamplingConfig(max_new_tokens=4), seed=0)
+        loads = [b for r, b in fake.requests if r == "/load_lora_adapter"]
+        assert [b["lora_name"] for b in loads] == ["tally-v1", "tally-v2"]
+        assert [b for r, b in fake.requests if r == "/unload_lora_adapter"] == [
+            {"lora_name": "tally-v1"}]
+        assert list(fake.loras) == ["tally-v2"] and engine.weight_version == 2
+        generated = [b.get("lora_path") for r, b in fake.requests if r == "/generate"]
+        assert generated == [None, ["tally-v1"] * 2, ["tally-v2"] * 3]
+        config, factors = read_peft_folder(loads[1]["lora_path"])
+        assert config["r"] == config["lora_alpha"] == 4
+        assert config["target_modules"] == ["q_proj", "v_proj"]
+        sent = iter_tensors_by_module(_adapter_buckets(tiny_model_path, 4, seed=1))
+        assert factors.keys() == sent.keys()
+        for module, (a, b) in factors.items():
+            assert torch.equal(a, sent[module][0]) and torch.equal(b, sent[module][1])
+        assert not Path(loads[0]["lora_path"]).exists()  # the unloaded version's folder
+
+
+def test_launch_command_serves_lora_when_the_job_trains_adapters() -> None:
+    from services.config import parse_job_config
+
+    job = parse_job_config("", ["rollout.engine.type=sglang", "trainer.lora.rank=8",
+                                "trainer.lora.target_modules=[q_proj, v_proj]"])
+    command = launch_command(job.rollout.engine, "/models/m", port=1)
+    flags = command[command.index("--enable-lora"):]
+    assert flags == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
+                     "q_proj", "v_proj"]
+    assert job.weight_transport() == "disk"  # adapters as files, not whole weights
+    every = parse_job_config("", ["rollout.engine.type=sglang", "trainer.lora.rank=4"])
+    assert every.rollout.engine.lora_target_modules == ["all"]
+    assert "--enable-lora" not in launch_command(SGLangEngineConfig(), "/models/m", port=1)
