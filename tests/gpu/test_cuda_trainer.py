@@ -332,3 +332,47 @@ def test_smollm2_train_step_tokens_per_second_and_mfu(tmp_path: Path, report) ->
     report(f"  MFU (6N, peak 989 TFLOP/s), varlen={bool(result['varlen'])}",
            f"{100 * mfu:.1f} %", f"{result['memory_gib']:.1f} GiB peak")
     assert result["tokens_per_s"] > 0 and 0 < mfu < 1
+
+
+def _lora_bf16(rank: int, port: int, model_path: str, batch: RolloutBatch
+               ) -> dict[str, object]:
+    """LoRA in bf16 on the GPU: two steps, the adapters through GPU-packed buckets into a
+    bf16 torch engine on the same device, a batch it samples, the trainer's mismatch."""
+    from rollout.config import TorchEngineConfig
+    from rollout.engines.torch_engine import TorchEngine
+    from rollout.weight_bucket import WeightBucket
+    from trainer.config import LoraConfig
+
+    config = _cuda_config(dtype="bfloat16", lora=LoraConfig(rank=8),
+                          optimizer=OptimizerConfig(lr=2e-2),
+                          loss=LossConfig(old_log_probs="rollout", kl_coef=0.1))
+    objective = ObjectiveConfig.compose(AggregationConfig(), config.loss, 10, 0.7)
+    worker = _worker(config, objective, model_path, port, total_steps=2)
+    for _ in range(2):
+        metrics = worker.train_step(batch, _plan(batch, objective, config))
+    specs = worker.weight_bucket_specs("bfloat16", 1.0)
+    flats = list(worker.weight_buckets("bfloat16", 1.0, device=str(worker.device)))
+    buckets = [WeightBucket(s, flat.cpu().numpy()) for s, flat in zip(specs, flats,
+                                                                      strict=True)]
+    engine_config = TorchEngineConfig(batch_size=8, device=DEVICE, dtype="bfloat16")
+    engine = TorchEngine(engine_config, model_path)
+    engine.load_weight_buckets(buckets, version=1)
+    sampled = sampled_train_batch(model_path, 0.7, seed=3, engine=engine)
+    (sums, _), = worker.gradients(sampled, [_plan(sampled, objective, config)], [objective])
+    return {"mismatch": sums["mismatch/log_prob_abs_diff"], "kl": metrics["kl"],
+            "frozen": sorted({str(p.dtype) for p in worker.model.parameters()
+                              if not p.requires_grad}),
+            "trained": sorted({str(p.dtype) for p in worker.model.parameters()
+                               if p.requires_grad}),
+            "sync_bytes": sum(b.num_bytes for b in buckets)}
+
+
+@needs(1, ("peft",))
+def test_lora_in_bf16_adapters_reach_the_engine(tiny_model: str, report) -> None:
+    batch = sampled_train_batch(tiny_model, temperature=0.7)
+    result = run_ranks(_lora_bf16, 1, tiny_model, batch)[0]
+    report("LoRA bf16: mismatch trainer vs engine after an adapter sync",
+           f"{result['mismatch']:.2e}", "< 1e-3")
+    report("LoRA bf16: bytes per adapter sync", f"{result['sync_bytes']:,}", "")
+    assert result["frozen"] == ["torch.bfloat16"] and result["trained"] == ["torch.float32"]
+    assert result["mismatch"] < 1e-3 and result["kl"] > 0

@@ -184,6 +184,40 @@ def test_real_sglang_server_log_probs(tiny_model_path: str) -> None:
         engine.shutdown()
 
 
+@pytest.mark.gpu
+def test_real_sglang_server_serves_a_synced_adapter(tiny_model_path: str) -> None:
+    """A launched server with LoRA serving: after an adapter sync its log-probs are those
+    of the base with W + B·A (B sent scaled), teacher-forced."""
+    if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
+        pytest.skip("needs the sglang package and a CUDA GPU")
+    extra_args = ["--dtype", "float32", "--skip-tokenizer-init", "--cuda-graph-backend-decode",
+                  "disabled", "--cuda-graph-backend-prefill", "disabled",
+                  "--attention-backend", "torch_native"]
+    config = SGLangEngineConfig(base_port=31600, mem_fraction_static=0.3, max_lora_rank=4,
+                                lora_target_modules=["q_proj", "v_proj"],
+                                extra_args=extra_args)
+    buckets = _adapter_buckets(tiny_model_path, rank=4, seed=0)
+    engine = SGLangEngine(config, tiny_model_path)
+    try:
+        engine.load_weight_buckets(buckets, version=1)
+        generations = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=8), seed=0)
+        from rollout.adapters import iter_tensors_by_module
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+        modules = dict(model.named_modules())
+        with torch.no_grad():
+            for module, (a, b) in iter_tensors_by_module(buckets).items():
+                modules[module].weight += b @ a
+        for prompt, gen in zip(PROMPTS, generations, strict=True):
+            ids = torch.tensor([prompt + gen.token_ids])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+            expected = logits.log_softmax(-1).gather(-1, torch.tensor(gen.token_ids)[:, None])
+            assert torch.allclose(torch.tensor(gen.log_probs), expected.squeeze(-1), atol=1e-3)
+    finally:
+        engine.shutdown()
+
+
 # ---- weights in buckets -------------------------------------------------------------------
 
 GROUP = "tally-weights"
