@@ -123,11 +123,17 @@ class TrainerWorker(abc.ABC):
                 if flat is not None:
                     refs.append(ray.put(WeightBucket(specs, flat.numpy())))
                 del flat
+        sent = float(sum(spec.num_bytes for bucket in plan for spec in bucket))
         receipt = {"perf/export_s": time.perf_counter() - started,
-                   "perf/sync_bytes": float(sum(spec.num_bytes for bucket in plan
-                                                for spec in bucket)),
-                   **phase_metrics("sync", peak)}
+                   "perf/sync_bytes": sent, **phase_metrics("sync", peak)}
+        if (whole := self.full_model_bytes(dtype)) is not None:  # adapters only (LoRA)
+            receipt["perf/sync_share_of_full"] = sent / whole
         return receipt, refs if self.rank == 0 else None
+
+    def full_model_bytes(self, dtype: str) -> float | None:
+        """What a sync of the whole model in ``dtype`` would send, where a sync sends less
+        (LoRA's adapters); None where it sends the whole model."""
+        return None
 
     def weight_bucket_specs(self, dtype: str, bucket_mb: float
                             ) -> list[tuple[TensorSpec, ...]]:

@@ -49,6 +49,8 @@ def test_a_lora_job_resumes_exactly_and_syncs_only_adapters(ray_cluster: None,
     model = AutoModelForCausalLM.from_pretrained(whole / "final_model")  # no peft needed
     full_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert all(0 < m["perf/sync_bytes"] < 0.2 * full_bytes for m in metrics)
+    share = metrics[0]["perf/sync_bytes"] / full_bytes  # the job's own report of it
+    assert metrics[0]["perf/sync_share_of_full"] == pytest.approx(share, rel=1e-3)
     assert (whole / "final_adapter" / "adapter_config.json").is_file()
 
     runner = CliRunner()

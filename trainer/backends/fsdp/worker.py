@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from rollout.batch import RolloutBatch
-from rollout.weight_bucket import TensorSpec, pack_flat, plan_buckets
+from rollout.weight_bucket import DTYPES, TensorSpec, pack_flat, plan_buckets
 from trainer import lora
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
@@ -212,6 +213,13 @@ class FSDPWorker(TrainerWorker):
         shapes = (lora.wire_shapes(self.model) if self.config.lora is not None
                   else fsdp.weight_shapes(self.model))
         return plan_buckets(shapes, dtype, int(bucket_mb * 2**20))
+
+    def full_model_bytes(self, dtype: str) -> float | None:
+        if self.config.lora is None:
+            return None
+        itemsize = DTYPES[dtype].itemsize
+        base = [shape for name, shape in fsdp.weight_shapes(self.model) if ".lora_" not in name]
+        return float(sum(math.prod(shape) for shape in base) * itemsize)
 
     def _sync_tensors(self) -> Callable[[str], torch.Tensor]:
         """Collective per call: name -> one tensor of a sync, whole: a weight or
