@@ -82,9 +82,9 @@ class EngineAdapters:
         self.hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
 
     @torch.no_grad()
-    def load(self, tensors: Mapping[str, torch.Tensor]) -> int:
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Check the whole version, then copy its factors (in the engine's dtype and
-        device) and hook any module seen for the first time; returns the bytes held."""
+        device) and hook any module seen for the first time."""
         pairs = adapter_pairs(self.model, tensors)
         modules = dict(self.model.named_modules())
         weight = next(self.model.parameters())
@@ -98,7 +98,6 @@ class EngineAdapters:
                 self.hooks[module] = modules[module].register_forward_hook(
                     functools.partial(self._add_low_rank, module))
         self.factors = factors
-        return sum(a.nbytes + b.nbytes for a, b in factors.values())
 
     def _add_low_rank(self, module: str, _linear: torch.nn.Module, args: tuple,
                       output: torch.Tensor) -> torch.Tensor:
@@ -163,8 +162,8 @@ def group_factors(named: Iterable[tuple[str, torch.Tensor]], where: str
     return {module: (f[LORA_A], f[LORA_B]) for module, f in factors.items()}
 
 
-def iter_tensors_by_module(buckets: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module -> (A, s·B) of one adapter sync's buckets (rollout/weight_bucket.py)."""
+def adapter_factors(buckets: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module -> (A, s·B) of one adapter sync's (checked) buckets (rollout/weight_bucket.py)."""
     from rollout.weight_bucket import iter_tensors
 
     return group_factors(iter_tensors(buckets), "adapter sync")

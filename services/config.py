@@ -30,13 +30,7 @@ from rollout.config import (
 from services.config_errors import ConfigError, ConfigProblem, validation_error
 from services.config_errors import error_field as error_field  # where the controller finds it
 from services.driver.config import EvalConfig, LoggingConfig
-from trainer.config import (
-    LORA_ALL_LINEAR,
-    AggregationConfig,
-    LoraConfig,
-    ObjectiveConfig,
-    TrainerConfig,
-)
+from trainer.config import LORA_ALL_LINEAR, AggregationConfig, ObjectiveConfig, TrainerConfig
 
 FILE_DATASETS = ("jsonl", "parquet")
 """rollout.dataset types read from a file, which eval.split_fraction can split."""
@@ -122,23 +116,6 @@ class JobConfig(BaseModel):
                              "'aggregation:' of the job")
         return data
 
-    @model_validator(mode="before")
-    @classmethod
-    def _sglang_serves_adapters(cls, data: object) -> object:
-        """Under trainer.lora an SGLang server is launched with LoRA serving for the
-        trainer's rank and target modules (unless the engine block names its own)."""
-        trainer = data.get("trainer") if isinstance(data, dict) else None
-        lora = trainer.get("lora") if isinstance(trainer, dict) else None
-        rollout = data.get("rollout") if isinstance(data, dict) else None
-        engine = rollout.get("engine") if isinstance(rollout, dict) else None
-        if not (isinstance(lora, dict) and isinstance(engine, dict)
-                and engine.get("type") == "sglang"):
-            return data
-        targets = lora.get("target_modules", LORA_ALL_LINEAR)
-        serving = {"max_lora_rank": lora.get("rank", LoraConfig.model_fields["rank"].default),
-                   "lora_target_modules": ["all"] if targets == LORA_ALL_LINEAR else targets}
-        return {**data, "rollout": {**rollout, "engine": {**serving, **engine}}}
-
     @model_validator(mode="wrap")
     @classmethod
     def _async_corrects_staleness(cls, data: object, handler: Any) -> JobConfig:
@@ -198,6 +175,30 @@ class JobConfig(BaseModel):
         if transport == "cuda_ipc" and not self.colocate:
             raise ValueError("trainer.weight_sync.transport: cuda_ipc needs the engine on "
                              "trainer rank 0's GPU; set colocate: true, or use nccl")
+        return self
+
+    @model_validator(mode="after")
+    def _sglang_serves_adapters(self) -> JobConfig:
+        """Under trainer.lora an SGLang server is launched with LoRA serving for the
+        trainer's rank and target modules; an engine block naming its own must cover
+        them."""
+        lora, engine = self.trainer.lora, self.rollout.engine
+        if lora is None or engine.type != "sglang":
+            return self
+        targets = ["all"] if lora.target_modules == LORA_ALL_LINEAR else lora.target_modules
+        if engine.max_lora_rank is not None and engine.max_lora_rank < lora.rank:
+            raise ValueError(f"rollout.engine.max_lora_rank: {engine.max_lora_rank} is below "
+                             f"trainer.lora.rank {lora.rank}; the server could not load the "
+                             "adapters (leave it unset to follow trainer.lora)")
+        served = engine.lora_target_modules
+        if served is not None and "all" not in served and not set(targets) <= set(served):
+            raise ValueError(f"rollout.engine.lora_target_modules: {served} does not cover "
+                             f"trainer.lora.target_modules {lora.target_modules} (leave it "
+                             "unset to follow trainer.lora)")
+        serving = {"max_lora_rank": engine.max_lora_rank or lora.rank,
+                   "lora_target_modules": served or targets}
+        rollout = self.rollout.model_copy(update={"engine": engine.model_copy(update=serving)})
+        object.__setattr__(self, "rollout", rollout)  # frozen: filled once, here
         return self
 
     def weight_transport(self) -> str:

@@ -139,8 +139,8 @@ def _check_lora(config: JobConfig) -> None:
     known = LINEAR_MODULES.get(model_type or "")
     missing = [name for name in targets if known is not None and name not in known]
     if missing:
-        raise ValueError(f"trainer.lora.target_modules: {', '.join(missing)} "
-                         f"{'is not a Linear module' if len(missing) == 1 else 'are not'} "
+        verb = "is not a Linear module" if len(missing) == 1 else "are not Linear modules"
+        raise ValueError(f"trainer.lora.target_modules: {', '.join(missing)} {verb} "
                          f"of {model_type} models (they have {', '.join(known)}; or use "
                          "all-linear)")
 

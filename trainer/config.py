@@ -184,10 +184,11 @@ LORA_ALL_LINEAR = "all-linear"
 
 
 class LoraConfig(BaseModel):
-    """Low-rank adapters (LoRA, via peft): W x + (alpha / rank) · B A x on each target
-    module, B starting at 0. Only A and B are trained (fp32 masters, AdamW state); the
-    base stays frozen in the compute dtype and, with its adapters disabled, is the KL
-    reference model."""
+    """Low-rank adapters (LoRA, via peft) trained on a frozen base model.
+
+    Each target module computes W x + (alpha / rank) · B A x, B starting at 0. Only A and
+    B are trained (fp32 masters, AdamW state); the base stays frozen in the compute dtype
+    and, with its adapters disabled, is the KL reference model."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -198,14 +199,10 @@ class LoraConfig(BaseModel):
     dropout: float = Field(default=0.0, ge=0, lt=1)
     """Dropout on the adapters' input while training (0: the old and reference log-probs
     and the loss see the same function; verify-aggregation needs 0)."""
-    target_modules: list[str] | Literal["all-linear"] = LORA_ALL_LINEAR
+    target_modules: list[str] | Literal["all-linear"] = Field(default=LORA_ALL_LINEAR,
+                                                              min_length=1)
     """Names (suffixes) of the Linear modules to adapt, e.g. [q_proj, v_proj]; all-linear:
     every Linear of the decoder but the output head."""
-
-    @property
-    def scaling(self) -> float:
-        """alpha / rank."""
-        return self.alpha / self.rank
 
 
 class TrainerConfig(BaseModel):

@@ -10,6 +10,11 @@ sharded checkpoint (trainer/checkpoint.py) is read with DCP without any process 
 each tensor whole, from however many ranks wrote it; the Megatron backend's Hugging Face
 folder is read tensor by tensor. The folder is written beside ``out_dir`` and renamed
 into place, so a reader never sees half an export.
+
+A LoRA checkpoint (``adapter/`` beside the shards, trainer/lora.py) holds the adapters
+only: its export reads the base model folder its adapter config names, tensor by tensor,
+and writes each adapted weight merged, W + (alpha/r)·B·A (computed in float64);
+``adapter=True`` copies peft's adapter folder instead.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rollout.adapters import read_peft_folder
+from rollout.adapters import PEFT_PREFIX, read_peft_folder
 from rollout.weight_bucket import DTYPES, plan_buckets
 from trainer.checkpoint import (
     ADAPTER_DIR,
@@ -64,6 +69,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     if adapter and not adapters.is_dir():
         raise ExportError(f"--adapter: {checkpoint} holds full weights (its job trained "
                           "without trainer.lora); export it without --adapter")
+    if adapter and dtype != "float32":
+        raise ExportError(f"--dtype {dtype}: --adapter copies the trained fp32 adapters as "
+                          "they are; drop --dtype")
     if adapter:
         staging = _staging(out)
         shutil.copytree(adapters, staging, dirs_exist_ok=True)
@@ -77,6 +85,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         read = _merged_groups(base, factors, scaling)
     else:
         shapes = _stored_shapes(checkpoint)
+        if any(name.startswith(PEFT_PREFIX) for name in shapes):
+            raise ExportError(f"{checkpoint}: holds LoRA adapters but no {ADAPTER_DIR}/ "
+                              "folder to merge them from (a damaged checkpoint)")
         read = functools.partial(_read_groups, checkpoint)
     if config.get("tie_word_embeddings"):
         shapes.pop("lm_head.weight", None)  # from_pretrained re-ties it to the embeddings
@@ -117,7 +128,11 @@ def _publish(staging: Path, out: Path) -> Path:
 
 def _base_folder(lora_config: dict, checkpoint: Path) -> Path:
     """The base model a LoRA checkpoint's adapters apply to (its job's model folder)."""
-    base = Path(str(lora_config.get("base_model_name_or_path", "")))
+    named = lora_config.get("base_model_name_or_path")
+    if not named:
+        raise ExportError(f"{checkpoint}: its {ADAPTER_DIR}/adapter_config.json names no "
+                          "base model (base_model_name_or_path); export it with --adapter")
+    base = Path(str(named))
     if not _folder_files(base):
         raise ExportError(f"{checkpoint}: the base model of its adapters, {base}, has no "
                           "safetensors weights here; export the adapters with --adapter")
@@ -160,7 +175,12 @@ def _merged_groups(base: Path, factors: dict[str, tuple[torch.Tensor, torch.Tens
                 with safe_open(str(files[spec.name]), framework="pt") as f:
                     weight = f.get_tensor(spec.name)
                 if spec.name in by_weight:
-                    weight = merged(weight.float(), *by_weight[spec.name], scaling)
+                    a, b = by_weight[spec.name]
+                    if (b.shape[0], a.shape[1]) != tuple(weight.shape):
+                        raise ExportError(f"{base}: {spec.name} is {tuple(weight.shape)}, "
+                                          f"its adapter is {tuple(b.shape)} × "
+                                          f"{tuple(a.shape)}: not this adapter's base")
+                    weight = merged(weight.float(), a, b, scaling)
                 tensors[spec.name] = weight
             yield tensors
 

@@ -142,7 +142,8 @@ def save_adapter_folder(out: str | Path, adapters: dict[str, torch.Tensor],
         factor = LORA_A if f".{LORA_A}." in name else LORA_B
         factors.setdefault(hf_module(name), {})[factor] = tensor
     return write_peft_folder(out, {m: (f[LORA_A], f[LORA_B]) for m, f in factors.items()},
-                             config.rank, config.alpha, base_model_path, config.dropout)
+                             config.rank, config.alpha, str(Path(base_model_path).resolve()),
+                             config.dropout)
 
 
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float

@@ -153,8 +153,9 @@ def mode_objectives(objective: ObjectiveConfig, modes: tuple[str, ...]
 def perturbed(state: dict[str, torch.Tensor], seed: int = 0, scale: float = 0.05
               ) -> dict[str, torch.Tensor]:
     """The policy moved off the reference: each float tensor + scale·std·noise. A tensor
-    that is all one value (LoRA's B starts at 0) gets noise of scale / √(its last dim)
-    instead, so an adapter's A has a gradient to compare too."""
+    that is all one value (LoRA's B starts at 0; a norm's weights of 1, a zero bias) gets
+    noise of scale / √(its last dim) instead, so an adapter's A has a gradient to compare
+    too."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, value in state.items():

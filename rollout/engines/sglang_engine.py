@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import subprocess
 import tempfile
@@ -82,7 +83,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from rollout.adapters import is_adapter_sync, iter_tensors_by_module, write_peft_folder
+from rollout.adapters import adapter_factors, is_adapter_sync, write_peft_folder
 from rollout.config import SamplingConfig, SGLangEngineConfig
 from rollout.engines.base import Engine, FinishReason, Generation, as_tensors
 from rollout.engines.sglang_server import launch_server, stop_server, wait_healthy
@@ -98,6 +99,7 @@ from rollout.weight_bucket import (
 INDEX_FILE = "model.safetensors.index.json"
 """Hugging Face's index of a sharded safetensors checkpoint: {"metadata": {"total_size":
 bytes}, "weight_map": {tensor name: shard file}}."""
+log = logging.getLogger("tally.rollout")
 FLATTENED_BUCKET = "flattened_bucket"
 """SGLang's load_format for a bucket broadcast as one uint8 buffer (FlattenedTensorBucket,
 python/sglang/srt/weight_sync/tensor_bucket.py)."""
@@ -281,7 +283,7 @@ class SGLangEngine(Engine):
             body = None
         if response.status_code in (200, 400) and isinstance(body, dict) and "success" in body:
             ok = response.status_code == 200 and body["success"] is True
-            return ok, str(body.get("message", ""))
+            return ok, str(body.get("message") or body.get("error_message") or "")
         return False, f"HTTP {response.status_code}: {response.text[:500]}"
 
     def _check_served(self, route: str, version: int) -> None:
@@ -361,22 +363,33 @@ class SGLangEngine(Engine):
     def load_adapters(self, buckets: Sequence[WeightBucket], version: int) -> None:
         """Write one version's adapters as peft's folder, load them under a new name
         (requests name it from then on) and unload the version before."""
-        factors = iter_tensors_by_module(buckets)
+        check_buckets(buckets, {spec.name: spec.shape for b in buckets for spec in b.specs})
+        factors = adapter_factors(buckets)
         rank = next(iter(factors.values()))[0].shape[0]
-        name = f"tally-v{version}"
+        # Unique per engine: a server given by URL may hold another job's (or an earlier
+        # start's) adapters of the same version.
+        name = f"tally-{self._weights_dir().name.removeprefix('tally-weights-')}-v{version}"
         # B arrives multiplied by alpha / r: a folder with lora_alpha = r scales it by 1
         folder = write_peft_folder(self._weights_dir() / name, factors, rank=rank,
                                    alpha=float(rank), base_model_path=self.model_path)
-        result = self._post("/load_lora_adapter", {"lora_name": name,
-                                                   "lora_path": str(folder)})
-        if not isinstance(result, dict) or result.get("success") is not True:
-            error = result.get("error_message", result) if isinstance(result, dict) else result
-            raise SGLangError(f"load_lora_adapter: weight version {version}: {error}")
+        ok, message = self._post_update("/load_lora_adapter", {"lora_name": name,
+                                                               "lora_path": str(folder)})
+        if not ok:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise SGLangError(f"load_lora_adapter: weight version {version}: {message}")
         previous, self.lora_name = self.lora_name, name
         self.weight_version = version
         if previous is not None:
-            self._post("/unload_lora_adapter", {"lora_name": previous})
-            shutil.rmtree(self._weights_dir() / previous, ignore_errors=True)
+            self._unload_adapter(previous)
+
+    def _unload_adapter(self, name: str) -> None:
+        """Unload an adapter no request names any more and drop its folder; a failure is
+        logged, not raised (the new version is loaded and serving)."""
+        ok, message = self._post_update("/unload_lora_adapter", {"lora_name": name})
+        if not ok:
+            log.warning("sglang.unload_lora_adapter name=%s failed: %s", name, message)
+        if self._sync_dir is not None:
+            shutil.rmtree(self._sync_dir / name, ignore_errors=True)
 
     def num_weight_ranks(self) -> int:
         """The ranks this server adds to a weight-update group: its TP GPUs, ranks
@@ -507,6 +520,9 @@ class SGLangEngine(Engine):
         self.weight_version = version
 
     def shutdown(self) -> None:
+        if self.process is None and self.lora_name is not None:  # a server we do not own
+            self._unload_adapter(self.lora_name)
+            self.lora_name = None
         if self.process is not None:
             stop_server(self.process)
             self.process = None

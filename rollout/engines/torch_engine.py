@@ -204,6 +204,7 @@ class TorchEngine(Engine):
         adapters (rollout/adapters.py) swaps in the new factors, leaving the weights."""
         buckets = resolve(buckets)
         if is_adapter_sync([spec.name for bucket in buckets for spec in bucket.specs]):
+            check_buckets(buckets, {s.name: s.shape for bucket in buckets for s in bucket.specs})
             self.adapters.load(dict(iter_tensors(buckets)))  # checked whole, then swapped
             self.weight_version = version
             return

@@ -200,14 +200,20 @@ def restore(job: RunningJob, latest: Path | None, log: Callable[[str], None]) ->
 def export_final_weights(run_dir: RunDir, log: Callable[[str], None]) -> None:
     """The last checkpoint (the last step always has one) as a Hugging Face folder, and
     under LoRA its adapters as peft's folder too."""
-    from trainer.export import export_checkpoint
+    from trainer.export import ExportError, export_checkpoint
 
     latest = trainer_checkpoint.latest_checkpoint(run_dir.checkpoints_dir)
-    if latest is not None:
-        log(f"final weights: {export_checkpoint(latest, run_dir.final_model_dir)}")
-        if (latest / trainer_checkpoint.ADAPTER_DIR).is_dir():
-            adapters = export_checkpoint(latest, run_dir.final_adapter_dir, adapter=True)
-            log(f"final adapters: {adapters}")
+    if latest is None:
+        return
+    if (latest / trainer_checkpoint.ADAPTER_DIR).is_dir():  # the adapters first: they
+        adapters = export_checkpoint(latest, run_dir.final_adapter_dir, adapter=True)
+        log(f"final adapters: {adapters}")  # need nothing but the checkpoint
+        try:
+            log(f"final weights: {export_checkpoint(latest, run_dir.final_model_dir)}")
+        except ExportError as err:  # e.g. a base model folder without safetensors
+            log(f"final weights not merged ({err}); the adapters are in {adapters}")
+        return
+    log(f"final weights: {export_checkpoint(latest, run_dir.final_model_dir)}")
 
 
 def finished(config: JobConfig, run_dir: RunDir, plan: checkpoint.ResumePlan,

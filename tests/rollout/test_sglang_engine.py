@@ -201,12 +201,12 @@ def test_real_sglang_server_serves_a_synced_adapter(tiny_model_path: str) -> Non
     try:
         engine.load_weight_buckets(buckets, version=1)
         generations = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=8), seed=0)
-        from rollout.adapters import iter_tensors_by_module
+        from rollout.adapters import adapter_factors
 
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
         modules = dict(model.named_modules())
         with torch.no_grad():
-            for module, (a, b) in iter_tensors_by_module(buckets).items():
+            for module, (a, b) in adapter_factors(buckets).items():
                 modules[module].weight += b @ a
         for prompt, gen in zip(PROMPTS, generations, strict=True):
             ids = torch.tensor([prompt + gen.token_ids])
@@ -462,7 +462,7 @@ def test_an_adapter_sync_loads_a_peft_folder_and_requests_name_it(tiny_model_pat
                                                                   ) -> None:
     """A LoRA sync: peft's folder (alpha = r: B came scaled) loaded by /load_lora_adapter
     under a name per version, /generate naming it, the version before unloaded."""
-    from rollout.adapters import iter_tensors_by_module, read_peft_folder
+    from rollout.adapters import adapter_factors, read_peft_folder
 
     with serve_fake_sglang() as (url, fake):
         engine = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
@@ -473,20 +473,35 @@ def test_an_adapter_sync_loads_a_peft_folder_and_requests_name_it(tiny_model_pat
         engine.load_weight_buckets(_adapter_buckets(tiny_model_path, 4, seed=1), version=2)
         engine.generate(PROMPTS[:3], SamplingConfig(max_new_tokens=4), seed=0)
         loads = [b for r, b in fake.requests if r == "/load_lora_adapter"]
-        assert [b["lora_name"] for b in loads] == ["tally-v1", "tally-v2"]
+        first_name, second_name = (b["lora_name"] for b in loads)
+        assert first_name.startswith("tally-") and first_name.endswith("-v1")
+        assert second_name == first_name.removesuffix("-v1") + "-v2"
         assert [b for r, b in fake.requests if r == "/unload_lora_adapter"] == [
-            {"lora_name": "tally-v1"}]
-        assert list(fake.loras) == ["tally-v2"] and engine.weight_version == 2
+            {"lora_name": first_name}]
+        assert list(fake.loras) == [second_name] and engine.weight_version == 2
         generated = [b.get("lora_path") for r, b in fake.requests if r == "/generate"]
-        assert generated == [None, ["tally-v1"] * 2, ["tally-v2"] * 3]
+        assert generated == [None, [first_name] * 2, [second_name] * 3]
         config, factors = read_peft_folder(loads[1]["lora_path"])
         assert config["r"] == config["lora_alpha"] == 4
         assert config["target_modules"] == ["q_proj", "v_proj"]
-        sent = iter_tensors_by_module(_adapter_buckets(tiny_model_path, 4, seed=1))
+        sent = adapter_factors(_adapter_buckets(tiny_model_path, 4, seed=1))
         assert factors.keys() == sent.keys()
         for module, (a, b) in factors.items():
             assert torch.equal(a, sent[module][0]) and torch.equal(b, sent[module][1])
         assert not Path(loads[0]["lora_path"]).exists()  # the unloaded version's folder
+        # Another engine on the same server (another job) loads its version 2 beside it;
+        # an adapter the server refuses fails the sync, naming the version.
+        other = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
+        other.load_weight_buckets(_adapter_buckets(tiny_model_path, 4, seed=2), version=2)
+        assert len(fake.loras) == 2
+        taken = f"{other.lora_name.removesuffix('-v2')}-v3"
+        fake.loras[taken] = "taken"
+        with pytest.raises(SGLangError, match="load_lora_adapter: weight version 3: cannot"):
+            other.load_weight_buckets(_adapter_buckets(tiny_model_path, 4, seed=3), version=3)
+        assert other.weight_version == 2
+        other.shutdown()  # servers given by URL: each engine unloads its own adapter
+        engine.shutdown()
+        assert list(fake.loras) == [taken]
 
 
 def test_launch_command_serves_lora_when_the_job_trains_adapters() -> None:

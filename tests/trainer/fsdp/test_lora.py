@@ -193,6 +193,10 @@ def test_bad_lora_settings_name_their_field(tiny_model: str) -> None:
             (["trainer.lora.rank=8", "trainer.backend=megatron"],
              "trainer: lora: LoRA adapters are trained by backend=fsdp only"),
             (["trainer.lora.dropout=1"], "trainer.lora.dropout: Input should be less than 1"),
+            (["trainer.lora.target_modules=[]"], "trainer.lora.target_modules"),
+            (["rollout.engine.type=sglang", "trainer.lora.rank=8",
+              "rollout.engine.max_lora_rank=4"],
+             "rollout.engine.max_lora_rank: 4 is below trainer.lora.rank 8"),
     ):
         with pytest.raises(ConfigError) as err:
             parse_job_config("", overrides)

@@ -111,7 +111,7 @@ class FSDPWorker(TrainerWorker):
             with_entropy_grad=term_coefficients(self.config.loss,
                                                 self.objective.gradient_of)["entropy"] > 0)
         ref = None
-        if self.ref_model is not None or (self.config.lora and self.config.loss.kl_coef > 0):
+        if self.config.loss.kl_coef > 0:  # its own reference, or LoRA's base
             with torch.no_grad(), self._reference() as reference:
                 ref = spread(token_log_probs(self._logits(reference, micro, keep),
                                              targets, temperature), keep)
@@ -263,10 +263,14 @@ class FSDPWorker(TrainerWorker):
         save_sharded(path, fsdp.sharded_state(self.model, self.optimizer, trainable_only),
                      trainer_state(None, self.scheduler), self.model_path,
                      self.model.config)
-        if trainable_only:
+        if trainable_only:  # small: gathered one at a time, kept on rank 0's CPU only
             owned = dict(self.model.named_parameters())
-            adapters = {name: fsdp.full_tensor(owned, name)
-                        for name in lora.trainable_names(self.model)}
+            adapters = {}
+            for name in lora.trainable_names(self.model):
+                full = fsdp.full_tensor(owned, name)
+                if self.rank == 0:
+                    adapters[name] = full.cpu()
+                del full
             if self.rank == 0:
                 lora.save_adapter_folder(Path(path) / ADAPTER_DIR, adapters, self.config.lora,
                                          self.model_path)
