@@ -149,36 +149,41 @@ def test_launch_command_seeded_sampling_is_deterministic_inference() -> None:
     assert launch_command(given, "/models/m", port=1).count("--enable-deterministic-inference") == 1
 
 
+# The char tokenizer is ours, not one SGLang knows: ids in, ids out. Head dim 16 is below
+# what the fused attention kernels take, so use the plain torch backend.
+TINY_SERVER_ARGS = ["--dtype", "float32", "--skip-tokenizer-init",
+                    "--cuda-graph-backend-decode", "disabled",
+                    "--cuda-graph-backend-prefill", "disabled",
+                    "--attention-backend", "torch_native"]
+
+
+def _needs_real_sglang() -> None:
+    if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
+        pytest.skip("needs the sglang package and a CUDA GPU")
+
+
+def _assert_teacher_forced(model: torch.nn.Module, generations: list) -> None:
+    """Each generation's log-probs are ``model``'s, teacher-forced on its tokens."""
+    for prompt, gen in zip(PROMPTS, generations, strict=True):
+        ids = torch.tensor([prompt + gen.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(gen.token_ids)[:, None])
+        assert torch.allclose(torch.tensor(gen.log_probs), expected.squeeze(-1), atol=1e-3)
+
+
 @pytest.mark.gpu
 def test_real_sglang_server_log_probs(tiny_model_path: str) -> None:
     """A launched SGLang server on the tiny model: log-probs match a teacher-forced pass."""
-    if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
-        pytest.skip("needs the sglang package and a CUDA GPU")
-    # The char tokenizer is ours, not one SGLang knows: ids in, ids out. Head dim 16 is
-    # below what the fused attention kernels take, so use the plain torch backend.
-    extra_args = [
-        "--dtype",
-        "float32",
-        "--skip-tokenizer-init",
-        "--cuda-graph-backend-decode",
-        "disabled",
-        "--cuda-graph-backend-prefill",
-        "disabled",
-        "--attention-backend",
-        "torch_native",
-    ]
-    config = SGLangEngineConfig(base_port=31500, mem_fraction_static=0.3, extra_args=extra_args)
+    _needs_real_sglang()
+    config = SGLangEngineConfig(base_port=31500, mem_fraction_static=0.3,
+                                extra_args=TINY_SERVER_ARGS)
     engine = SGLangEngine(config, tiny_model_path)
     try:
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
         generations = engine.generate(PROMPTS, sampling, seed=0)
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-        for prompt, gen in zip(PROMPTS, generations, strict=True):
-            ids = torch.tensor([prompt + gen.token_ids])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-            expected = logits.log_softmax(-1).gather(-1, torch.tensor(gen.token_ids)[:, None])
-            assert torch.allclose(torch.tensor(gen.log_probs), expected.squeeze(-1), atol=1e-3)
+        _assert_teacher_forced(AutoModelForCausalLM.from_pretrained(tiny_model_path).eval(),
+                               generations)
         engine.update_weights_from_disk(tiny_model_path)
     finally:
         engine.shutdown()
@@ -188,14 +193,10 @@ def test_real_sglang_server_log_probs(tiny_model_path: str) -> None:
 def test_real_sglang_server_serves_a_synced_adapter(tiny_model_path: str) -> None:
     """A launched server with LoRA serving: after an adapter sync its log-probs are those
     of the base with W + B·A (B sent scaled), teacher-forced."""
-    if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
-        pytest.skip("needs the sglang package and a CUDA GPU")
-    extra_args = ["--dtype", "float32", "--skip-tokenizer-init", "--cuda-graph-backend-decode",
-                  "disabled", "--cuda-graph-backend-prefill", "disabled",
-                  "--attention-backend", "torch_native"]
+    _needs_real_sglang()
     config = SGLangEngineConfig(base_port=31600, mem_fraction_static=0.3, max_lora_rank=4,
                                 lora_target_modules=["q_proj", "v_proj"],
-                                extra_args=extra_args)
+                                extra_args=TINY_SERVER_ARGS)
     buckets = _adapter_buckets(tiny_model_path, rank=4, seed=0)
     engine = SGLangEngine(config, tiny_model_path)
     try:
@@ -208,12 +209,7 @@ def test_real_sglang_server_serves_a_synced_adapter(tiny_model_path: str) -> Non
         with torch.no_grad():
             for module, (a, b) in adapter_factors(buckets).items():
                 modules[module].weight += b @ a
-        for prompt, gen in zip(PROMPTS, generations, strict=True):
-            ids = torch.tensor([prompt + gen.token_ids])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-            expected = logits.log_softmax(-1).gather(-1, torch.tensor(gen.token_ids)[:, None])
-            assert torch.allclose(torch.tensor(gen.log_probs), expected.squeeze(-1), atol=1e-3)
+        _assert_teacher_forced(model, generations)
     finally:
         engine.shutdown()
 
