@@ -58,9 +58,11 @@ def test_streams_are_capped_per_job_and_freed_on_close(tmp_path: Path) -> None:
 def in_ray(http: httpx.Client) -> str:
     """A job the controller has submitted to (fake) Ray: its log can be followed."""
     job = http.post("/api/jobs", json={"config_yaml": DEMO, "overrides": DEMO_OVERRIDES}).json()
-    deadline = time.monotonic() + 60  # a guard: the reconcile loop runs every 0.2 s
-    while http.get(f"/api/jobs/{job['id']}").json()["status"] != "pending":
-        assert time.monotonic() < deadline, "the job never reached Ray"
+    # A guard: the reconcile loop runs every 0.2 s, but the first submission of the file
+    # once took over 60 s while the other xdist worker had this 2-core machine busy.
+    deadline = time.monotonic() + 180
+    while (status := http.get(f"/api/jobs/{job['id']}").json()["status"]) != "pending":
+        assert time.monotonic() < deadline, f"the job never reached Ray (status {status})"
         time.sleep(0.05)
     return job["id"]
 

@@ -66,6 +66,7 @@ def test_a_lora_job_resumes_exactly_and_syncs_only_adapters(ray_cluster: None,
         assert torch.equal(again[name], tensor), name
 
 
+@pytest.mark.slow  # the session's clean job
 def test_export_adapter_of_a_full_checkpoint_says_so(clean_run: CleanRun,
                                                      tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["export", str(clean_run.path / "checkpoints" / "latest"),

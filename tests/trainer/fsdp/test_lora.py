@@ -165,6 +165,7 @@ def test_merged_export_and_the_adapter_folder_compute_the_adapted_models_logits(
         assert (base(input_ids=ids).logits - want).abs().max() > 1e-3  # the adapters matter
 
 
+@pytest.mark.slow  # builds the model and runs preflight
 def test_bad_lora_settings_name_their_field(tiny_model: str) -> None:
     from transformers import AutoModelForCausalLM
 
