@@ -52,13 +52,12 @@ def is_adapter_sync(names: list[str]) -> bool:
     return bool(adapters) and all(adapters)
 
 
-def adapter_pairs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
-                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module -> (A, s·B), checked against ``model``: raises naming the tensor unless every
-    module is a Linear of the model with both factors of agreeing shapes."""
+def check_fits(model: torch.nn.Module,
+               factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Raise, naming the module, unless every module of ``factors`` is a Linear of
+    ``model`` whose shapes its (A, B) fit."""
     modules = dict(model.named_modules())
-    out = {}
-    for module, (a, b) in group_factors(tensors.items(), "adapter sync").items():
+    for module, (a, b) in factors.items():
         linear = modules.get(module)
         if not isinstance(linear, torch.nn.Linear):
             raise KeyError(f"adapter sync: {wire_name(module, LORA_A)!r}: the model has no "
@@ -68,8 +67,6 @@ def adapter_pairs(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
             raise ValueError(f"adapter sync: {module}: factors {tuple(a.shape)} and "
                              f"{tuple(b.shape)} do not fit Linear({linear.in_features}, "
                              f"{linear.out_features})")
-        out[module] = (a, b)
-    return out
 
 
 class EngineAdapters:
@@ -82,22 +79,23 @@ class EngineAdapters:
         self.hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
 
     @torch.no_grad()
-    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Check the whole version, then copy its factors (in the engine's dtype and
-        device) and hook any module seen for the first time."""
-        pairs = adapter_pairs(self.model, tensors)
+    def load(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Check the whole version (module -> (A, s·B)) against the model, then copy its
+        factors (in the engine's dtype and device) and hook any module seen for the
+        first time."""
+        check_fits(self.model, factors)
         modules = dict(self.model.named_modules())
         weight = next(self.model.parameters())
-        factors = {module: (a.to(weight.device, weight.dtype, copy=True),
-                            b.to(weight.device, weight.dtype, copy=True))
-                   for module, (a, b) in pairs.items()}
-        for module in set(self.hooks) - set(factors):  # a module no longer adapted
+        served = {module: (a.to(weight.device, weight.dtype, copy=True),
+                           b.to(weight.device, weight.dtype, copy=True))
+                  for module, (a, b) in factors.items()}
+        for module in set(self.hooks) - set(served):  # a module no longer adapted
             self.hooks.pop(module).remove()
-        for module in factors:
+        for module in served:
             if module not in self.hooks:
                 self.hooks[module] = modules[module].register_forward_hook(
                     functools.partial(self._add_low_rank, module))
-        self.factors = factors
+        self.factors = served
 
     def _add_low_rank(self, module: str, _linear: torch.nn.Module, args: tuple,
                       output: torch.Tensor) -> torch.Tensor:
@@ -163,7 +161,9 @@ def group_factors(named: Iterable[tuple[str, torch.Tensor]], where: str
 
 
 def adapter_factors(buckets: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module -> (A, s·B) of one adapter sync's (checked) buckets (rollout/weight_bucket.py)."""
-    from rollout.weight_bucket import iter_tensors
+    """module -> (A, s·B) of one adapter sync's buckets (rollout/weight_bucket.py), each
+    buffer checked against its specs and no tensor sent twice, before any is read."""
+    from rollout.weight_bucket import check_buckets, iter_tensors
 
+    check_buckets(buckets, {s.name: s.shape for bucket in buckets for s in bucket.specs})
     return group_factors(iter_tensors(buckets), "adapter sync")

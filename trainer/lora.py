@@ -88,17 +88,6 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return base.model.layers
 
 
-def hf_module(peft_name: str) -> str:
-    """``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`` ->
-    ``model.layers.0.self_attn.q_proj``."""
-    name = peft_name.removeprefix(PEFT_PREFIX)
-    for factor in (LORA_A, LORA_B):
-        marker = f".{factor}.{ADAPTER_NAME}.weight"
-        if name.endswith(marker):
-            return name.removesuffix(marker)
-    raise ValueError(f"{peft_name!r} is not a LoRA factor")
-
-
 def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     """(HF module name, peft LoRA layer) of every adapted module, in model order."""
     from peft.tuners.lora import LoraLayer
@@ -119,31 +108,31 @@ def wire_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
+def adapter_params(model: torch.nn.Module
+                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """HF module -> (A, B, alpha / r) of every adapted module, in model order: the
+    parameters as this rank holds them (its shards under FSDP)."""
+    return {module: (layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight,
+                     float(layer.scaling[ADAPTER_NAME]))
+            for module, layer in lora_layers(model)}
+
+
 def wire_sources(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, float]]:
     """Engine-side name -> (this rank's parameter, or its shard, and the factor it is sent
     multiplied by): A as it is, B times alpha / r."""
     sources = {}
-    for module, layer in lora_layers(model):
-        scale = float(layer.scaling[ADAPTER_NAME])
-        sources[wire_name(module, LORA_A)] = (layer.lora_A[ADAPTER_NAME].weight, 1.0)
-        sources[wire_name(module, LORA_B)] = (layer.lora_B[ADAPTER_NAME].weight, scale)
+    for module, (a, b, scale) in adapter_params(model).items():
+        sources[wire_name(module, LORA_A)] = (a, 1.0)
+        sources[wire_name(module, LORA_B)] = (b, scale)
     return sources
 
 
-def trainable_names(model: torch.nn.Module) -> list[str]:
-    return [name for name, param in model.named_parameters() if param.requires_grad]
-
-
-def save_adapter_folder(out: str | Path, adapters: dict[str, torch.Tensor],
+def save_adapter_folder(out: str | Path, factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
                         config: LoraConfig, base_model_path: str) -> Path:
-    """peft's adapter folder from the full adapter tensors (peft parameter names)."""
-    factors: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in adapters.items():
-        factor = LORA_A if f".{LORA_A}." in name else LORA_B
-        factors.setdefault(hf_module(name), {})[factor] = tensor
-    return write_peft_folder(out, {m: (f[LORA_A], f[LORA_B]) for m, f in factors.items()},
-                             config.rank, config.alpha, str(Path(base_model_path).resolve()),
-                             config.dropout)
+    """peft's adapter folder from module -> the full (A, B), the base recorded by its
+    absolute path (``tally export`` merges into it from any folder)."""
+    return write_peft_folder(out, factors, config.rank, config.alpha,
+                             str(Path(base_model_path).resolve()), config.dropout)
 
 
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float

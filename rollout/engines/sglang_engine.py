@@ -88,18 +88,13 @@ from rollout.config import SamplingConfig, SGLangEngineConfig
 from rollout.engines.base import Engine, FinishReason, Generation, as_tensors
 from rollout.engines.sglang_server import launch_server, stop_server, wait_healthy
 from rollout.tokenizer import eos_token_ids, load_tokenizer
-from rollout.weight_bucket import (
-    DTYPES,
-    TensorSpec,
-    WeightBucket,
-    check_buckets,
-    resolve,
-)
+from rollout.weight_bucket import DTYPES, TensorSpec, WeightBucket, check_buckets, resolve
+
+log = logging.getLogger("tally.rollout")
 
 INDEX_FILE = "model.safetensors.index.json"
 """Hugging Face's index of a sharded safetensors checkpoint: {"metadata": {"total_size":
 bytes}, "weight_map": {tensor name: shard file}}."""
-log = logging.getLogger("tally.rollout")
 FLATTENED_BUCKET = "flattened_bucket"
 """SGLang's load_format for a bucket broadcast as one uint8 buffer (FlattenedTensorBucket,
 python/sglang/srt/weight_sync/tensor_bucket.py)."""
@@ -363,7 +358,6 @@ class SGLangEngine(Engine):
     def load_adapters(self, buckets: Sequence[WeightBucket], version: int) -> None:
         """Write one version's adapters as peft's folder, load them under a new name
         (requests name it from then on) and unload the version before."""
-        check_buckets(buckets, {spec.name: spec.shape for b in buckets for spec in b.specs})
         factors = adapter_factors(buckets)
         rank = next(iter(factors.values()))[0].shape[0]
         # Unique per engine: a server given by URL may hold another job's (or an earlier

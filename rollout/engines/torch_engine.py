@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from rollout.adapters import EngineAdapters, is_adapter_sync
+from rollout.adapters import EngineAdapters, adapter_factors, is_adapter_sync
 from rollout.config import SamplingConfig, TorchEngineConfig
 from rollout.engines.base import Engine, Generation, as_tensors
 from rollout.engines.sampling import sample_next_tokens
@@ -204,8 +204,7 @@ class TorchEngine(Engine):
         adapters (rollout/adapters.py) swaps in the new factors, leaving the weights."""
         buckets = resolve(buckets)
         if is_adapter_sync([spec.name for bucket in buckets for spec in bucket.specs]):
-            check_buckets(buckets, {s.name: s.shape for bucket in buckets for s in bucket.specs})
-            self.adapters.load(dict(iter_tensors(buckets)))  # checked whole, then swapped
+            self.adapters.load(adapter_factors(buckets))  # checked whole, then swapped
             self.weight_version = version
             return
         own = self.model.state_dict()  # tied weights appear under both names; either works

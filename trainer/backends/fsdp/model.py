@@ -266,5 +266,11 @@ def full_tensors(model: torch.nn.Module, owned: dict[str, torch.Tensor]
 def full_tensor(owned: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """Collective: one weight unsharded, in its master dtype (one all-gather of a
     DTensor; every rank gets it). ``owned``: the model's parameters and buffers by name."""
-    tensor = owned[name].detach()
+    return unsharded(owned[name])
+
+
+def unsharded(tensor: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor: the whole of a parameter or buffer (a plain tensor is
+    already whole), detached."""
+    tensor = tensor.detach()
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

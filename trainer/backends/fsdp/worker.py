@@ -217,9 +217,10 @@ class FSDPWorker(TrainerWorker):
     def full_model_bytes(self, dtype: str) -> float | None:
         if self.config.lora is None:
             return None
-        itemsize = DTYPES[dtype].itemsize
-        base = [shape for name, shape in fsdp.weight_shapes(self.model) if ".lora_" not in name]
-        return float(sum(math.prod(shape) for shape in base) * itemsize)
+        if not hasattr(self, "_base_numel"):  # the shapes never change: counted once
+            self._base_numel = sum(math.prod(shape) for name, shape in
+                                   fsdp.weight_shapes(self.model) if ".lora_" not in name)
+        return float(self._base_numel * DTYPES[dtype].itemsize)
 
     def _sync_tensors(self) -> Callable[[str], torch.Tensor]:
         """Collective per call: name -> one tensor of a sync, whole: a weight or
@@ -231,7 +232,7 @@ class FSDPWorker(TrainerWorker):
 
         def scaled(name: str) -> torch.Tensor:
             param, scale = sources[name]
-            full = fsdp.full_tensor({name: param}, name)
+            full = fsdp.unsharded(param)
             return full * scale if scale != 1.0 else full
 
         return scaled
@@ -264,15 +265,13 @@ class FSDPWorker(TrainerWorker):
                      trainer_state(None, self.scheduler), self.model_path,
                      self.model.config)
         if trainable_only:  # small: gathered one at a time, kept on rank 0's CPU only
-            owned = dict(self.model.named_parameters())
-            adapters = {}
-            for name in lora.trainable_names(self.model):
-                full = fsdp.full_tensor(owned, name)
+            factors = {}
+            for module, (a, b, _) in lora.adapter_params(self.model).items():
+                whole_a, whole_b = fsdp.unsharded(a), fsdp.unsharded(b)  # every rank
                 if self.rank == 0:
-                    adapters[name] = full.cpu()
-                del full
+                    factors[module] = (whole_a.cpu(), whole_b.cpu())
             if self.rank == 0:
-                lora.save_adapter_folder(Path(path) / ADAPTER_DIR, adapters, self.config.lora,
+                lora.save_adapter_folder(Path(path) / ADAPTER_DIR, factors, self.config.lora,
                                          self.model_path)
             dist.barrier()
 
