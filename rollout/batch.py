@@ -52,6 +52,9 @@ class RolloutBatch:
     pad_token_id: int = 0
     metadata: dict[str, float] = field(default_factory=dict)
     """Rollout statistics for the step's metrics (draws, reward errors, tokens/s, ...)."""
+    events: list[tuple[str, str]] = field(default_factory=list)
+    """(kind, message) the job's events file gets with this rollout (an environment
+    that failed in an episode)."""
     old_log_probs: torch.Tensor | None = None
     sample_token_counts: torch.Tensor = field(init=False)
     group_ids: torch.Tensor = field(init=False)
@@ -149,11 +152,12 @@ class RolloutBatch:
         pad_token_id: int = 0,
         response_masks: list[list[int]] | None = None,
         metadata: dict[str, float] | None = None,
+        events: list[tuple[str, str]] | None = None,
     ) -> RolloutBatch:
         """Pad ragged per-sample lists into the tensor layout.
 
-        response_masks defaults to all response tokens counting (e.g. a tool-call turn
-        would mask its observation tokens with 0).
+        response_masks defaults to all response tokens counting (an episode of an
+        environment masks its observation tokens with 0: rollout/episodes.py).
         """
         num_samples = len(prompt_ids)
         for name, values in (
@@ -204,4 +208,5 @@ class RolloutBatch:
             samples_per_prompt=samples_per_prompt,
             pad_token_id=pad_token_id,
             metadata=dict(metadata or {}),
+            events=list(events or []),
         )

@@ -339,6 +339,40 @@ class DynamicSamplingConfig(BaseModel):
     """Generation rounds per step, the first included; then zero-spread groups fill in."""
 
 
+class EnvironmentConfig(BaseModel):
+    """A multi-turn environment the policy acts in (docs/environments.md): each sample is
+    an episode of turns, the policy's action, then the environment's observation."""
+
+    model_config = _FROZEN
+
+    class_path: str
+    """`module:Class` of the environment (importable on the job's path, as for
+    reward.custom_function), e.g. rollout.environments.calculator:Calculator."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the class; one instance is made per episode."""
+    max_turns: int = Field(default=4, ge=1, le=64)
+    """Most policy turns of an episode; the last one's observation is not shown."""
+    max_total_tokens: int = Field(default=512, gt=0)
+    """Most tokens an episode adds after its first observation (actions and
+    observations together); a turn is cut at what is left, and an observation that does
+    not fit ends the episode. Replaces sampling.max_new_tokens as the response budget
+    (the constant mode's max_response_len, the context check)."""
+    step_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest one reset or step may take; past it the episode ends with reward 0."""
+    max_failures_per_rollout: int = Field(default=8, ge=0)
+    """Episodes of one rollout whose environment may raise or time out (each ends with
+    reward 0 and an event); one more fails the job."""
+    observation_role: Literal["user", "tool"] = "user"
+    """The chat role of observations after the first (chat models; the first is always
+    the user turn)."""
+
+    @model_validator(mode="after")
+    def _class_path_form(self) -> EnvironmentConfig:
+        if not _FUNCTION_PATH.match(self.class_path):
+            raise ValueError(f"class_path: expected 'module:Class', got {self.class_path!r}")
+        return self
+
+
 class RolloutConfig(BaseModel):
     """Everything rollout needs for one job; the driver passes it to RolloutManager."""
 
@@ -373,6 +407,10 @@ class RolloutConfig(BaseModel):
     """How rewards become advantages."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     """DAPO-style filtering of groups without reward spread."""
+    environment: EnvironmentConfig | None = None
+    """A multi-turn environment (docs/environments.md); None: one response per sample,
+    scored by the reward function. With one, an episode's reward is the sum of what its
+    environment's steps returned and the reward function is not used."""
     n_samples_per_prompt: int = Field(default=8, gt=0)
     """G: responses sampled per prompt (one group)."""
     global_batch_size: int = Field(default=64, gt=0)
@@ -431,6 +469,22 @@ class RolloutConfig(BaseModel):
                 "never has reward spread)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _environment_keeps_every_episode(self) -> RolloutConfig:
+        if self.environment is not None and self.prompt_truncation == "drop":
+            raise ValueError(
+                "prompt_truncation: drop cannot replace an episode whose first observation "
+                "is too long (the environment writes it); use error or truncate_left")
+        return self
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The most tokens a sample has after its prompt: sampling.max_new_tokens, or an
+        episode's environment.max_total_tokens."""
+        if self.environment is not None:
+            return self.environment.max_total_tokens
+        return self.sampling.max_new_tokens
 
     @property
     def num_prompts_per_step(self) -> int:

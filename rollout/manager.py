@@ -33,9 +33,12 @@ from rollout.datasets import PromptRecord, load_prompt_dataset
 from rollout.dynamic_sampling import split_by_spread
 from rollout.engines import check_engine_available, engine_actor_options, engine_class
 from rollout.engines.base import Generation
+from rollout.episodes import EnvironmentFailures, Episode, run_episodes
+from rollout.plugins import load_object
 from rollout.prompts import PromptTooLong, fit_prompt, model_context
 from rollout.rewards import RewardScorer, check_error_rate
 from rollout.tokenizer import encode_prompt, load_tokenizer
+from rollout.turns import TurnFormat
 
 ENCODED_PROMPTS = 65536
 """Records whose prompt ids the manager keeps (a small dataset's every record; a big one
@@ -44,11 +47,14 @@ is encoded as drawn, its ids never all held)."""
 
 @dataclass
 class _Group:
-    """One prompt and its G scored responses."""
+    """One record's G scored samples: one prompt and its responses, or G episodes of an
+    environment (each with its own first observation and holes in its loss mask)."""
 
-    prompt_ids: list[int]
+    prompt_ids: list[list[int]]
     generations: list[Generation]
     rewards: list[float]
+    masks: list[list[int]] | None = None
+    """Per response token: 1 the policy's, 0 the environment's; None: all the policy's."""
 
 
 @dataclass(frozen=True)
@@ -72,9 +78,10 @@ class EvalRun:
 
 def prompt_budget(config: RolloutConfig, model_path: str) -> int | None:
     """The most prompt tokens a sample may have: rollout.max_prompt_tokens, and what the
-    model's context leaves after sampling.max_new_tokens."""
+    model's context leaves after the response budget (sampling.max_new_tokens, or an
+    episode's environment.max_total_tokens)."""
     context = model_context(model_path)
-    left = None if context is None else context - config.sampling.max_new_tokens
+    left = None if context is None else context - config.max_response_tokens
     budgets = [b for b in (config.max_prompt_tokens, left) if b is not None]
     return min(budgets) if budgets else None
 
@@ -90,6 +97,8 @@ class _StepStats:
     all_rewards: list[float] = field(default_factory=list)
     prompts_truncated: int = 0
     prompts_dropped: int = 0
+    episodes: list[Episode] = field(default_factory=list)
+    env_seconds: float = 0.0
 
 
 def _shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
@@ -127,6 +136,11 @@ class RolloutManager:
         self.records: list[PromptRecord] = load_prompt_dataset(config.dataset)
         self.cursor = PromptCursor(len(self.records), config.dataset.seed, config.dataset.shuffle)
         self.scorer = RewardScorer(config.reward)
+        self.turns: TurnFormat | None = None
+        if config.environment is not None:  # its class imports here, or the job stops
+            load_object(config.environment.class_path, "rollout.environment.class_path")
+            self.turns = TurnFormat(self.tokenizer, self.apply_chat_template,
+                                    config.environment.observation_role)
         self.next_group_index = 0
         self.weight_version = 0
         self._eval_records: dict[str, list[PromptRecord]] = {}  # held-out sets, loaded once
@@ -156,12 +170,12 @@ class RolloutManager:
         stats = _StepStats()
         kept: list[_Group] = []
         zero_spread: list[_Group] = []
+        play = self._episode_round if self.turns is not None else self._rollout_round
         for draw in range(dynamic.max_draws if dynamic.enabled else 1):
             if len(kept) == num_prompts:
                 break
-            groups = self._rollout_round(
-                self._take_prompts(num_prompts - len(kept), stats), step, draw, stats
-            )
+            groups = play(self._take_prompts(num_prompts - len(kept), stats), step, draw,
+                          stats)
             if dynamic.enabled:
                 spread, flat = split_by_spread([g.rewards for g in groups])
                 kept += [groups[i] for i in spread]
@@ -173,7 +187,9 @@ class RolloutManager:
         check_error_rate(
             stats.reward_errors, stats.num_samples, self.config.reward, step, stats.first_error
         )
+        events = self._environment_events(stats, step)
         metadata = {
+            **self._environment_metrics(stats),
             "rollout/num_draws": float(stats.num_draws),
             "rollout/zero_spread_groups": float(len(zero_spread)),
             "rollout/zero_spread_filled": float(num_filled),
@@ -190,7 +206,7 @@ class RolloutManager:
             "rollout/gen_start_time": gen_start_time,
             "rollout/gen_end_time": time.time(),
         }
-        return self._build_batch(kept, metadata)
+        return self._build_batch(kept, metadata, events)
 
     def _seed(self, step: int | str, draw: int, rank: int) -> int:
         digest = hashlib.sha256(f"{self.seed}:{step}:{draw}:{rank}".encode()).digest()
@@ -206,6 +222,8 @@ class RolloutManager:
                       ) -> list[tuple[int, list[int]]]:
         """The next ``count`` records from the cursor with their prompt ids; a dropped
         prompt is replaced by the next one (a whole epoch of drops is an error)."""
+        if self.turns is not None:  # an environment writes each episode's prompt
+            return [(index, []) for index in self.cursor.take(count)]
         taken: list[tuple[int, list[int]]] = []
         while len(taken) < count:
             for index in self.cursor.take(count - len(taken)):
@@ -256,14 +274,93 @@ class RolloutManager:
         stats.all_rewards += result.rewards
         return [
             _Group(
-                prompt_ids[j],
+                [prompt_ids[j]] * group_size,
                 generations[j * group_size : (j + 1) * group_size],
                 result.rewards[j * group_size : (j + 1) * group_size],
             )
             for j in range(len(records))
         ]
 
-    def _build_batch(self, groups: list[_Group], metadata: dict[str, float]) -> RolloutBatch:
+    def _episode_round(self, taken: list[tuple[int, list[int]]], step: int, draw: int,
+                       stats: _StepStats) -> list[_Group]:
+        """G episodes of the environment for each of the given records."""
+        group_size = self.config.n_samples_per_prompt
+        records = [self.records[i] for i, _ in taken for _ in range(group_size)]
+        started = time.perf_counter()
+        episodes, env_seconds = self._play(records, [i for i, _ in taken for _ in
+                                                     range(group_size)],
+                                           self.config.sampling, step, draw)
+        stats.gen_time_s += time.perf_counter() - started - env_seconds
+        stats.env_seconds += env_seconds
+        stats.gen_tokens += sum(e.policy_tokens for e in episodes)
+        stats.num_draws += 1
+        stats.num_samples += len(episodes)
+        stats.episodes += episodes
+        stats.all_rewards += [e.reward for e in episodes]
+        return [
+            _Group([e.prompt_ids for e in group], [e.generation() for e in group],
+                   [e.reward for e in group], [e.response_mask for e in group])
+            for group in (episodes[j:j + group_size]
+                          for j in range(0, len(episodes), group_size))
+        ]
+
+    def _play(self, records: list[PromptRecord], indices: list[int],
+              sampling: SamplingConfig, step: int | str, draw: int = 0
+              ) -> tuple[list[Episode], float]:
+        """One episode per record on the engines, every live one generating each turn."""
+        assert self.turns is not None and self.config.environment is not None
+
+        def generate(contexts: list[list[int]], max_new_tokens: int, turn: int
+                     ) -> list[Generation]:
+            turn_sampling = sampling.model_copy(update={"max_new_tokens": max_new_tokens})
+            return self._generate(contexts, turn_sampling,
+                                  step if turn == 0 else f"{step}:turn{turn}", draw)
+
+        def fit(ids: list[int], i: int) -> list[int]:
+            fitted = fit_prompt(ids, self.max_prompt_tokens, self.config.prompt_truncation,
+                                f"the first observation of record {indices[i]}")
+            assert fitted is not None  # "drop" is refused with an environment
+            return fitted
+
+        return run_episodes(
+            [{"prompt": r.prompt, "label": r.label, "metadata": dict(r.metadata)}
+             for r in records],
+            self.config.environment, self.turns, generate, sampling.max_new_tokens, fit)
+
+    def _environment_events(self, stats: _StepStats, step: int) -> list[tuple[str, str]]:
+        """One ``environment_failed`` event per failed episode; past
+        max_failures_per_rollout, EnvironmentFailures (the job stops with it)."""
+        environment = self.config.environment
+        if environment is None:
+            return []
+        failed = [e.failure for e in stats.episodes if e.failure is not None]
+        if len(failed) > environment.max_failures_per_rollout:
+            raise EnvironmentFailures(
+                f"rollout.environment.max_failures_per_rollout: {len(failed)} episodes of "
+                f"rollout step {step} failed in {environment.class_path}, above "
+                f"{environment.max_failures_per_rollout}; first: {failed[0]}")
+        return [("environment_failed", f"rollout step {step}: {environment.class_path}: "
+                 f"{failure}; the episode ends with reward 0") for failure in failed]
+
+    def _environment_metrics(self, stats: _StepStats) -> dict[str, float]:
+        """Per episode: turns and observations read; per rollout: the seconds spent in
+        the environment, failures, and the policy's share of the response tokens."""
+        if not stats.episodes:
+            return {}
+        episodes = stats.episodes
+        response_tokens = sum(len(e.response_ids) for e in episodes)
+        return {
+            "env/turns_mean": _mean([e.turns for e in episodes]),
+            "env/tool_calls_mean": _mean([e.observations for e in episodes]),
+            "env/seconds": stats.env_seconds,
+            "env/failures": float(sum(e.failure is not None for e in episodes)),
+            "env/done_fraction": _mean([e.env_done for e in episodes]),
+            "env/policy_token_share": (sum(e.policy_tokens for e in episodes)
+                                       / max(response_tokens, 1)),
+        }
+
+    def _build_batch(self, groups: list[_Group], metadata: dict[str, float],
+                     events: list[tuple[str, str]] | None = None) -> RolloutBatch:
         group_size = self.config.n_samples_per_prompt
         group_index = [
             self.next_group_index + j for j, g in enumerate(groups) for _ in g.generations
@@ -284,8 +381,11 @@ class RolloutManager:
                 [gen.finish_reason == "length" for gen in generations]
             ),
         }
+        masks = ([m for g in groups for m in (g.masks or [[1] * len(gen.token_ids)
+                                                          for gen in g.generations])]
+                 if any(g.masks is not None for g in groups) else None)
         batch = RolloutBatch.from_samples(
-            prompt_ids=[g.prompt_ids for g in groups for _ in g.generations],
+            prompt_ids=[p for g in groups for p in g.prompt_ids],
             response_ids=[gen.token_ids for gen in generations],
             response_log_probs=[gen.log_probs for gen in generations],
             rewards=rewards.tolist(),
@@ -293,7 +393,9 @@ class RolloutManager:
             group_index=group_index,
             samples_per_prompt=group_size,
             pad_token_id=self.pad_token_id,
+            response_masks=masks,
             metadata=metadata,
+            events=events,
         )
         self.next_group_index += len(groups)
         return batch
@@ -309,12 +411,15 @@ class RolloutManager:
         key = dataset.model_dump_json()
         if key not in self._eval_records:
             self._eval_records[key] = load_prompt_dataset(dataset)
+        greedy = self.config.sampling.model_copy(update={"temperature": 0.0})
+        sampled = self.config.sampling.model_copy(update={"temperature": temperature})
+        if self.turns is not None:
+            return self._evaluate_episodes(self._eval_records[key][:num_prompts], num_samples,
+                                           greedy, sampled, step)
         fitted = [(r, self._encode(r, f"held-out record {i}"))
                   for i, r in enumerate(self._eval_records[key][:num_prompts])]
         records = [r for r, ids in fitted if ids is not None]
         prompts = [ids for _, ids in fitted if ids is not None]
-        greedy = self.config.sampling.model_copy(update={"temperature": 0.0})
-        sampled = self.config.sampling.model_copy(update={"temperature": temperature})
         greedy_out = self._generate(prompts, greedy, f"eval:{step}:greedy")
         sample_out = self._generate([p for p in prompts for _ in range(num_samples)], sampled,
                                     f"eval:{step}:sampled") if num_samples else []
@@ -329,6 +434,21 @@ class RolloutManager:
         return EvalRun(self.weight_version, [
             EvalOutcome(r.metadata, rewards[j], len(greedy_out[j].token_ids),
                         sample_rewards[j * num_samples:(j + 1) * num_samples])
+            for j, r in enumerate(records)])
+
+    def _evaluate_episodes(self, records: list[PromptRecord], num_samples: int,
+                           greedy: SamplingConfig, sampled: SamplingConfig, step: int
+                           ) -> EvalRun:
+        """:meth:`evaluate` with an environment: each outcome is an episode's reward (the
+        greedy one's length is its response's, observations included)."""
+        indices = list(range(len(records)))
+        greedy_out, _ = self._play(records, indices, greedy, f"eval:{step}:greedy")
+        sample_out, _ = self._play([r for r in records for _ in range(num_samples)],
+                                   [i for i in indices for _ in range(num_samples)], sampled,
+                                   f"eval:{step}:sampled") if num_samples else ([], 0.0)
+        return EvalRun(self.weight_version, [
+            EvalOutcome(r.metadata, greedy_out[j].reward, len(greedy_out[j].response_ids),
+                        [e.reward for e in sample_out[j * num_samples:(j + 1) * num_samples]])
             for j, r in enumerate(records)])
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,

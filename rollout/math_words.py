@@ -61,7 +61,7 @@ _HAND_OVER = "{b} has {k} times as many {obj} as {a}."
 _CONNECTORS = ("Then ", "After that, ", "Later, ", "Next, ", "The next day, ", "")
 _QUESTIONS = ("How many {obj} does {a} have now?", "How many {obj} does {a} have at the end?",
               "How many {obj} does {a} end up with?")
-_INSTRUCTIONS: dict[str, str] = {
+ANSWER_INSTRUCTIONS: dict[str, str] = {
     "boxed": "Solve the problem step by step, then put the final answer in \\boxed{}.",
     # Short on purpose: a 135 M model asked to reason first rarely reaches an answer
     # within a CPU-sized budget (measured on SmolLM2-135M: 10-12 % greedy vs 27 % so).
@@ -217,4 +217,4 @@ def make_math_word_problems(difficulties: Sequence[int], num_problems: int, seed
 
 def math_word_prompt(problem: MathWordProblem, answer_format: AnswerFormat = "boxed") -> str:
     r"""The user message: the story, then how to give the answer (``\boxed{}`` or a number)."""
-    return f"{problem.text}\n{_INSTRUCTIONS[answer_format]}"
+    return f"{problem.text}\n{ANSWER_INSTRUCTIONS[answer_format]}"

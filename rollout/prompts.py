@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from rollout.config import EnvironmentConfig
 
 Truncation = Literal["error", "truncate_left", "drop"]
 
@@ -48,17 +51,22 @@ def model_context(model_dir: str | Path) -> int | None:
 
 
 def context_problem(model_dir: str | Path, max_prompt_tokens: int | None,
-                    max_new_tokens: int) -> str | None:
-    """``field: message`` when the prompt budget plus the generation budget exceeds the
-    model's context, else None."""
+                    max_new_tokens: int, environment: EnvironmentConfig | None = None
+                    ) -> str | None:
+    """``field: message`` when the prompt budget plus the response budget exceeds the
+    model's context, else None. The response budget is the generation budget, or with
+    an ``environment`` its episode budget, max_total_tokens."""
     context = model_context(model_dir)
     if context is None:
         return None
-    if max_new_tokens >= context:
-        return (f"rollout.sampling.max_new_tokens: {max_new_tokens} tokens do not fit the "
-                f"model's context of {context} (max_position_embeddings) with any prompt")
-    if max_prompt_tokens is not None and max_prompt_tokens + max_new_tokens > context:
-        return (f"rollout.max_prompt_tokens: {max_prompt_tokens} + sampling.max_new_tokens "
-                f"{max_new_tokens} = {max_prompt_tokens + max_new_tokens} tokens exceed the "
-                f"model's context of {context} (max_position_embeddings)")
+    field, budget = "rollout.sampling.max_new_tokens", max_new_tokens
+    if environment is not None:
+        field, budget = "rollout.environment.max_total_tokens", environment.max_total_tokens
+    if budget >= context:
+        return (f"{field}: {budget} tokens do not fit the model's context of {context} "
+                f"(max_position_embeddings) with any prompt")
+    if max_prompt_tokens is not None and max_prompt_tokens + budget > context:
+        return (f"rollout.max_prompt_tokens: {max_prompt_tokens} + "
+                f"{field.removeprefix('rollout.')} {budget} = {max_prompt_tokens + budget} "
+                f"tokens exceed the model's context of {context} (max_position_embeddings)")
     return None

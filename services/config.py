@@ -331,6 +331,10 @@ class JobConfig(BaseModel):
                 "has no effect with trainer.loss.old_log_probs: rollout (π_old is the "
                 "engine's, so the TIS weight π_old/π_rollout is 1); staleness is then "
                 "corrected by the PPO ratio π/π_rollout, clipped by eps_clip")))
+        if self.rollout.environment is not None and "reward" in self.rollout.model_fields_set:
+            said.append(ConfigProblem("rollout.reward", (
+                "has no effect with rollout.environment: an episode's reward is the sum of "
+                "what the environment's steps returned")))
         engine, ranks = self.rollout.engine, self.trainer.world_size
         if self.weight_transport() == "in_process":
             said += [ConfigProblem(f"rollout.engine.{name}", "has no effect on the colocated "
@@ -354,8 +358,9 @@ class JobConfig(BaseModel):
 
     @property
     def max_response_len(self) -> int:
-        """The rollout's generation budget (resolves divisor: max_response_len)."""
-        return self.rollout.sampling.max_new_tokens
+        """The most tokens of a response (resolves divisor: max_response_len): the
+        generation budget, or an episode's environment.max_total_tokens."""
+        return self.rollout.max_response_tokens
 
     def objective_config(self) -> ObjectiveConfig:
         """The trainer's objective: every aggregation with `max_response_len` resolved to

@@ -1,9 +1,9 @@
 """Checks a job needs before anything starts that pydantic cannot see: optional packages;
 local paths and what they hold (every record of a dataset file, bounded in time; the model
 folder); the user's own modules (``rollout.reward.custom_function``,
-``aggregation.custom_reducer``); and, for a Ray head Tally starts itself, the machine's
-CPUs and GPUs. The controller runs them at submit time, ``tally train`` before Ray starts
-and the driver again at start.
+``rollout.environment.class_path``, ``aggregation.custom_reducer``); and, for a Ray head
+Tally starts itself, the machine's CPUs and GPUs. The controller runs them at submit
+time, ``tally train`` before Ray starts and the driver again at start.
 
 Free of torch and Ray, so the controller stays light: only the local-head check may import
 torch, lazily, on a machine with a GPU device. Each problem is one line that names the
@@ -60,6 +60,9 @@ def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
     check("rollout", lambda: _check_model(config))
     check("", lambda: _check_context(config))
     check("rollout", lambda: check_reward_function(config.rollout.reward))
+    if config.rollout.environment is not None:
+        check("rollout", lambda: check_object(config.rollout.environment.class_path,
+                                              "environment.class_path"))
     if config.aggregation.custom_reducer is not None:
         check("aggregation", lambda: check_object(config.aggregation.custom_reducer,
                                                   "custom_reducer"))
@@ -97,7 +100,8 @@ def _check_context(config: JobConfig) -> None:
     if config.rollout.model in BUILTIN_MODELS:
         return  # built when the job starts; their context is far beyond their tasks
     problem = context_problem(config.rollout.model, config.rollout.max_prompt_tokens,
-                              config.rollout.sampling.max_new_tokens)
+                              config.rollout.sampling.max_new_tokens,
+                              config.rollout.environment)
     if problem is not None:
         raise ValueError(problem)
 

@@ -117,6 +117,8 @@ def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
     job.evaluation.start(version=step)  # queued after the load of weights `step`
     evaluated = job.evaluation.collect(wait=not config.rollout.async_steps)
     batch, batch_ref = job.pipeline.take(step, lookahead)
+    for kind, message in batch.events:  # e.g. an environment that failed in an episode
+        job.run_dir.write_event(kind, message)
     job.weights.poll()
     generated = time.perf_counter()
     if batch.num_valid_tokens == 0:  # nothing to learn from: skipped, never NaN

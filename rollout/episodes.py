@@ -1,0 +1,230 @@
+"""Multi-turn episodes: the policy acts, the environment answers, until it is done.
+
+    record ─► env.reset ─► prompt ─► [policy turn ─► env.step ─► observation] × turns
+                                        ▲ all live episodes generate together ┘
+
+One episode is one sample: a single token sequence [prompt, action₁, observation₁,
+action₂, …] whose loss mask is 1 on the action tokens only (the policy's), so every
+aggregation mode's M_i and T_g count the policy's tokens and nothing the environment
+wrote. The engine's log-probs come with the action tokens; observation tokens get 0.
+
+A turn ends where the engine stops it (EOS, a stop string, sampling.max_new_tokens) or
+at what is left of environment.max_total_tokens; after max_turns turns, after
+``done``, or when the next observation does not fit, the episode ends. Its reward is the
+sum of what ``step`` returned. Environment calls of a turn run concurrently (async ones
+on one event loop, the others in threads), each bounded by step_timeout_s: a call that
+raises, times out or returns something else than ``(observation, reward, done)`` ends
+its episode with reward 0 and a failure message (the caller reports it), and no other
+episode. A synchronous call past its timeout cannot be stopped; its thread is left to
+finish on its own and its result is ignored.
+
+The environment interface is in rollout/environments/__init__.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.config import EnvironmentConfig
+from rollout.engines.base import Generation
+from rollout.plugins import load_object
+from rollout.turns import TurnFormat
+
+Generate = Callable[[list[list[int]], int, int], list[Generation]]
+"""(contexts, max_new_tokens, turn) -> one policy turn per context, in order."""
+
+
+class EnvironmentFailures(RuntimeError):
+    """More episodes of one rollout failed than rollout.environment allows."""
+
+
+@dataclass
+class Episode:
+    """One episode as it grows; a sample of the batch once it ends."""
+
+    record: dict[str, Any]
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    """1 on the policy's tokens, 0 on the environment's."""
+    log_probs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    """Policy turns taken."""
+    observations: int = 0
+    """Observations after the first the policy read (a tool's result, a game's reply)."""
+    env_done: bool = False
+    """The environment said done (not a budget or max_turns)."""
+    failure: str | None = None
+    """``Class.method: what went wrong`` when the environment failed (reward 0)."""
+    ended: bool = False
+    env: Any = None
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(self.response_mask)
+
+    def end(self, failure: str | None = None) -> None:
+        self.ended, self.env = True, None
+        if failure is not None:
+            self.failure, self.reward = failure, 0.0
+
+    def generation(self) -> Generation:
+        """The response as one Generation: "stop" when the environment ended it."""
+        return Generation(self.response_ids, self.log_probs,
+                          "stop" if self.env_done else "length")
+
+
+def run_episodes(records: list[dict[str, Any]], config: EnvironmentConfig, turns: TurnFormat,
+                 generate: Generate, max_new_tokens: int,
+                 fit_prompt: Callable[[list[int], int], list[int]]
+                 ) -> tuple[list[Episode], float]:
+    """(one episode per record, in order; a record repeated G times plays G episodes,
+    the seconds spent waiting on the environment). ``fit_prompt(ids, i)``: the first
+    observation's ids within the prompt budget (rollout.prompt_truncation; it raises for
+    record i when that says error)."""
+    env_class = load_object(config.class_path, "rollout.environment.class_path")
+    episodes = [Episode(record) for record in records]
+    threads = ThreadPoolExecutor(max_workers=max(1, len(records)),
+                                 thread_name_prefix="tally-env")
+    runner = _Calls(config.step_timeout_s, threads, env_class.__name__)
+    try:
+        asyncio.run(_play(episodes, env_class, config, turns, generate, max_new_tokens,
+                          fit_prompt, runner))
+    finally:  # a timed-out synchronous call is not waited for
+        threads.shutdown(wait=False, cancel_futures=True)
+    return episodes, runner.seconds
+
+
+async def _play(episodes: list[Episode], env_class: type, config: EnvironmentConfig,
+                turns: TurnFormat, generate: Generate, max_new_tokens: int,
+                fit_prompt: Callable[[list[int], int], list[int]], runner: _Calls) -> None:
+    firsts = await runner.gather(runner.reset(env_class, config.kwargs, e.record)
+                                 for e in episodes)
+    for i, (episode, (env, observation, failure)) in enumerate(
+            zip(episodes, firsts, strict=True)):
+        if failure is not None:  # no prompt: one filler token each side, nothing counts
+            episode.prompt_ids = episode.response_ids = [turns.filler_token]
+            episode.response_mask, episode.log_probs = [0], [0.0]
+            episode.end(failure)
+            continue
+        episode.env, episode.prompt_ids = env, fit_prompt(turns.first(observation), i)
+    budget = config.max_total_tokens
+    for turn in range(config.max_turns):
+        live = [e for e in episodes if not e.ended]
+        if not live:
+            return
+        room = max(budget - len(e.response_ids) for e in live)
+        actions = generate([e.prompt_ids + e.response_ids for e in live],
+                           min(max_new_tokens, room), turn)
+        texts = []
+        for episode, action in zip(live, actions, strict=True):
+            left = budget - len(episode.response_ids)
+            ids, log_probs = action.token_ids[:left], action.log_probs[:left]
+            episode.response_ids += ids
+            episode.response_mask += [1] * len(ids)
+            episode.log_probs += log_probs
+            episode.turns += 1
+            texts.append(turns.tokenizer.decode(ids, skip_special_tokens=True))
+        results = await runner.gather(runner.step(e.env, text)
+                                      for e, text in zip(live, texts, strict=True))
+        last_turn = turn + 1 == config.max_turns
+        for episode, action, (observation, reward, done, failure) in zip(
+                live, actions, results, strict=True):
+            if failure is not None:
+                episode.end(failure)
+                continue
+            episode.reward += reward
+            if done or observation is None:
+                episode.env_done = True
+                episode.end()
+                continue
+            appended = turns.later(observation, action.token_ids)
+            if last_turn or len(episode.response_ids) + len(appended) >= budget:
+                episode.end()  # no turn left to read it, or no room for one after it
+                continue
+            episode.response_ids += appended
+            episode.response_mask += [0] * len(appended)
+            episode.log_probs += [0.0] * len(appended)
+            episode.observations += 1
+
+
+class _Calls:
+    """Environment calls with the step timeout; each returns its failure, never raises."""
+
+    def __init__(self, timeout_s: float, threads: ThreadPoolExecutor, name: str) -> None:
+        self.timeout_s, self.threads, self.name = timeout_s, threads, name
+        self.seconds = 0.0
+        """Wall-clock time spent waiting on environment calls (concurrent calls once)."""
+
+    async def gather(self, calls: Iterable[Awaitable[Any]]) -> list[Any]:
+        """The calls' results, run concurrently; their wall time counts once."""
+        start = time.perf_counter()
+        try:
+            return list(await asyncio.gather(*calls))
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            pending = fn(*args)
+        else:
+            pending = asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
+        result = await asyncio.wait_for(pending, self.timeout_s)
+        if inspect.isawaitable(result):  # a plain function that returned a coroutine
+            result = await asyncio.wait_for(result, self.timeout_s)
+        return result
+
+    def _failure(self, method: str, err: BaseException) -> str:
+        if isinstance(err, TimeoutError):
+            return (f"{self.name}.{method}: no answer within rollout.environment."
+                    f"step_timeout_s={self.timeout_s:g} s")
+        said = " ".join(str(err).split())
+        return f"{self.name}.{method}: {type(err).__name__}{': ' + said if said else ''}"
+
+    async def reset(self, env_class: type, kwargs: dict[str, Any], record: dict[str, Any]
+                    ) -> tuple[Any, str, str | None]:
+        """(env, first observation, None), or (None, "", failure)."""
+        method = "__init__"
+        try:
+            env = await self._call(lambda: env_class(**kwargs))
+            method = "reset"
+            observation = await self._call(env.reset, record)
+        except Exception as err:  # the user's code: any exception ends this episode only
+            return None, "", self._failure(method, err)
+        if not isinstance(observation, str) or not observation:
+            return None, "", (f"{self.name}.reset: returned {_short(observation)}, expected "
+                              "the first observation (a non-empty str)")
+        return env, observation, None
+
+    async def step(self, env: Any, action: str
+                   ) -> tuple[str | None, float, bool, str | None]:
+        """(observation, reward, done, None), or (None, 0, True, failure)."""
+        try:
+            result = await self._call(env.step, action)
+        except Exception as err:
+            return None, 0.0, True, self._failure("step", err)
+        try:
+            observation, reward, done = result
+            reward = float(reward)
+        except (TypeError, ValueError):
+            reward = math.nan
+        if math.isnan(reward) or math.isinf(reward) or not (
+                observation is None or isinstance(observation, str)):
+            return None, 0.0, True, (f"{self.name}.step: returned {_short(result)}, expected "
+                                     "(observation: str | None, reward: float, done: bool)")
+        return observation, reward, bool(done), None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
