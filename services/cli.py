@@ -141,7 +141,7 @@ PLANT_ENV = "TALLY_TEST_PLANT"
 """Test hook, not an option: ``<layout>:<error>[,<error>]`` entries separated by ``;`` plant
 errors in those layouts' ranks (``trainer/objective.py``'s PLANTED_ERROR_ENV lists them:
 ``pg``/``kl``/``entropy`` doubled on rank 0, ``local_tokens``, ``shard_coefficient``,
-``entropy_coefficient``, ``prefix_mask``), e.g. ``dp2cp1:pg,kl`` or
+``entropy_coefficient``, ``prefix_mask``, ``observation_tokens``), e.g. ``dp2cp1:pg,kl`` or
 ``dp2cp1:local_tokens;dp1cp2:shard_coefficient``, so the tests can show the verifier
 failing."""
 

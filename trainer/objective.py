@@ -47,11 +47,18 @@ have it in their environment, so tests can show ``verify-aggregation`` catching 
     prefix_mask           shared prefix (trainer/cp_attention.py): a response also sees its
                           head's last prompt token, a copy of its own first token (the
                           off-by-one a prefix mask invites), every rank
+    observation_tokens    multi-turn: a response's observation tokens (mask 0 between two
+                          of its valid tokens) trained as actions, each with the weight of
+                          its sample's valid token before it, in every term, every rank
+                          (M_i, T_g unchanged; a CP shard finds those between the valid
+                          tokens it holds); the FSDP backend, which computes log-probs
+                          at the loss mask's positions only, computes them there too
+                          (:func:`planted_loss_mask`)
 
 Rank 0 is the one that owns the first DP×CP shard (every TP rank of it on Megatron)."""
 PLANTED_FACTOR_TERMS = ("pg", "kl", "entropy")
 """Planted errors that double rank 0's share of a term."""
-PLANTED_ON_EVERY_RANK = frozenset({"local_tokens", "prefix_mask"})
+PLANTED_ON_EVERY_RANK = frozenset({"local_tokens", "prefix_mask", "observation_tokens"})
 """Planted errors each rank of the layout makes (read here, not passed by the backend)."""
 PLANTED_ERRORS = frozenset({*PLANTED_FACTOR_TERMS, *PLANTED_ON_EVERY_RANK,
                             "shard_coefficient", "entropy_coefficient"})
@@ -86,9 +93,47 @@ def planted_error_terms() -> frozenset[str]:
     return parse_planted_errors(os.environ.get(PLANTED_ERROR_ENV, ""))
 
 
+def _sample_slots(micro: MicroBatch) -> torch.Tensor:
+    """The sample of each token [b, s]: its slot in a packed row, its row when padded."""
+    mask = micro.loss_mask
+    if micro.sequence_ids is not None:
+        return micro.sequence_ids.to(mask.device)
+    return torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+
+
+def observation_tokens(micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hole [b, s] bool, source [b, s] index): a position whose mask is 0 between two
+    valid tokens of its sample (an environment's observation inside a multi-turn
+    response), and the valid token before it (itself elsewhere). A shard's tokens of one
+    sample are in position order, so "between" is along the row (test hook only)."""
+    valid = micro.loss_mask > 0
+    sample = _sample_slots(micro)
+    index = torch.arange(valid.shape[-1], device=valid.device).expand_as(valid)
+    before = torch.where(valid, index, -1).cummax(dim=-1).values
+    after = torch.where(valid, index, valid.shape[-1]).flip(-1).cummin(dim=-1).values.flip(-1)
+    inside = (before >= 0) & (after < valid.shape[-1])
+    same = ((sample.gather(-1, before.clamp(min=0)) == sample)
+            & (sample.gather(-1, after.clamp(max=valid.shape[-1] - 1)) == sample))
+    hole = ~valid & inside & same
+    return hole, torch.where(hole, before, index)
+
+
+def planted_loss_mask(micro: MicroBatch) -> torch.Tensor:
+    """Where a backend that computes log-probs at the loss mask's positions only must
+    compute them: the loss mask, and the observation tokens when ``observation_tokens``
+    is planted (test hook), so that error reaches the gradient."""
+    if "observation_tokens" not in planted_error_terms():
+        return micro.loss_mask
+    hole, _ = observation_tokens(micro)
+    return torch.where(hole, torch.ones_like(micro.loss_mask), micro.loss_mask)
+
+
 def _planted_weights(micro: MicroBatch, planted: frozenset[str]) -> dict[str, torch.Tensor]:
     """The micro-batch's weights with the planted coefficient errors (test hook only)."""
     weights = dict(micro.weights)
+    if "observation_tokens" in planted:  # each hole takes its sample's weight before it
+        _, source = observation_tokens(micro)
+        weights = {t: w.gather(-1, source.to(w.device)) for t, w in weights.items()}
     if "local_tokens" in planted:
         import torch.distributed as dist
 
@@ -101,9 +146,7 @@ def _planted_weights(micro: MicroBatch, planted: frozenset[str]) -> dict[str, to
     wrong = [t for t in PLANTED_FACTOR_TERMS if "shard_coefficient" in planted
              or (t == "entropy" and "entropy_coefficient" in planted)]
     if wrong:  # the sample with the most valid tokens in this shard
-        sample = (micro.sequence_ids if micro.sequence_ids is not None else
-                  torch.arange(micro.loss_mask.shape[0])[:, None].expand_as(micro.loss_mask))
-        sample = sample.to(micro.loss_mask.device)
+        sample = _sample_slots(micro)
         valid = sample[micro.loss_mask > 0]
         if valid.numel():
             chosen = sample == torch.bincount(valid).argmax()
@@ -131,6 +174,8 @@ def micro_batch_objective(
     mask = micro.loss_mask
     planted = planted_terms | (PLANTED_ON_EVERY_RANK & planted_error_terms())
     weights = _planted_weights(micro, planted) if planted else micro.weights
+    if "observation_tokens" in planted:  # a planted error (tests): holes trained too
+        mask = torch.where(observation_tokens(micro)[0], torch.ones_like(mask), mask)
     if loss.old_log_probs == "rollout":
         old = micro.rollout_log_probs
     elif micro.old_log_probs is not None:  # the policy at the start of the rollout

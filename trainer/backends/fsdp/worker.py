@@ -39,6 +39,7 @@ from trainer.objective import (
     TokenLogProbs,
     micro_batch_objective,
     planted_error_terms,
+    planted_loss_mask,
     step_metrics,
     term_coefficients,
 )
@@ -104,7 +105,7 @@ class FSDPWorker(TrainerWorker):
         """log π_T(target) and H(π_T) of the policy (and π_ref,T) at fp32 or better, at
         the loss mask's positions (0 elsewhere)."""
         temperature = self.objective.temperature
-        keep = loss_positions(micro.loss_mask)
+        keep = loss_positions(planted_loss_mask(micro))  # the loss mask, but in a test
         targets = micro.targets[keep]
         log_probs, entropy = log_probs_and_entropy(
             self._logits(self.model, micro, keep), targets, temperature,
