@@ -5,7 +5,9 @@ r"""Calculator: math word problems solved with a ``<calc>`` tool, answered in ``
     step(action)   \boxed{x} in the action     -> done, answer_reward if x matches the label
                                                   (rewards.boxed_match: numerically when
                                                   both parse, |x − y| ≤ tol · max(1, |y|))
-                   else <calc>e</calc> (last)  -> "<result>value</result>", −tool_call_penalty
+                   else <calc>e</calc> (last)  -> "<result>value</result>", tool_call_reward
+                                                  (the first call that computes; every
+                                                  call when negative)
                    else                        -> a hint, 0
 
 Expressions are evaluated on their syntax tree, never by ``eval()``: numbers, + − * /
@@ -35,15 +37,16 @@ MAX_DIGITS = 100
 MAX_MAGNITUDE = 10**MAX_DIGITS
 
 INSTRUCTIONS = (
-    "You have a calculator: write <calc>expression</calc> (numbers, + - * / and "
-    "parentheses) and you will get <result>value</result>. When you know the answer, "
-    "write it as \\boxed{number}.\n\n"
-    "Example: Sam has 3 bags with 12 marbles in each bag. He gives away 5 marbles. "
-    "How many marbles does Sam have now?\n"
-    "<calc>3*12-5</calc>\n"
+    "Solve with a calculator: write <calc>expression</calc> to get <result>value</result>, "
+    "then give the answer as \\boxed{number}.\n\n"
+    "Q: Sam has 3 bags of 12 marbles and gives away 5. How many marbles does he have?\n"
+    "A: <calc>3*12-5</calc>\n"
     "<result>31</result>\n"
     "The answer is \\boxed{31}."
 )
+"""The tool's instructions and one worked example, short and in question/answer form: a
+135 M model given a longer preamble rarely calls the tool or boxes an answer, and every
+turn prefills the whole context again on the torch engine."""
 HINT = "Use <calc>expression</calc> to compute, or give the final answer as \\boxed{N}."
 
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
@@ -67,15 +70,18 @@ class CalcError(ValueError):
 class Calculator:
     """One episode of a math word problem with a calculator tool (see the module doc)."""
 
-    def __init__(self, answer_reward: float = 1.0, tool_call_penalty: float = 0.0,
+    def __init__(self, answer_reward: float = 1.0, tool_call_reward: float = 0.0,
                  tolerance: float = 1e-6) -> None:
         self.answer_reward = answer_reward
-        self.tool_call_penalty = tool_call_penalty
-        """Subtracted per <calc> call (0: calls are free)."""
+        self.tool_call_reward = tool_call_reward
+        """Paid for the episode's first <calc> call that computes a value (a format reward
+        that teaches a small model to use the tool; negative: a cost per call, every
+        call)."""
         self.tolerance = tolerance
         """Relative tolerance of a numeric answer, as reward.numeric_tolerance."""
         self.tool_calls = 0
         """<calc> calls of this episode, refused ones included."""
+        self._call_paid = False
         self._label: str | None = None
         self._metadata: dict[str, Any] = {}
 
@@ -84,8 +90,8 @@ class Calculator:
         if label is None:
             raise ValueError("Calculator needs records with a label (the numeric answer)")
         self._label, self._metadata = str(label), dict(record.get("metadata") or {})
-        self.tool_calls = 0
-        return f"{INSTRUCTIONS}\n\nNow solve this problem:\n{_problem_text(record['prompt'])}"
+        self.tool_calls, self._call_paid = 0, False
+        return f"{INSTRUCTIONS}\n\nQ: {_problem_text(record['prompt'])}\nA:"
 
     def step(self, action: str) -> tuple[str | None, float, bool]:
         if self._label is None:
@@ -96,7 +102,11 @@ class Calculator:
         calls = _CALL.findall(action)
         if calls:
             self.tool_calls += 1
-            return f"<result>{calculate(calls[-1])}</result>", 0.0 - self.tool_call_penalty, False
+            result = calculate(calls[-1])
+            computed = not result.startswith("error")
+            paid = self.tool_call_reward < 0 or (computed and not self._call_paid)
+            self._call_paid |= paid
+            return f"<result>{result}</result>", self.tool_call_reward * paid, False
         return HINT, 0.0, False
 
 

@@ -87,13 +87,18 @@ def test_calculator_answers(math_record: dict) -> None:
 
 
 def test_calculator_hint_and_tool_calls(math_record: dict) -> None:
-    env, _ = _calculator(math_record, tool_call_penalty=0.1)
+    env, _ = _calculator(math_record, tool_call_reward=-0.1)
     assert env.step("Let me think about it.") == (HINT, 0.0, False)
     assert env.step("<calc>1+") == (HINT, 0.0, False)  # cut off before </calc>
     assert env.tool_calls == 0
     assert env.step("<calc>2*3</calc>") == ("<result>6</result>", -0.1, False)
     assert env.step("<calc>nope</calc>")[0].startswith("<result>error: ")
     assert env.tool_calls == 2
+    # A positive reward is paid once, for the first call that computes a value.
+    env, _ = _calculator(math_record, tool_call_reward=0.2)
+    assert env.step("<calc>1/0</calc>")[1:] == (0.0, False)
+    assert env.step("<calc>2*3</calc>") == ("<result>6</result>", 0.2, False)
+    assert env.step("<calc>2*4</calc>") == ("<result>8</result>", 0.0, False)
 
 
 def test_calculator_needs_a_label() -> None:

@@ -1,0 +1,89 @@
+"""Multi-turn environments through ``tally train`` (services.train.train_from_cli, in this
+process, on the session's Ray cluster): both built-in environments train a step on the
+tiny model and on SmolLM2, and an environment that fails ends its episodes, writes
+events, and past max_failures_per_rollout fails the job with its rows kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.driver.sinks import read_metrics
+from services.train import train_from_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = {"calculator": ROOT / "configs" / "smollm2-calculator.yaml",
+           "guess-number": ROOT / "configs" / "smollm2-guess-number.yaml"}
+ONE_SMALL_STEP = ["num_steps=1", "rollout.global_batch_size=4", "rollout.n_samples_per_prompt=2",
+                  "trainer.dp_size=1", "eval.enabled=false", "rollout.engine.num_threads=1",
+                  "rollout.sampling.max_new_tokens=12",
+                  "trainer.loss.entropy_coef=0.01"]  # a gradient without reward spread
+TINY = ["rollout.model=tiny", "rollout.environment.max_total_tokens=128",
+        "rollout.max_prompt_tokens=128", "rollout.prompt_truncation=truncate_left"]
+
+
+def _events(job: Path) -> list[dict]:
+    return [json.loads(line) for line in (job / "events.jsonl").read_text().splitlines()]
+
+
+def _check_env_row(row: dict[str, float], max_turns: int) -> None:
+    assert 1 <= row["env/turns_mean"] <= max_turns
+    assert row["env/tool_calls_mean"] > 0  # some observation came back to the policy
+    assert 0 < row["env/policy_token_share"] < 1  # so the response has holes in its mask
+    assert row["env/failures"] == 0 and row["env/seconds"] >= 0
+    assert row["tokens/valid"] > 0 and row["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_built_in_environment_trains_a_step_on_the_tiny_model(ray_cluster: None,
+                                                               tmp_path: Path,
+                                                               name: str) -> None:
+    job = tmp_path / name
+    assert train_from_cli(CONFIGS[name], [*ONE_SMALL_STEP, *TINY], job) == 0
+    (row,) = [r["metrics"] for r in read_metrics(job / "metrics.jsonl")]
+    _check_env_row(row, max_turns=5)
+
+
+@pytest.mark.slow  # SmolLM2 plays and trains two jobs of one step
+def test_both_built_in_environments_train_a_step_on_smollm2(ray_cluster: None,
+                                                           smollm2_path: Path,
+                                                           tmp_path: Path) -> None:
+    for name, config in sorted(CONFIGS.items()):
+        job = tmp_path / name
+        overrides = [*ONE_SMALL_STEP, f"rollout.model={smollm2_path}",
+                     "rollout.environment.max_turns=2"]
+        assert train_from_cli(config, overrides, job) == 0, name
+        (row,) = [r["metrics"] for r in read_metrics(job / "metrics.jsonl")]
+        _check_env_row(row, max_turns=2)
+        # the trainer's log-probs of the policy's tokens are the engine's, across turns
+        assert row["mismatch/log_prob_abs_diff"] < 1e-3, name
+
+
+def test_failing_episodes_are_reported_and_too_many_fail_the_job(ray_cluster: None,
+                                                                  tmp_path: Path, capsys
+                                                                  ) -> None:
+    """Records labelled ``reset`` make tests/rollout/toy_envs.RaisesOnLabel raise: rollout
+    step 0 has one such record (2 episodes, within max_failures_per_rollout=2), step 1
+    two (4 episodes: the job fails, step 0's row and the events kept)."""
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"game {i}", "label": label}) + "\n"
+                            for i, label in enumerate(["ok", "reset", "reset", "reset"])))
+    overrides = [*ONE_SMALL_STEP, *TINY, "num_steps=2", "rollout.dataset.type=jsonl",
+                 f"rollout.dataset.path={data}", "rollout.dataset.shuffle=false",
+                 "rollout.environment.class_path=tests.rollout.toy_envs:RaisesOnLabel",
+                 "rollout.environment.kwargs={}", "rollout.environment.max_failures_per_rollout=2"]
+    job = tmp_path / "job"
+    assert train_from_cli(CONFIGS["guess-number"], overrides, job) == 1
+    said = ("rollout.environment.max_failures_per_rollout: 4 episodes of rollout step 1 "
+            "failed in tests.rollout.toy_envs:RaisesOnLabel, above 2; first: "
+            "RaisesOnLabel.reset: KeyError: 'no such board'")
+    assert said in capsys.readouterr().err
+    (row,) = [r["metrics"] for r in read_metrics(job / "metrics.jsonl")]
+    assert row["env/failures"] == 2
+    events = _events(job)
+    failed = [e["message"] for e in events if e["kind"] == "environment_failed"]
+    assert failed == ["rollout step 0: tests.rollout.toy_envs:RaisesOnLabel: RaisesOnLabel."
+                      "reset: KeyError: 'no such board'; the episode ends with reward 0"] * 2
+    assert any(said in e["message"] for e in events if e["kind"] == "actor_failed")
