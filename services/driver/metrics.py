@@ -127,7 +127,8 @@ class Progress:
 
 def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) -> str:
     """``step 3 (4/20 done) | reward … | pg_loss … | kl … | entropy … | lr … | tok/s | s |
-    padding [| updates] [| eval]``: step 3 is row 3 of metrics.jsonl."""
+    padding [| updates] [| turns, tool calls, env s] [| eval]``: step 3 is row 3 of
+    metrics.jsonl."""
     metrics = history[-1]
     head = f"step {step} ({step + 1}/{num_steps} done)"
     evaluated = (f" | eval accuracy {metrics['eval/accuracy']:.3f}"
@@ -151,6 +152,10 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
                if metrics.get("updates", 1) > 1 else "")
             + (f" ({metrics['updates/skipped']:.0f} skipped: no valid token)"
                if metrics.get("updates/skipped") else "")
+            + (f" | turns {metrics['env/turns_mean']:.1f}, tool calls "
+               f"{metrics['env/tool_calls_mean']:.1f}, env {metrics['env/seconds']:.1f} s"
+               + (f", {metrics['env/failures']:.0f} failed" if metrics["env/failures"] else "")
+               if "env/turns_mean" in metrics else "")
             + evaluated)
 
 
