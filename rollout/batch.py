@@ -90,6 +90,8 @@ class RolloutBatch:
         if ((self.loss_mask != 0) & ~response_span).any():
             raise RolloutBatchError("loss_mask: is non-zero outside the response tokens")
 
+        # (kind, message) pairs, also when read back from a checkpoint's JSON as lists
+        object.__setattr__(self, "events", [(str(k), str(m)) for k, m in self.events])
         group_ids, dense, counts = torch.unique(
             self.group_index, return_inverse=True, return_counts=True
         )

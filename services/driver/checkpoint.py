@@ -45,7 +45,7 @@ from trainer import checkpoint as trainer_checkpoint
 
 DRIVER_STATE = "driver_state.json"
 ROLLOUTS_IN_FLIGHT = "rollouts_in_flight.safetensors"
-SCALAR_FIELDS = ("samples_per_prompt", "pad_token_id", "metadata")
+SCALAR_FIELDS = ("samples_per_prompt", "pad_token_id", "metadata", "events")
 """RolloutBatch fields that are not tensors: kept in the safetensors header as JSON."""
 
 

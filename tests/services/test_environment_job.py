@@ -87,3 +87,41 @@ def test_failing_episodes_are_reported_and_too_many_fail_the_job(ray_cluster: No
     assert failed == ["rollout step 0: tests.rollout.toy_envs:RaisesOnLabel: RaisesOnLabel."
                       "reset: KeyError: 'no such board'; the episode ends with reward 0"] * 2
     assert any(said in e["message"] for e in events if e["kind"] == "actor_failed")
+
+
+@pytest.mark.slow  # two jobs
+def test_an_environment_job_resumes_exactly_with_async_packing_and_several_updates(
+        ray_cluster: None, tmp_path: Path) -> None:
+    """The clean job's layout (DP 2, packed rows sharing each group's first observation,
+    two rollouts asked for ahead and kept in checkpoints, 4 optimizer steps per rollout)
+    with the guessing game: stopped after step 1 and resumed, it trains bit for bit what
+    the uninterrupted run does, on samples with holes in their loss mask."""
+    from services.driver.loop import run_job
+    from tests.services.driver.clean_run import (
+        CleanRun,
+        Interrupted,
+        assert_same_training,
+        clean_config,
+        rows,
+        stop_after,
+    )
+
+    game = json.dumps({"type": "jsonl", "path": str(ROOT / "configs" / "data" /
+                                                     "guess-number.jsonl")})
+    config = clean_config(
+        "warmup.enabled=false", f"rollout.dataset={game}", "rollout.sampling.max_new_tokens=6",
+        "rollout.environment.class_path=rollout.environments.guess_number:GuessNumber",
+        "rollout.environment.max_total_tokens=64", "rollout.environment.max_turns=4",
+        "rollout.max_prompt_tokens=150", "rollout.prompt_truncation=truncate_left",
+        "trainer.loss.entropy_coef=0.01")
+    whole = tmp_path / "whole"
+    history = run_job(config, whole, log=lambda *_: None)
+    resumed = tmp_path / "resumed"
+    with pytest.raises(Interrupted):
+        run_job(config, resumed, log=lambda *_: None, after_step=stop_after(1))
+    run_job(config, resumed, log=lambda *_: None)
+    assert_same_training(resumed, CleanRun(whole, history))
+    metrics = [r["metrics"] for r in rows(whole / "metrics.jsonl")]
+    assert all(m["env/policy_token_share"] < 1 and m["env/tool_calls_mean"] > 0
+               for m in metrics)
+    assert all(m["updates"] == 4 for m in metrics)

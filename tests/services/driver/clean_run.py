@@ -29,7 +29,7 @@ CLEAN = ["num_steps=4", "rollout.rollout_batch_size=4", "rollout.n_samples_per_p
          "trainer.optimizer.schedule=constant", "checkpoint_every=1", "max_restarts=1"]
 NUM_UPDATES = 4
 """Optimizer steps per rollout step: 32 samples / 16 per mini-batch × 2 epochs."""
-VARIES = ("perf/", "rollout/gen_", "job/restarts")
+VARIES = ("perf/", "rollout/gen_", "job/restarts", "env/seconds")
 """Metrics that differ between two runs of the same job: wall-clock times and rates, and
 how often it restarted."""
 

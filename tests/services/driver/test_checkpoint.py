@@ -33,7 +33,8 @@ def rollout(first_group: int) -> RolloutBatch:
         rewards=[1.0, 0.0, 0.5, 0.25], advantages=[0.5, -0.5, 0.125, -0.125],
         group_index=[first_group] * 2 + [first_group + 1] * 2, samples_per_prompt=2,
         pad_token_id=0, response_masks=[[1, 1], [1], [1, 0, 1], [0]],
-        metadata={"rollout/weight_version": 3.0, "rollout/gen_start_time": 1.7e9})
+        metadata={"rollout/weight_version": 3.0, "rollout/gen_start_time": 1.7e9},
+        events=[("environment_failed", "rollout step 4: Game.step: ValueError: x")])
     return batch.with_old_log_probs(torch.randn(batch.input_ids.shape))
 
 
