@@ -60,6 +60,9 @@ class Episode:
     """Policy turns taken."""
     observations: int = 0
     """Observations after the first the policy read (a tool's result, a game's reply)."""
+    tool_calls: int | None = None
+    """The environment's own count of tool calls (its ``tool_calls`` attribute when the
+    episode ended), None when it keeps none."""
     env_done: bool = False
     """The environment said done (not a budget or max_turns)."""
     failure: str | None = None
@@ -72,6 +75,9 @@ class Episode:
         return sum(self.response_mask)
 
     def end(self, failure: str | None = None) -> None:
+        calls = getattr(self.env, "tool_calls", None)
+        if isinstance(calls, int) and not isinstance(calls, bool):
+            self.tool_calls = calls
         self.ended, self.env = True, None
         if failure is not None:
             self.failure, self.reward = failure, 0.0

@@ -343,15 +343,18 @@ class RolloutManager:
                  f"{failure}; the episode ends with reward 0") for failure in failed]
 
     def _environment_metrics(self, stats: _StepStats) -> dict[str, float]:
-        """Per episode: turns and observations read; per rollout: the seconds spent in
-        the environment, failures, and the policy's share of the response tokens."""
+        """Per episode: turns, observations read and, where the environment counts them
+        (a ``tool_calls`` attribute), tool calls; per rollout: the seconds spent in the
+        environment, failures, and the policy's share of the response tokens."""
         if not stats.episodes:
             return {}
         episodes = stats.episodes
         response_tokens = sum(len(e.response_ids) for e in episodes)
+        counted = [e.tool_calls for e in episodes if e.tool_calls is not None]
         return {
+            **({"env/tool_calls_mean": _mean(counted)} if counted else {}),
             "env/turns_mean": _mean([e.turns for e in episodes]),
-            "env/tool_calls_mean": _mean([e.observations for e in episodes]),
+            "env/observations_mean": _mean([e.observations for e in episodes]),
             "env/seconds": stats.env_seconds,
             "env/failures": float(sum(e.failure is not None for e in episodes)),
             "env/done_fraction": _mean([e.env_done for e in episodes]),

@@ -152,8 +152,10 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
                if metrics.get("updates", 1) > 1 else "")
             + (f" ({metrics['updates/skipped']:.0f} skipped: no valid token)"
                if metrics.get("updates/skipped") else "")
-            + (f" | turns {metrics['env/turns_mean']:.1f}, tool calls "
-               f"{metrics['env/tool_calls_mean']:.1f}, env {metrics['env/seconds']:.1f} s"
+            + (f" | turns {metrics['env/turns_mean']:.1f}"
+               + (f", tool calls {metrics['env/tool_calls_mean']:.2f}"
+                  if "env/tool_calls_mean" in metrics else "")
+               + f", env {metrics['env/seconds']:.1f} s"
                + (f", {metrics['env/failures']:.0f} failed" if metrics["env/failures"] else "")
                if "env/turns_mean" in metrics else "")
             + evaluated)

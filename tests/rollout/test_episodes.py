@@ -71,6 +71,7 @@ def test_an_episode_is_one_sequence_with_the_policy_tokens_masked_in(
         assert [mask for mask, _ in runs] == [1, 0, 1, 0, 1]
         assert [tokenizer.decode(ids) for mask, ids in runs if mask == 0] == ["obs1:", "obs2:"]
         assert (episode.turns, episode.observations, episode.env_done) == (3, 2, True)
+        assert episode.tool_calls == 2  # the environment's own count, read at the end
         assert episode.reward == pytest.approx(0.75)  # the sum of the three steps' rewards
         holes = [lp for lp, m in zip(episode.log_probs, episode.response_mask, strict=True)
                  if m == 0]
@@ -100,7 +101,7 @@ def test_max_turns_and_the_token_budget_end_an_episode(engine: TorchEngine,
         assert episode.turns < 8 and not episode.env_done  # the budget ended it
     episodes, _ = play(engine, turns, ["a"] * 2, "Chatty", max_turns=8, max_total_tokens=40)
     for episode in episodes:  # 249 characters of answer never fit: one turn, no hole
-        assert (episode.turns, episode.observations) == (1, 0)
+        assert (episode.turns, episode.observations, episode.tool_calls) == (1, 0, None)
         assert episode.response_mask == [1] * len(episode.response_ids)
 
 

@@ -14,6 +14,8 @@ class Countdown:
     def __init__(self, turns: int = 3, reward: float = 0.25) -> None:
         self.turns, self.reward, self.taken = turns, reward, 0
         self.actions: list[str] = []
+        self.tool_calls = 0
+        """Counted like a tool's calls: each step but the last."""
 
     def reset(self, record: dict) -> str:
         return f"start {record['label']}:"
@@ -22,6 +24,7 @@ class Countdown:
         self.taken += 1
         self.actions.append(action)
         done = self.taken >= self.turns
+        self.tool_calls += not done
         return (None if done else f"obs{self.taken}:"), self.reward, done
 
 

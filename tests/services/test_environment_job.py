@@ -30,7 +30,7 @@ def _events(job: Path) -> list[dict]:
 
 def _check_env_row(row: dict[str, float], max_turns: int) -> None:
     assert 1 <= row["env/turns_mean"] <= max_turns
-    assert row["env/tool_calls_mean"] > 0  # some observation came back to the policy
+    assert row["env/observations_mean"] > 0  # some observation came back to the policy
     assert 0 < row["env/policy_token_share"] < 1  # so the response has holes in its mask
     assert row["env/failures"] == 0 and row["env/seconds"] >= 0
     assert row["tokens/valid"] > 0 and row["grad_norm"] > 0
@@ -122,6 +122,6 @@ def test_an_environment_job_resumes_exactly_with_async_packing_and_several_updat
     run_job(config, resumed, log=lambda *_: None)
     assert_same_training(resumed, CleanRun(whole, history))
     metrics = [r["metrics"] for r in rows(whole / "metrics.jsonl")]
-    assert all(m["env/policy_token_share"] < 1 and m["env/tool_calls_mean"] > 0
+    assert all(m["env/policy_token_share"] < 1 and m["env/observations_mean"] > 0
                for m in metrics)
     assert all(m["updates"] == 4 for m in metrics)

@@ -43,9 +43,11 @@ def test_the_progress_line_names_the_step_as_the_rows_do_and_counts_the_steps_do
     episodes = {"env/turns_mean": 2.5, "env/tool_calls_mean": 1.25, "env/seconds": 0.42,
                 "env/failures": 0.0}
     assert progress_line(3, 20, [{**ROW, **episodes}]).endswith(
-        "padding 10.0% | turns 2.5, tool calls 1.2, env 0.4 s")
+        "padding 10.0% | turns 2.5, tool calls 1.25, env 0.4 s")
     assert progress_line(3, 20, [{**ROW, **episodes, "env/failures": 2.0}]).endswith(
         ", env 0.4 s, 2 failed")
+    del episodes["env/tool_calls_mean"]  # an environment that counts none
+    assert progress_line(3, 20, [{**ROW, **episodes}]).endswith("| turns 2.5, env 0.4 s")
 
 
 def test_the_eta_is_the_mean_step_time_so_far_times_the_steps_left() -> None:
