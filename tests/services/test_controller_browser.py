@@ -47,6 +47,16 @@ def with_peak_memory(rows: list[dict], checkpoint_every: int = 10) -> list[dict]
     return rows
 
 
+def with_environment(rows: list[dict]) -> list[dict]:
+    """``rows`` plus a multi-turn environment's metrics (rollout/manager.py)."""
+    for row in rows:
+        row["metrics"] |= {"env/turns_mean": 2.5, "env/observations_mean": 1.5,
+                           "env/tool_calls_mean": 1.0, "env/policy_token_share": 0.6,
+                           "env/done_fraction": 0.75, "env/seconds": 0.2,
+                           "env/failures": float(row["step"] % 7 == 0)}
+    return rows
+
+
 @pytest.fixture(scope="module")
 def dashboard(tmp_path_factory: pytest.TempPathFactory):
     """A controller (Ray faked) holding a finished job and a four-mode sweep with metrics."""
@@ -59,8 +69,8 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory):
                                            "overrides": [*DEMO_OVERRIDES, "num_steps=40",
                                                          "aggregation.mode=token_mean"]}).json()
         http.post(f"/api/jobs/{job['id']}/metrics",
-                  json={"rows": with_peak_memory(with_length_bias_and_eval(step_rows(40),
-                                                                          eval_every=5))})
+                  json={"rows": with_environment(with_peak_memory(
+                      with_length_bias_and_eval(step_rows(40), eval_every=5)))})
         sweep = http.post("/api/sweeps", json={"config_yaml": config, "modes": MODES,
                                                "overrides": [*DEMO_OVERRIDES, "num_steps=4"]}
                           ).json()
@@ -90,7 +100,7 @@ def page(dashboard):
 
 JOB_CHARTS = ("pg_loss_modes", "length_bias_long", "length_bias_short", "reward", "eval", "kl",
               "entropy", "clip_fraction", "grad_norm", "response_length", "tokens_per_s",
-              "padding_fraction", "peak_mem")
+              "padding_fraction", "env_turns", "env_tokens", "env_seconds", "peak_mem")
 """The job page's charts, in page order (charts.js: JOB_CHARTS)."""
 
 # Columns of a chart's canvas holding blue (the first series' colour, #4269d0), counted
@@ -141,6 +151,10 @@ def test_job_page_draws_every_chart_with_points(dashboard, page) -> None:
                                                           "data-series")) == (84, "3")
     assert all(p in tab.locator('[data-chart="peak_mem"] .u-legend').inner_text()
                for p in PHASES)
+    # Environment: 40 steps × 3 series per episode; the share's axis stays in [0, 1].
+    assert (points_of(tab, "env_turns"), tab.get_attribute('[data-chart="env_turns"]',
+                                                           "data-series")) == (120, "3")
+    assert float(tab.get_attribute('[data-chart="env_tokens"]', "data-y-max")) <= 1.0
     covered, width = tab.evaluate(BLUE_COLUMNS, '[data-chart="eval"]')
     assert covered > width / 2, (covered, width)
     legend = tab.locator('[data-chart="pg_loss_modes"] .u-legend').inner_text()
@@ -155,9 +169,12 @@ def test_charts_without_points_say_no_data(dashboard, page) -> None:
     run = httpx.get(f"{url}/api/sweeps/{sweep_id}").json()["jobs"][1]["id"]  # no eval
     tab.goto(f"{url}/jobs/{run}")
     tab.wait_for_selector('[data-chart="pg_loss_modes"][data-points="8"]', timeout=15_000)
-    for chart in ("eval", "length_bias_long", "length_bias_short", "peak_mem"):
+    for chart in ("eval", "length_bias_long", "length_bias_short", "peak_mem", "env_turns",
+                  "env_tokens", "env_seconds"):
         assert points_of(tab, chart) == 0, chart
         assert tab.locator(f'[data-chart="{chart}"] .no-data').is_visible(), chart
+    assert tab.locator('[data-chart="env_turns"] .no-data').inner_text() == \
+        "no environment (rollout.environment)"
     assert tab.locator('[data-chart="eval"] .no-data').inner_text() == "no evaluation logged"
     assert tab.locator('[data-chart="eval"] h3').inner_text() == \
         "evaluation on held-out prompts"  # no k to show

@@ -15,7 +15,8 @@ const SPARSE_METRICS = new Set(["eval/accuracy", "eval/pass@k", "perf/peak_mem_g
 
 // Metrics that are fractions: a chart of only these keeps its y-axis inside [0, 1].
 const FRACTION_METRICS = new Set(["clip_fraction", "clip_fraction/min", "clip_fraction/max",
-  "padding_fraction", "eval/accuracy", "eval/pass@k"]);
+  "padding_fraction", "eval/accuracy", "eval/pass@k", "env/policy_token_share",
+  "env/done_fraction"]);
 
 // The y-range a chart draws from its data's [min, max]: uPlot's padded range of the data,
 // a flat series ±10 % of its value (±0.1 at 0: uPlot alone draws 0 on 0–100), and
@@ -33,6 +34,9 @@ const lengthBias = (bucket, which) => ({ id: `length_bias_${bucket}`,
   title: `length bias: share of the step's weight on the ${which} third of responses`,
   yRange: [0, 1], hint: "token_mean and constant coincide: both weigh a response by its tokens M_i",
   series: MODES.map((m) => ({ name: `length_bias/${m}/${bucket}`, label: m, mode: m })) });
+
+// What an environment chart says on a job without one.
+const NO_ENVIRONMENT = "no environment (rollout.environment)";
 
 // What a job page charts: title -> series (metric name, label); `note` names a metric
 // whose last value the title shows, `hint` a line under it, `empty` what a chart without
@@ -62,6 +66,19 @@ const JOB_CHARTS = [
     series: [{ name: "perf/tokens_per_s", label: "tokens/s" }] },
   { id: "padding_fraction", title: "padding fraction",
     series: [{ name: "padding_fraction", label: "padding" }] },
+  // rollout/manager.py: a job with rollout.environment plays multi-turn episodes
+  { id: "env_turns", title: "environment: per episode", empty: NO_ENVIRONMENT,
+    series: [{ name: "env/turns_mean", label: "policy turns" },
+      { name: "env/observations_mean", label: "observations read" },
+      { name: "env/tool_calls_mean", label: "tool calls" }] },
+  { id: "env_tokens", title: "environment: policy's share of response tokens, episodes it ended",
+    empty: NO_ENVIRONMENT, hint: "only the policy's tokens count in the loss",
+    series: [{ name: "env/policy_token_share", label: "policy token share" },
+      { name: "env/done_fraction", label: "ended by the environment" }] },
+  { id: "env_seconds", title: "environment seconds per rollout (and failed episodes)",
+    empty: NO_ENVIRONMENT,
+    series: [{ name: "env/seconds", label: "seconds" },
+      { name: "env/failures", label: "failed episodes" }] },
   // trainer/memory.py; a checkpoint is written only every checkpoint_every steps
   { id: "peak_mem", title: "peak memory (GB) per phase", empty: "no memory logged",
     hint: "each rank's peak: resident anonymous memory on CPU, max_memory_allocated on GPU",
