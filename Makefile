@@ -32,9 +32,10 @@ lint: install
 
 # Two workers, each test file whole on one (its module fixtures shared): most tests wait
 # on Ray actors or process groups, so the two cores are busier (20 -> 15 minutes here).
+# The slowest tests are listed at the end, to see where the time goes.
 test: install lint
 	bash deploy/ci/install-system-deps.sh
-	$(BIN)/pytest -m "not gpu" -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not gpu" -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 demo: install
 	$(BIN)/tally demo

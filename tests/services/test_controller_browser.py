@@ -210,6 +210,10 @@ def test_sweep_page_overlays_one_series_per_mode(dashboard, page) -> None:
     first_run = httpx.get(f"{url}/api/sweeps/{sweep_id}").json()["jobs"][0]["id"]
     httpx.post(f"{url}/api/jobs/{first_run}/metrics", json={"rows": step_rows(2, start=2)})
     tab.wait_for_selector('[data-chart="pg_loss"][data-points="10"]', timeout=15_000)
+    for _ in range(50):  # the response event may reach Python after the page drew it
+        if increments:
+            break
+        tab.wait_for_timeout(100)
     assert increments, "the live sweep page never asked for increments"
     sent = [{run["job_id"]: run["steps"] for run in answer["runs"]} for answer in increments]
     assert [2, 3] in [steps[first_run] for steps in sent]

@@ -13,14 +13,11 @@ import torch
 from typer.testing import CliRunner
 
 from services.cli import app
-from services.driver.loop import run_job
 from tests.services.driver.clean_run import (
     CleanRun,
-    Interrupted,
-    assert_same_training,
+    assert_resumes_exactly,
     clean_config,
     rows,
-    stop_after,
 )
 
 LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.optimizer.lr=1e-2",
@@ -34,14 +31,7 @@ def test_a_lora_job_resumes_exactly_and_syncs_only_adapters(ray_cluster: None,
 
     config = clean_config(*LORA)
     assert config.weight_transport() == "object_store"
-    whole = tmp_path / "whole"
-    history = run_job(config, whole, log=lambda *_: None)
-    resumed = tmp_path / "resumed"
-    with pytest.raises(Interrupted):
-        run_job(config, resumed, log=lambda *_: None, after_step=stop_after(1))
-    run_job(config, resumed, log=lambda *_: None)
-    assert_same_training(resumed, CleanRun(whole, history))
-
+    whole = assert_resumes_exactly(config, tmp_path)
     metrics = [r["metrics"] for r in rows(whole / "metrics.jsonl")]
     # (Samples are up to two versions stale here, so the log-prob mismatch is the
     # staleness's; at one version it is fp32 rounding: tests/trainer/fsdp/test_lora.py.)

@@ -102,6 +102,22 @@ def stop_after(last_step: int):
     return hook
 
 
+def assert_resumes_exactly(config: Any, tmp_path: Path, stop_at: int = 1) -> Path:
+    """Run ``config`` whole, and again stopped after rollout step ``stop_at`` and resumed:
+    the resumed run trains bit for bit what the whole one did. Returns the whole run's
+    folder."""
+    from services.driver.loop import run_job
+
+    whole = tmp_path / "whole"
+    history = run_job(config, whole, log=lambda *_: None)
+    resumed = tmp_path / "resumed"
+    with pytest.raises(Interrupted):
+        run_job(config, resumed, log=lambda *_: None, after_step=stop_after(stop_at))
+    run_job(config, resumed, log=lambda *_: None)
+    assert_same_training(resumed, CleanRun(whole, history))
+    return whole
+
+
 def wait_until_dead(call, timeout_s: float = 60.0) -> None:
     """Call ``call()`` (an actor method's ``.remote``) until the actor answers that it is
     dead: ``ray.kill`` returns before the process is gone."""
