@@ -285,10 +285,9 @@ class RolloutManager:
                        stats: _StepStats) -> list[_Group]:
         """G episodes of the environment for each of the given records."""
         group_size = self.config.n_samples_per_prompt
-        records = [self.records[i] for i, _ in taken for _ in range(group_size)]
+        indices = [i for i, _ in taken for _ in range(group_size)]
         started = time.perf_counter()
-        episodes, env_seconds = self._play(records, [i for i, _ in taken for _ in
-                                                     range(group_size)],
+        episodes, env_seconds = self._play([self.records[i] for i in indices], indices,
                                            self.config.sampling, step, draw)
         stats.gen_time_s += time.perf_counter() - started - env_seconds
         stats.env_seconds += env_seconds
@@ -384,9 +383,8 @@ class RolloutManager:
                 [gen.finish_reason == "length" for gen in generations]
             ),
         }
-        masks = ([m for g in groups for m in (g.masks or [[1] * len(gen.token_ids)
-                                                          for gen in g.generations])]
-                 if any(g.masks is not None for g in groups) else None)
+        masks = ([m for g in groups for m in g.masks or []] if self.turns is not None
+                 else None)  # episodes' holes; else every response token counts
         batch = RolloutBatch.from_samples(
             prompt_ids=[p for g in groups for p in g.prompt_ids],
             response_ids=[gen.token_ids for gen in generations],
