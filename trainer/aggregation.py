@@ -25,6 +25,22 @@ It receives copies of the whole step's mask and groups and returns the per-token
 w_it (a finite float tensor; weights where the mask is 0 are dropped), which keeps it
 exact under every layout. Built-in modes ship only c_i per sample (w_it = m_it · c_i).
 
+Deferred (the training API, several ``forward_backward`` calls before one
+``optim_step``, :func:`call_coefficients`): every mode factors as
+
+    J = (1/D) Σ_i c'_i Σ_t m_it ℓ_it    with c'_i known from sample i (or its group) alone
+                                         and D a sum over samples (or groups)
+
+    sample_mean  c'_i = 1/M_i      D = N        (each sample adds 1)
+    token_mean   c'_i = 1          D = Σ_i M_i  (each sample adds M_i)
+    prompt_mean  c'_i = 1/T_g(i)   D = P        (each group adds 1; groups whole per call)
+    constant     c'_i = 1          D = L·N      (each sample adds L)
+
+so a call k computes S_k = Σ_{i∈k} c'_i Σ_t m ℓ and its gradient with nothing it cannot
+know, and D = Σ_k D_k. The step's J = Σ_k S_k / Σ_k D_k and ∇J = (1/ΣD) Σ_k ∇S_k: the
+optimizer step scales the accumulated gradient once by 1/ΣD, before clipping. The
+weights are then exactly those of one call on the union (c_i = c'_i / D).
+
 Length bias (:func:`length_bias`, a dashboard view, no backward): sort the step's samples
 by (M_i, i) and cut them into the shortest, middle and longest third B_s, B_m, B_l (sizes
 as equal as possible and symmetric: N = 3k+1 gives the middle the extra sample, N = 3k+2
@@ -58,6 +74,7 @@ __all__ = [
     "IncompleteGroupError",
     "aggregate",
     "aggregate_all_modes",
+    "call_coefficients",
     "custom_reducer_weights",
     "length_bias",
     "load_custom_reducer",
@@ -130,6 +147,36 @@ def sample_coefficients(
         if divisor is None or not divisor > 0:
             raise ValueError(f"divisor: mode=constant needs a divisor > 0, got {divisor}")
         return torch.full_like(counts, 1.0 / (divisor * num_samples))
+    raise ValueError(f"mode: unknown aggregation mode {mode!r}; expected {AGGREGATION_MODES}")
+
+
+def call_coefficients(
+    sample_token_counts: torch.Tensor,
+    group_index: torch.Tensor,
+    mode: AggregationMode,
+    divisor: float | None = None,
+) -> tuple[torch.Tensor, float]:
+    """(c'_i [N], D) of one call of a deferred step (module docstring, "Deferred"): the
+    per-call coefficients and this call's share of the step's denominator. Summing D over
+    the calls of a step and scaling by 1/ΣD gives :func:`sample_coefficients` of their
+    union. prompt_mean needs each group whole in the call (every group the same size)."""
+    counts = sample_token_counts.to(torch.float64)
+    num_samples = counts.shape[0]
+    if mode == "sample_mean":
+        return torch.where(counts > 0, 1.0 / counts.clamp(min=1), 0.0), float(num_samples)
+    if mode == "token_mean":
+        return torch.ones_like(counts), float(counts.sum())
+    if mode == "prompt_mean":
+        dense, num_prompts = _check_groups(group_index, None)
+        totals = torch.zeros(num_prompts, dtype=torch.float64, device=counts.device)
+        totals.index_add_(0, dense.to(counts.device), counts)
+        group_totals = totals[dense]
+        return (torch.where(group_totals > 0, 1.0 / group_totals.clamp(min=1), 0.0),
+                float(num_prompts))
+    if mode == "constant":
+        if divisor is None or not divisor > 0:
+            raise ValueError(f"divisor: mode=constant needs a divisor > 0, got {divisor}")
+        return torch.ones_like(counts), float(divisor) * num_samples
     raise ValueError(f"mode: unknown aggregation mode {mode!r}; expected {AGGREGATION_MODES}")
 
 

@@ -110,6 +110,10 @@ class LossConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
+    policy_loss: Literal["ppo", "importance_sampling", "cross_entropy"] = "ppo"
+    """The pg term's per-token loss (trainer/losses.py): ppo (the clipped surrogate),
+    importance_sampling (REINFORCE weighted by π/π_rollout, truncated at tis_cap when
+    set) or cross_entropy (−log π of the target: SFT, advantages unused)."""
     eps_clip: float = Field(default=0.2, gt=0)
     """PPO lower clip: the ratio is kept ≥ 1 − eps_clip."""
     eps_clip_high: float | None = Field(default=None, gt=0)

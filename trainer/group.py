@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rollout.batch import RolloutBatch
 from rollout.plugins import load_object
 from trainer.backends.megatron import decide_attention
-from trainer.config import ObjectiveConfig, TrainerConfig
+from trainer.config import LossConfig, ObjectiveConfig, TrainerConfig
 from trainer.step_plan import StepPlan, packs, plan_step
 from trainer.worker import TrainerWorker
 
@@ -161,6 +161,26 @@ class TrainerGroup:
         memory = most([{k: v for k, v in rank.items() if k.startswith(MEMORY_PREFIXES)}
                        for rank in per_rank])
         return {**per_rank[0], **memory}  # the sums are global; memory is each rank's
+
+    # The training API (services/sessions): a step's gradients over several calls.
+
+    def accumulate(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
+        """Backpropagate ``plan``'s weighted sums into the gradients (no update)."""
+        return self._call(TrainerWorker.forward_backward, ray.put(batch), ray.put(plan))[0]
+
+    def evaluate(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
+        """The sums ``accumulate`` would return, without a gradient."""
+        return self._call(TrainerWorker.forward_only, ray.put(batch), ray.put(plan))[0]
+
+    def apply_gradients(self, scale: float, adam: dict[str, Any], grad_clip: float | None
+                        ) -> dict[str, float]:
+        return self._call(TrainerWorker.apply_gradients, scale, adam, grad_clip)[0]
+
+    def discard_gradients(self) -> None:
+        self._call(TrainerWorker.discard_gradients)
+
+    def use_loss(self, loss: LossConfig) -> None:
+        self._call(TrainerWorker.use_loss, loss)
 
     def log_probs(self, batch: RolloutBatch) -> Any:
         """log π_T [N, S] of every response token under the current policy (no update)."""

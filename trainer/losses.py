@@ -9,6 +9,10 @@ With log-ratio r_t = log π_θ(a_t) − log π_old(a_t), ratio ρ_t = exp(r_t) a
     PPO clip     ℓ = max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))
     dual clip    for A < 0: ℓ = min(ℓ, −A·c)                    (c > 1, Ye et al. 2020)
     TIS          ℓ ← min(π_old / π_rollout, cap) · ℓ             (weight detached)
+    IS (REINFORCE) with q_t = exp(log π_rollout(a_t)), ρ_q = π_θ / q:
+                 ℓ = −A·ρ_q·sg(min(ρ_q, cap)/ρ_q)    value −A·min(ρ_q, cap), gradient
+                                                     −A·min(ρ_q, cap)·∇log π_θ
+    cross entropy ℓ = −log π_θ(a_t)                               (SFT; A unused)
     KL (to ref)  with δ = log π_ref − log π_θ:
                  k1 = −δ,  k2 = δ²/2,  k3 = exp(δ) − 1 − δ,  low_var_kl = clamp(k3, −10, 10)
     entropy      H_t = −Σ_v p_v log p_v                          (a bonus: subtracted)
@@ -55,7 +59,12 @@ def policy_gradient_loss(
     loss_mask: torch.Tensor,
     rollout_log_probs: torch.Tensor | None = None,
 ) -> PolicyLossTerms:
-    """PPO clipped surrogate per token, with optional dual clip and TIS; 0 where masked."""
+    """The pg term per token (``config.policy_loss``): the PPO clipped surrogate with
+    optional dual clip and TIS, importance-sampled REINFORCE or cross entropy; 0 where
+    masked."""
+    if config.policy_loss != "ppo":
+        return _reinforce_or_cross_entropy(log_probs, advantages, config, loss_mask,
+                                           rollout_log_probs)
     ratio = safe_exp_log_ratio(log_probs - old_log_probs, loss_mask)
     eps_high = config.eps_clip_high if config.eps_clip_high is not None else config.eps_clip
     unclipped = -advantages * ratio
@@ -70,6 +79,25 @@ def policy_gradient_loss(
         loss = loss * tis_weight.clamp(max=config.tis_cap).detach()
     loss = torch.where(loss_mask > 0, loss, torch.zeros_like(loss))
     return PolicyLossTerms(pg_loss=loss, clipped=was_clipped, ratio=ratio.detach())
+
+
+def _reinforce_or_cross_entropy(
+    log_probs: torch.Tensor, advantages: torch.Tensor, config: LossConfig,
+    loss_mask: torch.Tensor, rollout_log_probs: torch.Tensor | None,
+) -> PolicyLossTerms:
+    """``policy_loss`` importance_sampling or cross_entropy (module docstring)."""
+    zeros = torch.zeros_like(log_probs)
+    if config.policy_loss == "cross_entropy":
+        loss = torch.where(loss_mask > 0, -log_probs, zeros)
+        return PolicyLossTerms(pg_loss=loss, clipped=zeros, ratio=torch.ones_like(zeros))
+    sampled = rollout_log_probs if rollout_log_probs is not None else log_probs.detach()
+    ratio = safe_exp_log_ratio(log_probs - sampled, loss_mask)
+    truncation = torch.ones_like(ratio)
+    if config.tis_cap is not None:
+        truncation = (ratio.clamp(max=config.tis_cap) / ratio).detach()
+    loss = torch.where(loss_mask > 0, -advantages * ratio * truncation, zeros)
+    truncated = ((truncation < 1) & (loss_mask > 0)).to(log_probs.dtype)
+    return PolicyLossTerms(pg_loss=loss, clipped=truncated, ratio=ratio.detach())
 
 
 def kl_penalty(

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.weight_bucket import DTYPES
-from trainer.config import ObjectiveConfig, TrainerConfig
+from trainer.config import LossConfig, ObjectiveConfig, TrainerConfig
 from trainer.memory import PeakMemory, phase_metrics
 from trainer.rank import init_rank, open_store
 
@@ -321,6 +321,33 @@ class TrainerWorker(abc.ABC):
         implements it; only FSDP does."""
         raise NotImplementedError(f"the colocated fast path (colocate: true with a torch "
                                   f"engine) needs trainer.backend: fsdp, not "
+                                  f"{self.config.backend}")
+
+    # The training API's verbs (services/sessions): gradients accumulated over calls.
+
+    def use_loss(self, loss: LossConfig) -> None:
+        """The loss terms of the calls that follow (a session's ``loss_fn``); the KL
+        coefficient stays the configured one (it decided the reference model)."""
+        self.config = self.config.model_copy(update={"loss": loss.model_copy(
+            update={"kl_coef": self.config.loss.kl_coef})})
+
+    def forward_only(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
+        """Collective, no gradient: the sums ``forward_backward`` would return."""
+        raise NotImplementedError(f"training sessions need trainer.backend: fsdp, not "
+                                  f"{self.config.backend}")
+
+    def apply_gradients(self, scale: float, adam: dict[str, Any], grad_clip: float | None
+                        ) -> dict[str, float]:
+        """Collective: the gradients ``forward_backward`` calls accumulated, times
+        ``scale`` (the step's 1/ΣD, trainer/aggregation.py), clipped to ``grad_clip``,
+        then one optimizer step with ``adam``'s settings (lr, betas, eps, weight_decay;
+        no schedule); returns ``grad_norm`` (scaled, before clipping) and ``lr``."""
+        raise NotImplementedError(f"training sessions need trainer.backend: fsdp, not "
+                                  f"{self.config.backend}")
+
+    def discard_gradients(self) -> None:
+        """Drop the accumulated gradients (a session restored from a save)."""
+        raise NotImplementedError(f"training sessions need trainer.backend: fsdp, not "
                                   f"{self.config.backend}")
 
     # Backend verbs.

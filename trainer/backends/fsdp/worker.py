@@ -13,6 +13,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -129,6 +130,14 @@ class FSDPWorker(TrainerWorker):
 
     def forward_backward(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         """Σ w·ℓ over this rank's tokens, backpropagated; returns the step's exact terms."""
+        return self._objective_sums(batch, plan, backward=True)
+
+    @torch.no_grad()
+    def forward_only(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
+        return self._objective_sums(batch, plan, backward=False)
+
+    def _objective_sums(self, batch: RolloutBatch, plan: StepPlan, backward: bool
+                        ) -> dict[str, float]:
         scale = sum_reduction_factor(self.config.world_size)  # FSDP averages; we SUM
         mode_names = plan.mode_metric_names
         totals = None
@@ -140,7 +149,8 @@ class FSDPWorker(TrainerWorker):
                                                     self.config.loss, mode_names,
                                                     self.planted_terms,
                                                     self.objective.gradient_of)
-            (objective * scale).backward()
+            if backward:
+                (objective * scale).backward()
             totals = sums.cpu() if totals is None else totals + sums.cpu()
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every token is owned by one rank
         return step_metrics(totals, mode_names)
@@ -189,6 +199,23 @@ class FSDPWorker(TrainerWorker):
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return {"grad_norm": float(grad_norm), "lr": lr}
+
+    def apply_gradients(self, scale: float, adam: dict[str, Any], grad_clip: float | None
+                        ) -> dict[str, float]:
+        for p in self.trained:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        for group in self.optimizer.param_groups:
+            group.update(adam)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.trained, grad_clip if grad_clip is not None else float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "lr": float(adam["lr"])}
+
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
         """Collective; rank 0 returns the full Hugging Face state dict, others None."""

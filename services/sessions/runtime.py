@@ -1,0 +1,288 @@
+"""A training session: a trainer group and one engine that a user's own loop drives.
+
+    forward_backward × k ──► gradients accumulate (each call weighted by its own c'_i)
+    optim_step ───────────► × 1/ΣD, clip, AdamW step        (trainer/aggregation.py)
+    sample ───────────────► the engine, synced to the last step first
+
+Several ``forward_backward`` calls then one ``optim_step`` give exactly the gradient of
+one call on the union of their data: each call's samples are weighted by what they know
+alone (c'_i: 1/M_i, 1, 1/T_g or 1) and the step's denominator D (N, ΣM, P or L·N) is
+the sum of the calls' parts, applied once when the step is taken
+(docs/loss-aggregation.md, "Deferred"). The calls of one step share one mode (and L).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from rollout.engines import engine_actor_options, engine_class
+from services.config import JobConfig
+from services.placement import reserve_job
+from services.sessions.requests import (
+    Datum,
+    ForwardBackward,
+    OptimStep,
+    Problem,
+    Sample,
+    call_batch,
+    check_data,
+    target_log_probs,
+)
+from trainer.aggregation import call_coefficients
+from trainer.checkpoint import ADAPTER_DIR
+from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
+from trainer.export import export_checkpoint
+from trainer.group import TrainerGroup
+
+
+class SessionError(ValueError):
+    """A call the session refuses: ``status`` (409 or 422) and the (field, message)
+    problems."""
+
+    def __init__(self, status: int, problems: list[Problem]) -> None:
+        super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
+        self.status, self.problems = status, problems
+
+
+@dataclass
+class PendingStep:
+    """What the ``forward_backward`` calls since the last ``optim_step`` accumulated."""
+
+    mode: str | None = None
+    divisor: float | None = None
+    calls: int = 0
+    denominator: float = 0.0
+    """Σ_k D_k over the calls."""
+    sums: dict[str, float] = field(default_factory=dict)
+    """Σ_k of each logged sum (Σ c'·ℓ and the counts)."""
+    groups: set[int] = field(default_factory=set)
+
+
+def _mode_text(mode: str | None, divisor: float | None) -> str:
+    return f"mode {mode}" + ("" if divisor is None else f" (L={divisor:g})")
+
+
+def loss_for(base: LossConfig, loss_fn: str) -> LossConfig:
+    """The session's loss terms with ``loss_fn`` as the pg term; PPO's ratio is to the
+    sampling log-probs (the datums carry no other old policy)."""
+    update: dict[str, Any] = {"policy_loss": loss_fn}
+    if loss_fn == "ppo":
+        update["old_log_probs"] = "rollout"
+    return base.model_copy(update=update)
+
+
+class TrainingSession:
+    def __init__(self, config: JobConfig, model_path: str, folder: Path) -> None:
+        """Reserve the gang (trainer ranks and one engine), start them; ``folder`` holds
+        saves and checkpoints."""
+        self.config, self.model_path, self.folder = config, model_path, folder
+        self.temperature = config.rollout.sampling.temperature
+        self.objective = ObjectiveConfig(pg=AggregationConfig(mode="sample_mean"),
+                                         temperature=self.temperature)
+        self.lock = threading.Lock()
+        self.gang = reserve_job(config, on_wait=print)
+        self.trainer = TrainerGroup(config.trainer, self.objective, model_path,
+                                    total_steps=1, placement=self.gang.group)
+        engine = config.rollout.engine
+        actor = ray.remote(engine_class(engine))
+        self.engine = actor.options(**{**engine_actor_options(engine),
+                                       **self.gang.engine_options[0]}
+                                    ).remote(engine, model_path, config.rollout.tokenizer, 0)
+        ray.get(self.engine.ping.remote())
+        from transformers import AutoConfig
+
+        self.vocab_size = int(AutoConfig.from_pretrained(model_path).vocab_size)
+        self.step = 0
+        self.engine_version = 0
+        self.tokens = 0
+        self.samples_drawn = 0
+        self.pending = PendingStep()
+        self.loss_fn: str | None = None
+        self.last: dict[str, Any] = {}
+        self.last_call = time.monotonic()
+
+    # ---- the verbs ----------------------------------------------------------------------
+
+    def _use_loss(self, loss_fn: str) -> None:
+        if loss_fn != self.loss_fn:
+            self.trainer.use_loss(loss_for(self.config.trainer.loss, loss_fn))
+            self.loss_fn = loss_fn
+
+    def _prepare(self, request: ForwardBackward, for_step: bool) -> tuple[Any, Any, float]:
+        """(batch, plan with the call's c'_i, the call's D) of a checked request."""
+        mode, divisor = request.aggregation.mode, request.aggregation.divisor
+        if for_step and self.pending.calls and (mode, divisor) != (self.pending.mode,
+                                                                    self.pending.divisor):
+            raise SessionError(409, [("aggregation.mode", (
+                f"{_mode_text(mode, divisor)} differs from "
+                f"{_mode_text(self.pending.mode, self.pending.divisor)} of the "
+                f"{self.pending.calls} forward_backward call(s) pending; the calls of one "
+                "step share one mode: call optim_step first"))])
+        problems = check_data(request, self.vocab_size,
+                              self.pending.groups if for_step else set())
+        if problems:
+            raise SessionError(422, problems)
+        batch = call_batch(request.data, mode)
+        coefficients, denominator = call_coefficients(
+            batch.loss_mask.to(torch.float64).sum(dim=-1), batch.group_index, mode, divisor)
+        plan = self.trainer.plan(batch)
+        plan = replace(plan, coefficients={"pg": coefficients, "kl": coefficients,
+                                           "entropy": coefficients})
+        self._use_loss(request.loss_fn)
+        return batch, plan, denominator
+
+    def _objective(self, sums: dict[str, float], denominator: float) -> float:
+        """J of the terms the backward takes: (Σ pg + β Σ kl − α Σ H) / D."""
+        loss = self.config.trainer.loss
+        total = sums["pg_loss"] + loss.kl_coef * sums["kl"] - loss.entropy_coef * sums["entropy"]
+        return total / denominator if denominator > 0 else 0.0
+
+    def _log_probs(self, data: list[Datum]) -> list[list[float]]:
+        return target_log_probs(self.trainer.log_probs(call_batch(data, "token_mean",
+                                                                  full_mask=True)), data)
+
+    def forward_backward(self, request: ForwardBackward) -> dict[str, Any]:
+        batch, plan, denominator = self._prepare(request, for_step=True)
+        sums = self.trainer.accumulate(batch, plan)
+        pending = self.pending
+        if not pending.calls:
+            pending.mode = request.aggregation.mode
+            pending.divisor = request.aggregation.divisor
+        pending.calls += 1
+        pending.denominator += denominator
+        pending.sums = {k: pending.sums.get(k, 0.0) + v for k, v in sums.items()
+                        if k in SUMMED}
+        pending.groups |= {d.group for d in request.data if d.group is not None}
+        self.tokens += batch.num_valid_tokens
+        return {"loss": self._objective(sums, denominator),
+                "logprobs": self._log_probs(request.data),
+                "metrics": self._call_metrics(sums, denominator)}
+
+    def forward(self, request: ForwardBackward) -> dict[str, Any]:
+        batch, plan, denominator = self._prepare(request, for_step=False)
+        sums = self.trainer.evaluate(batch, plan)
+        return {"loss": self._objective(sums, denominator),
+                "logprobs": self._log_probs(request.data),
+                "metrics": self._call_metrics(sums, denominator)}
+
+    def _call_metrics(self, sums: dict[str, float], denominator: float) -> dict[str, float]:
+        return {"valid_tokens": sums["valid_tokens"], "denominator": denominator,
+                "pg_loss": sums["pg_loss"] / denominator if denominator else 0.0,
+                "kl": sums["kl"] / denominator if denominator else 0.0,
+                "entropy": sums["entropy"] / denominator if denominator else 0.0,
+                "clip_fraction": sums["clip_fraction"],
+                "mismatch/log_prob_abs_diff": sums["mismatch/log_prob_abs_diff"],
+                "pending_calls": float(self.pending.calls)}
+
+    def optim_step(self, request: OptimStep) -> dict[str, Any]:
+        pending = self.pending
+        if not pending.calls:
+            raise SessionError(409, [("optim_step", "no forward_backward call since the last "
+                                      "optim_step: there is no gradient to step with")])
+        if pending.denominator <= 0:  # token_mean over calls without a weighted token
+            self.trainer.discard_gradients()
+            self.pending = PendingStep()
+            raise SessionError(409, [("optim_step", "the pending calls hold no weighted "
+                                      "token (every weight is 0); they are dropped")])
+        scale = 1.0 / pending.denominator
+        result = self.trainer.apply_gradients(scale, request.adam.model_dump(mode="python"),
+                                              request.grad_clip)
+        self.step += 1
+        metrics = {"loss": self._objective(pending.sums, pending.denominator),
+                   "grad_norm": result["grad_norm"], "lr": result["lr"],
+                   "calls": float(pending.calls), "denominator": pending.denominator,
+                   "valid_tokens": pending.sums["valid_tokens"]}
+        self.pending = PendingStep()
+        self.last = {"step": self.step, **metrics}
+        return {"step": self.step, "grad_norm": result["grad_norm"], "loss": metrics["loss"],
+                "metrics": metrics}
+
+    def sample(self, request: Sample) -> dict[str, Any]:
+        for i, prompt in enumerate(request.prompt_tokens):
+            bad = next((j for j, t in enumerate(prompt) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise SessionError(422, [(f"prompt_tokens[{i}][{bad}]", (
+                    f"token id {prompt[bad]} is outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})"))])
+            if not prompt:
+                raise SessionError(422, [(f"prompt_tokens[{i}]", "is empty")])
+        self._sync_engine()
+        sampling = request.sampling or self.config.rollout.sampling
+        seed = request.seed if request.seed is not None else (
+            self.config.rollout.seed * 1_000_003 + self.samples_drawn)
+        self.samples_drawn += 1
+        prompts = [p for p in request.prompt_tokens for _ in range(request.num_samples)]
+        generations = ray.get(self.engine.generate.remote(prompts, sampling, seed))
+        n = request.num_samples
+        return {"sequences": [[{"tokens": g.token_ids, "logprobs": g.log_probs,
+                                "finish_reason": g.finish_reason}
+                               for g in generations[k * n:(k + 1) * n]]
+                              for k in range(len(request.prompt_tokens))],
+                "step": self.step}
+
+    def _sync_engine(self) -> None:
+        """The engine serves the weights of the last optim_step (sent once per step)."""
+        if self.engine_version == self.step:
+            return
+        engine = self.config.rollout.engine
+        buckets, _ = self.trainer.async_export_weight_buckets(
+            getattr(engine, "dtype", "float32"), self.config.trainer.weight_sync.bucket_mb)
+        ray.get(self.engine.load_weight_buckets.remote(ray.get(buckets), self.step))
+        self.engine_version = self.step
+
+    def save(self, name: str) -> dict[str, Any]:
+        """The weights as a Hugging Face folder (LoRA: peft's adapter folder) at
+        ``saved/<name>``, and the whole trainer state (optimizer included) under
+        ``checkpoints/<name>`` for :meth:`load`."""
+        if self.pending.calls:
+            raise SessionError(409, [("save", f"{self.pending.calls} forward_backward call(s) "
+                                      "are pending; call optim_step first")])
+        checkpoint = self.folder / "checkpoints" / name
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        self.trainer.save_checkpoint(str(checkpoint))
+        (checkpoint / "session_step").write_text(str(self.step))
+        adapter = (checkpoint / ADAPTER_DIR).is_dir()
+        out = export_checkpoint(checkpoint, self.folder / "saved" / name, adapter=adapter)
+        return {"path": str(out), "step": self.step, "adapter": adapter}
+
+    def load(self, name: str) -> dict[str, Any]:
+        """Back to a save of this session: weights, optimizer state and step."""
+        checkpoint = self.folder / "checkpoints" / name
+        if not checkpoint.is_dir():
+            raise SessionError(404, [("name", f"no save named {name!r} in this session")])
+        self.trainer.discard_gradients()
+        self.trainer.load_checkpoint(str(checkpoint))
+        self.pending = PendingStep()
+        self.step = int((checkpoint / "session_step").read_text())
+        self.engine_version = -1  # whatever the engine serves, it is not this
+        return {"step": self.step}
+
+    def state(self) -> dict[str, Any]:
+        return {"step": self.step, "pending_calls": self.pending.calls,
+                "pending_mode": self.pending.mode, "tokens": self.tokens,
+                "last": self.last, "world_size": self.config.trainer.world_size,
+                "model": self.config.rollout.model}
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            ray.kill(self.engine)
+        self.trainer.shutdown()
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):
+            remove_placement_group(self.gang.group)
+
+
+SUMMED = ("pg_loss", "kl", "entropy", "valid_tokens")
+"""The logged sums a step adds over its calls."""
+

@@ -1,0 +1,200 @@
+"""A session's own process: ``python -m services.sessions.server <folder>``, a Ray job.
+
+The controller submits it like a job (same Ray job server, same gang placement through
+``reserve_job``), so the session outlives a controller killed mid-session, and a
+restarted controller finds it again from ``<folder>/session.json``:
+
+    {"state": "ready", "host": "127.0.0.1", "port": …, "pid": …}      serving
+    {"state": "ended", "reason": "idle" | "closed", "saved_path": …}  gone, state saved
+
+It listens on loopback only and answers only the controller (``TALLY_SESSION_SECRET``
+as a bearer token). Calls run one at a time, in the order they arrive. After
+``TALLY_SESSION_IDLE_TIMEOUT_S`` without a call the session saves its state (``save
+idle``: a Hugging Face folder and the trainer state) and ends.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from services.sessions.requests import ForwardBackward, OptimStep, Problem, Sample, Save
+from services.sessions.runtime import SessionError, TrainingSession
+
+SESSION_FILE = "session.json"
+CONFIG_FILE = "config.json"
+SECRET_ENV = "TALLY_SESSION_SECRET"
+IDLE_ENV = "TALLY_SESSION_IDLE_TIMEOUT_S"
+
+
+def write_state(folder: Path, state: dict[str, Any]) -> None:
+    """``session.json``, replaced whole (a reader never sees half of it)."""
+    staged = folder / f".{SESSION_FILE}.tmp"
+    staged.write_text(json.dumps(state))
+    staged.replace(folder / SESSION_FILE)
+
+
+def read_state(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / SESSION_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def field_of(loc: tuple[Any, ...]) -> str:
+    """A pydantic location as the API names it: ``data[3].tokens``."""
+    text = ""
+    for part in loc:
+        if part == "body":
+            continue
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "<body>"
+
+
+def problems_response(status: int, problems: list[Problem]) -> JSONResponse:
+    detail = "; ".join(f"{f}: {m}" for f, m in problems)
+    return JSONResponse({"detail": detail,
+                         "errors": [{"field": f, "message": m} for f, m in problems]}, status)
+
+
+def create_app(session: TrainingSession, secret: str, on_close: Any) -> FastAPI:
+    app = FastAPI(title="Tally session", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def only_the_controller(request: Request, call_next: Any) -> Any:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ")
+        if not hmac.compare_digest(given.encode(), secret.encode()):
+            return JSONResponse({"detail": "not the controller"}, 401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return problems_response(422, [(field_of(tuple(e.get("loc", ()))),
+                                        str(e.get("msg", ""))) for e in exc.errors()])
+
+    @app.exception_handler(SessionError)
+    async def refused(_request: Request, exc: SessionError) -> JSONResponse:
+        return problems_response(exc.status, exc.problems)
+
+    def run(verb: Any, *args: Any) -> Any:
+        with session.lock:
+            session.last_call = time.monotonic()
+            try:
+                return verb(*args)
+            finally:
+                session.last_call = time.monotonic()
+
+    @app.post("/forward_backward")
+    def forward_backward(body: ForwardBackward) -> dict[str, Any]:
+        return run(session.forward_backward, body)
+
+    @app.post("/forward")
+    def forward(body: ForwardBackward) -> dict[str, Any]:
+        return run(session.forward, body)
+
+    @app.post("/optim_step")
+    def optim_step(body: OptimStep) -> dict[str, Any]:
+        return run(session.optim_step, body)
+
+    @app.post("/sample")
+    def sample(body: Sample) -> dict[str, Any]:
+        return run(session.sample, body)
+
+    @app.post("/save")
+    def save(body: Save) -> dict[str, Any]:
+        return run(session.save, body.name)
+
+    @app.post("/load")
+    def load(body: Save) -> dict[str, Any]:
+        return run(session.load, body.name)
+
+    @app.get("/state")
+    def state() -> dict[str, Any]:
+        return {**session.state(), "idle_s": time.monotonic() - session.last_call}
+
+    @app.post("/close")
+    def close() -> dict[str, Any]:
+        with session.lock:
+            on_close("closed", None)
+            return {"state": "ended"}
+
+    return app
+
+
+def serve(folder: Path) -> int:
+    import uvicorn
+
+    from services.config import JobConfig
+    from services.driver.job import ensure_ray, job_model_path, with_threads
+
+    config = JobConfig.model_validate_json((folder / CONFIG_FILE).read_text())
+    secret = os.environ[SECRET_ENV]
+    idle_timeout_s = float(os.environ.get(IDLE_ENV, "1800"))
+    ensure_ray(num_cpus=os.cpu_count() or 1)
+    model_path = job_model_path(config)
+    config = with_threads(config, model_path)
+    write_state(folder, {"state": "starting", "pid": os.getpid()})
+    session = TrainingSession(config, model_path, folder)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    server: uvicorn.Server | None = None
+    ended: dict[str, Any] = {}
+
+    def end(reason: str, saved_path: str | None) -> None:
+        ended.update({"state": "ended", "reason": reason, "saved_path": saved_path,
+                      "step": session.step})
+        if server is not None:
+            server.should_exit = True
+
+    def watch_idle() -> None:
+        while not ended:
+            time.sleep(min(1.0, idle_timeout_s / 4))
+            if time.monotonic() - session.last_call < idle_timeout_s:
+                continue
+            with session.lock:
+                if time.monotonic() - session.last_call < idle_timeout_s or ended:
+                    continue
+                saved = None
+                if not session.pending.calls:
+                    saved = session.save("idle")["path"]
+                print(f"session idle for {idle_timeout_s:g} s: state saved at {saved}; "
+                      "ending", flush=True)
+                end("idle", saved)
+
+    app = create_app(session, secret, end)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    host, port = listener.getsockname()
+    write_state(folder, {"state": "ready", "host": host, "port": port, "pid": os.getpid()})
+    print(f"session ready: step {session.step}, {config.trainer.world_size} trainer rank(s), "
+          f"model {config.rollout.model}", flush=True)
+    threading.Thread(target=watch_idle, daemon=True).start()
+    try:
+        server.run(sockets=[listener])
+    finally:
+        session.close()
+        write_state(folder, ended or {"state": "ended", "reason": "stopped",
+                                      "saved_path": None, "step": session.step})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m services.sessions.server <session folder>", file=sys.stderr)
+        return 2
+    return serve(Path(args[0]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
