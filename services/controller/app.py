@@ -82,7 +82,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 def create_app(settings: Settings | None = None, backend: JobBackend | None = None) -> FastAPI:
     """The controller app. ``backend`` replaces Ray (tests); None: Ray, per settings."""
-    from services.controller import routes_jobs, routes_stream, routes_sweeps
+    from services.controller import routes_jobs, routes_sessions, routes_stream, routes_sweeps
 
     settings = settings or Settings.from_env()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -131,6 +131,7 @@ def create_app(settings: Settings | None = None, backend: JobBackend | None = No
     app.include_router(routes_jobs.router)
     app.include_router(routes_stream.router)
     app.include_router(routes_sweeps.router)
+    app.include_router(routes_sessions.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.get("/healthz", tags=["service"])

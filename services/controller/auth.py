@@ -2,7 +2,9 @@
 
 Reads stay open (the dashboard). A job the controller submits gets its own token,
 HMAC(api token, job id): it may post metrics and status for that job and nothing else,
-and the controller can recompute it after a restart without storing it.
+and the controller can recompute it after a restart without storing it. A training
+session's token, HMAC(api token, "session:" + id), is made the same way and opens that
+session's calls only.
 """
 
 from __future__ import annotations
@@ -50,4 +52,21 @@ def require_job_token(job_id: str, request: Request, credentials: Credentials) -
     given = (credentials.credentials if credentials else "").encode()
     if not (hmac.compare_digest(given, expected.encode())
             or hmac.compare_digest(given, job_token(expected, job_id).encode())):
+        raise _unauthorized()
+
+
+def session_token(api_token: str, session_id: str) -> str:
+    """The token of one training session: its own calls, nothing else."""
+    return hmac.new(api_token.encode(), f"session:{session_id}".encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def require_session_token(session_id: str, request: Request, credentials: Credentials) -> None:
+    """The API token, or the token of this one session."""
+    expected = _api_token(request)
+    if expected is None:
+        return
+    given = (credentials.credentials if credentials else "").encode()
+    if not (hmac.compare_digest(given, expected.encode())
+            or hmac.compare_digest(given, session_token(expected, session_id).encode())):
         raise _unauthorized()

@@ -29,6 +29,7 @@ from services.controller.auth import job_token
 from services.controller.capacity import Capacity
 from services.controller.job_logs import failure_cause, without_stop_dumps
 from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobInfo
+from services.controller.session_rows import poll_sessions
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
 from services.controller.tables import ACTIVE, TERMINAL, Job
@@ -75,6 +76,7 @@ class Reconciler:
     def tick(self) -> None:
         self.find_registered()
         self.poll_ray()
+        poll_sessions(self.store, self.backend)
         self.submit_queued()
         for job in self.store.jobs_with_status(ACTIVE):
             self.backfill(job)
@@ -162,7 +164,9 @@ class Reconciler:
             return
         try:
             usage = getattr(self.backend, "resources", lambda: None)()  # None: unknown
-            capacity = Capacity(usage, [self.needs(j) for j in active])
+            sessions = [job_needs(JobConfig.model_validate_json(s.config_resolved))
+                        for s in self.store.live_sessions()]  # training sessions hold theirs
+            capacity = Capacity(usage, [self.needs(j) for j in active] + sessions)
         except BackendUnavailable:
             self.errors += 1
             return

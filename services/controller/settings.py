@@ -60,6 +60,12 @@ class Settings(BaseModel):
     """Seconds between two passes of the status reconcile loop."""
     python: str = sys.executable
     """Interpreter of job entrypoints (the controller's venv)."""
+    max_sessions: int = Field(default=4, gt=0)
+    """Training sessions (services/sessions) live at once; another is refused with 429."""
+    session_idle_timeout_s: float = Field(default=1800.0, gt=0)
+    """A session without a call for this long saves its state and ends."""
+    session_start_timeout_s: float = Field(default=300.0, gt=0)
+    """Longest a call waits for a starting session (its gang placed, its model loaded)."""
 
     @property
     def db_url(self) -> str:
@@ -68,6 +74,10 @@ class Settings(BaseModel):
     @property
     def jobs_dir(self) -> Path:
         return self.data_dir / "jobs"
+
+    @property
+    def sessions_dir(self) -> Path:
+        return self.data_dir / "sessions"
 
     @property
     def controller_url(self) -> str:
@@ -93,7 +103,9 @@ class Settings(BaseModel):
                   "TALLY_RAY_ADDRESS": "ray_address", "TALLY_API_TOKEN": "api_token",
                   "TALLY_PUBLIC_URL": "public_url", "TALLY_MAX_BODY_BYTES": "max_body_bytes",
                   "TALLY_MAX_RUNNING_JOBS": "max_running_jobs",
-                  "TALLY_RAY_NUM_CPUS": "ray_num_cpus"}
+                  "TALLY_RAY_NUM_CPUS": "ray_num_cpus", "TALLY_MAX_SESSIONS": "max_sessions",
+                  "TALLY_SESSION_IDLE_TIMEOUT_S": "session_idle_timeout_s",
+                  "TALLY_SESSION_START_TIMEOUT_S": "session_start_timeout_s"}
         for var, field in simple.items():
             if env.get(var):
                 values[field] = env[var]

@@ -22,7 +22,15 @@ from sqlalchemy import and_, create_engine, delete, event, func, insert, or_, se
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, defer, sessionmaker
 
-from services.controller.tables import ACTIVE, TERMINAL, Job, MetricRow, Sweep
+from services.controller.tables import (
+    ACTIVE,
+    SESSION_LIVE,
+    TERMINAL,
+    Job,
+    MetricRow,
+    Sweep,
+    TrainingSessionRow,
+)
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
@@ -338,3 +346,37 @@ class Store:
         with self.sessions() as session:
             return list(session.scalars(select(Job).where(Job.sweep_id == sweep_id)
                                         .order_by(Job.created_at, Job.id)))
+
+    # ---- training sessions ---------------------------------------------------------------
+
+    def add_session(self, row: TrainingSessionRow) -> None:
+        with self._write() as session:
+            session.add(row)
+
+    def get_session(self, session_id: str) -> TrainingSessionRow | None:
+        with self.sessions() as session:
+            return session.get(TrainingSessionRow, session_id)
+
+    def list_sessions(self, limit: int = 100) -> list[TrainingSessionRow]:
+        with self.sessions() as session:
+            return list(session.scalars(select(TrainingSessionRow).order_by(
+                TrainingSessionRow.created_at.desc()).limit(limit)))
+
+    def live_sessions(self) -> list[TrainingSessionRow]:
+        with self.sessions() as session:
+            return list(session.scalars(select(TrainingSessionRow).where(
+                TrainingSessionRow.status.in_(SESSION_LIVE))))
+
+    def update_session(self, session_id: str, **values: Any) -> TrainingSessionRow | None:
+        """Set ``values`` (and updated_at) on a session; an ended or failed one keeps its
+        status."""
+        with self._write() as session:
+            row = session.get(TrainingSessionRow, session_id)
+            if row is None:
+                return None
+            if row.status not in SESSION_LIVE:
+                values.pop("status", None)
+            for name, value in values.items():
+                setattr(row, name, value)
+            row.updated_at = time.time()
+            return row

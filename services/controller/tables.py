@@ -1,4 +1,4 @@
-"""SQLAlchemy tables of the controller: jobs, per-step metrics, sweeps.
+"""SQLAlchemy tables of the controller: jobs, per-step metrics, sweeps, training sessions.
 
 Times are Unix seconds (floats) so every SQL backend stores them alike. A step's metrics
 are one row holding a JSON object (name -> float | null): one insert per step keeps
@@ -79,3 +79,36 @@ class MetricRow(Base):
     time: Mapped[float] = mapped_column(Float)
     values: Mapped[str] = mapped_column(Text)
     """JSON object: metric name -> float or null."""
+
+
+SESSION_LIVE = ("starting", "ready")
+"""Statuses of a training session whose process runs (or is starting)."""
+
+
+class TrainingSessionRow(Base):
+    """A training session (services/sessions): its process is a Ray job; this row is what
+    the controller knows of it (the live numbers come from the session itself)."""
+
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    """starting, ready, ended (closed or idle; its state saved) or failed."""
+    model: Mapped[str] = mapped_column(Text)
+    world_size: Mapped[int] = mapped_column(Integer)
+    config_submitted: Mapped[str] = mapped_column(Text)
+    config_resolved: Mapped[str] = mapped_column(Text)
+    output_dir: Mapped[str] = mapped_column(Text)
+    ray_submission_id: Mapped[str] = mapped_column(String(128))
+    secret: Mapped[str] = mapped_column(String(64))
+    """The bearer token the session's own server takes (the controller's only)."""
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(Integer, default=0)
+    """Weighted tokens its forward_backward calls trained on."""
+    loss: Mapped[float | None] = mapped_column(Float)
+    """The loss of its last optimizer step."""
+    pending_calls: Mapped[int] = mapped_column(Integer, default=0)
+    saved_path: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)

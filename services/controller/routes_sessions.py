@@ -1,0 +1,290 @@
+"""``/api/sessions``: the training API (services/sessions) on the controller.
+
+A session is started like a job (config checks, the cluster's capacity, a Ray job that
+places its gang with ``reserve_job``) and then answers its calls itself: this router
+checks the caller (the API token, or the session's own token), waits while the session
+starts, and forwards each call to the session's loopback server, whose answer (422s
+naming ``data[i].field`` included) it passes back unchanged. What it keeps of a session
+(step, tokens, loss) is refreshed after every call for the dashboard; the session's
+numbers themselves live in its process, which a controller restart does not touch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.config import JobConfig
+from services.controller.auth import require_session_token, require_token, session_token
+from services.controller.capacity import Capacity
+from services.controller.ray_jobs import BackendUnavailable
+from services.controller.routes_jobs import invalid, new_id
+from services.controller.session_rows import end_from_ray
+from services.controller.state import Controller, Ctl
+from services.controller.submission import (
+    ConfigTooLarge,
+    SubmissionError,
+    load_config_object,
+    resolve,
+)
+from services.controller.tables import ACTIVE, SESSION_LIVE, TrainingSessionRow
+from services.placement import job_needs
+from services.sessions.server import CONFIG_FILE, IDLE_ENV, SECRET_ENV, read_state
+
+router = APIRouter(prefix="/api/sessions", tags=["sessions"])
+VERBS = ("forward_backward", "forward", "optim_step", "sample", "save", "load")
+MUTATING = ("forward_backward", "optim_step", "load")
+"""Calls after which the stored step, tokens and loss are refreshed."""
+POLL_S = 0.25
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Job-config-like: ``rollout`` (model, engine, sampling), ``trainer`` (layout, loss,
+    lora); a top-level ``lora`` is read as ``trainer.lora``."""
+
+
+def session_out(row: TrainingSessionRow, **extra: Any) -> dict[str, Any]:
+    return {"id": row.id, "status": row.status, "model": row.model,
+            "world_size": row.world_size, "step": row.step, "tokens": row.tokens,
+            "loss": row.loss, "pending_calls": row.pending_calls,
+            "saved_path": row.saved_path, "error": row.error, "output_dir": row.output_dir,
+            "created_at": row.created_at, "updated_at": row.updated_at, **extra}
+
+
+def session_data(config: dict[str, Any]) -> dict[str, Any]:
+    """The submitted config as a job config: ``lora`` moved under ``trainer``, one
+    engine."""
+    data = copy.deepcopy(config)
+    if "lora" in data:
+        trainer = data.setdefault("trainer", {})
+        if not isinstance(trainer, dict) or "lora" in trainer:
+            raise SubmissionError("lora: give it once, at the top or as trainer.lora",
+                                  [("lora", "given twice (top level and trainer.lora)")])
+        trainer["lora"] = data.pop("lora")
+    rollout = data.setdefault("rollout", {})
+    if isinstance(rollout, dict) and isinstance(rollout.get("engine", {}), dict):
+        rollout.setdefault("engine", {})["num_engines"] = 1
+    return data
+
+
+def check_session_config(config: JobConfig) -> None:
+    problems = []
+    if config.trainer.backend != "fsdp":
+        problems.append(("trainer.backend", f"sessions run the fsdp backend, not "
+                         f"{config.trainer.backend}"))
+    if config.rollout.engine.type != "torch":
+        problems.append(("rollout.engine.type", f"sessions sample with the torch engine, not "
+                         f"{config.rollout.engine.type}"))
+    if problems:
+        raise SubmissionError("; ".join(f"{f}: {m}" for f, m in problems), problems)
+
+
+def needs_of(row_config: str) -> dict[str, float]:
+    try:
+        return job_needs(JobConfig.model_validate_json(row_config))
+    except ValueError:
+        return {}
+
+
+def admitted_needs(ctl: Controller) -> list[dict[str, float]]:
+    """What the running jobs and live sessions hold (or are about to)."""
+    jobs = [j for j in ctl.store.jobs_with_status(ACTIVE) if j.source == "controller"]
+    return ([needs_of(j.config_resolved) for j in jobs]
+            + [needs_of(s.config_resolved) for s in ctl.store.live_sessions()])
+
+
+def start_session(ctl: Controller, config: dict[str, Any]) -> TrainingSessionRow:
+    """Check, admit and submit a session (SubmissionError: 422; HTTPException else)."""
+    settings = ctl.settings
+    load_config_object(config)
+    session_id = new_id()
+    resolved = resolve(session_data(config), [], settings, session_id, json.dumps(config))
+    check_session_config(resolved.config)
+    if len(ctl.store.live_sessions()) >= settings.max_sessions:
+        raise HTTPException(429, f"{settings.max_sessions} sessions are live "
+                            "(TALLY_MAX_SESSIONS); end one first (DELETE /api/sessions/{id})")
+    folder = settings.sessions_dir / session_id
+    final = resolved.config.model_copy(update={"output_dir": str(folder)})
+    try:
+        usage = ctl.backend.resources()
+    except BackendUnavailable:
+        raise HTTPException(503, "the Ray job server cannot be reached") from None
+    shortfall = Capacity(usage, admitted_needs(ctl)).shortfall(job_needs(final))
+    if shortfall is not None:
+        raise HTTPException(503, f"the cluster cannot hold the session now ({shortfall})")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_FILE).write_text(final.model_dump_json(indent=2))
+    now = time.time()
+    row = TrainingSessionRow(
+        id=session_id, status="starting", model=final.rollout.model,
+        world_size=final.trainer.world_size, config_submitted=resolved.submitted_text,
+        config_resolved=final.model_dump_json(), output_dir=str(folder),
+        ray_submission_id=f"tally-session-{session_id}", secret=secrets.token_hex(32),
+        step=0, tokens=0, pending_calls=0, created_at=now, updated_at=now)
+    ctl.store.add_session(row)
+    python = settings.python
+    env = {SECRET_ENV: row.secret, IDLE_ENV: str(settings.session_idle_timeout_s),
+           "TALLY_DATA_DIR": str(settings.data_dir)}
+    try:
+        ctl.backend.submit(row.ray_submission_id, f"{python} -m services.sessions.server "
+                           f"{folder}", env, {"tally_session_id": session_id})
+    except (BackendUnavailable, RuntimeError) as err:
+        ctl.store.update_session(session_id, status="failed", error=f"Ray refused it: {err}")
+        raise HTTPException(503, f"Ray refused the session: {err}") from None
+    return row
+
+
+@router.post("", status_code=201, dependencies=[Depends(require_token)])
+async def create_session(body: SessionCreate, ctl: Ctl) -> Response:
+    """Start a session: a trainer group and one engine holding ``config``'s model. It
+    answers 201 at once (status ``starting``); its first call waits until it is ready.
+    ``token`` (only with ``TALLY_API_TOKEN``) opens this session's calls and nothing else."""
+    try:
+        row = await run_in_threadpool(start_session, ctl, body.config)
+    except ConfigTooLarge as err:
+        raise HTTPException(413, err.detail) from None
+    except SubmissionError as err:
+        return invalid(err, "config: ")
+    token = session_token(ctl.settings.api_token, row.id) if ctl.settings.api_token else None
+    return JSONResponse(session_out(row, token=token), 201)
+
+
+@router.get("")
+def list_sessions(ctl: Ctl) -> dict[str, Any]:
+    """The latest sessions, newest first (what the dashboard lists)."""
+    return {"items": [session_out(row) for row in ctl.store.list_sessions()]}
+
+
+def _row(ctl: Controller, session_id: str) -> TrainingSessionRow:
+    row = ctl.store.get_session(session_id)
+    if row is None:
+        raise HTTPException(404, f"session {session_id}: no such session")
+    return row
+
+
+def _gone(row: TrainingSessionRow) -> HTTPException:
+    why = (f" (its state is saved at {row.saved_path})" if row.saved_path else
+           f": {row.error}" if row.error else "")
+    return HTTPException(409, f"session {row.id} is {row.status}{why}")
+
+
+def session_address(ctl: Controller, session_id: str) -> tuple[TrainingSessionRow, str]:
+    """The live session's server, waiting while it starts; 409 once it ended."""
+    deadline = time.monotonic() + ctl.settings.session_start_timeout_s
+    last_ray_check = 0.0
+    while True:
+        row = _row(ctl, session_id)
+        if row.status not in SESSION_LIVE:
+            raise _gone(row)
+        state = read_state(Path(row.output_dir)) or {}
+        if state.get("state") == "ready":
+            if row.status != "ready":
+                ctl.store.update_session(row.id, status="ready")
+            return row, f"http://{state['host']}:{state['port']}"
+        if time.monotonic() - last_ray_check > 2.0:
+            last_ray_check = time.monotonic()
+            if (ended := end_from_ray(ctl.store, ctl.backend, row)) is not None:
+                raise _gone(ended)
+        if time.monotonic() > deadline:
+            raise HTTPException(503, f"session {session_id} is still starting after "
+                                f"{ctl.settings.session_start_timeout_s:g} s")
+        time.sleep(POLL_S)
+
+
+def refresh(ctl: Controller, row: TrainingSessionRow, address: str) -> dict[str, Any] | None:
+    """The session's own state, copied into its row; None when it does not answer."""
+    try:
+        state = httpx.get(f"{address}/state", timeout=10,
+                          headers={"authorization": f"Bearer {row.secret}"}).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    last = state.get("last") or {}
+    ctl.store.update_session(row.id, step=state["step"], tokens=state["tokens"],
+                             pending_calls=state["pending_calls"],
+                             loss=last.get("loss", row.loss))
+    return state
+
+
+def forward(ctl: Controller, session_id: str, verb: str, body: bytes) -> Response:
+    row, address = session_address(ctl, session_id)
+    try:
+        answer = httpx.post(f"{address}/{verb}", content=body, timeout=None,
+                            headers={"authorization": f"Bearer {row.secret}",
+                                     "content-type": "application/json"})
+    except httpx.TransportError:
+        ended = end_from_ray(ctl.store, ctl.backend, row)
+        if ended is not None:
+            raise _gone(ended) from None
+        raise HTTPException(503, f"session {session_id} did not answer {verb}") from None
+    if verb in MUTATING and answer.status_code == 200:
+        refresh(ctl, row, address)
+    return Response(answer.content, answer.status_code, media_type="application/json")
+
+
+def _verb_route(verb: str) -> None:
+    async def call(session_id: str, request: Request, ctl: Ctl) -> Response:
+        body = await request.body()
+        return await run_in_threadpool(forward, ctl, session_id, verb, body)
+
+    call.__name__ = f"session_{verb}"
+    call.__doc__ = f"``{verb}`` on the session (services/sessions/runtime.py)."
+    router.add_api_route(f"/{{session_id}}/{verb}", call, methods=["POST"],
+                         dependencies=[Depends(require_session_token)])
+
+
+for _verb in VERBS:
+    _verb_route(_verb)
+
+
+@router.get("/{session_id}", dependencies=[Depends(require_session_token)])
+def get_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
+    """The session: its step, pending forward_backward calls, tokens and last metrics
+    (live from the session while it runs)."""
+    row = _row(ctl, session_id)
+    live = None
+    if row.status in SESSION_LIVE:
+        state = read_state(Path(row.output_dir)) or {}
+        if state.get("state") == "ready":
+            live = refresh(ctl, row, f"http://{state['host']}:{state['port']}")
+        if live is None:
+            end_from_ray(ctl.store, ctl.backend, row)
+        row = _row(ctl, session_id)
+    return session_out(row, last=(live or {}).get("last"),
+                       pending_mode=(live or {}).get("pending_mode"))
+
+
+@router.delete("/{session_id}", dependencies=[Depends(require_session_token)])
+def delete_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
+    """End the session (its trainer ranks and engine stop; nothing is saved: ``save``
+    first to keep the weights)."""
+    row = _row(ctl, session_id)
+    if row.status in SESSION_LIVE:
+        state = read_state(Path(row.output_dir)) or {}
+        closed = False
+        if state.get("state") == "ready":
+            try:
+                httpx.post(f"http://{state['host']}:{state['port']}/close", timeout=60,
+                           headers={"authorization": f"Bearer {row.secret}"})
+                closed = True
+            except httpx.HTTPError:
+                pass
+        if not closed:
+            try:
+                ctl.backend.stop(row.ray_submission_id)
+            except BackendUnavailable:
+                raise HTTPException(503, "the Ray job server cannot be reached") from None
+        row = ctl.store.update_session(row.id, status="ended") or row
+    return session_out(row)
