@@ -4,7 +4,8 @@ A job with metrics shows its charts with data points (the chosen mode highlighte
 length-bias charts one series per mode; evaluation, logged every few steps, drawn across
 the steps between; peak memory per phase, a checkpoint's only every few steps), a job
 without some metrics says "no data" for those charts, and the sweep page overlays one
-series per aggregation mode. Screenshots land in tmp_path.
+series per aggregation mode; the job list lists training sessions too. Screenshots land in
+tmp_path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from services.controller.app import create_app
+from services.controller.tables import TrainingSessionRow
 from tests.services.controller_fakes import (
     DEMO_OVERRIDES,
     FakeBackend,
@@ -231,6 +233,54 @@ def test_a_failed_job_shows_its_error_and_last_log_lines(dashboard, page) -> Non
     text = tab.locator("#failure").inner_text()
     assert "exit code 1" in text and "ValueError: boom" in text
     assert tab.locator('#job-header [data-status="failed"]').count() == 1
+    assert not errors
+
+
+def session_row(folder: Path, session_id: str, status: str, model: str, created_at: float,
+                **values: object) -> TrainingSessionRow:
+    """A session row as the controller stores it (routes_sessions.py: start_session), every
+    non-null column filled; ``values`` override."""
+    return TrainingSessionRow(**{
+        "id": session_id, "status": status, "model": model, "world_size": 1,
+        "config_submitted": "{}", "config_resolved": "{}",
+        "output_dir": str(folder / session_id), "ray_submission_id": f"session-{session_id}",
+        "secret": "s" * 32, "step": 0, "tokens": 0, "loss": None, "pending_calls": 0,
+        "created_at": created_at, "updated_at": created_at, **values})
+
+
+SESSION_CELLS = """rows => rows.map(r => [...r.cells].slice(0, 7).map(c => c.textContent))"""
+"""A session row's cells but the (locale's) time."""
+
+
+def test_job_list_lists_training_sessions(page, tmp_path: Path) -> None:
+    """No session: the table says how to start one; two stored sessions show on the next
+    refresh, newest first, with their step, tokens and loss (none yet: "–"), the failed
+    one's error on its status; values are text, never markup."""
+    tab, errors = page
+    backend = FakeBackend()
+    app = create_app(make_settings(tmp_path), backend=backend)
+    store = app.state.controller.store
+    with serve_in_thread(app) as url:
+        tab.goto(url)
+        tab.wait_for_selector("#sessions td.muted", timeout=15_000)
+        assert tab.locator("#sessions tbody").inner_text().strip() == \
+            "No training sessions: POST /api/sessions (docs/training-api.md)"
+        ready = session_row(tmp_path, "ready1", "ready", "Qwen/Qwen3-0.6B", 2000.0, world_size=2,
+                            step=12, tokens=34567, loss=0.69314, pending_calls=1)
+        backend.submit(ready.ray_submission_id, "session", {}, {})  # running: stays ready
+        store.add_session(ready)
+        store.add_session(session_row(tmp_path, "failed1", "failed", "<i>tiny</i>", 1000.0,
+                                      error="ValueError: <b>boom</b>"))
+        tab.wait_for_selector('tr[data-session="failed1"]', timeout=15_000)  # the 3 s poll
+        assert tab.eval_on_selector_all("#sessions tbody tr", SESSION_CELLS) == [
+            ["ready1", "ready", "Qwen/Qwen3-0.6B", "2", "12", "34567", "0.693"],
+            ["failed1", "failed", "<i>tiny</i>", "1", "0", "0", "–"]]
+        assert tab.locator("#sessions i").count() == 0
+        failed_status = tab.locator('tr[data-session="failed1"] td').nth(1)
+        assert failed_status.get_attribute("title") == "ValueError: <b>boom</b>"
+        assert tab.locator('tr[data-session="ready1"] td').nth(1).get_attribute("title") \
+            is None
+        tab.screenshot(path=str(tmp_path / "sessions.png"), full_page=True)
     assert not errors
 
 

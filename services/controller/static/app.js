@@ -1,4 +1,5 @@
-// The Tally dashboard: job list, job page (live charts over SSE), sweep page (overlays).
+// The Tally dashboard: job and session list, job page (live charts over SSE), sweep page
+// (overlays).
 "use strict";
 
 const app = document.getElementById("app");
@@ -36,6 +37,8 @@ const badge = (status) => el("span", { class: `badge ${status}`, "data-status": 
 const link = (href, text) => el("a", { href, onclick: (e) => { e.preventDefault(); go(href); } },
   text);
 function every(ms, fn) { const id = setInterval(fn, ms); cleanup.push(() => clearInterval(id)); }
+const listTable = (id, headers, body) => el("table", { class: "list", id },
+  el("thead", {}, el("tr", {}, headers.map((h) => el("th", {}, h)))), body);
 
 function go(path) { history.pushState({}, "", path); route(); }
 window.addEventListener("popstate", route);
@@ -57,17 +60,17 @@ function listPage() {
   document.title = "Tally — jobs";
   const jobsBody = el("tbody");
   const sweepsBody = el("tbody");
+  const sessionsBody = el("tbody");
   app.append(
     el("h2", {}, "Jobs"),
-    el("table", { class: "list", id: "jobs" }, el("thead", {}, el("tr", {},
-      ["ID", "name", "status", "mode", "reward", "step", "started"].map((h) => el("th", {}, h)))),
-    jobsBody),
+    listTable("jobs", ["ID", "name", "status", "mode", "reward", "step", "started"], jobsBody),
     el("h2", {}, "Sweeps"),
-    el("table", { class: "list", id: "sweeps" }, el("thead", {}, el("tr", {},
-      ["ID", "name", "status", "runs", "created"].map((h) => el("th", {}, h)))), sweepsBody));
+    listTable("sweeps", ["ID", "name", "status", "runs", "created"], sweepsBody),
+    el("h2", {}, "Training sessions"),
+    listTable("sessions", SESSION_COLUMNS, sessionsBody));
   async function refresh() {
-    const [jobs, sweeps] = await Promise.all([api("/api/jobs?limit=100"),
-      api("/api/sweeps?limit=50")]);
+    const [jobs, sweeps, sessions] = await Promise.all([api("/api/jobs?limit=100"),
+      api("/api/sweeps?limit=50"), api("/api/sessions")]);
     jobsBody.replaceChildren(...jobs.items.map((j) => el("tr", { "data-job": j.id },
       el("td", {}, link(`/jobs/${j.id}`, j.id)), el("td", {}, j.name), el("td", {}, badge(j.status)),
       el("td", {}, j.mode), el("td", { class: "num" }, fmt.num(j.reward_mean)),
@@ -78,10 +81,23 @@ function listPage() {
       el("td", {}, link(`/sweeps/${s.id}`, s.id)), el("td", {}, s.name), el("td", {},
         badge(s.status)), el("td", { class: "num" }, s.jobs.length),
       el("td", {}, fmt.time(s.created_at)))));
+    sessionsBody.replaceChildren(...sessions.items.map(sessionRow));
+    if (!sessions.items.length) sessionsBody.append(el("tr", {}, el("td", {
+      colspan: SESSION_COLUMNS.length, class: "muted" },
+    "No training sessions: POST /api/sessions (docs/training-api.md)")));
   }
   refresh().catch(showError);
   every(3000, () => refresh().catch(() => {}));
 }
+
+// A session has no page of its own: its row is all the dashboard shows of it (the numbers
+// the controller stored after its last call). A failed one tells why on hover.
+const SESSION_COLUMNS = ["ID", "status", "model", "ranks", "step", "tokens", "loss", "updated"];
+const sessionRow = (s) => el("tr", { "data-session": s.id },
+  el("td", {}, s.id), el("td", { title: s.error }, badge(s.status)), el("td", {}, s.model),
+  el("td", { class: "num" }, s.world_size), el("td", { class: "num" }, s.step),
+  el("td", { class: "num" }, s.tokens), el("td", { class: "num" }, fmt.num(s.loss)),
+  el("td", {}, fmt.time(s.updated_at)));
 
 function showError(err) {
   app.append(el("p", { class: "error" }, String(err.message || err)));
@@ -170,8 +186,7 @@ async function sweepPage(id) {
   const head = el("div", { class: "job-header" });
   const runsBody = el("tbody");
   const grid = el("div", { class: "grid" });
-  app.append(head, el("table", { class: "list", id: "runs" }, el("thead", {}, el("tr", {},
-    ["run", "job", "status", "step", "reward"].map((h) => el("th", {}, h)))), runsBody), grid);
+  app.append(head, listTable("runs", ["run", "job", "status", "step", "reward"], runsBody), grid);
   const charts = {};
   const held = {};  // job id -> {steps, series}: what the page has; refreshes add to it
   async function refresh() {

@@ -1,0 +1,187 @@
+"""A Python client of the training API (``/api/sessions``, docs/training-api.md).
+
+    client = TrainingClient("http://127.0.0.1:8000")
+    session = client.create_session({"rollout": {"model": "tiny"}})
+    fb = session.forward_backward(data, "importance_sampling", "sample_mean")
+    ...                                      # the call runs while this code goes on
+    step = session.optim_step(lr=1e-3).result()
+
+Every call returns a ``concurrent.futures.Future`` at once. A session's calls run in the
+order they were made (one worker thread per session sends them one after another, as
+the session applies them), so a loop can queue ``forward_backward`` calls and its
+``optim_step`` and do its own work (scoring, the next prompts) while they run; a
+``result()`` raises :class:`TrainingAPIError` for a refused call (its ``status`` and
+``detail``, which names the field). :func:`datum` builds one ``Datum`` from a prompt and
+a sampled response.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class TrainingAPIError(RuntimeError):
+    """A call the controller or the session refused: the HTTP status and its detail."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status, self.detail = status, detail
+
+
+def _answer(response: httpx.Response) -> dict[str, Any]:
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        raise TrainingAPIError(response.status_code, str(detail))
+    return response.json()
+
+
+def datum(prompt: Sequence[int], response: Sequence[int], advantage: float = 0.0,
+          logprobs: Sequence[float] | None = None, group: int | None = None
+          ) -> dict[str, Any]:
+    """One sequence as a Datum: prompt then response, the response's tokens trained
+    (weight 1), ``advantage`` on each of them, ``logprobs`` the sampling log-probs of the
+    response's tokens (one each)."""
+    if not prompt or not response:
+        raise ValueError("datum: the prompt and the response need a token each")
+    sequence = [*prompt, *response]
+    size = len(sequence) - 1
+    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(response)
+    item: dict[str, Any] = {"tokens": sequence[:-1], "targets": sequence[1:],
+                            "weights": weights, "advantages": [advantage] * size}
+    if logprobs is not None:
+        if len(logprobs) != len(response):
+            raise ValueError(f"datum: {len(logprobs)} log-probs for {len(response)} "
+                             "response tokens")
+        item["logprobs"] = [0.0] * (len(prompt) - 1) + list(logprobs)
+    if group is not None:
+        item["group"] = group
+    return item
+
+
+class Session:
+    """One training session; its calls return futures, run in the order made."""
+
+    def __init__(self, http: httpx.Client, info: dict[str, Any], token: str | None) -> None:
+        self.id: str = info["id"]
+        self.info = info
+        self._http = http
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"session-{self.id}")
+
+    def _post(self, verb: str, body: dict[str, Any]) -> Future[dict[str, Any]]:
+        return self._calls.submit(lambda: _answer(self._http.post(
+            f"/api/sessions/{self.id}/{verb}", json=body, headers=self._headers)))
+
+    def forward_backward(self, data: list[dict[str, Any]], loss_fn: str = "cross_entropy",
+                         aggregation: str | dict[str, Any] = "sample_mean"
+                         ) -> Future[dict[str, Any]]:
+        """Accumulate the gradient of ``data`` under ``loss_fn``; the step's denominators
+        are applied at ``optim_step``. → {"loss", "logprobs", "metrics"}"""
+        return self._post("forward_backward", {"data": data, "loss_fn": loss_fn,
+                                               "aggregation": _aggregation(aggregation)})
+
+    def forward(self, data: list[dict[str, Any]], loss_fn: str = "cross_entropy",
+                aggregation: str | dict[str, Any] = "sample_mean") -> Future[dict[str, Any]]:
+        """The loss and log-probs of ``data``, no gradient. → {"loss", "logprobs"}"""
+        return self._post("forward", {"data": data, "loss_fn": loss_fn,
+                                      "aggregation": _aggregation(aggregation)})
+
+    def optim_step(self, lr: float, betas: tuple[float, float] | None = None,
+                   eps: float | None = None, weight_decay: float | None = None,
+                   grad_clip: float | None = None) -> Future[dict[str, Any]]:
+        """One AdamW step on what the forward_backward calls since the last step
+        accumulated. → {"step", "grad_norm", "loss", "metrics"}"""
+        adam = {"lr": lr, **{k: v for k, v in (("betas", betas), ("eps", eps),
+                                                ("weight_decay", weight_decay))
+                             if v is not None}}
+        body: dict[str, Any] = {"adam": adam}
+        if grad_clip is not None:
+            body["grad_clip"] = grad_clip
+        return self._post("optim_step", body)
+
+    def sample(self, prompt_tokens: list[list[int]], num_samples: int = 1,
+               seed: int | None = None, **sampling: Any) -> Future[dict[str, Any]]:
+        """``num_samples`` responses per prompt from the weights of the last step
+        (``sampling``: temperature, top_p, top_k, max_new_tokens, stop; the session's
+        own when none). → {"sequences": [[{"tokens", "logprobs", "finish_reason"}]]}"""
+        body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "num_samples": num_samples}
+        if sampling:
+            body["sampling"] = sampling
+        if seed is not None:
+            body["seed"] = seed
+        return self._post("sample", body)
+
+    def save(self, name: str) -> Future[dict[str, Any]]:
+        """The weights as a Hugging Face folder (LoRA: adapters), and the trainer state
+        to ``load`` again. → {"path", "step", "adapter"}"""
+        return self._post("save", {"name": name})
+
+    def load(self, name: str) -> Future[dict[str, Any]]:
+        """Back to a ``save`` of this session (weights, optimizer state, step)."""
+        return self._post("load", {"name": name})
+
+    def state(self) -> dict[str, Any]:
+        """Step, pending forward_backward calls, tokens and the last step's metrics."""
+        return _answer(self._http.get(f"/api/sessions/{self.id}", headers=self._headers))
+
+    def close(self) -> dict[str, Any]:
+        """End the session once its queued calls are done (a call after it is refused
+        by the controller: the session ended)."""
+        self._calls.submit(lambda: None).result()
+        return _answer(self._http.delete(f"/api/sessions/{self.id}", headers=self._headers))
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def _aggregation(value: str | dict[str, Any]) -> dict[str, Any]:
+    return {"mode": value} if isinstance(value, str) else dict(value)
+
+
+class TrainingClient:
+    """The controller at ``url`` (``TALLY_URL``, else http://127.0.0.1:8000), with the
+    API token ``token`` (``TALLY_API_TOKEN``) when it requires one."""
+
+    def __init__(self, url: str | None = None, token: str | None = None,
+                 timeout_s: float | None = None) -> None:
+        self.url = (url or os.environ.get("TALLY_URL") or DEFAULT_URL).rstrip("/")
+        self.token = token if token is not None else os.environ.get("TALLY_API_TOKEN")
+        # No read timeout by default: a call waits for a starting session, and a step
+        # of a big batch takes what it takes.
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(
+            timeout_s, connect=10.0))
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def create_session(self, config: dict[str, Any] | None = None) -> Session:
+        """Start a session (``config``: job-config-like, e.g. {"rollout": {"model":
+        "tiny"}, "trainer": {"dp_size": 2}}); its first call waits until it is ready."""
+        info = _answer(self._http.post("/api/sessions", json={"config": config or {}},
+                                       headers=self._headers()))
+        return Session(self._http, info, info.get("token") or self.token)
+
+    def session(self, session_id: str, token: str | None = None) -> Session:
+        """A session started earlier (by this client or another, before a restart)."""
+        info = _answer(self._http.get(f"/api/sessions/{session_id}",
+                                      headers=self._headers()))
+        return Session(self._http, info, token or self.token)
+
+    def list_sessions(self) -> list[dict[str, Any]]:
+        return _answer(self._http.get("/api/sessions"))["items"]
+
+    def close(self) -> None:
+        self._http.close()

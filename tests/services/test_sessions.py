@@ -1,0 +1,239 @@
+"""The training API for real: a controller process, a local Ray head, sessions on the tiny
+model. Several forward_backward calls then one optim_step equal one call on their union
+(every mode, DP 1 and 2, two and four calls); bad input is a 4xx naming the field; a
+controller killed mid-session loses nothing; an idle session saves its state and ends;
+the client and the README's example loop run."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+
+from services.controller.ray_head import LocalRayHead
+from services.training_client import TrainingAPIError, TrainingClient, datum
+from tests.services.controller_fakes import ROOT
+from tests.services.test_controller_ray import ControllerProcess
+
+pytestmark = pytest.mark.slow
+
+MODES = ["sample_mean", "token_mean", "prompt_mean", "constant"]
+VOCAB = 100  # the tiny model's
+GROUP = 4
+IDLE_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
+    head = LocalRayHead(num_cpus=6, log_path=tmp_path_factory.mktemp("ray") / "head.log")
+    head.start()
+    proc = ControllerProcess(tmp_path_factory.mktemp("controller") / "data", head.address)
+    proc.env["TALLY_SESSION_IDLE_TIMEOUT_S"] = str(IDLE_S)
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.close()
+        head.stop()
+
+
+@pytest.fixture
+def client(controller: ControllerProcess) -> Iterator[TrainingClient]:
+    training = TrainingClient(controller.url)
+    yield training
+    training.close()
+
+
+def random_data(num_samples: int, seed: int) -> list[dict]:
+    """Sequences of 5–14 tokens: a prompt, then response tokens with a hole (an
+    observation) in some, sampling log-probs, and one advantage per sample; groups of 4."""
+    rng = random.Random(seed)
+    data = []
+    for i in range(num_samples):
+        size, prompt = rng.randint(5, 14), rng.randint(2, 4)
+        sequence = [rng.randrange(VOCAB) for _ in range(size + 1)]
+        weights = [0.0] * (prompt - 1) + [1.0] * (size - prompt + 1)
+        if rng.random() < 0.4 and size - prompt > 2:
+            weights[prompt + 1] = 0.0
+        data.append({"tokens": sequence[:-1], "targets": sequence[1:], "weights": weights,
+                     "advantages": [round(rng.gauss(0, 1), 3)] * size,
+                     "logprobs": [-round(rng.uniform(0.5, 5), 3) for _ in range(size)],
+                     "group": i // GROUP})
+    return data
+
+
+def weights_of(path: str) -> dict:
+    return load_file(Path(path) / "model.safetensors")
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def take_step(session, data: list[dict], sizes: list[int], mode: str) -> tuple[list, dict]:
+    """forward_backward over consecutive slices of ``sizes``, then optim_step."""
+    aggregation = {"mode": mode, **({"divisor": 9.0} if mode == "constant" else {})}
+    calls, start = [], 0
+    for size in sizes:
+        calls.append(session.forward_backward(data[start:start + size], "ppo", aggregation))
+        start += size
+    assert start == len(data)
+    step = session.optim_step(lr=1e-3, eps=1e-3).result()  # eps: scale reaches the weights
+    return [c.result() for c in calls], step
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_split_calls_give_the_step_of_one_call_on_their_union(client: TrainingClient,
+                                                             dp_size: int) -> None:
+    """For each mode: one call on 24 samples, two calls, four calls of uneven sizes (whole
+    groups under prompt_mean), each from the same saved state: the weights after the step
+    agree to 1e-6, and the step's loss (and grad norm) to the union's J."""
+    data = random_data(24, seed=dp_size)
+    session = client.create_session({"rollout": {"model": "tiny"},
+                                     "trainer": {"dp_size": dp_size, "num_cpus_per_rank": 0.5}})
+    try:
+        session.save("start").result()
+        for mode in MODES:
+            four = [4, 8, 4, 8] if mode == "prompt_mean" else [3, 9, 5, 7]
+            results = {}
+            for name, sizes in (("one", [24]), ("two", [12, 12]), ("four", four)):
+                session.load("start").result()
+                calls, step = take_step(session, data, sizes, mode)
+                results[name] = (calls, step, weights_of(session.save(f"{mode}-{name}")
+                                                         .result()["path"]))
+            (union,), one_step, one_weights = results["one"]
+            assert one_step["loss"] == pytest.approx(union["loss"], rel=1e-9, abs=1e-12)
+            for name in ("two", "four"):
+                calls, step, weights = results[name]
+                assert max_difference(weights, one_weights) <= 1e-6, (mode, name)
+                assert step["loss"] == pytest.approx(union["loss"], rel=1e-6, abs=1e-9)
+                assert step["grad_norm"] == pytest.approx(one_step["grad_norm"], rel=1e-6)
+                assert step["metrics"]["calls"] == len(calls)
+                # what the calls say alone is not the step's J (why it is deferred)
+                assert any(abs(c["loss"] - union["loss"]) > 1e-4 for c in calls), (mode, name)
+            # the step moved the weights (a no-op would pass the comparisons)
+            start = weights_of(str(Path(session.info["output_dir"]) / "saved" / "start"))
+            assert max_difference(one_weights, start) > 1e-5
+    finally:
+        session.close()
+
+
+def detail_of(future) -> tuple[int, str]:
+    with pytest.raises(TrainingAPIError) as raised:
+        future.result()
+    return raised.value.status, raised.value.detail
+
+
+def test_bad_input_is_a_4xx_naming_the_field(client: TrainingClient,
+                                             controller: ControllerProcess) -> None:
+    session = client.create_session({"rollout": {"model": "tiny"}})
+    try:
+        data = random_data(8, seed=7)
+        short = {**data[0], "weights": data[0]["weights"][:-1]}
+        assert detail_of(session.forward_backward([data[1], short], "ppo")) == (
+            422, f"data[1].weights: has {len(short['weights'])} values; tokens has "
+                 f"{len(short['tokens'])}")
+        outside = {**data[0], "tokens": [VOCAB + 5, *data[0]["tokens"][1:]]}
+        status, detail = detail_of(session.forward([*data[:2], outside], "ppo"))
+        assert status == 422 and detail.startswith("data[2].tokens[0]: token id 105 is "
+                                                   "outside the vocabulary (0..99)")
+        status, detail = detail_of(session.forward_backward(data[:6], "ppo", "prompt_mean"))
+        assert status == 422 and detail.startswith("data[4].group: group 1 has 2 samples in "
+                                                   "this call, other groups have 4")
+        assert session.forward_backward(data[:4], "ppo", "prompt_mean").result()["loss"]
+        status, detail = detail_of(session.forward_backward(data[:4], "ppo", "prompt_mean"))
+        assert status == 422 and detail.startswith("data[0].group: group 0 was in an earlier "
+                                                   "forward_backward call of this step")
+        status, detail = detail_of(session.forward_backward(data[4:], "ppo", "token_mean"))
+        assert status == 409 and detail.startswith("aggregation.mode: mode token_mean "
+                                                   "differs from mode prompt_mean")
+        no_advantage = {k: v for k, v in data[0].items() if k != "advantages"}
+        status, detail = detail_of(session.forward([no_advantage], "importance_sampling"))
+        assert (status, detail) == (422, "data[0].advantages: required by loss_fn "
+                                         "importance_sampling")
+        status, detail = detail_of(session.forward_backward(data, "ppo", {"mode": "constant"}))
+        assert status == 422 and "aggregation" in detail and "divisor" in detail
+        assert session.optim_step(lr=1e-3).result()["step"] == 1
+        status, detail = detail_of(session.optim_step(lr=1e-3))
+        assert status == 409 and "no forward_backward call since the last optim_step" in detail
+        assert session.state()["tokens"] == sum(sum(d["weights"]) for d in data[:4])
+    finally:
+        session.close()
+    unknown = httpx.post(f"{controller.url}/api/sessions/0123456789ab/optim_step",
+                         json={"adam": {"lr": 1e-3}})
+    assert (unknown.status_code, unknown.json()["detail"]) == (
+        404, "session 0123456789ab: no such session")
+    status, detail = detail_of(session.optim_step(lr=1e-3))  # closed: gone for good
+    assert status == 409 and detail == f"session {session.id} is ended"
+    bad = httpx.post(f"{controller.url}/api/sessions",
+                     json={"config": {"trainer": {"backend": "megatron"}}})
+    assert bad.status_code == 422 and "trainer.backend" in bad.json()["detail"]
+
+
+def test_a_controller_killed_mid_session_loses_no_step(client: TrainingClient,
+                                                       controller: ControllerProcess) -> None:
+    """kill -9 with one step done and one forward_backward pending: the restarted
+    controller finds the session as it was and the step completes."""
+    data = random_data(8, seed=3)
+    session = client.create_session({"rollout": {"model": "tiny"}})
+    try:
+        take_step(session, data, [8], "token_mean")
+        session.forward_backward(data[:4], "ppo", "token_mean").result()
+        controller.kill()
+        controller.start()
+        state = session.state()
+        assert (state["status"], state["step"], state["pending_calls"]) == ("ready", 1, 1)
+        step = session.optim_step(lr=1e-3).result()
+        assert step["step"] == 2 and step["metrics"]["calls"] == 1
+        listed = {s["id"]: s for s in client.list_sessions()}
+        assert listed[session.id]["step"] == 2 and listed[session.id]["loss"] == step["loss"]
+    finally:
+        session.close()
+
+
+def test_the_example_loop_runs_over_the_client(controller: ControllerProcess) -> None:
+    """docs/examples/grpo_copy.py, a few steps (its learning run is in the docs)."""
+    env = {**os.environ, "GRPO_COPY_STEPS": "3"}
+    done = subprocess.run([sys.executable, "docs/examples/grpo_copy.py", controller.url],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step")]
+    assert [line.split()[1] for line in lines] == ["1", "2", "3"]
+    saved = done.stdout.splitlines()[-1].removeprefix("saved: ")
+    assert (Path(saved) / "model.safetensors").is_file()
+
+
+def test_sampling_follows_the_steps_then_an_idle_session_saves_and_ends(
+        client: TrainingClient) -> None:
+    """The engine serves the weights of the last step: after cross-entropy steps toward
+    one sequence, greedy sampling from its prompt gives it. Left alone, the session saves
+    its state (a Hugging Face folder) and ends; a call then says where the state is."""
+    session = client.create_session({"rollout": {"model": "tiny"}})
+    prompt, answer = [1, 71, 84, 4], [69, 70, 71, 69, 70, 71]
+    greedy = {"temperature": 0.0, "max_new_tokens": len(answer)}
+    before = session.sample([prompt], **greedy).result()["sequences"][0][0]["tokens"]
+    for _ in range(30):
+        session.forward_backward([datum(prompt, answer)], "cross_entropy")
+        step = session.optim_step(lr=1e-2)
+    assert step.result()["step"] == 30
+    after = session.sample([prompt], **greedy).result()["sequences"][0][0]["tokens"]
+    assert after == answer != before
+    deadline = time.monotonic() + IDLE_S + 60
+    while (state := session.state())["status"] != "ended":
+        assert time.monotonic() < deadline, state
+        time.sleep(1)
+    saved = Path(state["saved_path"])
+    assert saved.name == "idle" and (saved / "config.json").is_file()
+    assert state["step"] == 30
+    status, detail = detail_of(session.sample([[1, 2, 3]]))
+    assert status == 409 and detail == f"session {session.id} is ended (its state is saved " \
+                                       f"at {saved})"
