@@ -134,16 +134,15 @@ def start_session(ctl: Controller, config: dict[str, Any]) -> TrainingSessionRow
         config_resolved=final.model_dump_json(), output_dir=str(folder),
         ray_submission_id=f"tally-session-{session_id}", secret=secrets.token_hex(32),
         step=0, tokens=0, pending_calls=0, created_at=now, updated_at=now)
-    ctl.store.add_session(row)
-    python = settings.python
     env = {SECRET_ENV: row.secret, IDLE_ENV: str(settings.session_idle_timeout_s),
            "TALLY_DATA_DIR": str(settings.data_dir)}
-    try:
-        ctl.backend.submit(row.ray_submission_id, f"{python} -m services.sessions.server "
-                           f"{folder}", env, {"tally_session_id": session_id})
+    try:  # submitted before it is stored: the reconcile loop never sees a row Ray lacks
+        ctl.backend.submit(row.ray_submission_id, f"{settings.python} -m "
+                           f"services.sessions.server {folder}", env,
+                           {"tally_session_id": session_id})
     except (BackendUnavailable, RuntimeError) as err:
-        ctl.store.update_session(session_id, status="failed", error=f"Ray refused it: {err}")
         raise HTTPException(503, f"Ray refused the session: {err}") from None
+    ctl.store.add_session(row)
     return row
 
 

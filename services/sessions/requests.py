@@ -12,6 +12,7 @@ A datum becomes one sample of a ``RolloutBatch`` (:func:`call_batch`): the seque
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -139,6 +140,11 @@ def _datum_problems(i: int, datum: Datum, vocab_size: int, loss_fn: LossFn) -> l
         problems.append((f"data[{i}].targets[{bad}]",
                          f"is {datum.targets[bad]} but tokens[{bad + 1}] is "
                          f"{datum.tokens[bad + 1]}: targets are the sequence's next tokens"))
+    for name in ("advantages", "logprobs"):
+        values = getattr(datum, name) or []
+        bad = next((t for t, v in enumerate(values) if not math.isfinite(v)), None)
+        if bad is not None:
+            problems.append((f"data[{i}].{name}[{bad}]", f"is {values[bad]}; must be finite"))
     if loss_fn in NEEDS_ADVANTAGES:
         if datum.advantages is None:
             problems.append((f"data[{i}].advantages", f"required by loss_fn {loss_fn}"))

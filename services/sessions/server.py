@@ -87,6 +87,12 @@ def create_app(session: TrainingSession, secret: str, on_close: Any) -> FastAPI:
     async def refused(_request: Request, exc: SessionError) -> JSONResponse:
         return problems_response(exc.status, exc.problems)
 
+    @app.exception_handler(Exception)
+    async def failed(_request: Request, exc: Exception) -> JSONResponse:
+        # a trainer rank that died, a timeout: said in one line, the session's log has more
+        print(f"session call failed: {type(exc).__name__}: {exc}", flush=True)
+        return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, 500)
+
     def run(verb: Any, *args: Any) -> Any:
         with session.lock:
             session.last_call = time.monotonic()
@@ -148,6 +154,7 @@ def serve(folder: Path) -> int:
     session = TrainingSession(config, model_path, folder)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
+    listener.listen(128)  # before "ready" is written: an early call waits in the backlog
     server: uvicorn.Server | None = None
     ended: dict[str, Any] = {}
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.controller.app import create_app
-from services.controller.auth import job_token
+from services.controller.auth import job_token, session_token
 from services.controller.settings import check_bind
 from tests.services.controller_fakes import (
     DEMO,
@@ -540,3 +540,72 @@ def test_only_a_sigterm_dump_is_left_out_of_a_log() -> None:
     pieces = StopDumps()
     assert "".join(pieces.feed(text[i:i + 5]) for i in range(0, len(text), 5)) + \
         pieces.flush() == without_stop_dumps(text)
+
+
+SESSION = {"config": {"rollout": {"model": "tiny"}}}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_session_routes_take_the_api_token_or_the_sessions_own(tmp_path: Path) -> None:
+    """The fake backend never starts a session's process: a call that passes auth waits
+    ``session_start_timeout_s`` and is a 503 "still starting"; one that does not is a 401."""
+    api = api_client(tmp_path, api_token="s3cret", session_start_timeout_s=1.0)
+    assert api.post("/api/sessions", json=SESSION).status_code == 401
+    assert api.post("/api/sessions", json=SESSION, headers=bearer("wrong")).status_code == 401
+    created = api.post("/api/sessions", json=SESSION, headers=bearer("s3cret"))
+    assert created.status_code == 201, created.text
+    session = created.json()
+    assert session["status"] == "starting"
+    assert session["token"] == session_token("s3cret", session["id"]) != "s3cret"
+    other = api.post("/api/sessions", json=SESSION, headers=bearer("s3cret")).json()
+    assert other["token"] != session["token"]
+    own, foreign = bearer(session["token"]), bearer(other["token"])
+    url = f"/api/sessions/{session['id']}"
+
+    read = api.get(url, headers=own)
+    assert read.status_code == 200 and read.json()["id"] == session["id"]
+    assert api.get(f"/api/sessions/{other['id']}", headers=bearer("s3cret")).status_code == 200
+    step = {"adam": {"lr": 1e-3}}
+    waited = api.post(f"{url}/optim_step", json=step, headers=own)
+    assert waited.status_code == 503, waited.text
+    assert "still starting" in waited.json()["detail"]
+    for headers in (foreign, bearer("wrong"), {}):
+        assert api.get(url, headers=headers).status_code == 401
+        assert api.post(f"{url}/optim_step", json=step, headers=headers).status_code == 401
+        assert api.delete(url, headers=headers).status_code == 401
+    assert api.get(url, headers=own).json()["status"] == "starting"  # not ended by a 401
+
+    ended = api.delete(url, headers=own)
+    assert ended.status_code == 200 and ended.json()["status"] == "ended"
+    assert api.backend.jobs[f"tally-session-{session['id']}"]["status"] == "cancelled"
+    assert api.backend.jobs[f"tally-session-{other['id']}"]["status"] == "pending"
+
+
+@pytest.mark.parametrize(("config", "field", "message"), [
+    ({"rollout": {"model": "tiny"}, "trainer": {"backend": "megatron"}}, "trainer.backend",
+     "sessions run the fsdp backend, not megatron"),
+    ({"rollout": {"model": "tiny"}, "lora": {"rank": 4}, "trainer": {"lora": {"rank": 4}}},
+     "lora", "given twice"),
+])
+def test_a_session_config_sessions_cannot_run_is_422_naming_the_field(
+        api: TestClient, config: dict, field: str, message: str) -> None:
+    response = api.post("/api/sessions", json={"config": config})
+    assert response.status_code == 422, response.text
+    errors = response.json()["errors"]
+    assert any(e["field"] == field and message in e["message"] for e in errors), errors
+    assert api.get("/api/sessions").json()["items"] == []
+    assert api.backend.jobs == {}
+
+
+def test_an_unknown_session_is_404_naming_it(api: TestClient) -> None:
+    response = api.get("/api/sessions/no-such-id")
+    assert response.status_code == 404
+    assert "no-such-id" in response.json()["detail"]
+    assert api.delete("/api/sessions/no-such-id").status_code == 404
+    call = api.post("/api/sessions/no-such-id/optim_step", json={"adam": {"lr": 1e-3}})
+    assert call.status_code == 404 and "no-such-id" in call.json()["detail"]
+    # without TALLY_API_TOKEN a session has no token of its own
+    assert api.post("/api/sessions", json=SESSION).json()["token"] is None

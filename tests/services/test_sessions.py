@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 MODES = ["sample_mean", "token_mean", "prompt_mean", "constant"]
 VOCAB = 100  # the tiny model's
 GROUP = 4
-IDLE_S = 10.0
+IDLE_S = 5.0
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,10 @@ from trainer.aggregation import (
     IncompleteGroupError,
     aggregate,
     aggregate_all_modes,
+    call_coefficients,
     custom_reducer_weights,
     local_weighted_sum,
+    sample_coefficients,
     sum_reduction_factor,
     token_weights,
 )
@@ -136,3 +138,95 @@ def test_sum_reduction_factor_undoes_averaging() -> None:
     # A framework averaging over 4 ranks and dividing by 3 micro-batches scales by 1/12.
     assert sum_reduction_factor(4, 3) == 12
     assert sum_reduction_factor() == 1
+
+
+# Deferred steps (module docstring, "Deferred"): several calls, one denominator.
+
+MODES = ("sample_mean", "token_mean", "prompt_mean", "constant")
+DIVISOR = 6.0
+
+
+def random_step(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A step of P whole groups of G samples: per-token loss and mask [N, T] (some samples
+    without a valid token), group ids in shuffled order and G."""
+    gen = torch.Generator().manual_seed(seed)
+    num_prompts, group_size = (int(x) for x in torch.randint(1, 6, (2,), generator=gen))
+    num_samples, width = num_prompts * group_size, 7
+    loss = torch.randn(num_samples, width, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(num_samples, width, generator=gen) < 0.6).to(torch.float64)
+    mask[torch.rand(num_samples, generator=gen) < 0.25] = 0.0  # M_i = 0 for some samples
+    mask[0, 0] = 1.0  # never an empty step
+    group_ids = torch.randperm(100, generator=gen)[:num_prompts]
+    groups = group_ids.repeat_interleave(group_size)[torch.randperm(num_samples, generator=gen)]
+    return loss, mask, groups, group_size
+
+
+def random_split(groups: torch.Tensor, mode: str, seed: int) -> list[torch.Tensor]:
+    """The step's sample indices cut into 1–4 non-empty calls (whole groups for
+    prompt_mean), in shuffled order."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    units = ([(groups == g).nonzero().flatten() for g in groups.unique()]
+             if mode == "prompt_mean" else list(torch.arange(len(groups))[:, None]))
+    units = [units[k] for k in torch.randperm(len(units), generator=gen)]
+    num_calls = min(len(units), int(torch.randint(1, 5, (1,), generator=gen)))
+    cuts = sorted(torch.randperm(len(units) - 1, generator=gen)[:num_calls - 1].add(1).tolist())
+    return [torch.cat(units[a:b]) for a, b in zip([0, *cuts], [*cuts, len(units)],
+                                                  strict=True)]
+
+
+def deferred_objective(loss: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor,
+                       calls: list[torch.Tensor], mode: str) -> tuple[torch.Tensor, float]:
+    """(c'_i / ΣD per sample, Σ_k S_k / Σ_k D_k) of a step made of ``calls``."""
+    divisor = DIVISOR if mode == "constant" else None
+    coefficients = torch.zeros(len(groups), dtype=torch.float64)
+    weighted_sum, denominator = 0.0, 0.0
+    for idx in calls:
+        per_call, share = call_coefficients(mask[idx].sum(-1), groups[idx], mode, divisor)
+        coefficients[idx] = per_call
+        weighted_sum += float((per_call * (loss[idx] * mask[idx]).sum(-1)).sum())
+        denominator += share
+    return coefficients / denominator, weighted_sum / denominator
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("seed", range(12))
+def test_calls_of_a_deferred_step_compose_to_the_union(mode: str, seed: int) -> None:
+    loss, mask, groups, group_size = random_step(seed)
+    calls = random_split(groups, mode, seed)
+    assert sorted(torch.cat(calls).tolist()) == list(range(len(groups)))  # a partition
+    coefficients, objective = deferred_objective(loss, mask, groups, calls, mode)
+    divisor = DIVISOR if mode == "constant" else None
+    union = sample_coefficients(mask.sum(-1), groups, mode, divisor, group_size)
+    torch.testing.assert_close(coefficients, union, rtol=0, atol=1e-12)
+    expected = float(aggregate(loss, mask, groups, mode, divisor, group_size=group_size))
+    assert objective == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["sample_mean", "token_mean", "prompt_mean"])
+def test_averaging_calls_each_normalised_alone_is_not_the_union(mode: str) -> None:
+    """What a naive service does (J_k = S_k / D_k per call, then the mean over calls)
+    misses the union's J on uneven calls (one group, then two), while the deferred sum
+    meets it: the comparison of the test above can fail."""
+    gen = torch.Generator().manual_seed(0)
+    loss = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
+                         [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]],
+                        dtype=torch.float64)
+    groups = torch.tensor([5, 5, 2, 2, 8, 8])
+    calls = [torch.tensor([0, 1]), torch.tensor([2, 3, 4, 5])]
+    naive = []
+    for idx in calls:
+        per_call, share = call_coefficients(mask[idx].sum(-1), groups[idx], mode)
+        naive.append(float((per_call * (loss[idx] * mask[idx]).sum(-1)).sum()) / share)
+    expected = float(aggregate(loss, mask, groups, mode))
+    assert abs(sum(naive) / len(naive) - expected) > 1e-6
+    _, deferred = deferred_objective(loss, mask, groups, calls, mode)
+    assert deferred == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_call_coefficients_refuse_uneven_groups_and_a_constant_without_divisor() -> None:
+    counts = torch.tensor([2.0, 3.0, 1.0])
+    with pytest.raises(IncompleteGroupError, match="group 9 has 1 of 2 samples"):
+        call_coefficients(counts, torch.tensor([4, 4, 9]), "prompt_mean")
+    with pytest.raises(ValueError, match="divisor"):
+        call_coefficients(counts, torch.arange(3), "constant")

@@ -139,3 +139,71 @@ def test_logits_at_the_loss_positions_only_give_the_full_pass_values_and_gradien
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, want[name], rtol=1e-10, atol=1e-12)
     assert loss_positions(torch.zeros(2, 3)).sum() == 1  # a shard without loss tokens
+
+
+def pg_value_and_grad(config: LossConfig, log_probs: list[float], advantages: list[float],
+                      mask: list[float], rollout: list[float] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pg_loss, d Σ pg_loss / d log π, clipped) per token, in float64; old_log_probs is
+    garbage (only ppo reads it)."""
+    log_pi = torch.tensor(log_probs, dtype=torch.float64, requires_grad=True)
+    garbage_old = torch.full_like(log_pi, -7.0)
+    sampled = None if rollout is None else torch.tensor(rollout, dtype=torch.float64)
+    terms = policy_gradient_loss(log_pi, garbage_old, torch.tensor(advantages,
+                                 dtype=torch.float64), config,
+                                 torch.tensor(mask, dtype=torch.float64), sampled)
+    terms.pg_loss.sum().backward()
+    return terms.pg_loss.detach(), log_pi.grad, terms.clipped
+
+
+def test_cross_entropy_is_minus_log_pi_on_the_mask_whatever_the_advantage() -> None:
+    log_probs, mask = [-0.3, -2.0, -1.1, -4.0], [1.0, 0.0, 1.0, 1.0]
+    config = LossConfig(policy_loss="cross_entropy")
+    for advantages in ([1.0, 1.0, 1.0, 1.0], [-3.0, 0.5, 0.0, 7.0]):
+        value, grad, clipped = pg_value_and_grad(config, log_probs, advantages, mask)
+        assert value.tolist() == [0.3, 0.0, 1.1, 4.0]
+        assert grad.tolist() == [-1.0, 0.0, -1.0, -1.0]
+        assert clipped.tolist() == [0.0] * 4
+
+
+def test_importance_sampling_is_reinforce_weighted_by_pi_over_q() -> None:
+    log_probs, rollout = [-0.5, -1.0, -2.0], [-1.0, -0.7, -2.0]
+    advantages, mask = [2.0, -1.5, 0.5], [1.0, 1.0, 1.0]
+    value, grad, clipped = pg_value_and_grad(LossConfig(policy_loss="importance_sampling"),
+                                             log_probs, advantages, mask, rollout)
+    ratio = [math.exp(p - q) for p, q in zip(log_probs, rollout, strict=True)]
+    expected = [-a * r for a, r in zip(advantages, ratio, strict=True)]
+    assert value.tolist() == pytest.approx(expected, rel=1e-12)
+    assert grad.tolist() == pytest.approx(expected, rel=1e-12)  # d(−A·ρ)/d log π = −A·ρ
+    assert clipped.tolist() == [0.0] * 3
+
+
+def test_truncated_importance_sampling_keeps_the_gradient_at_the_cap() -> None:
+    """ρ = 3, 0.5, 2.5 (masked out) and 4 with cap 2: the truncated tokens weigh −A·C in
+    value and gradient (not 0, as a clipped ratio would give), the others −A·ρ."""
+    rollout = [0.0, 0.0, 0.0, 0.0]
+    log_probs = [math.log(3.0), math.log(0.5), math.log(2.5), math.log(4.0)]
+    advantages, mask = [1.5, 2.0, 1.0, -0.5], [1.0, 1.0, 0.0, 1.0]
+    config = LossConfig(policy_loss="importance_sampling", tis_cap=2.0)
+    value, grad, clipped = pg_value_and_grad(config, log_probs, advantages, mask, rollout)
+    expected = [-1.5 * 2.0, -2.0 * 0.5, 0.0, 0.5 * 2.0]
+    assert value.tolist() == pytest.approx(expected, rel=1e-12)
+    assert grad.tolist() == pytest.approx(expected, rel=1e-12)
+    assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("tis_cap", [None, 2.0])
+def test_importance_sampling_ignores_an_overflowing_masked_token(tis_cap: float | None
+                                                                 ) -> None:
+    """log π − log q = 1e4 on a masked-out token (exp overflows in any dtype): values and
+    gradients stay finite, and 0 there."""
+    config = LossConfig(policy_loss="importance_sampling", tis_cap=tis_cap)
+    for dtype in (torch.float32, torch.float64):
+        log_pi = torch.tensor([0.0, -0.2], dtype=dtype, requires_grad=True)
+        rollout = torch.tensor([-1e4, -0.4], dtype=dtype)
+        terms = policy_gradient_loss(log_pi, log_pi.detach(), torch.tensor([-1.0, 1.0],
+                                     dtype=dtype), config, torch.tensor([0.0, 1.0]), rollout)
+        terms.pg_loss.sum().backward()
+        assert torch.isfinite(terms.pg_loss).all() and torch.isfinite(log_pi.grad).all()
+        assert terms.pg_loss[0] == 0 and log_pi.grad[0] == 0 and terms.clipped[0] == 0
+        assert float(terms.pg_loss.detach()[1]) == pytest.approx(-math.exp(0.2), rel=1e-6)
