@@ -20,8 +20,13 @@ bearer = HTTPBearer(auto_error=False, description="TALLY_API_TOKEN (or a job's o
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
 
+def own_token(api_token: str, holder: str) -> str:
+    """HMAC(api token, ``holder``): a token the controller recomputes, never stores."""
+    return hmac.new(api_token.encode(), holder.encode(), hashlib.sha256).hexdigest()
+
+
 def job_token(api_token: str, job_id: str) -> str:
-    return hmac.new(api_token.encode(), f"job:{job_id}".encode(), hashlib.sha256).hexdigest()
+    return own_token(api_token, f"job:{job_id}")
 
 
 def _unauthorized() -> HTTPException:
@@ -44,29 +49,29 @@ def require_token(request: Request,
         raise _unauthorized()
 
 
-def require_job_token(job_id: str, request: Request, credentials: Credentials) -> None:
-    """The API token, or the token of this one job."""
+def _api_or_own_token(request: Request, credentials: Credentials, own: str) -> None:
+    """The API token, or the token of ``own`` (:func:`own_token`), when an API token is
+    configured."""
     expected = _api_token(request)
     if expected is None:
         return
     given = (credentials.credentials if credentials else "").encode()
+    mine = own_token(expected, own)
     if not (hmac.compare_digest(given, expected.encode())
-            or hmac.compare_digest(given, job_token(expected, job_id).encode())):
+            or hmac.compare_digest(given, mine.encode())):
         raise _unauthorized()
+
+
+def require_job_token(job_id: str, request: Request, credentials: Credentials) -> None:
+    """The API token, or the token of this one job."""
+    _api_or_own_token(request, credentials, f"job:{job_id}")
 
 
 def session_token(api_token: str, session_id: str) -> str:
     """The token of one training session: its own calls, nothing else."""
-    return hmac.new(api_token.encode(), f"session:{session_id}".encode(),
-                    hashlib.sha256).hexdigest()
+    return own_token(api_token, f"session:{session_id}")
 
 
 def require_session_token(session_id: str, request: Request, credentials: Credentials) -> None:
     """The API token, or the token of this one session."""
-    expected = _api_token(request)
-    if expected is None:
-        return
-    given = (credentials.credentials if credentials else "").encode()
-    if not (hmac.compare_digest(given, expected.encode())
-            or hmac.compare_digest(given, session_token(expected, session_id).encode())):
-        raise _unauthorized()
+    _api_or_own_token(request, credentials, f"session:{session_id}")

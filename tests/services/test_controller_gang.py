@@ -14,9 +14,13 @@ from itertools import pairwise
 import httpx
 import pytest
 
-from services.controller.ray_head import LocalRayHead
 from tests.services.controller_fakes import DEMO_OVERRIDES
-from tests.services.test_controller_ray import ROOT, ControllerProcess, wait_job
+from tests.services.test_controller_ray import (
+    ROOT,
+    ControllerProcess,
+    controller_on_own_head,
+    wait_job,
+)
 
 MODES = ["sample_mean", "token_mean", "prompt_mean", "constant"]
 
@@ -26,16 +30,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def two_cpu_controller(tmp_path_factory: pytest.TempPathFactory
                        ) -> Iterator[ControllerProcess]:
-    head = LocalRayHead(num_cpus=2, log_path=tmp_path_factory.mktemp("ray") / "head.log")
-    head.start()
-    proc = ControllerProcess(tmp_path_factory.mktemp("controller") / "data", head.address)
-    proc.env.pop("TALLY_MAX_RUNNING_JOBS")  # the default
-    try:
-        proc.start()
+    with controller_on_own_head(tmp_path_factory, 2,
+                                {"TALLY_MAX_RUNNING_JOBS": None}) as proc:  # the default
         yield proc
-    finally:
-        proc.close()
-        head.stop()
 
 
 def tally(url: str, *args: str) -> str:

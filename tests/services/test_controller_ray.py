@@ -7,6 +7,7 @@ test_controller_gang's; the embedded head's start and stop, test_controller_rest
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -104,6 +105,28 @@ class ControllerProcess:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+@contextlib.contextmanager
+def controller_on_own_head(tmp_path_factory: pytest.TempPathFactory, num_cpus: int,
+                           env: dict[str, str | None]) -> Iterator[ControllerProcess]:
+    """A Ray head of ``num_cpus`` and a controller on it with ``env`` (None: unset), both
+    stopped after."""
+    head = LocalRayHead(num_cpus=num_cpus,
+                        log_path=tmp_path_factory.mktemp("ray") / "head.log")
+    head.start()
+    proc = ControllerProcess(tmp_path_factory.mktemp("controller") / "data", head.address)
+    for name, value in env.items():
+        if value is None:
+            proc.env.pop(name, None)
+        else:
+            proc.env[name] = value
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.close()
+        head.stop()
 
 
 @pytest.fixture(scope="module")

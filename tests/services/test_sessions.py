@@ -18,10 +18,9 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from services.controller.ray_head import LocalRayHead
 from services.training_client import TrainingAPIError, TrainingClient, datum
 from tests.services.controller_fakes import ROOT
-from tests.services.test_controller_ray import ControllerProcess
+from tests.services.test_controller_ray import ControllerProcess, controller_on_own_head
 
 pytestmark = pytest.mark.slow
 
@@ -33,16 +32,9 @@ IDLE_S = 5.0
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
-    head = LocalRayHead(num_cpus=6, log_path=tmp_path_factory.mktemp("ray") / "head.log")
-    head.start()
-    proc = ControllerProcess(tmp_path_factory.mktemp("controller") / "data", head.address)
-    proc.env["TALLY_SESSION_IDLE_TIMEOUT_S"] = str(IDLE_S)
-    try:
-        proc.start()
+    with controller_on_own_head(tmp_path_factory, 6,
+                                {"TALLY_SESSION_IDLE_TIMEOUT_S": str(IDLE_S)}) as proc:
         yield proc
-    finally:
-        proc.close()
-        head.stop()
 
 
 @pytest.fixture
