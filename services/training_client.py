@@ -167,11 +167,16 @@ class TrainingClient:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def create_session(self, config: dict[str, Any] | None = None) -> Session:
+    def create_session(self, config: dict[str, Any] | None = None,
+                       idle_timeout_s: float | None = None) -> Session:
         """Start a session (``config``: job-config-like, e.g. {"rollout": {"model":
-        "tiny"}, "trainer": {"dp_size": 2}}); its first call waits until it is ready."""
-        info = _answer(self._http.post("/api/sessions", json={"config": config or {}},
-                                       headers=self._headers()))
+        "tiny"}, "trainer": {"dp_size": 2}}); its first call waits until it is ready.
+        ``idle_timeout_s``: it saves its state and ends once this long without a call
+        (None: the controller's default)."""
+        body: dict[str, Any] = {"config": config or {}}
+        if idle_timeout_s is not None:
+            body["idle_timeout_s"] = idle_timeout_s
+        info = _answer(self._http.post("/api/sessions", json=body, headers=self._headers()))
         return Session(self._http, info, info.get("token") or self.token)
 
     def session(self, session_id: str, token: str | None = None) -> Session:

@@ -29,7 +29,7 @@ from services.controller.auth import job_token
 from services.controller.capacity import Capacity
 from services.controller.job_logs import failure_cause, without_stop_dumps
 from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobInfo
-from services.controller.session_rows import poll_sessions
+from services.controller.session_rows import poll_sessions, save_before_the_head_stops
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
 from services.controller.tables import ACTIVE, TERMINAL, Job
@@ -284,7 +284,9 @@ class Reconciler:
                 self.backfill(job)
 
     def shutdown_embedded(self) -> None:
-        """The embedded head stops with the controller: its jobs end with it."""
+        """The embedded head stops with the controller: its jobs end with it, its
+        training sessions after saving their state."""
+        save_before_the_head_stops(self.store)
         for job in self.store.jobs_with_status(ACTIVE):
             if job.source == "controller":
                 self.backfill(job)

@@ -54,6 +54,9 @@ class SessionCreate(BaseModel):
     config: dict[str, Any] = Field(default_factory=dict)
     """Job-config-like: ``rollout`` (model, engine, sampling), ``trainer`` (layout, loss,
     lora); a top-level ``lora`` is read as ``trainer.lora``."""
+    idle_timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
+    """End (after saving) once this long without a call; None: the controller's
+    ``TALLY_SESSION_IDLE_TIMEOUT_S``."""
 
 
 def session_out(row: TrainingSessionRow, **extra: Any) -> dict[str, Any]:
@@ -106,7 +109,8 @@ def admitted_needs(ctl: Controller) -> list[dict[str, float]]:
             + [needs_of(s.config_resolved) for s in ctl.store.live_sessions()])
 
 
-def start_session(ctl: Controller, config: dict[str, Any]) -> TrainingSessionRow:
+def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float | None = None
+                  ) -> TrainingSessionRow:
     """Check, admit and submit a session (SubmissionError: 422; HTTPException else)."""
     settings = ctl.settings
     load_config_object(config)
@@ -134,7 +138,8 @@ def start_session(ctl: Controller, config: dict[str, Any]) -> TrainingSessionRow
         config_resolved=final.model_dump_json(), output_dir=str(folder),
         ray_submission_id=f"tally-session-{session_id}", secret=secrets.token_hex(32),
         step=0, tokens=0, pending_calls=0, created_at=now, updated_at=now)
-    env = {SECRET_ENV: row.secret, IDLE_ENV: str(settings.session_idle_timeout_s),
+    idle = idle_timeout_s if idle_timeout_s is not None else settings.session_idle_timeout_s
+    env = {SECRET_ENV: row.secret, IDLE_ENV: str(idle),
            "TALLY_DATA_DIR": str(settings.data_dir)}
     try:  # submitted before it is stored: the reconcile loop never sees a row Ray lacks
         ctl.backend.submit(row.ray_submission_id, f"{settings.python} -m "
@@ -152,7 +157,7 @@ async def create_session(body: SessionCreate, ctl: Ctl) -> Response:
     answers 201 at once (status ``starting``); its first call waits until it is ready.
     ``token`` (only with ``TALLY_API_TOKEN``) opens this session's calls and nothing else."""
     try:
-        row = await run_in_threadpool(start_session, ctl, body.config)
+        row = await run_in_threadpool(start_session, ctl, body.config, body.idle_timeout_s)
     except ConfigTooLarge as err:
         raise HTTPException(413, err.detail) from None
     except SubmissionError as err:

@@ -6,27 +6,31 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import httpx
+
 from services.controller.job_logs import failure_cause
 from services.controller.ray_jobs import BackendUnavailable, JobBackend
 from services.controller.store import Store
 from services.controller.tables import SESSION_LIVE, TERMINAL, TrainingSessionRow
 from services.sessions.server import read_state
 
+SAVE_TIMEOUT_S = 120.0
+
 
 def end_from_ray(store: Store, backend: JobBackend, row: TrainingSessionRow
                  ) -> TrainingSessionRow | None:
-    """Ray says the session's job ended (or forgot it): the row says how; None while it
-    runs."""
+    """The session says it ended (idle or closed: its process is on its way out), or Ray
+    says its job ended (or forgot it): the row says how; None while it runs."""
+    state = read_state(Path(row.output_dir)) or {}
+    if state.get("state") == "ended" and state.get("reason") in ("idle", "closed"):
+        return store.update_session(row.id, status="ended",
+                                    saved_path=state.get("saved_path"))
     try:
         info = backend.info(row.ray_submission_id)
     except BackendUnavailable:
         return None
     if info is not None and info.status not in TERMINAL:
         return None
-    state = read_state(Path(row.output_dir)) or {}
-    if state.get("state") == "ended" and state.get("reason") in ("idle", "closed"):
-        return store.update_session(row.id, status="ended",
-                                        saved_path=state.get("saved_path"))
     if info is None:
         error = "Ray has no record of this session any more (its cluster was restarted)"
     else:
@@ -43,3 +47,28 @@ def poll_sessions(store: Store, backend: JobBackend) -> None:
     for row in store.live_sessions():
         if row.status in SESSION_LIVE:
             end_from_ray(store, backend, row)
+
+
+def save_before_the_head_stops(store: Store) -> None:
+    """The controller stops the Ray head it started, and its sessions with it: each
+    ready one saves its state first (``save shutdown``) and ends; one that cannot is
+    failed, saying why."""
+    for row in store.live_sessions():
+        state = read_state(Path(row.output_dir)) or {}
+        saved, why = None, "it was still starting"
+        if state.get("state") == "ready":
+            try:
+                answer = httpx.post(f"http://{state['host']}:{state['port']}/save",
+                                    json={"name": "shutdown"}, timeout=SAVE_TIMEOUT_S,
+                                    headers={"authorization": f"Bearer {row.secret}"})
+                if answer.status_code == 200:
+                    saved = answer.json()["path"]
+                else:
+                    why = answer.json().get("detail", answer.text)
+            except (httpx.HTTPError, ValueError) as err:
+                why = f"it did not save: {err}"
+        if saved is not None:
+            store.update_session(row.id, status="ended", saved_path=saved)
+        else:
+            store.update_session(row.id, status="failed", error=(
+                f"the controller stopped, and with it the Ray head it had started ({why})"))

@@ -90,13 +90,14 @@ class TrainingSession:
                                          temperature=self.temperature)
         self.lock = threading.Lock()
         self.gang = reserve_job(config, on_wait=print)
-        self.trainer = TrainerGroup(config.trainer, self.objective, model_path,
-                                    total_steps=1, placement=self.gang.group)
         engine = config.rollout.engine
         actor = ray.remote(engine_class(engine))
+        # the engine loads while the trainer ranks do (TrainerGroup waits for its setup)
         self.engine = actor.options(**{**engine_actor_options(engine),
                                        **self.gang.engine_options[0]}
                                     ).remote(engine, model_path, config.rollout.tokenizer, 0)
+        self.trainer = TrainerGroup(config.trainer, self.objective, model_path,
+                                    total_steps=1, placement=self.gang.group)
         ray.get(self.engine.ping.remote())
         from transformers import AutoConfig
 
@@ -109,6 +110,8 @@ class TrainingSession:
         self.loss_fn: str | None = None
         self.last: dict[str, Any] = {}
         self.last_call = time.monotonic()
+        self.ended: str | None = None
+        """Why the session ended (idle, closed); it takes no call after."""
 
     # ---- the verbs ----------------------------------------------------------------------
 
@@ -189,8 +192,7 @@ class TrainingSession:
             raise SessionError(409, [("optim_step", "no forward_backward call since the last "
                                       "optim_step: there is no gradient to step with")])
         if pending.denominator <= 0:  # token_mean over calls without a weighted token
-            self.trainer.discard_gradients()
-            self.pending = PendingStep()
+            self.drop_pending()
             raise SessionError(409, [("optim_step", "the pending calls hold no weighted "
                                       "token (every weight is 0); they are dropped")])
         scale = 1.0 / pending.denominator
@@ -255,14 +257,18 @@ class TrainingSession:
         out = export_checkpoint(checkpoint, self.folder / "saved" / name, adapter=adapter)
         return {"path": str(out), "step": self.step, "adapter": adapter}
 
+    def drop_pending(self) -> None:
+        """Forget the forward_backward calls since the last step, gradients included."""
+        self.trainer.discard_gradients()
+        self.pending = PendingStep()
+
     def load(self, name: str) -> dict[str, Any]:
         """Back to a save of this session: weights, optimizer state and step."""
         checkpoint = self.folder / "checkpoints" / name
         if not checkpoint.is_dir():
             raise SessionError(404, [("name", f"no save named {name!r} in this session")])
-        self.trainer.discard_gradients()
+        self.drop_pending()
         self.trainer.load_checkpoint(str(checkpoint))
-        self.pending = PendingStep()
         self.step = int((checkpoint / "session_step").read_text())
         self.engine_version = -1  # whatever the engine serves, it is not this
         return {"step": self.step}

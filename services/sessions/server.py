@@ -9,8 +9,9 @@ restarted controller finds it again from ``<folder>/session.json``:
 
 It listens on loopback only and answers only the controller (``TALLY_SESSION_SECRET``
 as a bearer token). Calls run one at a time, in the order they arrive. After
-``TALLY_SESSION_IDLE_TIMEOUT_S`` without a call the session saves its state (``save
-idle``: a Hugging Face folder and the trainer state) and ends.
+``TALLY_SESSION_IDLE_TIMEOUT_S`` without a call the session saves its state as of its last
+``optim_step`` (``save idle``: a Hugging Face folder and the trainer state; gradients of
+calls no step followed are dropped) and ends.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def create_app(session: TrainingSession, secret: str, on_close: Any) -> FastAPI:
 
     def run(verb: Any, *args: Any) -> Any:
         with session.lock:
+            if session.ended:  # idle or closed while this call waited for the lock
+                raise SessionError(409, [("session", f"ended ({session.ended})")])
             session.last_call = time.monotonic()
             try:
                 return verb(*args)
@@ -159,8 +162,10 @@ def serve(folder: Path) -> int:
     ended: dict[str, Any] = {}
 
     def end(reason: str, saved_path: str | None) -> None:
+        session.ended = reason
         ended.update({"state": "ended", "reason": reason, "saved_path": saved_path,
                       "step": session.step})
+        write_state(folder, ended)  # said at once; the actors stop after
         if server is not None:
             server.should_exit = True
 
@@ -172,9 +177,11 @@ def serve(folder: Path) -> int:
             with session.lock:
                 if time.monotonic() - session.last_call < idle_timeout_s or ended:
                     continue
-                saved = None
-                if not session.pending.calls:
-                    saved = session.save("idle")["path"]
+                if session.pending.calls:  # a step never taken: its gradients go
+                    print(f"session idle with {session.pending.calls} forward_backward "
+                          "call(s) pending: dropped (no optim_step followed)", flush=True)
+                    session.drop_pending()
+                saved = session.save("idle")["path"]
                 print(f"session idle for {idle_timeout_s:g} s: state saved at {saved}; "
                       "ending", flush=True)
                 end("idle", saved)

@@ -2,8 +2,9 @@
 controller, on loopback. Killed with SIGKILL mid-job, the controller leaves the head and
 the job running; the restarted one re-adopts the head (``<data>/ray-head.json``), the job
 runs on and finishes with every step's metrics, and the final shutdown stops the head and
-leaves no process of it. A job server that goes away after a client of it was made is
-``BackendUnavailable`` (test_controller_ray_down.py: one that never answered)."""
+leaves no process of it, a training session on it saving its state first. A job server
+that goes away after a client of it was made is ``BackendUnavailable``
+(test_controller_ray_down.py: one that never answered)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 
 from services.controller.ray_head import dashboard_up, enable_ray_token_auth, processes_of
 from services.controller.ray_jobs import BackendUnavailable, RayJobBackend
+from services.controller.store import Store
+from services.training_client import TrainingClient, datum
 from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.test_controller_ray import DEMO, ControllerProcess, wait_job
 
@@ -78,8 +81,17 @@ def test_kill_9_mid_job_then_restart_loses_nothing(tmp_path: Path) -> None:
         enable_ray_token_auth()  # as the controller does: the head has token auth on
         backend = RayJobBackend(head["address"])  # a client made while the server is up
         assert backend.info(job["ray_submission_id"]).status == "succeeded"
+        session = TrainingClient(proc.url).create_session({"rollout": {"model": "tiny"}})
+        session.forward_backward([datum([1, 2], [3, 4])]).result()
+        assert session.optim_step(lr=1e-3).result()["step"] == 1
     finally:
         proc.close()
+    # the head went with the controller: its session saved its state first
+    row = Store(f"sqlite:///{proc.env['TALLY_DATA_DIR']}/controller.db").get_session(
+        session.id)
+    assert (row.status, row.step, row.error) == ("ended", 1, None)
+    assert row.saved_path == str(Path(row.output_dir) / "saved" / "shutdown")
+    assert (Path(row.saved_path) / "model.safetensors").is_file()
     assert processes_of(head["temp_dir"]) == []
     assert not psutil.pid_exists(head["pid"]) and not dashboard_up(head["address"])
     assert not (Path(proc.env["TALLY_DATA_DIR"]) / "ray-head.json").exists()

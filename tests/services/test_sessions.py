@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -27,13 +28,12 @@ pytestmark = pytest.mark.slow
 MODES = ["sample_mean", "token_mean", "prompt_mean", "constant"]
 VOCAB = 100  # the tiny model's
 GROUP = 4
-IDLE_S = 5.0
+IDLE_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
-    with controller_on_own_head(tmp_path_factory, 6,
-                                {"TALLY_SESSION_IDLE_TIMEOUT_S": str(IDLE_S)}) as proc:
+    with controller_on_own_head(tmp_path_factory, 6, {}) as proc:
         yield proc
 
 
@@ -41,6 +41,16 @@ def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerP
 def client(controller: ControllerProcess) -> Iterator[TrainingClient]:
     training = TrainingClient(controller.url)
     yield training
+    training.close()
+
+
+@pytest.fixture(scope="module")
+def shared(controller: ControllerProcess) -> Iterator:
+    """One DP 1 session for the tests that need any session (one start, not one each)."""
+    training = TrainingClient(controller.url)
+    session = training.create_session({"rollout": {"model": "tiny"}})
+    yield session
+    session.close()
     training.close()
 
 
@@ -83,40 +93,48 @@ def take_step(session, data: list[dict], sizes: list[int], mode: str) -> tuple[l
     return [c.result() for c in calls], step
 
 
-@pytest.mark.parametrize("dp_size", [1, 2])
-def test_split_calls_give_the_step_of_one_call_on_their_union(client: TrainingClient,
-                                                             dp_size: int) -> None:
+def split_against_union(session, data: list[dict]) -> None:
     """For each mode: one call on 24 samples, two calls, four calls of uneven sizes (whole
     groups under prompt_mean), each from the same saved state: the weights after the step
     agree to 1e-6, and the step's loss (and grad norm) to the union's J."""
-    data = random_data(24, seed=dp_size)
-    session = client.create_session({"rollout": {"model": "tiny"},
-                                     "trainer": {"dp_size": dp_size, "num_cpus_per_rank": 0.5}})
+    session.save("start").result()
+    start = weights_of(str(Path(session.info["output_dir"]) / "saved" / "start"))
+    for mode in MODES:
+        four = [4, 8, 4, 8] if mode == "prompt_mean" else [3, 9, 5, 7]
+        results = {}
+        for name, sizes in (("one", [24]), ("two", [12, 12]), ("four", four)):
+            session.load("start").result()
+            calls, step = take_step(session, data, sizes, mode)
+            results[name] = (calls, step, weights_of(session.save(f"{mode}-{name}")
+                                                     .result()["path"]))
+        (union,), one_step, one_weights = results["one"]
+        assert one_step["loss"] == pytest.approx(union["loss"], rel=1e-9, abs=1e-12)
+        for name in ("two", "four"):
+            calls, step, weights = results[name]
+            assert max_difference(weights, one_weights) <= 1e-6, (mode, name)
+            assert step["loss"] == pytest.approx(union["loss"], rel=1e-6, abs=1e-9)
+            assert step["grad_norm"] == pytest.approx(one_step["grad_norm"], rel=1e-6)
+            assert step["metrics"]["calls"] == len(calls)
+            # what the calls say alone is not the step's J (why it is deferred)
+            assert any(abs(c["loss"] - union["loss"]) > 1e-4 for c in calls), (mode, name)
+        # the step moved the weights (a no-op would pass the comparisons)
+        assert max_difference(one_weights, start) > 1e-5, mode
+
+
+def test_split_calls_give_the_step_of_one_call_on_their_union_at_dp_1_and_2(
+        client: TrainingClient) -> None:
+    """:func:`split_against_union` on a DP 1 and a DP 2 session, side by side."""
+    sessions = {dp: client.create_session({"rollout": {"model": "tiny"}, "trainer": {
+        "dp_size": dp, "num_cpus_per_rank": 0.5}}) for dp in (1, 2)}
     try:
-        session.save("start").result()
-        for mode in MODES:
-            four = [4, 8, 4, 8] if mode == "prompt_mean" else [3, 9, 5, 7]
-            results = {}
-            for name, sizes in (("one", [24]), ("two", [12, 12]), ("four", four)):
-                session.load("start").result()
-                calls, step = take_step(session, data, sizes, mode)
-                results[name] = (calls, step, weights_of(session.save(f"{mode}-{name}")
-                                                         .result()["path"]))
-            (union,), one_step, one_weights = results["one"]
-            assert one_step["loss"] == pytest.approx(union["loss"], rel=1e-9, abs=1e-12)
-            for name in ("two", "four"):
-                calls, step, weights = results[name]
-                assert max_difference(weights, one_weights) <= 1e-6, (mode, name)
-                assert step["loss"] == pytest.approx(union["loss"], rel=1e-6, abs=1e-9)
-                assert step["grad_norm"] == pytest.approx(one_step["grad_norm"], rel=1e-6)
-                assert step["metrics"]["calls"] == len(calls)
-                # what the calls say alone is not the step's J (why it is deferred)
-                assert any(abs(c["loss"] - union["loss"]) > 1e-4 for c in calls), (mode, name)
-            # the step moved the weights (a no-op would pass the comparisons)
-            start = weights_of(str(Path(session.info["output_dir"]) / "saved" / "start"))
-            assert max_difference(one_weights, start) > 1e-5
+        with ThreadPoolExecutor(2) as pool:
+            for done in [pool.submit(split_against_union, session, random_data(24, seed=dp))
+                         for dp, session in sessions.items()]:
+                done.result()
+        assert {s.state()["world_size"] for s in sessions.values()} == {1, 2}
     finally:
-        session.close()
+        for session in sessions.values():
+            session.close()
 
 
 def detail_of(future) -> tuple[int, str]:
@@ -125,71 +143,66 @@ def detail_of(future) -> tuple[int, str]:
     return raised.value.status, raised.value.detail
 
 
-def test_bad_input_is_a_4xx_naming_the_field(client: TrainingClient,
-                                             controller: ControllerProcess) -> None:
-    session = client.create_session({"rollout": {"model": "tiny"}})
-    try:
-        data = random_data(8, seed=7)
-        short = {**data[0], "weights": data[0]["weights"][:-1]}
-        assert detail_of(session.forward_backward([data[1], short], "ppo")) == (
-            422, f"data[1].weights: has {len(short['weights'])} values; tokens has "
-                 f"{len(short['tokens'])}")
-        outside = {**data[0], "tokens": [VOCAB + 5, *data[0]["tokens"][1:]]}
-        status, detail = detail_of(session.forward([*data[:2], outside], "ppo"))
-        assert status == 422 and detail.startswith("data[2].tokens[0]: token id 105 is "
-                                                   "outside the vocabulary (0..99)")
-        status, detail = detail_of(session.forward_backward(data[:6], "ppo", "prompt_mean"))
-        assert status == 422 and detail.startswith("data[4].group: group 1 has 2 samples in "
-                                                   "this call, other groups have 4")
-        assert session.forward_backward(data[:4], "ppo", "prompt_mean").result()["loss"]
-        status, detail = detail_of(session.forward_backward(data[:4], "ppo", "prompt_mean"))
-        assert status == 422 and detail.startswith("data[0].group: group 0 was in an earlier "
-                                                   "forward_backward call of this step")
-        status, detail = detail_of(session.forward_backward(data[4:], "ppo", "token_mean"))
-        assert status == 409 and detail.startswith("aggregation.mode: mode token_mean "
-                                                   "differs from mode prompt_mean")
-        no_advantage = {k: v for k, v in data[0].items() if k != "advantages"}
-        status, detail = detail_of(session.forward([no_advantage], "importance_sampling"))
-        assert (status, detail) == (422, "data[0].advantages: required by loss_fn "
-                                         "importance_sampling")
-        status, detail = detail_of(session.forward_backward(data, "ppo", {"mode": "constant"}))
-        assert status == 422 and "aggregation" in detail and "divisor" in detail
-        assert session.optim_step(lr=1e-3).result()["step"] == 1
-        status, detail = detail_of(session.optim_step(lr=1e-3))
-        assert status == 409 and "no forward_backward call since the last optim_step" in detail
-        assert session.state()["tokens"] == sum(sum(d["weights"]) for d in data[:4])
-    finally:
-        session.close()
+def test_bad_input_is_a_4xx_naming_the_field(shared, controller: ControllerProcess) -> None:
+    session, step_before = shared, shared.state()["step"]
+    tokens_before = shared.state()["tokens"]
+    data = random_data(8, seed=7)
+    short = {**data[0], "weights": data[0]["weights"][:-1]}
+    assert detail_of(session.forward_backward([data[1], short], "ppo")) == (
+        422, f"data[1].weights: has {len(short['weights'])} values; tokens has "
+             f"{len(short['tokens'])}")
+    outside = {**data[0], "tokens": [VOCAB + 5, *data[0]["tokens"][1:]]}
+    status, detail = detail_of(session.forward([*data[:2], outside], "ppo"))
+    assert status == 422 and detail.startswith("data[2].tokens[0]: token id 105 is "
+                                               "outside the vocabulary (0..99)")
+    status, detail = detail_of(session.forward_backward(data[:6], "ppo", "prompt_mean"))
+    assert status == 422 and detail.startswith("data[4].group: group 1 has 2 samples in "
+                                               "this call, other groups have 4")
+    assert session.forward_backward(data[:4], "ppo", "prompt_mean").result()["loss"]
+    status, detail = detail_of(session.forward_backward(data[:4], "ppo", "prompt_mean"))
+    assert status == 422 and detail.startswith("data[0].group: group 0 was in an earlier "
+                                               "forward_backward call of this step")
+    status, detail = detail_of(session.forward_backward(data[4:], "ppo", "token_mean"))
+    assert status == 409 and detail.startswith("aggregation.mode: mode token_mean "
+                                               "differs from mode prompt_mean")
+    no_advantage = {k: v for k, v in data[0].items() if k != "advantages"}
+    status, detail = detail_of(session.forward([no_advantage], "importance_sampling"))
+    assert (status, detail) == (422, "data[0].advantages: required by loss_fn "
+                                     "importance_sampling")
+    status, detail = detail_of(session.forward_backward(data, "ppo", {"mode": "constant"}))
+    assert status == 422 and "aggregation" in detail and "divisor" in detail
+    assert session.optim_step(lr=1e-3).result()["step"] == step_before + 1
+    status, detail = detail_of(session.optim_step(lr=1e-3))
+    assert status == 409 and "no forward_backward call since the last optim_step" in detail
+    assert session.state()["tokens"] - tokens_before == sum(sum(d["weights"])
+                                                              for d in data[:4])
     unknown = httpx.post(f"{controller.url}/api/sessions/0123456789ab/optim_step",
                          json={"adam": {"lr": 1e-3}})
     assert (unknown.status_code, unknown.json()["detail"]) == (
         404, "session 0123456789ab: no such session")
-    status, detail = detail_of(session.optim_step(lr=1e-3))  # closed: gone for good
-    assert status == 409 and detail == f"session {session.id} is ended"
     bad = httpx.post(f"{controller.url}/api/sessions",
                      json={"config": {"trainer": {"backend": "megatron"}}})
     assert bad.status_code == 422 and "trainer.backend" in bad.json()["detail"]
 
 
-def test_a_controller_killed_mid_session_loses_no_step(client: TrainingClient,
+def test_a_controller_killed_mid_session_loses_no_step(shared, client: TrainingClient,
                                                        controller: ControllerProcess) -> None:
-    """kill -9 with one step done and one forward_backward pending: the restarted
+    """kill -9 with a step done and one forward_backward pending: the restarted
     controller finds the session as it was and the step completes."""
     data = random_data(8, seed=3)
-    session = client.create_session({"rollout": {"model": "tiny"}})
-    try:
-        take_step(session, data, [8], "token_mean")
-        session.forward_backward(data[:4], "ppo", "token_mean").result()
-        controller.kill()
-        controller.start()
-        state = session.state()
-        assert (state["status"], state["step"], state["pending_calls"]) == ("ready", 1, 1)
-        step = session.optim_step(lr=1e-3).result()
-        assert step["step"] == 2 and step["metrics"]["calls"] == 1
-        listed = {s["id"]: s for s in client.list_sessions()}
-        assert listed[session.id]["step"] == 2 and listed[session.id]["loss"] == step["loss"]
-    finally:
-        session.close()
+    session = shared
+    _, done = take_step(session, data, [8], "token_mean")
+    session.forward_backward(data[:4], "ppo", "token_mean").result()
+    controller.kill()
+    controller.start()
+    state = session.state()
+    assert (state["status"], state["step"], state["pending_calls"]) == (
+        "ready", done["step"], 1)
+    step = session.optim_step(lr=1e-3).result()
+    assert step["step"] == done["step"] + 1 and step["metrics"]["calls"] == 1
+    listed = {s["id"]: s for s in client.list_sessions()}
+    assert listed[session.id]["step"] == step["step"]
+    assert listed[session.id]["loss"] == step["loss"]
 
 
 def test_the_example_loop_runs_over_the_client(controller: ControllerProcess) -> None:
@@ -206,26 +219,30 @@ def test_the_example_loop_runs_over_the_client(controller: ControllerProcess) ->
 
 def test_sampling_follows_the_steps_then_an_idle_session_saves_and_ends(
         client: TrainingClient) -> None:
-    """The engine serves the weights of the last step: after cross-entropy steps toward
-    one sequence, greedy sampling from its prompt gives it. Left alone, the session saves
-    its state (a Hugging Face folder) and ends; a call then says where the state is."""
-    session = client.create_session({"rollout": {"model": "tiny"}})
-    prompt, answer = [1, 71, 84, 4], [69, 70, 71, 69, 70, 71]
-    greedy = {"temperature": 0.0, "max_new_tokens": len(answer)}
-    before = session.sample([prompt], **greedy).result()["sequences"][0][0]["tokens"]
-    for _ in range(30):
-        session.forward_backward([datum(prompt, answer)], "cross_entropy")
-        step = session.optim_step(lr=1e-2)
-    assert step.result()["step"] == 30
-    after = session.sample([prompt], **greedy).result()["sequences"][0][0]["tokens"]
-    assert after == answer != before
+    """The engine serves the weights of the last step: its log-probs of what it samples
+    are the trainer's on the same tokens (``forward``), and they moved with the step.
+    Left alone, the session saves its state (a Hugging Face folder) and ends; a call
+    then says where the state is."""
+    session = client.create_session({"rollout": {"model": "tiny"}}, idle_timeout_s=IDLE_S)
+    prompt, greedy = [1, 71, 84, 4], {"temperature": 0.0, "max_new_tokens": 6}
+    samples = []
+    for step in (1, 2):
+        session.forward_backward([datum(prompt, [69, 70, 71, 69, 70, 71])], "cross_entropy")
+        assert session.optim_step(lr=1e-2).result()["step"] == step
+        (sampled,), = session.sample([prompt], **greedy).result()["sequences"]
+        trainer = session.forward([datum(prompt, sampled["tokens"])]).result()["logprobs"][0]
+        engine = sampled["logprobs"]
+        assert max(abs(a - b) for a, b in zip(trainer[-len(engine):], engine,
+                                              strict=True)) < 1e-4, step
+        samples.append(engine)
+    assert abs(samples[0][0] - samples[1][0]) > 1e-3  # the second step reached the engine
     deadline = time.monotonic() + IDLE_S + 60
     while (state := session.state())["status"] != "ended":
         assert time.monotonic() < deadline, state
-        time.sleep(1)
+        time.sleep(0.5)
     saved = Path(state["saved_path"])
     assert saved.name == "idle" and (saved / "config.json").is_file()
-    assert state["step"] == 30
+    assert state["step"] == 2
     status, detail = detail_of(session.sample([[1, 2, 3]]))
     assert status == 409 and detail == f"session {session.id} is ended (its state is saved " \
                                        f"at {saved})"
