@@ -181,7 +181,12 @@ def serve(folder: Path) -> int:
                     print(f"session idle with {session.pending.calls} forward_backward "
                           "call(s) pending: dropped (no optim_step followed)", flush=True)
                     session.drop_pending()
-                saved = session.save("idle")["path"]
+                try:
+                    saved = session.save("idle")["path"]
+                except Exception as err:  # the session still ends: it was left alone
+                    saved = None
+                    print(f"session idle: its state could not be saved "
+                          f"({type(err).__name__}: {err})", flush=True)
                 print(f"session idle for {idle_timeout_s:g} s: state saved at {saved}; "
                       "ending", flush=True)
                 end("idle", saved)
