@@ -123,31 +123,15 @@ def sample_coefficients(
     divisor: float | None = None,
     group_size: int | None = None,
 ) -> torch.Tensor:
-    """c_i such that w_it = m_it · c_i, from whole-step metadata only.
+    """c_i such that w_it = m_it · c_i, from whole-step metadata only: c'_i / D of the
+    step as one call (:func:`call_coefficients`, where the per-mode math lives).
 
     sample_token_counts: M_i [N]; group_index: [N]. Samples (groups) with no valid token
     get c_i = 0 (the division is guarded, they still count in N and P).
     """
-    counts = sample_token_counts.to(torch.float64)
-    num_samples = counts.shape[0]
-    if mode == "sample_mean":
-        return torch.where(counts > 0, 1.0 / (num_samples * counts.clamp(min=1)), 0.0)
-    if mode == "token_mean":
-        total = counts.sum()
-        return torch.full_like(counts, 1.0 / float(total) if total > 0 else 0.0)
-    if mode == "prompt_mean":
-        dense, num_prompts = _check_groups(group_index, group_size)
-        prompt_mask_sums = torch.zeros(num_prompts, dtype=torch.float64, device=counts.device)
-        prompt_mask_sums.index_add_(0, dense.to(counts.device), counts)
-        group_totals = prompt_mask_sums[dense]
-        return torch.where(
-            group_totals > 0, 1.0 / (num_prompts * group_totals.clamp(min=1)), 0.0
-        )
-    if mode == "constant":
-        if divisor is None or not divisor > 0:
-            raise ValueError(f"divisor: mode=constant needs a divisor > 0, got {divisor}")
-        return torch.full_like(counts, 1.0 / (divisor * num_samples))
-    raise ValueError(f"mode: unknown aggregation mode {mode!r}; expected {AGGREGATION_MODES}")
+    per_call, denominator = call_coefficients(sample_token_counts, group_index, mode,
+                                              divisor, group_size)
+    return per_call / denominator if denominator > 0 else torch.zeros_like(per_call)
 
 
 def call_coefficients(
@@ -155,11 +139,13 @@ def call_coefficients(
     group_index: torch.Tensor,
     mode: AggregationMode,
     divisor: float | None = None,
+    group_size: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """(c'_i [N], D) of one call of a deferred step (module docstring, "Deferred"): the
     per-call coefficients and this call's share of the step's denominator. Summing D over
     the calls of a step and scaling by 1/ΣD gives :func:`sample_coefficients` of their
-    union. prompt_mean needs each group whole in the call (every group the same size)."""
+    union. prompt_mean needs each group whole in the call (every group ``group_size``
+    samples; None: the largest group's size)."""
     counts = sample_token_counts.to(torch.float64)
     num_samples = counts.shape[0]
     if mode == "sample_mean":
@@ -167,7 +153,7 @@ def call_coefficients(
     if mode == "token_mean":
         return torch.ones_like(counts), float(counts.sum())
     if mode == "prompt_mean":
-        dense, num_prompts = _check_groups(group_index, None)
+        dense, num_prompts = _check_groups(group_index, group_size)
         totals = torch.zeros(num_prompts, dtype=torch.float64, device=counts.device)
         totals.index_add_(0, dense.to(counts.device), counts)
         group_totals = totals[dense]

@@ -190,15 +190,10 @@ class FSDPWorker(TrainerWorker):
         return sums, grads if self.rank == 0 else None
 
     def optimizer_step(self) -> dict[str, float]:
-        clip = self.config.optimizer.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.trained, clip if clip is not None else float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self._clip_and_step(self.config.optimizer.grad_clip)
         self.scheduler.step()
-        return {"grad_norm": float(grad_norm), "lr": lr}
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def apply_gradients(self, scale: float, adam: dict[str, Any], grad_clip: float | None
                         ) -> dict[str, float]:
@@ -207,12 +202,17 @@ class FSDPWorker(TrainerWorker):
                 p.grad.mul_(scale)
         for group in self.optimizer.param_groups:
             group.update(adam)
+        return {"grad_norm": self._clip_and_step(grad_clip), "lr": float(adam["lr"])}
+
+    def _clip_and_step(self, clip: float | None) -> float:
+        """Clip the gradients to ``clip`` (None: not at all), step, zero them; the
+        global grad norm before clipping."""
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.trained, grad_clip if grad_clip is not None else float("inf"))
+            self.trained, clip if clip is not None else float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": float(adam["lr"])}
+        return float(grad_norm)
 
     def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
