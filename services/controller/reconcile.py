@@ -29,7 +29,11 @@ from services.controller.auth import job_token
 from services.controller.capacity import Capacity
 from services.controller.job_logs import failure_cause, without_stop_dumps
 from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobInfo
-from services.controller.session_rows import poll_sessions, save_before_the_head_stops
+from services.controller.session_rows import (
+    live_session_needs,
+    poll_sessions,
+    save_before_the_head_stops,
+)
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
 from services.controller.tables import ACTIVE, TERMINAL, Job
@@ -158,15 +162,12 @@ class Reconciler:
         queued = self.store.jobs_with_status(("queued",))
         if not queued:
             return
-        active = [j for j in self.store.jobs_with_status(ACTIVE) if j.source == "controller"]
-        slots = self.settings.max_running_jobs - len(active)
+        slots = self.settings.max_running_jobs - len(self.running_jobs())
         if slots <= 0:
             return
         try:
             usage = getattr(self.backend, "resources", lambda: None)()  # None: unknown
-            sessions = [job_needs(JobConfig.model_validate_json(s.config_resolved))
-                        for s in self.store.live_sessions()]  # training sessions hold theirs
-            capacity = Capacity(usage, [self.needs(j) for j in active] + sessions)
+            capacity = Capacity(usage, self.admitted_needs())
         except BackendUnavailable:
             self.errors += 1
             return
@@ -184,6 +185,15 @@ class Reconciler:
                 return
             capacity.take(needs)
             slots -= 1
+
+    def running_jobs(self) -> list[Job]:
+        """The jobs this controller submitted that Ray runs (or is about to)."""
+        return [j for j in self.store.jobs_with_status(ACTIVE) if j.source == "controller"]
+
+    def admitted_needs(self) -> list[dict[str, float]]:
+        """What the running jobs and the live training sessions hold (or are about to):
+        what a queued job or a new session must fit beside."""
+        return [self.needs(j) for j in self.running_jobs()] + live_session_needs(self.store)
 
     def needs(self, job: Job) -> dict[str, float]:
         """The resources of a job's whole placement group (cached; {} if unreadable)."""

@@ -15,7 +15,6 @@ import copy
 import json
 import secrets
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +28,7 @@ from services.controller.auth import require_session_token, require_token, sessi
 from services.controller.capacity import Capacity
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.routes_jobs import invalid, new_id
-from services.controller.session_rows import end_from_ray
+from services.controller.session_rows import controller_headers, end_from_ray, ready_url
 from services.controller.state import Controller, Ctl
 from services.controller.submission import (
     ConfigTooLarge,
@@ -37,9 +36,9 @@ from services.controller.submission import (
     load_config_object,
     resolve,
 )
-from services.controller.tables import ACTIVE, SESSION_LIVE, TrainingSessionRow
+from services.controller.tables import SESSION_LIVE, TrainingSessionRow
 from services.placement import job_needs
-from services.sessions.server import CONFIG_FILE, IDLE_ENV, SECRET_ENV, read_state
+from services.sessions.server import CONFIG_FILE, IDLE_ENV, SECRET_ENV
 
 router = APIRouter(prefix="/api/sessions", tags=["sessions"])
 VERBS = ("forward_backward", "forward", "optim_step", "sample", "save", "load")
@@ -95,20 +94,6 @@ def check_session_config(config: JobConfig) -> None:
         raise SubmissionError("; ".join(f"{f}: {m}" for f, m in problems), problems)
 
 
-def needs_of(row_config: str) -> dict[str, float]:
-    try:
-        return job_needs(JobConfig.model_validate_json(row_config))
-    except ValueError:
-        return {}
-
-
-def admitted_needs(ctl: Controller) -> list[dict[str, float]]:
-    """What the running jobs and live sessions hold (or are about to)."""
-    jobs = [j for j in ctl.store.jobs_with_status(ACTIVE) if j.source == "controller"]
-    return ([needs_of(j.config_resolved) for j in jobs]
-            + [needs_of(s.config_resolved) for s in ctl.store.live_sessions()])
-
-
 def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float | None = None
                   ) -> TrainingSessionRow:
     """Check, admit and submit a session (SubmissionError: 422; HTTPException else)."""
@@ -126,7 +111,8 @@ def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float
         usage = ctl.backend.resources()
     except BackendUnavailable:
         raise HTTPException(503, "the Ray job server cannot be reached") from None
-    shortfall = Capacity(usage, admitted_needs(ctl)).shortfall(job_needs(final))
+    shortfall = Capacity(usage, ctl.reconciler.admitted_needs()).shortfall(
+        job_needs(final))
     if shortfall is not None:
         raise HTTPException(503, f"the cluster cannot hold the session now ({shortfall})")
     folder.mkdir(parents=True, exist_ok=True)
@@ -193,11 +179,10 @@ def session_address(ctl: Controller, session_id: str) -> tuple[TrainingSessionRo
         row = _row(ctl, session_id)
         if row.status not in SESSION_LIVE:
             raise _gone(row)
-        state = read_state(Path(row.output_dir)) or {}
-        if state.get("state") == "ready":
+        if (url := ready_url(row)) is not None:
             if row.status != "ready":
                 ctl.store.update_session(row.id, status="ready")
-            return row, f"http://{state['host']}:{state['port']}"
+            return row, url
         if time.monotonic() - last_ray_check > 2.0:
             last_ray_check = time.monotonic()
             if (ended := end_from_ray(ctl.store, ctl.backend, row)) is not None:
@@ -212,7 +197,7 @@ def refresh(ctl: Controller, row: TrainingSessionRow, address: str) -> dict[str,
     """The session's own state, copied into its row; None when it does not answer."""
     try:
         state = httpx.get(f"{address}/state", timeout=10,
-                          headers={"authorization": f"Bearer {row.secret}"}).json()
+                          headers=controller_headers(row)).json()
     except (httpx.HTTPError, ValueError):
         return None
     last = state.get("last") or {}
@@ -226,7 +211,7 @@ def forward(ctl: Controller, session_id: str, verb: str, body: bytes) -> Respons
     row, address = session_address(ctl, session_id)
     try:
         answer = httpx.post(f"{address}/{verb}", content=body, timeout=None,
-                            headers={"authorization": f"Bearer {row.secret}",
+                            headers={**controller_headers(row),
                                      "content-type": "application/json"})
     except httpx.TransportError:
         ended = end_from_ray(ctl.store, ctl.backend, row)
@@ -260,9 +245,8 @@ def get_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
     row = _row(ctl, session_id)
     live = None
     if row.status in SESSION_LIVE:
-        state = read_state(Path(row.output_dir)) or {}
-        if state.get("state") == "ready":
-            live = refresh(ctl, row, f"http://{state['host']}:{state['port']}")
+        if (url := ready_url(row)) is not None:
+            live = refresh(ctl, row, url)
         if live is None:
             end_from_ray(ctl.store, ctl.backend, row)
         row = _row(ctl, session_id)
@@ -276,12 +260,10 @@ def delete_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
     first to keep the weights)."""
     row = _row(ctl, session_id)
     if row.status in SESSION_LIVE:
-        state = read_state(Path(row.output_dir)) or {}
         closed = False
-        if state.get("state") == "ready":
+        if (url := ready_url(row)) is not None:
             try:
-                httpx.post(f"http://{state['host']}:{state['port']}/close", timeout=60,
-                           headers={"authorization": f"Bearer {row.secret}"})
+                httpx.post(f"{url}/close", timeout=60, headers=controller_headers(row))
                 closed = True
             except httpx.HTTPError:
                 pass

@@ -1,4 +1,5 @@
-"""What Ray says of a training session's process, written into its row (the API's
+"""A training session's process as the controller sees it: where it listens, what it
+holds, and how it ended (what Ray or the session says, written into its row; the API's
 calls and the reconcile loop both ask)."""
 
 from __future__ import annotations
@@ -8,13 +9,37 @@ from pathlib import Path
 
 import httpx
 
+from services.config import JobConfig
 from services.controller.job_logs import failure_cause
 from services.controller.ray_jobs import BackendUnavailable, JobBackend
 from services.controller.store import Store
-from services.controller.tables import SESSION_LIVE, TERMINAL, TrainingSessionRow
+from services.controller.tables import TERMINAL, TrainingSessionRow
+from services.placement import job_needs
 from services.sessions.server import read_state
 
 SAVE_TIMEOUT_S = 120.0
+
+
+def ready_url(row: TrainingSessionRow) -> str | None:
+    """Where the session's server listens, once its ``session.json`` says ready."""
+    state = read_state(Path(row.output_dir)) or {}
+    return f"http://{state['host']}:{state['port']}" if state.get("state") == "ready" else None
+
+
+def controller_headers(row: TrainingSessionRow) -> dict[str, str]:
+    """The bearer token the session's server takes: the controller's secret for it."""
+    return {"authorization": f"Bearer {row.secret}"}
+
+
+def live_session_needs(store: Store) -> list[dict[str, float]]:
+    """The resources each live session's gang holds ({} for an unreadable config)."""
+    needs = []
+    for row in store.live_sessions():
+        try:
+            needs.append(job_needs(JobConfig.model_validate_json(row.config_resolved)))
+        except ValueError:
+            needs.append({})
+    return needs
 
 
 def end_from_ray(store: Store, backend: JobBackend, row: TrainingSessionRow
@@ -45,8 +70,7 @@ def poll_sessions(store: Store, backend: JobBackend) -> None:
     """Every live session whose Ray job ended: ended (idle or closed, its state saved)
     or failed (the cause from its logs)."""
     for row in store.live_sessions():
-        if row.status in SESSION_LIVE:
-            end_from_ray(store, backend, row)
+        end_from_ray(store, backend, row)
 
 
 def save_before_the_head_stops(store: Store) -> None:
@@ -54,13 +78,11 @@ def save_before_the_head_stops(store: Store) -> None:
     ready one saves its state first (``save shutdown``) and ends; one that cannot is
     failed, saying why."""
     for row in store.live_sessions():
-        state = read_state(Path(row.output_dir)) or {}
         saved, why = None, "it was still starting"
-        if state.get("state") == "ready":
+        if (url := ready_url(row)) is not None:
             try:
-                answer = httpx.post(f"http://{state['host']}:{state['port']}/save",
-                                    json={"name": "shutdown"}, timeout=SAVE_TIMEOUT_S,
-                                    headers={"authorization": f"Bearer {row.secret}"})
+                answer = httpx.post(f"{url}/save", json={"name": "shutdown"},
+                                    timeout=SAVE_TIMEOUT_S, headers=controller_headers(row))
                 if answer.status_code == 200:
                     saved = answer.json()["path"]
                 else:

@@ -120,16 +120,22 @@ def _length_problems(i: int, datum: Datum) -> list[Problem]:
             if values is not None and len(values) != size]
 
 
+def vocabulary_problem(field: str, ids: list[int], vocab_size: int) -> Problem | None:
+    """The first token id of ``ids`` outside the vocabulary, named ``field[t]``."""
+    bad = next((t for t, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+    if bad is None:
+        return None
+    return (f"{field}[{bad}]", f"token id {ids[bad]} is outside the vocabulary "
+                               f"(0..{vocab_size - 1})")
+
+
 def _datum_problems(i: int, datum: Datum, vocab_size: int, loss_fn: LossFn) -> list[Problem]:
     problems = _length_problems(i, datum)
     if problems:
         return problems
     for name, ids in (("tokens", datum.tokens), ("targets", datum.targets)):
-        bad = next((t for t, token in enumerate(ids) if not 0 <= token < vocab_size), None)
-        if bad is not None:
-            problems.append((f"data[{i}].{name}[{bad}]",
-                             f"token id {ids[bad]} is outside the vocabulary "
-                             f"(0..{vocab_size - 1})"))
+        if (problem := vocabulary_problem(f"data[{i}].{name}", ids, vocab_size)) is not None:
+            problems.append(problem)
     bad = next((t for t, w in enumerate(datum.weights) if w not in (0.0, 1.0)), None)
     if bad is not None:
         problems.append((f"data[{i}].weights[{bad}]", f"is {datum.weights[bad]}; weights are "

@@ -36,6 +36,7 @@ from services.sessions.requests import (
     call_batch,
     check_data,
     target_log_probs,
+    vocabulary_problem,
 )
 from trainer.aggregation import call_coefficients
 from trainer.checkpoint import ADAPTER_DIR
@@ -210,11 +211,9 @@ class TrainingSession:
 
     def sample(self, request: Sample) -> dict[str, Any]:
         for i, prompt in enumerate(request.prompt_tokens):
-            bad = next((j for j, t in enumerate(prompt) if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise SessionError(422, [(f"prompt_tokens[{i}][{bad}]", (
-                    f"token id {prompt[bad]} is outside the vocabulary "
-                    f"(0..{self.vocab_size - 1})"))])
+            if (problem := vocabulary_problem(f"prompt_tokens[{i}]", prompt,
+                                              self.vocab_size)) is not None:
+                raise SessionError(422, [problem])
             if not prompt:
                 raise SessionError(422, [(f"prompt_tokens[{i}]", "is empty")])
         self._sync_engine()
