@@ -337,7 +337,8 @@ def serve(host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.
           port: Annotated[int, typer.Option(help="port to bind")] = 8000,
           log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info") -> None:
     """Run the controller: REST API, dashboard, job store; starts a local Ray head unless
-    TALLY_RAY_ADDRESS names one. Data in TALLY_DATA_DIR (default ~/.tally)."""
+    TALLY_RAY_ADDRESS names one. Data in TALLY_DATA_DIR (default ~/.tally). Prints
+    "Tally controller ready at URL" once it can take work (GET /readyz)."""
     from services.controller.server import serve as run_server
     from services.controller.settings import Settings
 

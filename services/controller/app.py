@@ -30,6 +30,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.config import error_field
+from services.controller import readiness
 from services.controller.guard import RequestGuard
 from services.controller.observability import (
     BodyLimitMiddleware,
@@ -101,19 +102,26 @@ def create_app(settings: Settings | None = None, backend: JobBackend | None = No
                 ctl.head = LocalRayHead(settings.ray_num_cpus, settings.data_dir / "ray-head.log",
                                         marker=settings.data_dir / HEAD_MARKER)
                 address = await asyncio.to_thread(ctl.head.start)
-            ctl.reconciler = Reconciler(store, RayJobBackend(address), settings)
+            ctl.reconciler = Reconciler(
+                store, RayJobBackend(address, settings.ray_call_timeout_s), settings)
         reconciler = ctl.reconciler
         # Few worker threads: the handlers are short and share one GIL; 40 threads (anyio's
-        # default) only add switching and tail latency.
+        # default) only add switching and tail latency. What may wait long holds none:
+        # forwarded session calls are async (session_calls.py), every Ray call is bounded
+        # (ray_call_timeout_s), /healthz and /readyz read memory only.
         anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
         await asyncio.to_thread(reconciler.backfill_unfinished)
-        task = asyncio.create_task(reconciler.run())
+        ctl.readiness = await asyncio.to_thread(readiness.check, ctl, STATIC)
+        tasks = [asyncio.create_task(reconciler.run()),
+                 asyncio.create_task(readiness.watch(ctl, STATIC))]
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if ctl.head is not None:
                 await asyncio.to_thread(reconciler.shutdown_embedded)
                 await asyncio.to_thread(ctl.head.stop)
@@ -135,11 +143,20 @@ def create_app(settings: Settings | None = None, backend: JobBackend | None = No
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.get("/healthz", tags=["service"])
-    def healthz() -> Health:
-        """Liveness: the database answers; which Ray job server is used."""
-        database = store.ping()
+    async def healthz() -> Health:
+        """Liveness: the process serves (async, from memory: no worker thread, no I/O);
+        ``database``: the last readiness check's; ``ray``: the job server used."""
+        database = ctl.readiness is None or ctl.readiness.database
         ray = ctl.reconciler.backend.address if ctl.reconciler else "starting"
         return Health(status="ok" if database else "degraded", database=database, ray=ray)
+
+    @app.get("/readyz", tags=["service"], response_model=readiness.Ready,
+             responses={503: {"model": readiness.Ready}})
+    async def readyz() -> JSONResponse:
+        """Readiness: database, Ray job server (its resources reported) and static files,
+        as last checked (at most a few seconds ago); 503 until all hold."""
+        ready = ctl.readiness or readiness.NOT_CHECKED
+        return JSONResponse(ready.model_dump(), 200 if ready.ready else 503)
 
     @app.get("/metrics", tags=["service"], response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})

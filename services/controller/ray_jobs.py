@@ -2,8 +2,9 @@
 
 :class:`RayJobBackend` wraps ``ray.job_submission.JobSubmissionClient`` against one job
 server address, and asks Ray's state API what the cluster holds (:meth:`resources`). Its
-calls block (HTTP): the API and the reconcile loop run them in threads. Tests of the API
-use a fake with the same methods.
+calls block (HTTP): the API and the reconcile loop run them in threads, each bounded by
+``timeout_s`` (a job server that accepts and never answers is BackendUnavailable then, not
+a thread held for good). Tests of the API use a fake with the same methods.
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ class JobBackend(Protocol):
     def resources(self) -> dict[str, tuple[float, float]] | None: ...
 
 
+def bounded_client(address: str, timeout_s: float) -> Any:
+    """A JobSubmissionClient whose every HTTP request (the version check of its
+    constructor included) gives up after ``timeout_s``: Ray's own sets no timeout."""
+    from ray.job_submission import JobSubmissionClient
+
+    class Bounded(JobSubmissionClient):  # type: ignore[misc]
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            kwargs.setdefault("timeout", timeout_s)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return Bounded(address)
+
+
 def _not_found(err: Exception) -> bool:
     text = str(err)
     return "404" in text or "does not exist" in text or "not found" in text.lower()
@@ -52,18 +66,17 @@ def _not_found(err: Exception) -> bool:
 class RayJobBackend:
     """JobSubmissionClient, created on first use and re-created after a connection error."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
         self.address = address
+        self.timeout_s = timeout_s
         self._client: Any = None
         self._lock = threading.Lock()
 
     def _get(self) -> Any:
         with self._lock:
             if self._client is None:
-                from ray.job_submission import JobSubmissionClient
-
-                try:
-                    self._client = JobSubmissionClient(self.address)
+                try:  # requests' Timeout is an OSError too
+                    self._client = bounded_client(self.address, self.timeout_s)
                 except (ConnectionError, OSError) as err:
                     raise BackendUnavailable(f"Ray job server {self.address}: {err}") from err
             return self._client
@@ -133,7 +146,8 @@ class RayJobBackend:
         from ray.util.state import list_actors, list_nodes, list_placement_groups
         from ray.util.state.exception import RayStateApiException, ServerUnavailable
 
-        asked = {"address": self.address, "timeout": 10, "limit": STATE_LIMIT}
+        asked = {"address": self.address, "timeout": max(1, round(self.timeout_s)),
+                 "limit": STATE_LIMIT}
         try:
             nodes = list_nodes(filters=[("state", "=", "ALIVE")], **asked)
             groups = list_placement_groups(filters=[("state", "=", "CREATED")], detail=True,

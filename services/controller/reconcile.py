@@ -296,7 +296,7 @@ class Reconciler:
     def shutdown_embedded(self) -> None:
         """The embedded head stops with the controller: its jobs end with it, its
         training sessions after saving their state."""
-        save_before_the_head_stops(self.store)
+        save_before_the_head_stops(self.store, self.settings)
         for job in self.store.jobs_with_status(ACTIVE):
             if job.source == "controller":
                 self.backfill(job)

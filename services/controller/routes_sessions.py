@@ -3,8 +3,9 @@
 A session is started like a job (config checks, the cluster's capacity, a Ray job that
 places its gang with ``reserve_job``) and then answers its calls itself: this router
 checks the caller (the API token, or the session's own token), waits while the session
-starts, and forwards each call to the session's loopback server, whose answer (422s
-naming ``data[i].field`` included) it passes back unchanged. What it keeps of a session
+starts, and forwards each call to the session's server (on its Ray node's address;
+session_calls.py, async with timeouts), whose answer (422s naming ``data[i].field``
+included) it passes back unchanged. What it keeps of a session
 (step, tokens, loss) is refreshed after every call for the dashboard; the session's
 numbers themselves live in its process, which a controller restart does not touch.
 """
@@ -13,11 +14,9 @@ from __future__ import annotations
 
 import copy
 import json
-import secrets
 import time
 from typing import Any
 
-import httpx
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
@@ -28,7 +27,9 @@ from services.controller.auth import require_session_token, require_token, sessi
 from services.controller.capacity import Capacity
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.routes_jobs import invalid, new_id
-from services.controller.session_rows import controller_headers, end_from_ray, ready_url
+from services.controller.session_calls import close, forward, refresh, row_of
+from services.controller.session_rows import end_from_ray, ready_url
+from services.controller.session_secret import hand_over, session_secret
 from services.controller.state import Controller, Ctl
 from services.controller.submission import (
     ConfigTooLarge,
@@ -38,13 +39,10 @@ from services.controller.submission import (
 )
 from services.controller.tables import SESSION_LIVE, TrainingSessionRow
 from services.placement import job_needs
-from services.sessions.server import CONFIG_FILE, IDLE_ENV, SECRET_ENV
+from services.sessions.server import ADVERTISE_ENV, CONFIG_FILE, IDLE_ENV
 
 router = APIRouter(prefix="/api/sessions", tags=["sessions"])
 VERBS = ("forward_backward", "forward", "optim_step", "sample", "save", "load")
-MUTATING = ("forward_backward", "optim_step", "load")
-"""Calls after which the stored step, tokens and loss are refreshed."""
-POLL_S = 0.25
 
 
 class SessionCreate(BaseModel):
@@ -122,11 +120,14 @@ def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float
         id=session_id, status="starting", model=final.rollout.model,
         world_size=final.trainer.world_size, config_submitted=resolved.submitted_text,
         config_resolved=final.model_dump_json(), output_dir=str(folder),
-        ray_submission_id=f"tally-session-{session_id}", secret=secrets.token_hex(32),
-        step=0, tokens=0, pending_calls=0, created_at=now, updated_at=now)
+        ray_submission_id=f"tally-session-{session_id}", step=0, tokens=0,
+        pending_calls=0, created_at=now, updated_at=now)
     idle = idle_timeout_s if idle_timeout_s is not None else settings.session_idle_timeout_s
-    env = {SECRET_ENV: row.secret, IDLE_ENV: str(idle),
-           "TALLY_DATA_DIR": str(settings.data_dir)}
+    # the secret goes by a 0600 file, not env_vars: Ray's job list shows every runtime_env
+    hand_over(folder, session_secret(settings.data_dir, session_id))
+    env = {IDLE_ENV: str(idle), "TALLY_DATA_DIR": str(settings.data_dir)}
+    if settings.sessions_advertise_host:
+        env[ADVERTISE_ENV] = settings.sessions_advertise_host
     try:  # submitted before it is stored: the reconcile loop never sees a row Ray lacks
         ctl.backend.submit(row.ray_submission_id, f"{settings.python} -m "
                            f"services.sessions.server {folder}", env,
@@ -158,75 +159,10 @@ def list_sessions(ctl: Ctl) -> dict[str, Any]:
     return {"items": [session_out(row) for row in ctl.store.list_sessions()]}
 
 
-def _row(ctl: Controller, session_id: str) -> TrainingSessionRow:
-    row = ctl.store.get_session(session_id)
-    if row is None:
-        raise HTTPException(404, f"session {session_id}: no such session")
-    return row
-
-
-def _gone(row: TrainingSessionRow) -> HTTPException:
-    why = (f" (its state is saved at {row.saved_path})" if row.saved_path else
-           f": {row.error}" if row.error else "")
-    return HTTPException(409, f"session {row.id} is {row.status}{why}")
-
-
-def session_address(ctl: Controller, session_id: str) -> tuple[TrainingSessionRow, str]:
-    """The live session's server, waiting while it starts; 409 once it ended."""
-    deadline = time.monotonic() + ctl.settings.session_start_timeout_s
-    last_ray_check = 0.0
-    while True:
-        row = _row(ctl, session_id)
-        if row.status not in SESSION_LIVE:
-            raise _gone(row)
-        if (url := ready_url(row)) is not None:
-            if row.status != "ready":
-                ctl.store.update_session(row.id, status="ready")
-            return row, url
-        if time.monotonic() - last_ray_check > 2.0:
-            last_ray_check = time.monotonic()
-            if (ended := end_from_ray(ctl.store, ctl.backend, row)) is not None:
-                raise _gone(ended)
-        if time.monotonic() > deadline:
-            raise HTTPException(503, f"session {session_id} is still starting after "
-                                f"{ctl.settings.session_start_timeout_s:g} s")
-        time.sleep(POLL_S)
-
-
-def refresh(ctl: Controller, row: TrainingSessionRow, address: str) -> dict[str, Any] | None:
-    """The session's own state, copied into its row; None when it does not answer."""
-    try:
-        state = httpx.get(f"{address}/state", timeout=10,
-                          headers=controller_headers(row)).json()
-    except (httpx.HTTPError, ValueError):
-        return None
-    last = state.get("last") or {}
-    ctl.store.update_session(row.id, step=state["step"], tokens=state["tokens"],
-                             pending_calls=state["pending_calls"],
-                             loss=last.get("loss", row.loss))
-    return state
-
-
-def forward(ctl: Controller, session_id: str, verb: str, body: bytes) -> Response:
-    row, address = session_address(ctl, session_id)
-    try:
-        answer = httpx.post(f"{address}/{verb}", content=body, timeout=None,
-                            headers={**controller_headers(row),
-                                     "content-type": "application/json"})
-    except httpx.TransportError:
-        ended = end_from_ray(ctl.store, ctl.backend, row)
-        if ended is not None:
-            raise _gone(ended) from None
-        raise HTTPException(503, f"session {session_id} did not answer {verb}") from None
-    if verb in MUTATING and answer.status_code == 200:
-        refresh(ctl, row, address)
-    return Response(answer.content, answer.status_code, media_type="application/json")
-
-
 def _verb_route(verb: str) -> None:
     async def call(session_id: str, request: Request, ctl: Ctl) -> Response:
         body = await request.body()
-        return await run_in_threadpool(forward, ctl, session_id, verb, body)
+        return await forward(ctl, session_id, verb, body)
 
     call.__name__ = f"session_{verb}"
     call.__doc__ = f"``{verb}`` on the session (services/sessions/runtime.py)."
@@ -239,38 +175,32 @@ for _verb in VERBS:
 
 
 @router.get("/{session_id}", dependencies=[Depends(require_session_token)])
-def get_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
+async def get_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
     """The session: its step, pending forward_backward calls, tokens and last metrics
     (live from the session while it runs)."""
-    row = _row(ctl, session_id)
+    row = await run_in_threadpool(row_of, ctl, session_id)
     live = None
     if row.status in SESSION_LIVE:
         if (url := ready_url(row)) is not None:
-            live = refresh(ctl, row, url)
+            live = await refresh(ctl, row, url)
         if live is None:
-            end_from_ray(ctl.store, ctl.backend, row)
-        row = _row(ctl, session_id)
+            await run_in_threadpool(end_from_ray, ctl.store, ctl.backend, row)
+        row = await run_in_threadpool(row_of, ctl, session_id)
     return session_out(row, last=(live or {}).get("last"),
                        pending_mode=(live or {}).get("pending_mode"))
 
 
 @router.delete("/{session_id}", dependencies=[Depends(require_session_token)])
-def delete_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
+async def delete_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
     """End the session (its trainer ranks and engine stop; nothing is saved: ``save``
     first to keep the weights)."""
-    row = _row(ctl, session_id)
+    row = await run_in_threadpool(row_of, ctl, session_id)
     if row.status in SESSION_LIVE:
-        closed = False
-        if (url := ready_url(row)) is not None:
+        url = ready_url(row)
+        if url is None or not await close(ctl, row, url):
             try:
-                httpx.post(f"{url}/close", timeout=60, headers=controller_headers(row))
-                closed = True
-            except httpx.HTTPError:
-                pass
-        if not closed:
-            try:
-                ctl.backend.stop(row.ray_submission_id)
+                await run_in_threadpool(ctl.backend.stop, row.ray_submission_id)
             except BackendUnavailable:
                 raise HTTPException(503, "the Ray job server cannot be reached") from None
-        row = ctl.store.update_session(row.id, status="ended") or row
+        row = await run_in_threadpool(ctl.store.update_session, row.id, status="ended") or row
     return session_out(row)

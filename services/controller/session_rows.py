@@ -12,6 +12,8 @@ import httpx
 from services.config import JobConfig
 from services.controller.job_logs import failure_cause
 from services.controller.ray_jobs import BackendUnavailable, JobBackend
+from services.controller.session_secret import session_secret
+from services.controller.settings import Settings
 from services.controller.store import Store
 from services.controller.tables import TERMINAL, TrainingSessionRow
 from services.placement import job_needs
@@ -21,14 +23,18 @@ SAVE_TIMEOUT_S = 120.0
 
 
 def ready_url(row: TrainingSessionRow) -> str | None:
-    """Where the session's server listens, once its ``session.json`` says ready."""
+    """Where the session's server listens (its node's address, or the advertised host),
+    once its ``session.json`` says ready."""
     state = read_state(Path(row.output_dir)) or {}
-    return f"http://{state['host']}:{state['port']}" if state.get("state") == "ready" else None
+    if state.get("state") != "ready":
+        return None
+    host = str(state["host"])
+    return f"http://{f'[{host}]' if ':' in host else host}:{state['port']}"
 
 
-def controller_headers(row: TrainingSessionRow) -> dict[str, str]:
+def controller_headers(settings: Settings, row: TrainingSessionRow) -> dict[str, str]:
     """The bearer token the session's server takes: the controller's secret for it."""
-    return {"authorization": f"Bearer {row.secret}"}
+    return {"authorization": f"Bearer {session_secret(settings.data_dir, row.id)}"}
 
 
 def live_session_needs(store: Store) -> list[dict[str, float]]:
@@ -73,7 +79,7 @@ def poll_sessions(store: Store, backend: JobBackend) -> None:
         end_from_ray(store, backend, row)
 
 
-def save_before_the_head_stops(store: Store) -> None:
+def save_before_the_head_stops(store: Store, settings: Settings) -> None:
     """The controller stops the Ray head it started, and its sessions with it: each
     ready one saves its state first (``save shutdown``) and ends; one that cannot is
     failed, saying why."""
@@ -82,7 +88,8 @@ def save_before_the_head_stops(store: Store) -> None:
         if (url := ready_url(row)) is not None:
             try:
                 answer = httpx.post(f"{url}/save", json={"name": "shutdown"},
-                                    timeout=SAVE_TIMEOUT_S, headers=controller_headers(row))
+                                    timeout=SAVE_TIMEOUT_S,
+                                    headers=controller_headers(settings, row))
                 if answer.status_code == 200:
                     saved = answer.json()["path"]
                 else:

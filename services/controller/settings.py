@@ -12,6 +12,9 @@
 | ``TALLY_MAX_BODY_BYTES`` | max_body_bytes | 1 MiB |
 | ``TALLY_MAX_RUNNING_JOBS`` | max_running_jobs | 2 |
 | ``TALLY_RAY_NUM_CPUS`` | ray_num_cpus | 4 |
+| ``TALLY_SESSION_CALL_TIMEOUT_S`` | session_call_timeout_s | 900 |
+| ``TALLY_RAY_CALL_TIMEOUT_S`` | ray_call_timeout_s | 30 |
+| ``TALLY_SESSIONS_ADVERTISE_HOST`` | sessions_advertise_host | none: the Ray node IP |
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ class Settings(BaseModel):
     """A session without a call for this long saves its state and ends."""
     session_start_timeout_s: float = Field(default=300.0, gt=0)
     """Longest a call waits for a starting session (its gang placed, its model loaded)."""
+    session_call_timeout_s: float = Field(default=900.0, gt=0)
+    """Longest one forwarded session call (forward_backward, save, …) may take; then 504."""
+    ray_call_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest one call to the Ray job server (or its state API) may take."""
+    sessions_advertise_host: str | None = None
+    """Address a session's server gives the controller; None: its Ray node's IP."""
 
     @property
     def db_url(self) -> str:
@@ -105,7 +114,10 @@ class Settings(BaseModel):
                   "TALLY_MAX_RUNNING_JOBS": "max_running_jobs",
                   "TALLY_RAY_NUM_CPUS": "ray_num_cpus", "TALLY_MAX_SESSIONS": "max_sessions",
                   "TALLY_SESSION_IDLE_TIMEOUT_S": "session_idle_timeout_s",
-                  "TALLY_SESSION_START_TIMEOUT_S": "session_start_timeout_s"}
+                  "TALLY_SESSION_START_TIMEOUT_S": "session_start_timeout_s",
+                  "TALLY_SESSION_CALL_TIMEOUT_S": "session_call_timeout_s",
+                  "TALLY_RAY_CALL_TIMEOUT_S": "ray_call_timeout_s",
+                  "TALLY_SESSIONS_ADVERTISE_HOST": "sessions_advertise_host"}
         for var, field in simple.items():
             if env.get(var):
                 values[field] = env[var]

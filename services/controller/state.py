@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 from weakref import WeakSet
 
 from fastapi import Depends, HTTPException, Request
@@ -27,6 +27,8 @@ class Controller:
     """GET /api/jobs answers by query string, valid while the store's version holds."""
     streams: dict[str, WeakSet] = field(default_factory=dict)
     """Open SSE and log-follow streams per job (routes_stream caps them)."""
+    readiness: Any = None
+    """The last readiness check (services/controller/readiness.py ``Ready``)."""
 
     @property
     def backend(self) -> JobBackend:

@@ -100,8 +100,8 @@ class TrainingSessionRow(Base):
     config_resolved: Mapped[str] = mapped_column(Text)
     output_dir: Mapped[str] = mapped_column(Text)
     ray_submission_id: Mapped[str] = mapped_column(String(128))
-    secret: Mapped[str] = mapped_column(String(64))
-    """The bearer token the session's own server takes (the controller's only)."""
+    # No secret: the session server's is derived from the controller's key (revision 0004,
+    # services/controller/session_secret.py).
     step: Mapped[int] = mapped_column(Integer, default=0)
     tokens: Mapped[int] = mapped_column(Integer, default=0)
     """Weighted tokens its forward_backward calls trained on."""

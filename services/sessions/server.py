@@ -4,14 +4,17 @@ The controller submits it like a job (same Ray job server, same gang placement t
 ``reserve_job``), so the session outlives a controller killed mid-session, and a
 restarted controller finds it again from ``<folder>/session.json``:
 
-    {"state": "ready", "host": "127.0.0.1", "port": …, "pid": …}      serving
+    {"state": "ready", "host": <node IP>, "port": …, "pid": …}        serving
     {"state": "ended", "reason": "idle" | "closed", "saved_path": …}  gone, state saved
 
-It listens on loopback only and answers only the controller (``TALLY_SESSION_SECRET``
-as a bearer token). Calls run one at a time, in the order they arrive. After
-``TALLY_SESSION_IDLE_TIMEOUT_S`` without a call the session saves its state as of its last
-``optim_step`` (``save idle``: a Hugging Face folder and the trainer state; gradients of
-calls no step followed are dropped) and ends.
+It listens on its Ray node's IP (the controller may run on another pod or machine) and
+gives that address, or ``TALLY_SESSIONS_ADVERTISE_HOST`` when set, in ``session.json``.
+It answers only the controller: the bearer secret the controller wrote to ``.secret`` in
+the folder (mode 0600; read and removed here as the server starts, never in the Ray job's
+metadata: services/controller/session_secret.py). Calls run one at a time, in the order
+they arrive. After ``TALLY_SESSION_IDLE_TIMEOUT_S`` without a call the session saves its
+state as of its last ``optim_step`` (``save idle``: a Hugging Face folder and the trainer
+state; gradients of calls no step followed are dropped) and ends.
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
+from services.sessions.replay import ReplayConflict, call_digest
 from services.sessions.requests import ForwardBackward, OptimStep, Problem, Sample, Save
 from services.sessions.runtime import SessionError, TrainingSession
 
 SESSION_FILE = "session.json"
 CONFIG_FILE = "config.json"
-SECRET_ENV = "TALLY_SESSION_SECRET"
+SECRET_FILE = ".secret"
+ADVERTISE_ENV = "TALLY_SESSIONS_ADVERTISE_HOST"
 IDLE_ENV = "TALLY_SESSION_IDLE_TIMEOUT_S"
 
 
@@ -53,6 +59,27 @@ def read_state(folder: Path) -> dict[str, Any] | None:
         return None
 
 
+def take_secret(folder: Path) -> str:
+    """The controller's secret for this session, from ``<folder>/.secret`` (removed once
+    read: the folder may be listed by others later)."""
+    path = folder / SECRET_FILE
+    try:
+        secret = path.read_text().strip()
+    except OSError as err:
+        raise SystemExit(f"session: no secret from the controller ({path}: {err})") from None
+    path.unlink(missing_ok=True)
+    if not secret:
+        raise SystemExit(f"session: {path} is empty")
+    return secret
+
+
+def node_address() -> str:
+    """This process's Ray node IP (the address the controller reaches it at)."""
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
 def field_of(loc: tuple[Any, ...]) -> str:
     """A pydantic location as the API names it: ``data[3].tokens``."""
     text = ""
@@ -63,9 +90,12 @@ def field_of(loc: tuple[Any, ...]) -> str:
     return text or "<body>"
 
 
-def problems_response(status: int, problems: list[Problem]) -> JSONResponse:
+def problems_response(status: int, problems: list[Problem], retriable: bool = False
+                      ) -> JSONResponse:
+    """``{"detail", "errors": [{"field", "message"}], "retriable"}``; ``retriable``: the
+    call changed nothing, so the client may send it again with the same request_id."""
     detail = "; ".join(f"{f}: {m}" for f, m in problems)
-    return JSONResponse({"detail": detail,
+    return JSONResponse({"detail": detail, "retriable": retriable,
                          "errors": [{"field": f, "message": m} for f, m in problems]}, status)
 
 
@@ -86,7 +116,7 @@ def create_app(session: TrainingSession, secret: str, on_close: Any) -> FastAPI:
 
     @app.exception_handler(SessionError)
     async def refused(_request: Request, exc: SessionError) -> JSONResponse:
-        return problems_response(exc.status, exc.problems)
+        return problems_response(exc.status, exc.problems, exc.retriable)
 
     @app.exception_handler(Exception)
     async def failed(_request: Request, exc: Exception) -> JSONResponse:
@@ -94,39 +124,53 @@ def create_app(session: TrainingSession, secret: str, on_close: Any) -> FastAPI:
         print(f"session call failed: {type(exc).__name__}: {exc}", flush=True)
         return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, 500)
 
-    def run(verb: Any, *args: Any) -> Any:
+    def run(name: str, verb: Any, body: BaseModel, *args: Any) -> Any:
+        """One call under the session's lock; a ``request_id`` seen before gets its first
+        answer (services/sessions/replay.py), looked up inside the lock so a retry waits
+        for a first call still running."""
+        request_id = getattr(body, "request_id", None)
+        digest = call_digest(name, body) if request_id else ""
         with session.lock:
+            if request_id:
+                try:
+                    if (answer := session.recent.lookup(request_id, digest)) is not None:
+                        return answer
+                except ReplayConflict as err:
+                    raise SessionError(409, [("request_id", str(err))]) from None
             if session.ended:  # idle or closed while this call waited for the lock
                 raise SessionError(409, [("session", f"ended ({session.ended})")])
             session.last_call = time.monotonic()
             try:
-                return verb(*args)
+                answer = verb(*args)
             finally:
                 session.last_call = time.monotonic()
+            if request_id:
+                session.recent.record(request_id, digest, answer)
+            return answer
 
     @app.post("/forward_backward")
     def forward_backward(body: ForwardBackward) -> dict[str, Any]:
-        return run(session.forward_backward, body)
+        return run("forward_backward", session.forward_backward, body, body)
 
     @app.post("/forward")
     def forward(body: ForwardBackward) -> dict[str, Any]:
-        return run(session.forward, body)
+        return run("forward", session.forward, body, body)
 
     @app.post("/optim_step")
     def optim_step(body: OptimStep) -> dict[str, Any]:
-        return run(session.optim_step, body)
+        return run("optim_step", session.optim_step, body, body)
 
     @app.post("/sample")
     def sample(body: Sample) -> dict[str, Any]:
-        return run(session.sample, body)
+        return run("sample", session.sample, body, body)
 
     @app.post("/save")
     def save(body: Save) -> dict[str, Any]:
-        return run(session.save, body.name)
+        return run("save", session.save, body, body.name)
 
     @app.post("/load")
     def load(body: Save) -> dict[str, Any]:
-        return run(session.load, body.name)
+        return run("load", session.load, body, body.name)
 
     @app.get("/state")
     def state() -> dict[str, Any]:
@@ -148,15 +192,16 @@ def serve(folder: Path) -> int:
     from services.driver.job import ensure_ray, job_model_path, with_threads
 
     config = JobConfig.model_validate_json((folder / CONFIG_FILE).read_text())
-    secret = os.environ[SECRET_ENV]
+    secret = take_secret(folder)
     idle_timeout_s = float(os.environ.get(IDLE_ENV, "1800"))
     ensure_ray(num_cpus=os.cpu_count() or 1)
     model_path = job_model_path(config)
     config = with_threads(config, model_path)
     write_state(folder, {"state": "starting", "pid": os.getpid()})
     session = TrainingSession(config, model_path, folder)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    bind = node_address()
+    listener = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+    listener.bind((bind, 0))
     listener.listen(128)  # before "ready" is written: an early call waits in the backlog
     server: uvicorn.Server | None = None
     ended: dict[str, Any] = {}
@@ -193,7 +238,8 @@ def serve(folder: Path) -> int:
 
     app = create_app(session, secret, end)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    host, port = listener.getsockname()
+    port = listener.getsockname()[1]
+    host = os.environ.get(ADVERTISE_ENV) or bind
     write_state(folder, {"state": "ready", "host": host, "port": port, "pid": os.getpid()})
     print(f"session ready: step {session.step}, {config.trainer.world_size} trainer rank(s), "
           f"model {config.rollout.model}", flush=True)
