@@ -33,6 +33,43 @@ class TrainerRankDied(RuntimeError):
         self.rank = rank
 
 
+ACTOR_NAMESPACE = "tally"
+"""The Ray namespace of named trainer ranks."""
+
+
+class CallUndone(RuntimeError):
+    """A session call failed on some rank; every rank's gradient is as before it."""
+
+
+class GradientsLost(RuntimeError):
+    """A session call failed and the ranks' gradients could not be restored: what the
+    earlier calls of the step accumulated is lost."""
+
+
+def _first_line(err: Exception) -> str:
+    """An error in one line: a rank's exception (Ray's remote traceback cut), its type
+    when it says nothing."""
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = err.cause if isinstance(err.cause, Exception) else None
+        if cause is not None:
+            return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def _failed_rank(refs: list[ray.ObjectRef]) -> str | None:
+    """"trainer rank r failed: <its error>" for the first rank whose call is over and
+    failed; None when none is (yet)."""
+    for rank, ref in enumerate(refs):
+        done, _ = ray.wait([ref], timeout=0)
+        if done:
+            try:
+                ray.get(ref)
+            except Exception as err:
+                return f"trainer rank {rank} failed: {_first_line(err)}"
+    return None
+
+
 WORKER_CLASSES = {
     "fsdp": "trainer.backends.fsdp.worker:FSDPWorker",
     "megatron": "trainer.backends.megatron.worker:MegatronWorker",
@@ -71,9 +108,11 @@ def _remote(worker: ray.actor.ActorHandle, verb: Verb, *args: Any, num_returns: 
 class TrainerGroup:
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                  total_steps: int, env_vars: dict[str, str] | None = None,
-                 placement: PlacementGroup | None = None) -> None:
+                 placement: PlacementGroup | None = None, name: str | None = None) -> None:
         """``placement``: a placed group whose bundles 0..world_size-1 are the ranks' (the
-        caller's, e.g. a whole job's; it stays theirs); None: the group makes its own."""
+        caller's, e.g. a whole job's; it stays theirs); None: the group makes its own.
+        ``name``: the ranks are named actors ``<name>-rank<r>`` in namespace
+        :data:`ACTOR_NAMESPACE` (a session's, so a test can reach one rank)."""
         self.config, self.objective = config, objective
         self.owns_placement = placement is None
         self.placement_group: PlacementGroup = placement or self._place(config)
@@ -89,6 +128,8 @@ class TrainerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank),
                 runtime_env={"env_vars": env_vars or {}},
+                **({"name": f"{name}-rank{rank}", "namespace": ACTOR_NAMESPACE}
+                   if name else {}),
             ).remote(config, objective, model_path, rank, total_steps, **decided)
             for rank in range(config.world_size)
         ]
@@ -165,8 +206,32 @@ class TrainerGroup:
     # The training API (services/sessions): a step's gradients over several calls.
 
     def accumulate(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
-        """Backpropagate ``plan``'s weighted sums into the gradients (no update)."""
-        return self._call(TrainerWorker.forward_backward, ray.put(batch), ray.put(plan))[0]
+        """Backpropagate ``plan``'s weighted sums into the gradients (no update), as a
+        transaction (trainer/session_calls.py): if any rank fails, every rank's gradient
+        is put back as it was (``CallUndone``), or, when the ranks cannot do even that
+        within ``call_timeout_s``, ``GradientsLost``."""
+        verb = TrainerWorker.forward_backward_call
+        batch_ref, plan_ref = ray.put(batch), ray.put(plan)
+        refs = [_remote(worker, verb, batch_ref, plan_ref) for worker in self.workers]
+        try:
+            self._wait(verb, refs)
+            sums = ray.get(refs[0])
+        except Exception as err:
+            cause = _failed_rank(refs) or _first_line(err)
+            try:  # queued behind each rank's call: it runs once that call is over
+                self._call(TrainerWorker.restore_call)
+            except Exception as undo:
+                raise GradientsLost(f"{cause}; the ranks could not restore their "
+                                    f"gradients ({_first_line(undo)})") from err
+            raise CallUndone(f"{cause}; every rank's gradient is restored to before "
+                             "the call") from err
+        try:
+            self._call(TrainerWorker.commit_call)
+        except Exception as err:
+            raise GradientsLost(f"committing the call's gradients failed: "
+                                f"{_first_line(err)}") from err
+        return sums
+
 
     def evaluate(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         """The sums ``accumulate`` would return, without a gradient."""

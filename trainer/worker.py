@@ -35,6 +35,7 @@ from rollout.weight_bucket import DTYPES
 from trainer.config import LossConfig, ObjectiveConfig, TrainerConfig
 from trainer.memory import PeakMemory, phase_metrics
 from trainer.rank import init_rank, open_store
+from trainer.session_calls import SessionCalls
 
 if TYPE_CHECKING:
     from rollout.batch import RolloutBatch
@@ -45,8 +46,10 @@ if TYPE_CHECKING:
     from trainer.step_plan import StepPlan
 
 
-class TrainerWorker(abc.ABC):
-    """One rank of the trainer group; its public methods are the verbs the group calls."""
+class TrainerWorker(SessionCalls, abc.ABC):
+    """One rank of the trainer group; its public methods are the verbs the group calls
+    (a session's transactional ``forward_backward_call`` / ``commit_call`` /
+    ``restore_call``: trainer/session_calls.py)."""
 
     dp_rank: int
     cp_rank: int

@@ -13,7 +13,7 @@ A datum becomes one sample of a ``RolloutBatch`` (:func:`call_batch`): the seque
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -31,6 +31,16 @@ MAX_TOKENS = 32768
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 
+def _request_id() -> Any:
+    """A call's ``request_id`` (the client makes one per call): a retry with the same id
+    gets the first answer, applied once (services/sessions/replay.py)."""
+    return Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+
+
+FINITE = {"allow_inf_nan": False}
+"""inf and NaN refused, naming the field ("Input should be a finite number")."""
+
+
 class Datum(BaseModel):
     model_config = _STRICT
 
@@ -40,13 +50,16 @@ class Datum(BaseModel):
     advantages: list[float] | None = None
     logprobs: list[float] | None = None
     group: int | None = None
+    temperature: float | None = Field(default=None, ge=0, **FINITE)
+    """The temperature ``logprobs`` were sampled at (``sample`` says it); one that is not
+    the session's loss temperature is refused (the ratios would be wrong)."""
 
 
 class Aggregation(BaseModel):
     model_config = _STRICT
 
     mode: AggregationMode = "sample_mean"
-    divisor: float | None = Field(default=None, gt=0)
+    divisor: float | None = Field(default=None, gt=0, **FINITE)
     """L of the constant mode (required there, refused elsewhere)."""
 
     @model_validator(mode="after")
@@ -64,15 +77,16 @@ class ForwardBackward(BaseModel):
     data: list[Datum] = Field(min_length=1, max_length=MAX_DATA)
     loss_fn: LossFn = "cross_entropy"
     aggregation: Aggregation = Aggregation()
+    request_id: str | None = _request_id()
 
 
 class Adam(BaseModel):
     model_config = _STRICT
 
-    lr: float = Field(gt=0)
+    lr: float = Field(gt=0, **FINITE)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(default=1e-8, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
+    eps: float = Field(default=1e-8, gt=0, **FINITE)
+    weight_decay: float = Field(default=0.0, ge=0, **FINITE)
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> Adam:
@@ -85,8 +99,9 @@ class OptimStep(BaseModel):
     model_config = _STRICT
 
     adam: Adam
-    grad_clip: float | None = Field(default=None, gt=0)
+    grad_clip: float | None = Field(default=None, gt=0, **FINITE)
     """Clip the step's global gradient norm (after the aggregation's scaling)."""
+    request_id: str | None = _request_id()
 
 
 class Sample(BaseModel):
@@ -99,12 +114,14 @@ class Sample(BaseModel):
     trainer's log-probs use)."""
     seed: int | None = None
     """None: the session's seed and a counter of its sample calls."""
+    request_id: str | None = _request_id()
 
 
 class Save(BaseModel):
     model_config = _STRICT
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    request_id: str | None = _request_id()
 
 
 Problem = tuple[str, str]
@@ -166,12 +183,27 @@ def _datum_problems(i: int, datum: Datum, vocab_size: int, loss_fn: LossFn) -> l
     return problems
 
 
+def temperature_problem(i: int, datum: Datum, temperature: float | None) -> Problem | None:
+    """A datum sampled at another temperature than the loss's τ: its log-probs (and so
+    PPO's and importance sampling's ratios π_T/π_sample) would compare two policies."""
+    if datum.temperature is None or temperature is None or \
+            abs(datum.temperature - temperature) <= 1e-6:
+        return None
+    return (f"data[{i}].temperature", f"is {datum.temperature:g} but the session's loss "
+            f"temperature is {temperature:g} (rollout.sampling.temperature): sample at "
+            f"{temperature:g}, or start a session with that temperature")
+
+
 def check_data(request: ForwardBackward, vocab_size: int,
-               earlier_groups: set[int] = frozenset()) -> list[Problem]:
+               earlier_groups: set[int] = frozenset(),
+               temperature: float | None = None) -> list[Problem]:
     """Every problem of a call's data; ``earlier_groups``: the groups earlier calls of
-    this step held (prompt_mean: a group is whole within one call)."""
+    this step held (prompt_mean: a group is whole within one call); ``temperature``: the
+    loss's τ, which a datum's ``temperature`` must equal."""
     problems = [p for i, datum in enumerate(request.data)
                 for p in _datum_problems(i, datum, vocab_size, request.loss_fn)]
+    problems += [p for i, datum in enumerate(request.data)
+                 if (p := temperature_problem(i, datum, temperature)) is not None]
     if request.aggregation.mode == "prompt_mean":
         problems += _group_problems(request.data, earlier_groups)
     return problems

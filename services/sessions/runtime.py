@@ -27,6 +27,7 @@ import torch
 from rollout.engines import engine_actor_options, engine_class
 from services.config import JobConfig
 from services.placement import reserve_job
+from services.sessions.replay import RecentCalls
 from services.sessions.requests import (
     Datum,
     ForwardBackward,
@@ -42,16 +43,18 @@ from trainer.aggregation import call_coefficients
 from trainer.checkpoint import ADAPTER_DIR
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
 from trainer.export import export_checkpoint
-from trainer.group import TrainerGroup
+from trainer.group import CallUndone, GradientsLost, TrainerGroup
 
 
 class SessionError(ValueError):
-    """A call the session refuses: ``status`` (409 or 422) and the (field, message)
-    problems."""
+    """A call the session refuses or could not do: ``status`` (409, 422, 500) and the
+    (field, message) problems; ``retriable``: the call changed nothing, so sending it
+    again (same ``request_id``) is safe."""
 
-    def __init__(self, status: int, problems: list[Problem]) -> None:
+    def __init__(self, status: int, problems: list[Problem], retriable: bool = False
+                 ) -> None:
         super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
-        self.status, self.problems = status, problems
+        self.status, self.problems, self.retriable = status, problems, retriable
 
 
 @dataclass
@@ -98,7 +101,8 @@ class TrainingSession:
                                        **self.gang.engine_options[0]}
                                     ).remote(engine, model_path, config.rollout.tokenizer, 0)
         self.trainer = TrainerGroup(config.trainer, self.objective, model_path,
-                                    total_steps=1, placement=self.gang.group)
+                                    total_steps=1, placement=self.gang.group,
+                                    name=f"tally-session-{folder.name}")
         ray.get(self.engine.ping.remote())
         from transformers import AutoConfig
 
@@ -113,6 +117,10 @@ class TrainingSession:
         self.last_call = time.monotonic()
         self.ended: str | None = None
         """Why the session ended (idle, closed); it takes no call after."""
+        self.recent = RecentCalls()
+        """The answers of the last calls by request_id (services/sessions/replay.py)."""
+        self.gradients_unknown = False
+        """A failed call could not restore the ranks' gradients: the next call drops them."""
 
     # ---- the verbs ----------------------------------------------------------------------
 
@@ -132,7 +140,7 @@ class TrainingSession:
                 f"{self.pending.calls} forward_backward call(s) pending; the calls of one "
                 "step share one mode: call optim_step first"))])
         problems = check_data(request, self.vocab_size,
-                              self.pending.groups if for_step else set())
+                              self.pending.groups if for_step else set(), self.temperature)
         if problems:
             raise SessionError(422, problems)
         batch = call_batch(request.data, mode)
@@ -155,8 +163,25 @@ class TrainingSession:
                                                                   full_mask=True)), data)
 
     def forward_backward(self, request: ForwardBackward) -> dict[str, Any]:
+        """Accumulate the call's gradient, all or nothing: a call that fails on any rank
+        leaves every rank's gradient and ``pending`` as before it (500, retriable), or,
+        when the ranks cannot restore, drops the whole step's accumulation and says so."""
+        if self.gradients_unknown:
+            self.trainer.discard_gradients()
+            self.gradients_unknown = False
         batch, plan, denominator = self._prepare(request, for_step=True)
-        sums = self.trainer.accumulate(batch, plan)
+        logprobs = self._log_probs(request.data)  # before: a failure here changes nothing
+        try:
+            sums = self.trainer.accumulate(batch, plan)
+        except CallUndone as err:
+            raise SessionError(500, [("forward_backward", f"{err}; nothing of it is "
+                                      "applied: send it again")], retriable=True) from err
+        except GradientsLost as err:
+            dropped, self.pending = self.pending.calls, PendingStep()
+            self.gradients_unknown = True
+            raise SessionError(500, [("forward_backward", (
+                f"{err}: the {dropped} earlier forward_backward call(s) of this step are "
+                "dropped too; start the step again"))]) from err
         pending = self.pending
         if not pending.calls:
             pending.mode = request.aggregation.mode
@@ -167,8 +192,7 @@ class TrainingSession:
                         if k in SUMMED}
         pending.groups |= {d.group for d in request.data if d.group is not None}
         self.tokens += batch.num_valid_tokens
-        return {"loss": self._objective(sums, denominator),
-                "logprobs": self._log_probs(request.data),
+        return {"loss": self._objective(sums, denominator), "logprobs": logprobs,
                 "metrics": self._call_metrics(sums, denominator)}
 
     def forward(self, request: ForwardBackward) -> dict[str, Any]:
@@ -196,6 +220,13 @@ class TrainingSession:
             self.drop_pending()
             raise SessionError(409, [("optim_step", "the pending calls hold no weighted "
                                       "token (every weight is 0); they are dropped")])
+        if pending.sums.get("valid_tokens", 0.0) <= 0:  # a zero gradient would still move
+            calls = pending.calls                       # Adam's moments and step count
+            self.drop_pending()
+            raise SessionError(409, [("optim_step", f"the {calls} pending forward_backward "
+                                      "call(s) hold no weighted token (every weight is 0): "
+                                      "there is no gradient to step with; they are dropped "
+                                      "and the optimizer is untouched")])
         scale = 1.0 / pending.denominator
         result = self.trainer.apply_gradients(scale, request.adam.model_dump(mode="python"),
                                               request.grad_clip)
@@ -224,8 +255,11 @@ class TrainingSession:
         prompts = [p for p in request.prompt_tokens for _ in range(request.num_samples)]
         generations = ray.get(self.engine.generate.remote(prompts, sampling, seed))
         n = request.num_samples
+        # each sequence says its temperature: forward_backward refuses a datum sampled at
+        # another one than the loss's (its ratios would be wrong)
         return {"sequences": [[{"tokens": g.token_ids, "logprobs": g.log_probs,
-                                "finish_reason": g.finish_reason}
+                                "finish_reason": g.finish_reason,
+                                "temperature": sampling.temperature}
                                for g in generations[k * n:(k + 1) * n]]
                               for k in range(len(request.prompt_tokens))],
                 "step": self.step}
