@@ -179,6 +179,44 @@ def refusing_url() -> Iterator[str]:
         yield f"http://127.0.0.1:{port_of(sock)}"
 
 
+class HungServer:
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers (a
+    session server whose call hangs). :meth:`close` (or leaving the ``with`` block)
+    closes every connection: each waiting client sees it end."""
+
+    def __init__(self) -> None:
+        self.listener = loopback_socket()
+        self.listener.listen(64)
+        self.listener.settimeout(0.1)
+        self.host, self.port = "127.0.0.1", port_of(self.listener)
+        self.accepted: list[socket.socket] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.accepted.append(self.listener.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=5)
+        for conn in self.accepted:
+            conn.close()
+        self.listener.close()
+
+    def __enter__(self) -> HungServer:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
 @contextmanager
 def serve_in_thread(app: Any, sock: socket.socket | None = None) -> Iterator[str]:
     """Run ``app`` with uvicorn in a thread on ``sock`` (a :func:`loopback_socket`; a new

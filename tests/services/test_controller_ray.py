@@ -55,10 +55,14 @@ class ControllerProcess:
                     "RAY_USAGE_STATS_ENABLED": "0"}
         self.env.pop("TALLY_API_TOKEN", None)
         self.process: subprocess.Popen[bytes] | None = None
+        self.ready_at = 0.0
 
     def start(self) -> None:
+        """Start it and return once it printed "Tally controller ready at <url>" (its
+        /readyz said ready); ``ready_at`` is when the line was seen."""
         assert self.sock is not None and self.process is None
         fd = self.sock.fileno()
+        offset = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.controller", "--fd", str(fd),
@@ -67,15 +71,16 @@ class ControllerProcess:
         self.sock.close()  # the controller's now: it goes with the process
         self.sock = None
         deadline = time.monotonic() + 120  # a guard: start-up is polled, not timed
+        ready = f"Tally controller ready at {self.url}"
         while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+            with self.log.open("rb") as log:
+                log.seek(offset)
+                if ready.encode() in log.read():
+                    self.ready_at = time.monotonic()
                     return
-            except httpx.TransportError:
-                pass
             assert self.process.poll() is None, self.log.read_text()[-3000:]
             assert time.monotonic() < deadline, "controller did not start"
-            time.sleep(0.2)
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """SIGTERM (its shutdown runs), then hold the port again."""
