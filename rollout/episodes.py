@@ -15,8 +15,18 @@ sum of what ``step`` returned. Environment calls of a turn run concurrently (asy
 on one event loop, the others in threads), each bounded by step_timeout_s: a call that
 raises, times out or returns something else than ``(observation, reward, done)`` ends
 its episode with reward 0 and a failure message (the caller reports it), and no other
-episode. A synchronous call past its timeout cannot be stopped; its thread is left to
-finish on its own and its result is ignored.
+episode. A synchronous call past its timeout cannot be stopped; it keeps its thread until
+it returns and its result is ignored. The threads are one pool per process of at most
+MAX_ENV_THREADS, reused by every rollout, so a slow environment holds at most that many
+(later calls wait for a free one, the wait counted in their timeout) instead of leaving
+threads behind at each rollout.
+
+Each turn's budget (rollout/token_budget.py): an episode that has used u of
+max_total_tokens R keeps at most min(max_new_tokens, R − u) tokens of its action. The
+engine gets one max_new_tokens per call, so a turn's episodes go in as few calls as the
+model's context C allows: a call asks for the largest budget among its episodes, and
+only holds episodes whose context has room for that many tokens (one call, unless the
+context is nearly full).
 
 The environment interface is in rollout/environments/__init__.py.
 """
@@ -26,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,10 +46,27 @@ from typing import Any
 from rollout.config import EnvironmentConfig
 from rollout.engines.base import Generation
 from rollout.plugins import load_object
+from rollout.token_budget import turn_tokens
 from rollout.turns import TurnFormat
 
 Generate = Callable[[list[list[int]], int, int], list[Generation]]
 """(contexts, max_new_tokens, turn) -> one policy turn per context, in order."""
+
+MAX_ENV_THREADS = 64
+"""Threads for synchronous environment calls in one process, shared by every rollout."""
+_threads: ThreadPoolExecutor | None = None
+_threads_lock = threading.Lock()
+
+
+def env_threads() -> ThreadPoolExecutor:
+    """The process's one pool of environment threads (made on first use). Reused rather
+    than made per rollout: a timed-out call's thread is then one of the pool's, never an
+    extra one left running."""
+    global _threads
+    with _threads_lock:
+        if _threads is None:
+            _threads = ThreadPoolExecutor(MAX_ENV_THREADS, thread_name_prefix="tally-env")
+        return _threads
 
 
 class EnvironmentFailures(RuntimeError):
@@ -90,28 +118,54 @@ class Episode:
 
 def run_episodes(records: list[dict[str, Any]], config: EnvironmentConfig, turns: TurnFormat,
                  generate: Generate, max_new_tokens: int,
-                 fit_prompt: Callable[[list[int], int], list[int]]
-                 ) -> tuple[list[Episode], float]:
+                 fit_prompt: Callable[[list[int], int], list[int]],
+                 context: int | None = None) -> tuple[list[Episode], float]:
     """(one episode per record, in order; a record repeated G times plays G episodes,
     the seconds spent waiting on the environment). ``fit_prompt(ids, i)``: the first
     observation's ids within the prompt budget (rollout.prompt_truncation; it raises for
-    record i when that says error)."""
+    record i when that says error). ``context``: the model's C (None: unknown)."""
     env_class = load_object(config.class_path, "rollout.environment.class_path")
     episodes = [Episode(record) for record in records]
-    threads = ThreadPoolExecutor(max_workers=max(1, len(records)),
-                                 thread_name_prefix="tally-env")
-    runner = _Calls(config.step_timeout_s, threads, env_class.__name__)
-    try:
-        asyncio.run(_play(episodes, env_class, config, turns, generate, max_new_tokens,
-                          fit_prompt, runner))
-    finally:  # a timed-out synchronous call is not waited for
-        threads.shutdown(wait=False, cancel_futures=True)
+    runner = _Calls(config.step_timeout_s, env_threads(), env_class.__name__)
+    asyncio.run(_play(episodes, env_class, config, turns, generate, max_new_tokens,
+                      fit_prompt, runner, context))
     return episodes, runner.seconds
+
+
+def turn_calls(wants: list[int], caps: list[int]) -> list[tuple[int, list[int]]]:
+    """A turn's engine calls as (max_new_tokens, episode indices): episode i keeps
+    ``wants[i]`` tokens and may be generated up to ``caps[i]`` ≥ wants[i] (its room in the
+    context); a call asks for the largest want of its episodes, within each one's cap."""
+    waiting = sorted(range(len(wants)), key=lambda i: -wants[i])
+    calls = []
+    while waiting:
+        num_tokens = wants[waiting[0]]
+        calls.append((num_tokens, sorted(i for i in waiting if caps[i] >= num_tokens)))
+        waiting = [i for i in waiting if caps[i] < num_tokens]
+    return calls
+
+
+def _turn(live: list[Episode], generate: Generate, max_new_tokens: int, budget: int,
+          context: int | None, turn: int) -> list[Generation]:
+    """One policy turn of every live episode, in order, within each one's budget."""
+    wants = [turn_tokens(max_new_tokens, budget, len(e.response_ids)) for e in live]
+    # The prompt budget keeps prompt + R ≤ C, so an episode's cap is never below its want.
+    caps = [max_new_tokens if context is None else
+            min(max_new_tokens, context - len(e.prompt_ids) - len(e.response_ids))
+            for e in live]
+    actions: list[Generation | None] = [None] * len(live)
+    for num_tokens, indices in turn_calls(wants, caps):
+        answers = generate([live[i].prompt_ids + live[i].response_ids for i in indices],
+                           num_tokens, turn)
+        for i, answer in zip(indices, answers, strict=True):
+            actions[i] = answer
+    return [a for a in actions if a is not None]
 
 
 async def _play(episodes: list[Episode], env_class: type, config: EnvironmentConfig,
                 turns: TurnFormat, generate: Generate, max_new_tokens: int,
-                fit_prompt: Callable[[list[int], int], list[int]], runner: _Calls) -> None:
+                fit_prompt: Callable[[list[int], int], list[int]], runner: _Calls,
+                context: int | None) -> None:
     firsts = await runner.gather(runner.reset(env_class, config.kwargs, e.record)
                                  for e in episodes)
     for i, (episode, (env, observation, failure)) in enumerate(
@@ -127,12 +181,10 @@ async def _play(episodes: list[Episode], env_class: type, config: EnvironmentCon
         live = [e for e in episodes if not e.ended]
         if not live:
             return
-        room = max(budget - len(e.response_ids) for e in live)
-        actions = generate([e.prompt_ids + e.response_ids for e in live],
-                           min(max_new_tokens, room), turn)
+        actions = _turn(live, generate, max_new_tokens, budget, context, turn)
         texts = []
         for episode, action in zip(live, actions, strict=True):
-            left = budget - len(episode.response_ids)
+            left = turn_tokens(max_new_tokens, budget, len(episode.response_ids))
             ids, log_probs = action.token_ids[:left], action.log_probs[:left]
             episode.response_ids += ids
             episode.response_mask += [1] * len(ids)

@@ -35,8 +35,9 @@ from rollout.engines import check_engine_available, engine_actor_options, engine
 from rollout.engines.base import Generation
 from rollout.episodes import EnvironmentFailures, Episode, run_episodes
 from rollout.plugins import load_object
-from rollout.prompts import PromptTooLong, fit_prompt, model_context
+from rollout.prompts import PromptTooLong, fit_prompt
 from rollout.rewards import RewardScorer, check_error_rate
+from rollout.token_budget import model_context, prompt_budget
 from rollout.tokenizer import encode_prompt, load_tokenizer
 from rollout.turns import TurnFormat
 
@@ -74,16 +75,6 @@ class EvalRun:
 
     weight_version: int
     outcomes: list[EvalOutcome]
-
-
-def prompt_budget(config: RolloutConfig, model_path: str) -> int | None:
-    """The most prompt tokens a sample may have: rollout.max_prompt_tokens, and what the
-    model's context leaves after the response budget (sampling.max_new_tokens, or an
-    episode's environment.max_total_tokens)."""
-    context = model_context(model_path)
-    left = None if context is None else context - config.max_response_tokens
-    budgets = [b for b in (config.max_prompt_tokens, left) if b is not None]
-    return min(budgets) if budgets else None
 
 
 @dataclass
@@ -132,7 +123,8 @@ class RolloutManager:
         self.apply_chat_template = (config.apply_chat_template
                                     if config.apply_chat_template is not None
                                     else self.tokenizer.chat_template is not None)
-        self.max_prompt_tokens = prompt_budget(config, model_path)
+        self.context = model_context(model_path)
+        self.max_prompt_tokens = prompt_budget(config, self.context)  # raises if ≤ 0
         self.records: list[PromptRecord] = load_prompt_dataset(config.dataset)
         self.cursor = PromptCursor(len(self.records), config.dataset.seed, config.dataset.shuffle)
         self.scorer = RewardScorer(config.reward)
@@ -324,7 +316,8 @@ class RolloutManager:
         return run_episodes(
             [{"prompt": r.prompt, "label": r.label, "metadata": dict(r.metadata)}
              for r in records],
-            self.config.environment, self.turns, generate, sampling.max_new_tokens, fit)
+            self.config.environment, self.turns, generate, sampling.max_new_tokens, fit,
+            self.context)
 
     def _environment_events(self, stats: _StepStats, step: int) -> list[tuple[str, str]]:
         """One ``environment_failed`` event per failed episode; past

@@ -1,7 +1,8 @@
 """Checks a job needs before anything starts that pydantic cannot see: optional packages;
 local paths and what they hold (every record of a dataset file, bounded in time; the model
 folder); the user's own modules (``rollout.reward.custom_function``,
-``rollout.environment.class_path``, ``aggregation.custom_reducer``); and, for a Ray head
+``rollout.environment.class_path``, ``aggregation.custom_reducer``); the token budget
+within the model's context (rollout/token_budget.py); and, for a Ray head
 Tally starts itself, the machine's CPUs and GPUs. The controller runs them at submit
 time, ``tally train`` before Ray starts and the driver again at start.
 
@@ -94,14 +95,12 @@ def _check_model(config: JobConfig) -> None:
 
 
 def _check_context(config: JobConfig) -> None:
-    """The prompt budget plus the generation budget within a local model's context."""
-    from rollout.prompts import context_problem
+    """The prompt budget plus the response budget within the model's context, for every
+    model: a built-in one's context is known by name, a folder's read from config.json
+    (rollout/token_budget.py)."""
+    from rollout.token_budget import budget_problem, model_context
 
-    if config.rollout.model in BUILTIN_MODELS:
-        return  # built when the job starts; their context is far beyond their tasks
-    problem = context_problem(config.rollout.model, config.rollout.max_prompt_tokens,
-                              config.rollout.sampling.max_new_tokens,
-                              config.rollout.environment)
+    problem = budget_problem(config.rollout, model_context(config.rollout.model))
     if problem is not None:
         raise ValueError(problem)
 

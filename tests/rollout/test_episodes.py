@@ -5,6 +5,7 @@ environments that are async, slow or raise."""
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 
 import pytest
@@ -33,18 +34,23 @@ def turns(tiny_model_path: str) -> TurnFormat:
 
 
 def play(engine: TorchEngine, turns: TurnFormat, labels: list[str], env: str,
-         seed: int = 0, **settings: object) -> tuple[list[Episode], float]:
+         seed: int = 0, context: int | None = None,
+         calls: list[tuple[int, int]] | None = None, **settings: object
+         ) -> tuple[list[Episode], float]:
+    """``calls``: gets (longest context, max_new_tokens) of each engine call."""
     config = EnvironmentConfig.model_validate({"class_path": f"{TOYS}:{env}", **settings})
 
     def generate(contexts: list[list[int]], max_new_tokens: int, turn: int
                  ) -> list[Generation]:
+        if calls is not None:
+            calls.append((max(len(c) for c in contexts), max_new_tokens))
         turn_seed = int.from_bytes(hashlib.sha256(f"{seed}:{turn}".encode()).digest()[:4])
         return engine.generate(contexts, SAMPLING.model_copy(
             update={"max_new_tokens": max_new_tokens}), turn_seed)
 
     return run_episodes([{"prompt": "p", "label": label, "metadata": {}} for label in labels],
                         config, turns, generate, SAMPLING.max_new_tokens,
-                        lambda ids, i: ids)
+                        lambda ids, i: ids, context)
 
 
 def segments(episode: Episode) -> list[tuple[int, list[int]]]:
@@ -152,3 +158,49 @@ def test_a_raising_environment_ends_only_its_episode(engine: TorchEngine,
     assert malformed.failure.startswith("RaisesOnLabel.step: returned ('only two', 1.0), "
                                         "expected (observation: str | None")
     assert malformed.reward == 0.0
+
+
+def test_each_turn_keeps_within_the_episode_budget_and_the_context(
+        engine: TorchEngine, turns: TurnFormat) -> None:
+    """A prompt that fills its budget (P = C − R): a turn given more tokens than its
+    episode has left would run past the model's context."""
+    budget = 24
+    context = len(turns.first("talk:")) + budget
+    calls: list[tuple[int, int]] = []
+    episodes, _ = play(engine, turns, ["a"] * 8, "Chatty", max_turns=8,
+                       max_total_tokens=budget, kwargs={"words": 1}, context=context,
+                       calls=calls)
+    assert all(longest + num_tokens <= context for longest, num_tokens in calls), calls
+    assert len(calls) > max(e.turns for e in episodes)  # some turn needed a second call
+    for episode in episodes:
+        assert len(episode.prompt_ids) + len(episode.response_ids) <= context
+        used = 0
+        for mask, ids in segments(episode):  # an action keeps what was left before it
+            assert mask == 0 or len(ids) <= min(SAMPLING.max_new_tokens, budget - used)
+            used += len(ids)
+
+
+def test_a_hung_environment_holds_a_bounded_number_of_threads(
+        engine: TorchEngine, turns: TurnFormat, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step hangs past its timeout, rollout after rollout: the threads they hold
+    are the pool's MAX_ENV_THREADS, reused, never a new set per rollout."""
+    from rollout import episodes as loop
+    from tests.rollout.toy_envs import RELEASE
+
+    monkeypatch.setattr(loop, "MAX_ENV_THREADS", 3, raising=False)
+    monkeypatch.setattr(loop, "_threads", None, raising=False)  # a pool of 3
+
+    def env_threads() -> int:
+        return sum(t.name.startswith("tally-env") for t in threading.enumerate())
+
+    before = env_threads()
+    RELEASE.clear()
+    try:
+        for _ in range(4):  # 4 rollouts × 3 episodes: 12 hung calls, 3 threads
+            played, _ = play(engine, turns, ["x"] * 3, "BlocksOnStep", step_timeout_s=0.05)
+            assert all(e.failure is not None and "step_timeout_s=0.05" in e.failure
+                       for e in played)
+            assert env_threads() - before <= 3
+    finally:
+        RELEASE.set()
+        loop.env_threads().shutdown(wait=True)

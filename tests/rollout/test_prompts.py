@@ -1,6 +1,6 @@
 """rollout.max_prompt_tokens and the model's context: a long prompt is refused naming its
 record, truncated from the left or dropped for the next one, and each step says how many;
-a generation budget past the context is refused before anything starts."""
+a budget of no tokens is refused (tests/rollout/test_token_budget.py has the context)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from rollout.config import RolloutConfig
-from rollout.prompts import PromptTooLong, context_problem, fit_prompt
+from rollout.prompts import PromptTooLong, fit_prompt
 from rollout.tokenizer import encode_prompt, load_tokenizer
 
 
@@ -26,15 +26,14 @@ def test_fit_prompt_by_policy() -> None:
         fit_prompt(ids, 4, "error", "record 3")
 
 
-def test_prompt_and_generation_must_fit_the_context(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
-    assert context_problem(tmp_path, 64, 64) is None
-    assert context_problem(tmp_path, 100, 64) == (
-        "rollout.max_prompt_tokens: 100 + sampling.max_new_tokens 64 = 164 tokens exceed the "
-        "model's context of 128 (max_position_embeddings)")
-    assert context_problem(tmp_path, None, 128).startswith(
-        "rollout.sampling.max_new_tokens: 128 tokens do not fit the model's context of 128")
-    assert context_problem(tmp_path / "none", 10**6, 10**6) is None  # says no context
+def test_a_budget_of_no_tokens_is_refused_not_sliced() -> None:
+    """ids[-0:] is the whole prompt and ids[-(-3):] its end past 3: neither is a fit."""
+    for budget in (0, -256):
+        for policy in ("error", "truncate_left", "drop"):
+            with pytest.raises(ValueError, match=rf"^rollout\.max_prompt_tokens: a prompt "
+                                                 rf"budget of {budget} tokens fits no prompt "
+                                                 r"\(record 3\)$"):
+                fit_prompt([1, 2, 3], budget, policy, "record 3")
 
 
 def _config(tmp_path: Path, policy: str, max_prompt_tokens: int) -> RolloutConfig:

@@ -4,6 +4,7 @@ episode loop must handle (answers, async, slow, raising, malformed)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 
@@ -26,6 +27,22 @@ class Countdown:
         done = self.taken >= self.turns
         self.tool_calls += not done
         return (None if done else f"obs{self.taken}:"), self.reward, done
+
+
+RELEASE = threading.Event()
+"""Set by a test to let every BlocksOnStep call return."""
+
+
+class BlocksOnStep(Countdown):
+    """Countdown whose step waits until RELEASE is set (at most ``seconds``): a hung tool."""
+
+    def __init__(self, seconds: float = 60.0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.seconds = seconds
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        RELEASE.wait(self.seconds)
+        return super().step(action)
 
 
 class AsyncCountdown(Countdown):

@@ -185,14 +185,28 @@ def test_prompt_and_generation_budgets_past_the_context(tmp_path: Path) -> None:
     (folder / "tokenizer.json").write_text("{}")
     assert problem(f"rollout.model={folder}", "rollout.max_prompt_tokens=40",
                    "rollout.sampling.max_new_tokens=32") == (
-        "rollout.max_prompt_tokens: 40 + sampling.max_new_tokens 32 = 72 tokens exceed the "
-        "model's context of 64 (max_position_embeddings)")
+        "rollout.max_prompt_tokens: 40 + sampling.max_new_tokens 32 = 72 > the model's "
+        "context 64; lower one of them")
     assert problem(f"rollout.model={folder}", "rollout.sampling.max_new_tokens=64") == (
-        "rollout.sampling.max_new_tokens: 64 tokens do not fit the model's context of 64 "
-        "(max_position_embeddings) with any prompt")
+        "rollout.sampling.max_new_tokens: 64 = the model's context 64, leaving no room for "
+        "a prompt; set it below 64")
     assert preflight(parse_job_config("", [f"rollout.model={folder}",
                                            "rollout.max_prompt_tokens=32",
                                            "rollout.sampling.max_new_tokens=32"])) == []
+
+
+def test_budgets_of_a_built_in_model_are_checked_against_its_context() -> None:
+    """The tiny model's context is 256: the default episode budget (512) cannot fit, with
+    its field named, before anything is built; SmolLM2's 8192 holds it."""
+    env = "rollout.environment.class_path=rollout.environments.guess_number:GuessNumber"
+    assert problem(env) == (
+        "rollout.environment.max_total_tokens: 512 > the model's context 256, leaving no "
+        "room for a prompt; set it below 256")
+    assert problem("rollout.sampling.max_new_tokens=300") == (
+        "rollout.sampling.max_new_tokens: 300 > the model's context 256, leaving no room "
+        "for a prompt; set it below 256")
+    assert preflight(parse_job_config("", [env, "rollout.environment.max_total_tokens=64"])
+                     ) == []
 
 
 def test_gpus_on_a_head_tally_starts(monkeypatch: pytest.MonkeyPatch) -> None:
