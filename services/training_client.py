@@ -13,44 +13,68 @@ the session applies them), so a loop can queue ``forward_backward`` calls and it
 ``result()`` raises :class:`TrainingAPIError` for a refused call (its ``status`` and
 ``detail``, which names the field). :func:`datum` builds one ``Datum`` from a prompt and
 a sampled response.
+
+Every call carries a ``request_id`` (a fresh one per call). A call that did not answer
+(the connection dropped) or failed without changing anything (the session says
+``"retriable": true``: a forward_backward that failed on a rank, every rank's gradient
+restored) is sent again with the same id, up to ``retries`` times: the session applies an
+id once and answers a repeat with the first answer. A ``forward_backward`` (or
+``forward``) whose body is over the controller's ``server.max_request_bytes`` (learned
+from the ``x-tally-max-request-bytes`` header of any answer, or from a 413) is sent as
+several calls, whole groups under prompt_mean, which give the same step
+(services/training_split.py); the answer is merged (``metrics.parts``: how many).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
+from services.training_split import merge_answers, part_body, split_data
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-class TrainingAPIError(RuntimeError):
-    """A call the controller or the session refused: the HTTP status and its detail."""
+LIMIT_HEADER = "x-tally-max-request-bytes"
+SPLITTABLE = ("forward_backward", "forward")
+RETRY_WAIT_S = 0.5
 
-    def __init__(self, status: int, detail: str) -> None:
+
+class TrainingAPIError(RuntimeError):
+    """A call the controller or the session refused: the HTTP status, its detail and the
+    whole JSON answer (``body``: ``retriable``, a 413's ``limit``)."""
+
+    def __init__(self, status: int, detail: str, body: dict[str, Any] | None = None) -> None:
         super().__init__(f"{status}: {detail}")
-        self.status, self.detail = status, detail
+        self.status, self.detail, self.body = status, detail, body or {}
 
 
 def _answer(response: httpx.Response) -> dict[str, Any]:
     if response.status_code >= 400:
         try:
-            detail = response.json().get("detail", response.text)
+            body = response.json()
+            detail = body.get("detail", response.text)
         except ValueError:
-            detail = response.text
-        raise TrainingAPIError(response.status_code, str(detail))
+            body, detail = {}, response.text
+        raise TrainingAPIError(response.status_code, str(detail),
+                               body if isinstance(body, dict) else {})
     return response.json()
 
 
 def datum(prompt: Sequence[int], response: Sequence[int], advantage: float = 0.0,
-          logprobs: Sequence[float] | None = None, group: int | None = None
-          ) -> dict[str, Any]:
+          logprobs: Sequence[float] | None = None, group: int | None = None,
+          temperature: float | None = None) -> dict[str, Any]:
     """One sequence as a Datum: prompt then response, the response's tokens trained
     (weight 1), ``advantage`` on each of them, ``logprobs`` the sampling log-probs of the
-    response's tokens (one each)."""
+    response's tokens (one each), ``temperature`` the one they were sampled at (what
+    ``sample`` returns with each sequence; the session refuses another than its own)."""
     if not prompt or not response:
         raise ValueError("datum: the prompt and the response need a token each")
     sequence = [*prompt, *response]
@@ -65,22 +89,83 @@ def datum(prompt: Sequence[int], response: Sequence[int], advantage: float = 0.0
         item["logprobs"] = [0.0] * (len(prompt) - 1) + list(logprobs)
     if group is not None:
         item["group"] = group
+    if temperature is not None:
+        item["temperature"] = temperature
     return item
 
 
 class Session:
     """One training session; its calls return futures, run in the order made."""
 
-    def __init__(self, http: httpx.Client, info: dict[str, Any], token: str | None) -> None:
+    def __init__(self, http: httpx.Client, info: dict[str, Any], token: str | None,
+                 limits: dict[str, int] | None = None, retries: int = 2) -> None:
         self.id: str = info["id"]
         self.info = info
         self._http = http
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {"content-type": "application/json",
+                         **({"Authorization": f"Bearer {token}"} if token else {})}
+        self._limits = limits if limits is not None else {}
+        self.retries = retries
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"session-{self.id}")
 
     def _post(self, verb: str, body: dict[str, Any]) -> Future[dict[str, Any]]:
-        return self._calls.submit(lambda: _answer(self._http.post(
-            f"/api/sessions/{self.id}/{verb}", json=body, headers=self._headers)))
+        return self._calls.submit(self._send, verb, body)
+
+    def _send(self, verb: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One call, split when its body is over the controller's limit (known, or
+        learned from a 413)."""
+        limit = self._limits.get("max_request_bytes")
+        if verb in SPLITTABLE and limit is not None and len(json.dumps(body)) > limit:
+            return self._send_split(verb, body, limit)
+        try:
+            return self._send_once(verb, body)
+        except TrainingAPIError as err:
+            learned = err.body.get("limit")
+            if err.status != 413 or verb not in SPLITTABLE or not isinstance(learned, int):
+                raise
+            self._limits["max_request_bytes"] = learned
+            return self._send_split(verb, body, learned)
+
+    def _send_split(self, verb: str, body: dict[str, Any], limit: int) -> dict[str, Any]:
+        parts = split_data(body, limit)
+        base = body.get("request_id") or uuid.uuid4().hex
+        answers = []
+        for k, part in enumerate(parts):
+            try:
+                answers.append(self._send_once(verb, {**part_body(body, part),
+                                                      "request_id": f"{base}.{k}"}))
+            except TrainingAPIError as err:
+                if not answers:
+                    raise
+                raise TrainingAPIError(err.status, f"{err.detail} (part {k + 1} of "
+                                       f"{len(parts)} of a split {verb}: the {k} part(s) "
+                                       "before it are applied)", err.body) from err
+        return merge_answers(answers, parts)
+
+    def _send_once(self, verb: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST with a request_id; again with the same id after a dropped connection or
+        a ``retriable`` failure, up to ``retries`` times."""
+        body = {**body, "request_id": body.get("request_id") or uuid.uuid4().hex}
+        content = json.dumps(body).encode()  # NaN stays NaN: the server names the field
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                response = self._http.post(f"/api/sessions/{self.id}/{verb}",
+                                           content=content, headers=self._headers)
+            except httpx.TransportError:
+                if last:
+                    raise
+                time.sleep(RETRY_WAIT_S)
+                continue
+            if (limit := response.headers.get(LIMIT_HEADER, "")).isdigit():
+                self._limits["max_request_bytes"] = int(limit)
+            try:
+                return _answer(response)
+            except TrainingAPIError as err:
+                if last or err.body.get("retriable") is not True:
+                    raise
+                time.sleep(RETRY_WAIT_S)
+        raise AssertionError("unreachable")
 
     def forward_backward(self, data: list[dict[str, Any]], loss_fn: str = "cross_entropy",
                          aggregation: str | dict[str, Any] = "sample_mean"
@@ -153,10 +238,14 @@ def _aggregation(value: str | dict[str, Any]) -> dict[str, Any]:
 
 class TrainingClient:
     """The controller at ``url`` (``TALLY_URL``, else http://127.0.0.1:8000), with the
-    API token ``token`` (``TALLY_API_TOKEN``) when it requires one."""
+    API token ``token`` (``TALLY_API_TOKEN``) when it requires one; ``retries``: how
+    often a call that did not answer, or failed changing nothing, is sent again."""
 
     def __init__(self, url: str | None = None, token: str | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, retries: int = 2) -> None:
+        self.retries = retries
+        self._limits: dict[str, int] = {}
+        """``max_request_bytes``: the controller's body limit, once an answer said it."""
         self.url = (url or os.environ.get("TALLY_URL") or DEFAULT_URL).rstrip("/")
         self.token = token if token is not None else os.environ.get("TALLY_API_TOKEN")
         # No read timeout by default: a call waits for a starting session, and a step
@@ -176,14 +265,18 @@ class TrainingClient:
         body: dict[str, Any] = {"config": config or {}}
         if idle_timeout_s is not None:
             body["idle_timeout_s"] = idle_timeout_s
-        info = _answer(self._http.post("/api/sessions", json=body, headers=self._headers()))
-        return Session(self._http, info, info.get("token") or self.token)
+        response = self._http.post("/api/sessions", json=body, headers=self._headers())
+        if (limit := response.headers.get(LIMIT_HEADER, "")).isdigit():
+            self._limits["max_request_bytes"] = int(limit)
+        info = _answer(response)
+        return Session(self._http, info, info.get("token") or self.token, self._limits,
+                       self.retries)
 
     def session(self, session_id: str, token: str | None = None) -> Session:
         """A session started earlier (by this client or another, before a restart)."""
         info = _answer(self._http.get(f"/api/sessions/{session_id}",
                                       headers=self._headers()))
-        return Session(self._http, info, token or self.token)
+        return Session(self._http, info, token or self.token, self._limits, self.retries)
 
     def list_sessions(self) -> list[dict[str, Any]]:
         return _answer(self._http.get("/api/sessions"))["items"]

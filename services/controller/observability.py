@@ -79,39 +79,64 @@ class TimingMiddleware:
                 metrics.latency.labels(method, route).observe(time.perf_counter() - started)
 
 
+LIMIT_SETTING = "server.max_request_bytes"
+LIMIT_HEADER = "x-tally-max-request-bytes"
+"""Every answer carries the body limit, so a client can size its calls before a 413."""
+
+
 class BodyLimitMiddleware:
     """413 for a request body over ``limit`` bytes (declared or streamed); ``paths`` set
-    a smaller limit for some paths (the submit endpoints: no parser sees a huge config)."""
+    a smaller limit for some paths (the submit endpoints: no parser sees a huge config).
+
+    The 413 is ``{"detail", "setting": "server.max_request_bytes", "limit"}`` (the
+    detail names the setting, its variable and the limit); every answer carries the
+    limit in ``x-tally-max-request-bytes``."""
 
     def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None) -> None:
         self.app, self.default, self.paths = app, limit, paths or {}
 
-    async def _reject(self, send: Any, limit: int) -> None:
-        body = json.dumps({"detail": f"request body over {limit} bytes"}).encode()
+    async def _reject(self, send: Any, limit: int, path: str) -> None:
+        where = (f"{LIMIT_SETTING} (TALLY_MAX_REQUEST_BYTES)" if limit == self.default else
+                 f"the fixed limit of {path} (a config is at most half of it)")
+        body = json.dumps({"detail": f"request body over {limit} bytes: {where} is {limit}",
+                           "setting": LIMIT_SETTING if limit == self.default else path,
+                           "limit": limit}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+                                (b"content-length", str(len(body)).encode()),
+                                (LIMIT_HEADER.encode(), str(self.default).encode())]})
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = min(self.default, self.paths.get(scope.get("path", ""), self.default))
+        header = (LIMIT_HEADER.encode(), str(self.default).encode())
+
+        async def tagged(message: dict[str, Any]) -> None:  # the limit on every answer
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, tagged)
+            return
+        path = scope.get("path", "")
+        limit = min(self.default, self.paths.get(path, self.default))
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._reject(send, limit)
+            await self._reject(send, limit, path)
             return
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":
-                await self.app(scope, receive, send)  # a disconnect: let the app see it
+                await self.app(scope, receive, tagged)  # a disconnect: let the app see it
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await self._reject(send, limit)
+                await self._reject(send, limit, path)
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -124,4 +149,4 @@ class BodyLimitMiddleware:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        await self.app(scope, replay, tagged)

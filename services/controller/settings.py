@@ -9,7 +9,7 @@
 | ``TALLY_PUBLIC_URL`` | public_url | ``http://127.0.0.1:<port>`` |
 | ``TALLY_ALLOWED_ROOTS`` | allowed_roots | the data folder only |
 | ``TALLY_ALLOWED_HOSTS`` | allowed_hosts | loopback, bind address, public URL host |
-| ``TALLY_MAX_BODY_BYTES`` | max_body_bytes | 1 MiB |
+| ``TALLY_MAX_REQUEST_BYTES`` (old name ``TALLY_MAX_BODY_BYTES``) | max_request_bytes | 1 MiB |
 | ``TALLY_MAX_RUNNING_JOBS`` | max_running_jobs | 2 |
 | ``TALLY_RAY_NUM_CPUS`` | ray_num_cpus | 4 |
 | ``TALLY_SESSION_CALL_TIMEOUT_S`` | session_call_timeout_s | 900 |
@@ -53,8 +53,9 @@ class Settings(BaseModel):
     allowed_hosts: tuple[str, ...] = ()
     """Host names served besides loopback, the bind address and the public URL's host
     (DNS-rebinding guard); ``*``: any."""
-    max_body_bytes: int = Field(default=1 << 20, gt=0)
-    """Larger request bodies are refused with 413."""
+    max_request_bytes: int = Field(default=1 << 20, gt=0)
+    """``server.max_request_bytes``: larger request bodies get a 413 naming it (the
+    training client splits a forward_backward call to fit)."""
     max_running_jobs: int = Field(default=2, gt=0)
     """Jobs submitted to Ray at once; the rest wait in status 'queued'."""
     ray_num_cpus: int = Field(default=4, gt=0)
@@ -103,6 +104,11 @@ class Settings(BaseModel):
         resolved = Path(path).expanduser().resolve()
         return any(resolved.is_relative_to(root) for root in self.roots)
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The old name of :attr:`max_request_bytes`."""
+        return self.max_request_bytes
+
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
         """Settings from ``TALLY_*`` variables; keyword arguments win."""
@@ -110,7 +116,9 @@ class Settings(BaseModel):
         values: dict[str, object] = {}
         simple = {"TALLY_DATA_DIR": "data_dir", "TALLY_DATABASE_URL": "database_url",
                   "TALLY_RAY_ADDRESS": "ray_address", "TALLY_API_TOKEN": "api_token",
-                  "TALLY_PUBLIC_URL": "public_url", "TALLY_MAX_BODY_BYTES": "max_body_bytes",
+                  "TALLY_PUBLIC_URL": "public_url",
+                  "TALLY_MAX_BODY_BYTES": "max_request_bytes",  # the old name: an alias
+                  "TALLY_MAX_REQUEST_BYTES": "max_request_bytes",  # after it: it wins
                   "TALLY_MAX_RUNNING_JOBS": "max_running_jobs",
                   "TALLY_RAY_NUM_CPUS": "ray_num_cpus", "TALLY_MAX_SESSIONS": "max_sessions",
                   "TALLY_SESSION_IDLE_TIMEOUT_S": "session_idle_timeout_s",
