@@ -1,11 +1,13 @@
 """Multi-turn environments through ``tally train`` (services.train.train_from_cli, in this
 process, on the session's Ray cluster): both built-in environments train a step on the
-tiny model and on SmolLM2, and an environment that fails ends its episodes, writes
-events, and past max_failures_per_rollout fails the job with its rows kept."""
+tiny model (the guess game with the README's quick-look settings) and on SmolLM2, and an
+environment that fails ends its episodes, writes events, and past
+max_failures_per_rollout fails the job with its rows kept."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,11 @@ ONE_SMALL_STEP = ["num_steps=1", "rollout.global_batch_size=4", "rollout.n_sampl
                   "trainer.loss.entropy_coef=0.01"]  # a gradient without reward spread
 TINY = ["rollout.model=tiny", "rollout.environment.max_total_tokens=128",
         "rollout.max_prompt_tokens=128", "rollout.prompt_truncation=truncate_left"]
+README_QUICK_LOOK = re.findall(r"--set (\S+)", re.search(
+    r"tally train configs/smollm2-guess-number\.yaml (--set .*?)# a quick look",
+    (ROOT / "README.md").read_text(), re.S).group(1))
+"""The README's guess game on the tiny model, its settings as written (the test's one
+small step after them)."""
 
 
 def _events(job: Path) -> list[dict]:
@@ -41,7 +48,9 @@ def test_a_built_in_environment_trains_a_step_on_the_tiny_model(ray_cluster: Non
                                                                tmp_path: Path,
                                                                name: str) -> None:
     job = tmp_path / name
-    assert train_from_cli(CONFIGS[name], [*ONE_SMALL_STEP, *TINY], job) == 0
+    overrides = ([*README_QUICK_LOOK, *ONE_SMALL_STEP] if name == "guess-number" else
+                 [*ONE_SMALL_STEP, *TINY])
+    assert train_from_cli(CONFIGS[name], overrides, job) == 0
     (row,) = [r["metrics"] for r in read_metrics(job / "metrics.jsonl")]
     _check_env_row(row, max_turns=5)
 
