@@ -241,12 +241,19 @@ class TrainingSession:
                 "metrics": metrics}
 
     def sample(self, request: Sample) -> dict[str, Any]:
+        from rollout.token_budget import model_context, sample_problem
+
+        context = model_context(self.model_path)  # prompt + max_new_tokens must fit it
+        max_new_tokens = (request.sampling or self.config.rollout.sampling).max_new_tokens
         for i, prompt in enumerate(request.prompt_tokens):
             if (problem := vocabulary_problem(f"prompt_tokens[{i}]", prompt,
                                               self.vocab_size)) is not None:
                 raise SessionError(422, [problem])
             if not prompt:
                 raise SessionError(422, [(f"prompt_tokens[{i}]", "is empty")])
+            if (problem := sample_problem(f"prompt_tokens[{i}]", len(prompt),
+                                          max_new_tokens, context)) is not None:
+                raise SessionError(422, [problem])
         self._sync_engine()
         sampling = request.sampling or self.config.rollout.sampling
         seed = request.seed if request.seed is not None else (
