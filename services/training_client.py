@@ -17,7 +17,8 @@ a sampled response.
 Every call carries a ``request_id`` (a fresh one per call). A call that did not answer
 (the connection dropped) or failed without changing anything (the session says
 ``"retriable": true``: a forward_backward that failed on a rank, every rank's gradient
-restored) is sent again with the same id, up to ``retries`` times: the session applies an
+restored), or timed out at the controller (502/504), is sent again with the same id, up
+to ``retries`` times: the session applies an
 id once and answers a repeat with the first answer. A ``forward_backward`` (or
 ``forward``) whose body is over the controller's ``server.max_request_bytes`` (learned
 from the ``x-tally-max-request-bytes`` header of any answer, or from a 413) is sent as
@@ -162,7 +163,9 @@ class Session:
             try:
                 return _answer(response)
             except TrainingAPIError as err:
-                if last or err.body.get("retriable") is not True:
+                # retriable: the call changed nothing; 502/504: it may still run, and its
+                # id makes the repeat wait for it and answer as it did
+                if last or not (err.body.get("retriable") is True or err.status in (502, 504)):
                     raise
                 time.sleep(RETRY_WAIT_S)
         raise AssertionError("unreachable")

@@ -54,6 +54,17 @@ def shared(controller: ControllerProcess) -> Iterator:
     training.close()
 
 
+@pytest.fixture(scope="module")
+def shared_dp2(controller: ControllerProcess) -> Iterator:
+    """One DP 2 session (1.5 CPUs of the head's 6) for the tests that need two ranks."""
+    training = TrainingClient(controller.url)
+    session = training.create_session({"rollout": {"model": "tiny"}, "trainer": {
+        "dp_size": 2, "num_cpus_per_rank": 0.5}})
+    yield session
+    session.close()
+    training.close()
+
+
 def random_data(num_samples: int, seed: int) -> list[dict]:
     """Sequences of 5–14 tokens: a prompt, then response tokens with a hole (an
     observation) in some, sampling log-probs, and one advantage per sample; groups of 4."""
@@ -122,19 +133,14 @@ def split_against_union(session, data: list[dict]) -> None:
 
 
 def test_split_calls_give_the_step_of_one_call_on_their_union_at_dp_1_and_2(
-        client: TrainingClient) -> None:
+        shared, shared_dp2) -> None:
     """:func:`split_against_union` on a DP 1 and a DP 2 session, side by side."""
-    sessions = {dp: client.create_session({"rollout": {"model": "tiny"}, "trainer": {
-        "dp_size": dp, "num_cpus_per_rank": 0.5}}) for dp in (1, 2)}
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            for done in [pool.submit(split_against_union, session, random_data(24, seed=dp))
-                         for dp, session in sessions.items()]:
-                done.result()
-        assert {s.state()["world_size"] for s in sessions.values()} == {1, 2}
-    finally:
-        for session in sessions.values():
-            session.close()
+    sessions = {1: shared, 2: shared_dp2}
+    with ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(split_against_union, session, random_data(24, seed=dp))
+                     for dp, session in sessions.items()]:
+            done.result()
+    assert {s.state()["world_size"] for s in sessions.values()} == {1, 2}
 
 
 def detail_of(future) -> tuple[int, str]:
@@ -183,6 +189,115 @@ def test_bad_input_is_a_4xx_naming_the_field(shared, controller: ControllerProce
     bad = httpx.post(f"{controller.url}/api/sessions",
                      json={"config": {"trainer": {"backend": "megatron"}}})
     assert bad.status_code == 422 and "trainer.backend" in bad.json()["detail"]
+
+
+def arm_fault(controller: ControllerProcess, session_id: str, rank: int) -> None:
+    """Rank ``rank`` of the session fails its next forward_backward after its collectives
+    (the test-only ``arm_fault`` verb of trainer/session_calls.py), armed from a Ray job on
+    the session's cluster: the ranks are named actors there (trainer/group.py)."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    name = f"tally-session-{session_id}-rank{rank}"
+    code = ("import ray; ray.init(); "
+            f"ray.get(ray.get_actor({name!r}, namespace='tally')"
+            ".arm_fault.remote('forward_backward'), timeout=60)")
+    jobs = JobSubmissionClient(controller.env["TALLY_RAY_ADDRESS"])
+    job = jobs.submit_job(entrypoint=f"{sys.executable} -c \"{code}\"")
+    deadline = time.monotonic() + 120
+    while (status := jobs.get_job_status(job)) not in (JobStatus.SUCCEEDED, JobStatus.FAILED,
+                                                       JobStatus.STOPPED):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+    assert status == JobStatus.SUCCEEDED, jobs.get_job_logs(job)[-2000:]
+
+
+def post(controller: ControllerProcess, session_id: str, verb: str, body: dict
+         ) -> httpx.Response:
+    return httpx.post(f"{controller.url}/api/sessions/{session_id}/{verb}", json=body,
+                      timeout=300)
+
+
+def test_a_call_failed_on_rank_1_is_undone_and_a_repeated_request_id_applies_once(
+        shared_dp2, controller: ControllerProcess) -> None:
+    """DP 2: the second of two forward_backward calls fails on rank 1 after its
+    reduce-scatter (rank 0 holds its share of the gradient); the client's retry (same
+    request_id) applies it, a third copy of the id applies nothing, and the step's
+    weights are those of a clean run. The id sent again with other data is a 409."""
+    session, data = shared_dp2, random_data(16, seed=11)
+    fb = {"loss_fn": "ppo", "aggregation": {"mode": "token_mean"}}
+    session.save("tx").result()
+    session.load("tx").result()
+    for part in (data[:8], data[8:]):
+        session.forward_backward(part, "ppo", "token_mean").result()
+    session.optim_step(lr=1e-3, eps=1e-3).result()
+    clean = weights_of(session.save("tx-clean").result()["path"])
+
+    session.load("tx").result()
+    session.forward_backward(data[:8], "ppo", "token_mean").result()
+    arm_fault(controller, session.id, rank=1)
+    second = {**fb, "data": data[8:], "request_id": "second-call"}
+    failed = post(controller, session.id, "forward_backward", second)
+    assert failed.status_code == 500 and failed.json()["retriable"] is True, failed.text
+    assert "trainer rank 1 failed: InjectedFault" in failed.json()["detail"]
+    assert "every rank's gradient is restored" in failed.json()["detail"]
+    assert session.state()["pending_calls"] == 1  # pending untouched by the failure
+    retried = session._post("forward_backward", second).result()  # the client's retry
+    again = post(controller, session.id, "forward_backward", second)
+    assert again.status_code == 200 and again.json() == retried  # the first answer
+    assert session.state()["pending_calls"] == 2
+    other = post(controller, session.id, "forward_backward", {**second, "data": data[:4]})
+    assert other.status_code == 409 and other.json()["detail"].startswith(
+        "request_id: request_id 'second-call' was already used for a different call")
+    step = session.optim_step(lr=1e-3, eps=1e-3).result()
+    assert step["metrics"]["calls"] == 2
+    faulted = weights_of(session.save("tx-faulted").result()["path"])
+    assert max_difference(faulted, clean) <= 1e-7
+    assert max_difference(clean, weights_of(str(Path(session.info["output_dir"]) / "saved"
+                                                / "tx"))) > 1e-5  # the step moved them
+
+
+def test_an_empty_optim_step_is_409_and_leaves_the_optimizer_bit_for_bit(shared) -> None:
+    """A step over calls without a weighted token is refused; the step after it is, bit
+    for bit, the step taken without it (Adam's moments and step count untouched)."""
+    session, data = shared, random_data(8, seed=5)
+    zero = [{**d, "weights": [0.0] * len(d["weights"])} for d in data[:4]]
+    session.forward_backward(data, "ppo", "sample_mean").result()
+    session.optim_step(lr=1e-3, eps=1e-3).result()  # moments that a decay would show
+    session.save("empty-0").result()
+    after = {}
+    for name in ("plain", "refused-first"):
+        session.load("empty-0").result()
+        if name == "refused-first":
+            session.forward_backward(zero, "ppo", "sample_mean").result()
+            status, detail = detail_of(session.optim_step(lr=1e-3, eps=1e-3,
+                                                          weight_decay=0.1))
+            assert status == 409 and "hold no weighted token" in detail, detail
+            assert session.state()["pending_calls"] == 0
+        session.forward_backward(data[4:], "ppo", "sample_mean").result()
+        session.optim_step(lr=1e-3, eps=1e-3).result()
+        after[name] = weights_of(session.save(f"empty-{name}").result()["path"])
+    assert max_difference(after["plain"], after["refused-first"]) == 0.0
+
+
+def test_non_finite_settings_and_a_foreign_temperature_are_422(shared) -> None:
+    session, data = shared, random_data(4, seed=9)
+    for lr in (float("inf"), float("nan")):
+        status, detail = detail_of(session.optim_step(lr=lr))
+        assert status == 422 and detail.startswith("adam.lr: Input should be a finite"), detail
+    status, detail = detail_of(session.forward_backward(
+        data, "ppo", {"mode": "constant", "divisor": float("inf")}))
+    assert status == 422 and detail.startswith("aggregation.divisor: Input should be a "
+                                               "finite number"), detail
+    (sampled,), = session.sample([[1, 2, 3]], temperature=0.5,
+                                 max_new_tokens=3).result()["sequences"]
+    assert sampled["temperature"] == 0.5
+    hot = datum([1, 2, 3], sampled["tokens"], 1.0, sampled["logprobs"],
+                temperature=sampled["temperature"])
+    status, detail = detail_of(session.forward_backward([data[0], hot], "ppo"))
+    assert (status, detail) == (422, "data[1].temperature: is 0.5 but the session's loss "
+                                     "temperature is 1 (rollout.sampling.temperature): "
+                                     "sample at 1, or start a session with that temperature")
+    assert session.state()["pending_calls"] == 0
 
 
 def test_a_controller_killed_mid_session_loses_no_step(shared, client: TrainingClient,
