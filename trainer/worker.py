@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +45,19 @@ if TYPE_CHECKING:
     from rollout.weight_bucket import TensorSpec
     from trainer.colocated_engine import ColocatedEngine
     from trainer.step_plan import StepPlan
+
+
+def in_eval_mode(verb: Callable[..., Any]) -> Callable[..., Any]:
+    """A verb that only reads the policy (the old log-probs) runs it in eval mode, dropout
+    off, so π_old is π itself and two calls agree; train mode is restored after."""
+    @functools.wraps(verb)
+    def run(self: TrainerWorker, *args: Any, **kwargs: Any) -> Any:
+        self.model.eval()
+        try:
+            return verb(self, *args, **kwargs)
+        finally:
+            self.model.train()
+    return run
 
 
 class TrainerWorker(SessionCalls, abc.ABC):

@@ -47,7 +47,7 @@ from trainer.objective import (
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.rank import compute_dtype
 from trainer.step_plan import StepPlan, packs
-from trainer.worker import TrainerWorker
+from trainer.worker import TrainerWorker, in_eval_mode
 
 
 class FSDPWorker(TrainerWorker):
@@ -156,12 +156,13 @@ class FSDPWorker(TrainerWorker):
         return step_metrics(totals, mode_names)
 
     @torch.no_grad()
+    @in_eval_mode
     def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
         """Collective, no update: log π_T of every response token under the current
         policy, [N, S] aligned with input_ids (the old log-probs of a rollout with several
-        updates); rank 0 returns it. Same precision, temperature and mode as the loss."""
+        updates); rank 0 returns it. Same precision and temperature as the loss; eval
+        mode (in_eval_mode: dropout off)."""
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        self.model.train()
         for samples in plan.micro_batches[self.dp_rank]:
             micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
                                    self.cp_rank).to(self.device)

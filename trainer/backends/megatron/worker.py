@@ -47,7 +47,7 @@ from trainer.objective import planted_error_terms, step_metrics
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.rank import compute_dtype
 from trainer.step_plan import StepPlan
-from trainer.worker import TrainerWorker
+from trainer.worker import TrainerWorker, in_eval_mode
 
 
 class MegatronWorker(TrainerWorker):
@@ -169,6 +169,7 @@ class MegatronWorker(TrainerWorker):
         return step_metrics(totals, mode_names)
 
     @torch.no_grad()
+    @in_eval_mode
     def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
         """Collective, no update: log π_T [N, S] of every response token under the current
         policy (a rollout's old log-probs); rank 0 returns it. TP ranks hold identical
@@ -178,7 +179,6 @@ class MegatronWorker(TrainerWorker):
 
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         owner = self.cp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0
-        self.model.train()  # the mode of the loss's forward
         for samples in plan.micro_batches[self.dp_rank]:
             micro = self._slice(batch, plan, samples).to(self.device)
             with cpu_bridge(self.device):
