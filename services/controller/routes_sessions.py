@@ -126,8 +126,11 @@ def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float
     # the secret goes by a 0600 file, not env_vars: Ray's job list shows every runtime_env
     hand_over(folder, session_secret(settings.data_dir, session_id))
     env = {IDLE_ENV: str(idle), "TALLY_DATA_DIR": str(settings.data_dir)}
-    if settings.sessions_advertise_host:
-        env[ADVERTISE_ENV] = settings.sessions_advertise_host
+    # beside the Ray head this controller started, the session is on this machine:
+    # loopback; on a cluster, its node's IP (the server's default) unless overridden
+    advertise = settings.sessions_advertise_host or ("127.0.0.1" if ctl.head is not None else None)
+    if advertise:
+        env[ADVERTISE_ENV] = advertise
     try:  # submitted before it is stored: the reconcile loop never sees a row Ray lacks
         ctl.backend.submit(row.ray_submission_id, f"{settings.python} -m "
                            f"services.sessions.server {folder}", env,

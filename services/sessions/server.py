@@ -20,6 +20,7 @@ state; gradients of calls no step followed are dropped) and ends.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import os
 import socket
@@ -74,10 +75,44 @@ def take_secret(folder: Path) -> str:
 
 
 def node_address() -> str:
-    """This process's Ray node IP (the address the controller reaches it at)."""
+    """The IP of the Ray node this process runs on, as the cluster knows it (the
+    ``--node-ip-address`` it was started with: the address the controller reaches it at).
+    Not ``ray.util.get_node_ip_address()``: in a driver that joined a cluster it guesses
+    from the machine's interfaces, which may not be the node's address."""
     import ray
 
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+            return str(node["NodeManagerAddress"])
     return str(ray.util.get_node_ip_address())
+
+
+def listen(node_ip: str, advertise: str | None) -> tuple[socket.socket, str]:
+    """A socket bound (port 0) where the controller will call, and the host that
+    ``session.json`` gives it. Without ``advertise``: the Ray node's IP, both. With an IP
+    address this machine has (e.g. 127.0.0.1 where the controller runs beside its Ray
+    head): that address, both; with a name (a Kubernetes Service) or an address of a NAT
+    in front: bound on the node's IP, the name advertised."""
+    for bind in ([advertise] if advertise and _is_ip(advertise) else []) + [node_ip]:
+        sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+        try:
+            sock.bind((bind, 0))
+        except OSError:
+            sock.close()
+            if bind == node_ip:
+                raise
+            continue
+        return sock, advertise or bind
+    raise AssertionError("unreachable")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def field_of(loc: tuple[Any, ...]) -> str:
@@ -199,9 +234,7 @@ def serve(folder: Path) -> int:
     config = with_threads(config, model_path)
     write_state(folder, {"state": "starting", "pid": os.getpid()})
     session = TrainingSession(config, model_path, folder)
-    bind = node_address()
-    listener = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
-    listener.bind((bind, 0))
+    listener, host = listen(node_address(), os.environ.get(ADVERTISE_ENV) or None)
     listener.listen(128)  # before "ready" is written: an early call waits in the backlog
     server: uvicorn.Server | None = None
     ended: dict[str, Any] = {}
@@ -239,7 +272,6 @@ def serve(folder: Path) -> int:
     app = create_app(session, secret, end)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     port = listener.getsockname()[1]
-    host = os.environ.get(ADVERTISE_ENV) or bind
     write_state(folder, {"state": "ready", "host": host, "port": port, "pid": os.getpid()})
     print(f"session ready: step {session.step}, {config.trainer.world_size} trainer rank(s), "
           f"model {config.rollout.model}", flush=True)

@@ -2,15 +2,20 @@
 a SQLite file, and tiny demo jobs. Submit (JSON and YAML), logs, cancel, a job submitted
 straight to Ray that registers itself, a controller restart in the middle of a job, and
 Ray's own answer for a job it never had; the README's ``ray job submit`` command on a
-token-authenticated head. (The four-mode sweep on real Ray is
-test_controller_gang's; the embedded head's start and stop, test_controller_restart's.)"""
+token-authenticated head; a training session created the moment the controller says it
+is ready, and its secret kept out of Ray's job list and the database. (The four-mode
+sweep on real Ray is test_controller_gang's; the embedded head's start and stop,
+test_controller_restart's.)"""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -22,6 +27,9 @@ import pytest
 
 from services.controller.ray_head import LocalRayHead
 from services.controller.ray_jobs import RayJobBackend
+from services.controller.session_secret import KEY_FILE
+from services.sessions.server import SECRET_FILE, read_state
+from services.training_client import TrainingClient
 from tests.services.controller_fakes import (
     DEMO,
     DEMO_OVERRIDES,
@@ -52,7 +60,9 @@ class ControllerProcess:
         self.log = data_dir.parent / "controller.log"
         self.env = {**os.environ, "TALLY_DATA_DIR": str(data_dir),
                     "TALLY_RAY_ADDRESS": ray_address, "TALLY_MAX_RUNNING_JOBS": "2",
-                    "RAY_USAGE_STATS_ENABLED": "0"}
+                    "RAY_USAGE_STATS_ENABLED": "0",
+                    # sessions on this machine's loopback (the Ray node IP is eth0's)
+                    "TALLY_SESSIONS_ADVERTISE_HOST": "127.0.0.1"}
         self.env.pop("TALLY_API_TOKEN", None)
         self.process: subprocess.Popen[bytes] | None = None
         self.ready_at = 0.0
@@ -169,6 +179,54 @@ def ray_client(ray_head: LocalRayHead):
     from ray.job_submission import JobSubmissionClient
 
     return JobSubmissionClient(ray_head.address)
+
+
+def test_a_session_made_right_after_ready_runs_and_its_secret_is_nowhere_readable(
+        controller: ControllerProcess, ray_head: LocalRayHead) -> None:
+    """First in the module: the controller printed that it is ready just now. A session
+    created at once starts and answers (no 503 while the head's nodes have not reported
+    yet); its secret is nowhere a stranger could read it: not in Ray's job list (what the
+    dashboard shows: every job's ``runtime_env`` and metadata, from the real job server),
+    not in the controller's database files, not left in the session's folder."""
+    asked_after = time.monotonic() - controller.ready_at
+    created = httpx.post(f"{controller.url}/api/sessions", timeout=60,
+                         json={"config": {"rollout": {"model": "tiny"}}})
+    assert asked_after < 1.0
+    assert created.status_code == 201, created.text
+    info = created.json()
+    client = TrainingClient(controller.url)
+    try:
+        sampled = client.session(info["id"]).sample([[1, 2, 3]], max_new_tokens=2).result()
+        assert len(sampled["sequences"][0][0]["tokens"]) == 2
+
+        data_dir = Path(controller.env["TALLY_DATA_DIR"])
+        key_file = data_dir / KEY_FILE
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        secret = hmac.new(bytes.fromhex(key_file.read_text()),
+                          f"session-server:{info['id']}".encode(), hashlib.sha256).hexdigest()
+        folder = Path(info["output_dir"])
+        state = read_state(folder)
+        assert state is not None and state["host"] == "127.0.0.1"  # as advertised
+        server = f"http://{state['host']}:{state['port']}"
+        # the secret is the one the session's server takes (so the greps below mean it)
+        assert httpx.get(f"{server}/state", timeout=10).status_code == 401
+        assert httpx.get(f"{server}/state", timeout=10, headers={
+            "authorization": f"Bearer {secret}"}).status_code == 200
+        assert not (folder / SECRET_FILE).exists()
+
+        jobs = ray_client(ray_head).list_jobs()
+        (mine,) = [j for j in jobs if j.submission_id == f"tally-session-{info['id']}"]
+        assert "TALLY_SESSION_IDLE_TIMEOUT_S" in str(mine.runtime_env)  # its env is listed
+        for job in jobs:
+            assert secret not in f"{job.runtime_env} {job.metadata} {job.entrypoint}"
+
+        database = [p for p in data_dir.glob("controller.db*") if p.is_file()]
+        assert data_dir / "controller.db" in database
+        for path in database:  # the WAL and shared-memory files too
+            assert secret.encode() not in path.read_bytes(), path.name
+    finally:
+        httpx.delete(f"{controller.url}/api/sessions/{info['id']}", timeout=60)
+        client.close()
 
 
 def test_submit_json_and_restart_the_controller_mid_job(controller: ControllerProcess,
