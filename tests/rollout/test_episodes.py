@@ -203,4 +203,5 @@ def test_a_hung_environment_holds_a_bounded_number_of_threads(
             assert env_threads() - before <= 3
     finally:
         RELEASE.set()
-        loop.env_threads().shutdown(wait=True)
+        if getattr(loop, "_threads", None) is not None:
+            loop._threads.shutdown(wait=True)
