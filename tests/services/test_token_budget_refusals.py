@@ -79,3 +79,30 @@ def test_the_environment_docs_example_fits_the_demo_model_as_written(
     observation = TwoSums(**config.rollout.environment.kwargs).reset({"label": "12,30"})
     first = TurnFormat(tokenizer, apply_chat_template=True).first(observation)
     assert 0 < len(first) <= prompt_budget(config.rollout, model_context("tiny"))
+
+
+def test_a_session_sample_past_the_context_is_422_before_the_engine_is_touched() -> None:
+    """TrainingSession.sample's own checks on a session of the tiny model (context 256,
+    known by name): the refusal comes before any weight sync or generation, so the
+    session's Ray parts are not needed to see it."""
+    from types import SimpleNamespace
+
+    from services.config import parse_job_config
+    from services.sessions.requests import Sample
+    from services.sessions.runtime import SessionError, TrainingSession
+
+    session = SimpleNamespace(model_path="tiny", config=parse_job_config("", []),
+                              vocab_size=100)  # rollout.sampling.max_new_tokens: 64
+    for prompts, sampling, problem in [
+        ([[5] * 10, [5] * 200], None,
+         ("prompt_tokens[1]", "200 tokens + sampling.max_new_tokens 64 = 264 > the "
+                              "model's context 256; shorten it to 192 tokens or lower "
+                              "max_new_tokens")),
+        ([[5] * 10], {"max_new_tokens": 300},
+         ("sampling.max_new_tokens", "300 leaves no room for a prompt in the model's "
+                                     "context 256")),
+    ]:
+        request = Sample.model_validate({"prompt_tokens": prompts, "sampling": sampling})
+        with pytest.raises(SessionError) as refused:
+            TrainingSession.sample(session, request)  # type: ignore[arg-type]
+        assert (refused.value.status, refused.value.problems) == (422, [problem])
