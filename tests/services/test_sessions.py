@@ -31,9 +31,14 @@ GROUP = 4
 IDLE_S = 3.0
 
 
+LIMIT = 128 * 1024
+"""The module's server.max_request_bytes: the example's calls fit, a big one is split."""
+
+
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
-    with controller_on_own_head(tmp_path_factory, 6, {}) as proc:
+    with controller_on_own_head(tmp_path_factory, 6,
+                                {"TALLY_MAX_REQUEST_BYTES": str(LIMIT)}) as proc:
         yield proc
 
 
@@ -298,6 +303,31 @@ def test_non_finite_settings_and_a_foreign_temperature_are_422(shared) -> None:
                                      "temperature is 1 (rollout.sampling.temperature): "
                                      "sample at 1, or start a session with that temperature")
     assert session.state()["pending_calls"] == 0
+
+
+def test_a_call_over_the_body_limit_is_split_by_the_client_into_whole_groups(
+        shared, client: TrainingClient) -> None:
+    """A prompt_mean forward_backward of ~200 KB (the limit is 128 KiB) goes as two
+    calls of whole groups; the merged loss is the union's J (``forward`` on the same data,
+    split too) and the step takes both calls."""
+    rng = random.Random(4)
+    data = [{**d, "tokens": (tokens := [rng.randrange(VOCAB) for _ in range(200)]),
+             "targets": [*tokens[1:], 7], "weights": [0.0] * 20 + [1.0] * 180,
+             "advantages": [d["advantages"][0]] * 200, "logprobs": [-1.234567] * 200}
+            for d in random_data(32, seed=4)]
+    raw = httpx.post(f"{client.url}/api/sessions/{shared.id}/forward",
+                     json={"data": data, "loss_fn": "ppo"}, timeout=60)
+    assert raw.status_code == 413 and raw.json()["setting"] == "server.max_request_bytes"
+    before = shared.state()["pending_calls"]
+    evaluated = shared.forward(data, "ppo", "prompt_mean").result()
+    done = shared.forward_backward(data, "ppo", "prompt_mean").result()
+    assert done["metrics"]["parts"] == evaluated["metrics"]["parts"] >= 2
+    assert done["loss"] == pytest.approx(evaluated["loss"], rel=1e-9)
+    assert len(done["logprobs"]) == 32 and len(done["logprobs"][5]) == 200
+    assert shared.state()["pending_calls"] == before + done["metrics"]["parts"]
+    step = shared.optim_step(lr=1e-3).result()
+    assert step["metrics"]["calls"] == done["metrics"]["parts"]
+    assert step["loss"] == pytest.approx(evaluated["loss"], rel=1e-6)
 
 
 def test_a_controller_killed_mid_session_loses_no_step(shared, client: TrainingClient,
