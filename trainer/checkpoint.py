@@ -26,7 +26,9 @@ A checkpoint is written under ``<name>.tmp`` and renamed when complete (see
 ``commit_checkpoint``), so a crash never leaves a half-written checkpoint that a resume
 could load: ``checkpoints`` only sees committed folders, newest first (a resume whose
 newest one is unreadable falls back to the one before). The trainer state loads with
-``torch.load(weights_only=True)``: a checkpoint is data, never code.
+``torch.load(weights_only=True)``, DCP's pickled ``shards/.metadata`` through a restricted
+unpickler (trainer/dcp_metadata.py: only the classes a DCP metadata holds): a checkpoint
+is data, never code.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+
+from trainer.dcp_metadata import SafeFileSystemReader
 
 MODEL_DIR, TRAINER_STATE = "model", "trainer_state.pt"
 SHARDS_DIR, MANIFEST, MODEL_CONFIG_DIR = "shards", "manifest.json", "model_config"
@@ -137,7 +141,8 @@ def load_sharded(path: str | Path, state: dict[str, Any]) -> dict:
     place; rank 0 returns the trainer state, the others {}."""
     from torch.distributed import checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=str(Path(path) / SHARDS_DIR), planner=load_planner())
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(Path(path) / SHARDS_DIR)),
+             planner=load_planner())
     if dist.get_rank() != 0:
         return {}
     # weights_only: a checkpoint folder is data, never code to run (a pickle can run any)
@@ -220,13 +225,13 @@ def read_sharded_whole(path: str | Path) -> dict[str, Any]:
     sharded checkpoint in memory (what a backend that gathers, Megatron, resumes from)."""
     import warnings
 
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        _load_state_dict(state, storage_reader=FileSystemReader(str(Path(path) / SHARDS_DIR)),
+        reader = SafeFileSystemReader(str(Path(path) / SHARDS_DIR))
+        _load_state_dict(state, storage_reader=reader,
                          planner=load_planner(empty=True), no_dist=True)
     return state
 
@@ -337,8 +342,6 @@ def unreadable(path: str | Path) -> str | None:
 
 
 def _check_shards(shards: Path) -> None:
-    from torch.distributed.checkpoint import FileSystemReader
-
     files = json.loads((shards / MANIFEST).read_text())["files"]
     for name, want in sorted(files.items()):
         if not (shards / name).is_file():
@@ -347,7 +350,7 @@ def _check_shards(shards: Path) -> None:
             raise ValueError(f"{name}: {(shards / name).stat().st_size} bytes that do not "
                              f"match the manifest ({want['bytes']} bytes, CRC-32 "
                              f"{want['crc32']:08x})")
-    metadata = FileSystemReader(str(shards)).read_metadata()
+    metadata = SafeFileSystemReader(str(shards)).read_metadata()
     named = {info.relative_path for info in (metadata.storage_data or {}).values()}
     if missing := sorted(named - set(files)):
         raise FileNotFoundError(f"{missing[0]}: named by the DCP metadata, not written")

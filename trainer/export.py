@@ -65,6 +65,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     if not (config_dir / "config.json").is_file():
         raise ExportError(f"{checkpoint}: not a Tally checkpoint (no {config_dir.name}/"
                           "config.json)")
+    if is_sharded(checkpoint):  # before any weight is read: its metadata is a pickle
+        from trainer.dcp_metadata import SafeFileSystemReader, UnsafeMetadata
+
+        try:
+            SafeFileSystemReader(str(checkpoint / SHARDS_DIR)).read_metadata()
+        except (UnsafeMetadata, ValueError, OSError) as err:
+            raise ExportError(f"{checkpoint}: {err}") from None
     adapters = checkpoint / ADAPTER_DIR
     if adapter and not adapters.is_dir():
         raise ExportError(f"--adapter: {checkpoint} holds full weights (its job trained "
@@ -190,10 +197,11 @@ def _merged_groups(base: Path, factors: dict[str, tuple[torch.Tensor, torch.Tens
 def _stored_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     """HF name -> full shape of every weight the checkpoint holds."""
     if is_sharded(checkpoint):
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        metadata = FileSystemReader(str(checkpoint / SHARDS_DIR)).read_metadata()
+        from trainer.dcp_metadata import SafeFileSystemReader
+
+        metadata = SafeFileSystemReader(str(checkpoint / SHARDS_DIR)).read_metadata()
         return {key.removeprefix(MODEL_PREFIX): tuple(item.size)
                 for key, item in metadata.state_dict_metadata.items()
                 if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata)}
@@ -210,9 +218,10 @@ def _read_groups(checkpoint: Path, groups: list) -> Iterator[dict[str, torch.Ten
                 yield {spec.name: f.get_tensor(spec.name) for spec in group}
         return
     from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
-    reader = FileSystemReader(str(checkpoint / SHARDS_DIR))
+    from trainer.dcp_metadata import SafeFileSystemReader
+
+    reader = SafeFileSystemReader(str(checkpoint / SHARDS_DIR))
     stored = reader.read_metadata().state_dict_metadata
     for group in groups:
         state = {MODEL_PREFIX + spec.name: torch.empty(
