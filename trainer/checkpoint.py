@@ -289,6 +289,7 @@ def commit_checkpoint(root: str | Path, step: int) -> Path:
     final = root / f"{STEP_PREFIX}{step:08d}"
     staging = final.with_name(final.name + TMP_SUFFIX)
     aside = final.with_name(final.name + OLD_SUFFIX)
+    write_manifest(staging)  # complete now: every part, the driver's too, is written
     _fsync_tree(staging)
     if aside.exists():
         shutil.rmtree(aside)
@@ -298,6 +299,44 @@ def commit_checkpoint(root: str | Path, step: int) -> Path:
     _fsync_dir(root)
     shutil.rmtree(aside, ignore_errors=True)
     return final
+
+
+FOLDER_MANIFEST = "manifest.json"
+"""At a checkpoint's top: {"files": {relative path: {"bytes": n[, "crc32": c]}}} for every
+file of the checkpoint (shards, .metadata, trainer state, driver state, rollouts in
+flight, model_config/, adapter/), written by :func:`commit_checkpoint`."""
+SMALL_FILE_BYTES = 16 << 20
+"""Files under this size get a CRC-32 in the folder manifest, checked at every start; a
+larger one (a shard) only its size there (its CRC is in shards/manifest.json)."""
+
+
+def write_manifest(folder: Path) -> None:
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        name = path.relative_to(folder).as_posix()
+        if name != FOLDER_MANIFEST:
+            size = path.stat().st_size
+            files[name] = _digest(path) if size < SMALL_FILE_BYTES else {"bytes": size}
+    (folder / FOLDER_MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def check_manifest(folder: Path) -> None:
+    """Cheap: every file of the folder manifest present at its size, the small ones at
+    their CRC-32 too (a checkpoint written before it existed has none: nothing to do)."""
+    if not (folder / FOLDER_MANIFEST).is_file():
+        return
+    for name, want in json.loads((folder / FOLDER_MANIFEST).read_text())["files"].items():
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{name}: missing (listed in {FOLDER_MANIFEST})")
+        if path.stat().st_size != want["bytes"]:
+            raise ValueError(f"{name}: {path.stat().st_size} bytes, {FOLDER_MANIFEST} says "
+                             f"{want['bytes']}")
+        # the shards' CRCs are checked against shards/manifest.json, naming the shard
+        if ("crc32" in want and not name.startswith(SHARDS_DIR + "/")
+                and _digest(path)["crc32"] != want["crc32"]):
+            raise ValueError(f"{name}: its CRC-32 does not match {FOLDER_MANIFEST}'s "
+                             f"({want['crc32']:08x}): changed since it was written")
 
 
 def checkpoints(root: str | Path) -> list[Path]:
@@ -327,6 +366,7 @@ def unreadable(path: str | Path) -> str | None:
     services/driver/checkpoint.py."""
     path = Path(path)
     try:
+        check_manifest(path)
         if is_sharded(path):
             _check_shards(path / SHARDS_DIR)
         else:  # the Megatron backend's format

@@ -235,6 +235,7 @@ def unreadable(folder: str | Path) -> str | None:
     read (a pickle where the rollouts belong is refused), the trainer's headers too."""
     folder = Path(folder)
     try:
+        trainer_checkpoint.check_manifest(folder)  # before any file is parsed
         load_driver_state(folder)
     except Exception as err:  # any failure to read is the answer
         return f"{type(err).__name__}: {str(err).strip()[:300]}"

@@ -23,7 +23,12 @@ from services.driver.checkpoint import (
 )
 from services.driver.run_dir import RunDir
 from tests.trainer.test_checkpoint_safe import Payload  # unpickling it runs os.mkdir
-from trainer.checkpoint import commit_checkpoint, save_trainer_checkpoint, staging_path
+from trainer.checkpoint import (
+    FOLDER_MANIFEST,
+    commit_checkpoint,
+    save_trainer_checkpoint,
+    staging_path,
+)
 
 
 def rollout(first_group: int) -> RolloutBatch:
@@ -70,6 +75,7 @@ def test_a_pickled_rollouts_file_is_refused_unrun_and_the_previous_checkpoint_us
     newer = write_checkpoint(run_dir, 2, {3: rollout(6)})
     marker = tmp_path / "ran"
     torch.save({3: Payload(marker)}, newer / ROLLOUTS_IN_FLIGHT)  # the old format: a pickle
+    (newer / FOLDER_MANIFEST).unlink()  # …which had no folder manifest to catch it first
     reason = unreadable(newer)
     assert reason is not None and "never a pickle" in reason and ROLLOUTS_IN_FLIGHT in reason
     lines: list[str] = []
@@ -84,5 +90,23 @@ def test_a_torn_driver_state_is_named(tmp_path: Path) -> None:
     run_dir = RunDir(tmp_path).create()
     folder = write_checkpoint(run_dir, 1, {})
     (folder / "driver_state.json").write_text("{torn")
-    assert "JSONDecodeError" in (unreadable(folder) or "")
+    assert "driver_state.json: 5 bytes" in (unreadable(folder) or "")
     assert newest_readable(run_dir, lambda _: None) is None
+
+
+def test_a_driver_state_changed_at_its_size_is_found_and_the_one_before_used(
+        tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path).create()
+    older = write_checkpoint(run_dir, 1, {2: rollout(4)})
+    newer = write_checkpoint(run_dir, 2, {})
+    listed = json.loads((newer / FOLDER_MANIFEST).read_text())["files"]
+    assert {"driver_state.json", "trainer_state.pt", "model/model.safetensors",
+            "model/config.json"} <= set(listed) and ROLLOUTS_IN_FLIGHT in json.loads(
+        (older / FOLDER_MANIFEST).read_text())["files"]
+    state = newer / "driver_state.json"
+    state.write_text(state.read_text().replace('"step": 2', '"step": 7'))  # same size
+    reason = unreadable(newer) or ""
+    assert "driver_state.json" in reason and "CRC-32" in reason
+    assert newest_readable(run_dir, lambda _: None) == older
+    (older / FOLDER_MANIFEST).unlink()  # a checkpoint from before the manifest still loads
+    assert unreadable(older) is None
