@@ -11,6 +11,8 @@ shards, and the trainer state (scheduler, RNG) beside them.
         adapter/            under trainer.lora only: peft's adapter folder (the shards
                             then hold the adapters and their AdamW state, not the base)
         driver_state.json … the driver's part (services/driver/checkpoint.py)
+        manifest.json       every file above: size, and CRC-32 under 16 MiB (FOLDER_MANIFEST;
+                            written at commit, checked before a resume; older ones lack it)
 
 Nothing is gathered on one rank: at 7 B the full fp32 weights and AdamW state would be
 ~84 GB. DCP reshards on load, so a job may resume at another DP (or CP) size. The Hugging
