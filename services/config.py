@@ -89,6 +89,9 @@ class JobConfig(BaseModel):
     """Job folder for metrics, logs and checkpoints; default <data dir>/jobs/<name>-<time>."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every this many steps (0: only at the end)."""
+    checkpoint_keep_last: int = Field(default=3, ge=0)
+    """Keep the newest this many checkpoints, plus the final and the best-evaluated one
+    (eval/accuracy); older ones are deleted after each commit (0: keep every one)."""
     resume: bool = True
     """Continue from the newest checkpoint in output_dir when there is one (`tally train
     --resume auto|PATH` / `--no-resume` choose per run; a changed setting that breaks

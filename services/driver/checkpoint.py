@@ -126,7 +126,8 @@ class ResumePlan:
 
 
 RESUME_FREE = (
-    "name", "output_dir", "resume", "max_restarts", "checkpoint_every", "eval", "logging",
+    "name", "output_dir", "resume", "max_restarts", "checkpoint_every", "checkpoint_keep_last",
+    "eval", "logging",
     "colocate", "num_ranks", "rollout.call_timeout_s", "rollout.engine.num_threads",
     "rollout.engine.num_cpus", "rollout.engine.num_gpus", "rollout.engine.resources",
     "rollout.engine.device", "trainer.dp_size", "trainer.cp_size", "trainer.tp_size",

@@ -45,6 +45,7 @@ from services.driver.metrics import (
     skipped_rollout_metrics,
 )
 from services.driver.pipeline import RolloutPipeline
+from services.driver.retention import best_eval_step, retire_checkpoints
 from services.driver.run_dir import EVAL_FILE, UPDATES_FILE, RunDir, job_dir
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
@@ -176,6 +177,8 @@ def save_checkpoint(job: RunningJob, step: int) -> Path:
         step, rollout_state, job.pipeline.state_dict()))
     committed = trainer_checkpoint.commit_checkpoint(root, step)
     checkpoint.link_latest(job.run_dir)
+    retire_checkpoints(root, job.config.checkpoint_keep_last, job.config.num_steps - 1,
+                       best_eval_step(job.run_dir.eval_file))
     return committed
 
 

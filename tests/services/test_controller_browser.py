@@ -244,7 +244,7 @@ def session_row(folder: Path, session_id: str, status: str, model: str, created_
         "id": session_id, "status": status, "model": model, "world_size": 1,
         "config_submitted": "{}", "config_resolved": "{}",
         "output_dir": str(folder / session_id), "ray_submission_id": f"session-{session_id}",
-        "secret": "s" * 32, "step": 0, "tokens": 0, "loss": None, "pending_calls": 0,
+        "step": 0, "tokens": 0, "loss": None, "pending_calls": 0,
         "created_at": created_at, "updated_at": created_at, **values})
 
 

@@ -48,8 +48,9 @@ def test_step_numbers_agree_across_the_progress_line_rows_tensorboard_and_checkp
     events_file.Reload()
     assert [s.step for s in events_file.Scalars("reward/mean")] == [0, 1, 2, 3, 4]
     checkpoints = job / "checkpoints"
+    # checkpoint_keep_last 3: the newest three (the final among them); 0 and 1 retired.
     assert sorted(p.name for p in checkpoints.iterdir()) == [
-        "latest", *(f"step_{s:08d}" for s in range(5))]
+        "latest", *(f"step_{s:08d}" for s in range(2, 5))]
     assert os.readlink(checkpoints / "latest") == "step_00000004"
     changed = [e["message"] for e in events(job) if e["kind"] == "config_changed"]
     assert changed == ["num_steps: 4 → 5", "trainer.optimizer.lr: 0.002 → 0.001"]
