@@ -288,6 +288,37 @@ def export_command(
         raise typer.Exit(2) from None
 
 
+checkpoint_app = typer.Typer(no_args_is_help=True, help="Check checkpoint folders.")
+app.add_typer(checkpoint_app, name="checkpoint")
+
+
+@checkpoint_app.command("verify")
+def checkpoint_verify(folder: Annotated[Path, typer.Argument(
+        help="a checkpoint (step_N or latest), a job's checkpoints/ folder or a job "
+             "folder")]) -> None:
+    """Read every byte of each checkpoint in FOLDER against its manifest (a start checks
+    only sizes and the small files): one line per checkpoint, exit 2 when any fails."""
+    from services.driver.checkpoint import DRIVER_STATE, unreadable
+    from trainer.checkpoint import checkpoints
+
+    folder = folder.resolve()
+    found = ([folder] if (folder / DRIVER_STATE).is_file()
+             else checkpoints(folder / "checkpoints") or checkpoints(folder))
+    if not found:
+        typer.echo(f"error: {folder}: no checkpoint here (no {DRIVER_STATE}, no step_N "
+                   "folders)", err=True)
+        raise typer.Exit(2)
+    failed = 0
+    for path in found:
+        reason = unreadable(path, full=True)
+        failed += reason is not None
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        typer.echo(f"{path}: {reason}" if reason else
+                   f"{path}: ok ({size:,} bytes read)", err=reason is not None)
+    if failed:
+        raise typer.Exit(2)
+
+
 @app.command()
 def warmup(config: ConfigArg, set_: SetOpt = None) -> None:
     """Run (or find cached) the supervised warm start of a job config."""

@@ -11,8 +11,9 @@ shards, and the trainer state (scheduler, RNG) beside them.
         adapter/            under trainer.lora only: peft's adapter folder (the shards
                             then hold the adapters and their AdamW state, not the base)
         driver_state.json … the driver's part (services/driver/checkpoint.py)
-        manifest.json       every file above: size, and CRC-32 under 16 MiB (FOLDER_MANIFEST;
-                            written at commit, checked before a resume; older ones lack it)
+        manifest.json       every file above: size and CRC-32, and the listing's digest
+                            (FOLDER_MANIFEST; written at commit; a start checks sizes and
+                            the small files' CRCs, `tally checkpoint verify` every byte)
 
 Nothing is gathered on one rank: at 7 B the full fp32 weights and AdamW state would be
 ~84 GB. DCP reshards on load, so a job may resume at another DP (or CP) size. The Hugging
@@ -35,6 +36,7 @@ is data, never code.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -304,38 +306,55 @@ def commit_checkpoint(root: str | Path, step: int) -> Path:
 
 
 FOLDER_MANIFEST = "manifest.json"
-"""At a checkpoint's top: {"files": {relative path: {"bytes": n[, "crc32": c]}}} for every
-file of the checkpoint (shards, .metadata, trainer state, driver state, rollouts in
-flight, model_config/, adapter/), written by :func:`commit_checkpoint`."""
+"""At a checkpoint's top: {"files": {relative path: {"bytes": n, "crc32": c}}, "digest":
+sha256 of the files listing} for every file of the checkpoint (shards, .metadata, trainer
+state, driver state, rollouts in flight, model_config/, adapter/), written by
+:func:`commit_checkpoint` (a shard's CRC is taken from shards/manifest.json, not re-read)."""
 SMALL_FILE_BYTES = 16 << 20
-"""Files under this size get a CRC-32 in the folder manifest, checked at every start; a
-larger one (a shard) only its size there (its CRC is in shards/manifest.json)."""
+"""A start checks every file's size and the CRC-32 of those under this size (the driver's
+and trainer's state, configs): cheap at any model size. ``tally checkpoint verify`` (or
+``full=True``) reads every byte, shards included (84 GB at 7 B)."""
+
+
+def _listing_digest(files: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def write_manifest(folder: Path) -> None:
+    shard_manifest = folder / SHARDS_DIR / MANIFEST
+    shard_digests = (json.loads(shard_manifest.read_text())["files"]
+                     if shard_manifest.is_file() else {})
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         name = path.relative_to(folder).as_posix()
-        if name != FOLDER_MANIFEST:
-            size = path.stat().st_size
-            files[name] = _digest(path) if size < SMALL_FILE_BYTES else {"bytes": size}
-    (folder / FOLDER_MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+        if name == FOLDER_MANIFEST:
+            continue
+        known = shard_digests.get(path.name) if path.parent.name == SHARDS_DIR else None
+        files[name] = (dict(known) if known and known["bytes"] == path.stat().st_size
+                       else _digest(path))
+    (folder / FOLDER_MANIFEST).write_text(
+        json.dumps({"files": files, "digest": _listing_digest(files)}, indent=1))
 
 
-def check_manifest(folder: Path) -> None:
-    """Cheap: every file of the folder manifest present at its size, the small ones at
-    their CRC-32 too (a checkpoint written before it existed has none: nothing to do)."""
+def check_manifest(folder: Path, full: bool = False) -> None:
+    """Every file of the folder manifest present at its size, the listing at its digest,
+    the small files (``full``: every file) at their CRC-32. A checkpoint written before
+    the manifest existed has none: nothing to do here."""
     if not (folder / FOLDER_MANIFEST).is_file():
         return
-    for name, want in json.loads((folder / FOLDER_MANIFEST).read_text())["files"].items():
+    manifest = json.loads((folder / FOLDER_MANIFEST).read_text())
+    files = manifest["files"]
+    if "digest" in manifest and manifest["digest"] != _listing_digest(files):
+        raise ValueError(f"{FOLDER_MANIFEST}: its listing does not match its digest "
+                         "(edited since it was written)")
+    for name, want in files.items():
         path = folder / name
         if not path.is_file():
             raise FileNotFoundError(f"{name}: missing (listed in {FOLDER_MANIFEST})")
         if path.stat().st_size != want["bytes"]:
             raise ValueError(f"{name}: {path.stat().st_size} bytes, {FOLDER_MANIFEST} says "
                              f"{want['bytes']}")
-        # the shards' CRCs are checked against shards/manifest.json, naming the shard
-        if ("crc32" in want and not name.startswith(SHARDS_DIR + "/")
+        if ("crc32" in want and (full or want["bytes"] < SMALL_FILE_BYTES)
                 and _digest(path)["crc32"] != want["crc32"]):
             raise ValueError(f"{name}: its CRC-32 does not match {FOLDER_MANIFEST}'s "
                              f"({want['crc32']:08x}): changed since it was written")
@@ -360,17 +379,19 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[0] if found else None
 
 
-def unreadable(path: str | Path) -> str | None:
+def unreadable(path: str | Path, full: bool = False) -> str | None:
     """Why the trainer's part of a committed checkpoint cannot be loaded (a missing,
     truncated or corrupt file), or None, so the ranks are never asked to load a broken
-    one: every shard against its size and CRC-32 in the manifest, every file DCP's
-    metadata names present, the trainer state (mmap). The driver's part is checked by
+    one: the folder manifest (:func:`check_manifest`), every shard at its size in
+    shards/manifest.json (``full``: at its CRC-32 too, every byte read), every file DCP's
+    metadata names present, the trainer state (mmap). A start uses the cheap check,
+    ``tally checkpoint verify`` the full one. The driver's part is checked by
     services/driver/checkpoint.py."""
     path = Path(path)
     try:
-        check_manifest(path)
+        check_manifest(path, full)
         if is_sharded(path):
-            _check_shards(path / SHARDS_DIR)
+            _check_shards(path / SHARDS_DIR, full)
         else:  # the Megatron backend's format
             from safetensors import safe_open
 
@@ -383,15 +404,15 @@ def unreadable(path: str | Path) -> str | None:
     return None
 
 
-def _check_shards(shards: Path) -> None:
+def _check_shards(shards: Path, full: bool) -> None:
     files = json.loads((shards / MANIFEST).read_text())["files"]
     for name, want in sorted(files.items()):
         if not (shards / name).is_file():
             raise FileNotFoundError(f"{name}: missing")
-        if _digest(shards / name) != want:
-            raise ValueError(f"{name}: {(shards / name).stat().st_size} bytes that do not "
-                             f"match the manifest ({want['bytes']} bytes, CRC-32 "
-                             f"{want['crc32']:08x})")
+        size = (shards / name).stat().st_size
+        if size != want["bytes"] or (full and _digest(shards / name) != want):
+            raise ValueError(f"{name}: {size} bytes that do not match the manifest "
+                             f"({want['bytes']} bytes, CRC-32 {want['crc32']:08x})")
     metadata = SafeFileSystemReader(str(shards)).read_metadata()
     named = {info.relative_path for info in (metadata.storage_data or {}).values()}
     if missing := sorted(named - set(files)):

@@ -231,16 +231,17 @@ def load_driver_state(folder: Path) -> DriverState:
     return DriverState(int(saved["step"]), saved["rollout"], in_flight)
 
 
-def unreadable(folder: str | Path) -> str | None:
+def unreadable(folder: str | Path, full: bool = False) -> str | None:
     """Why a committed checkpoint cannot be resumed from, or None: every driver file is
-    read (a pickle where the rollouts belong is refused), the trainer's headers too."""
+    read (a pickle where the rollouts belong is refused), the trainer's headers too
+    (``full``: every byte of the shards against its CRC-32, `tally checkpoint verify`)."""
     folder = Path(folder)
     try:
-        trainer_checkpoint.check_manifest(folder)  # before any file is parsed
+        trainer_checkpoint.check_manifest(folder, full)  # before any file is parsed
         load_driver_state(folder)
     except Exception as err:  # any failure to read is the answer
         return f"{type(err).__name__}: {str(err).strip()[:300]}"
-    return trainer_checkpoint.unreadable(folder)
+    return trainer_checkpoint.unreadable(folder, full)
 
 
 def _rollouts_as_data(batches: dict[int, RolloutBatch]

@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import PretrainedConfig
 
@@ -110,3 +111,47 @@ def test_a_driver_state_changed_at_its_size_is_found_and_the_one_before_used(
     assert newest_readable(run_dir, lambda _: None) == older
     (older / FOLDER_MANIFEST).unlink()  # a checkpoint from before the manifest still loads
     assert unreadable(older) is None
+
+
+def test_a_start_checks_sizes_and_checkpoint_verify_reads_every_byte(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bit flipped inside a large shard keeps its size: the start's cheap check passes it,
+    `tally checkpoint verify` reads it and names the shard (exit 2, the good checkpoint
+    said ok); an edited manifest listing fails its digest; no checkpoint is one line."""
+    from typer.testing import CliRunner
+
+    from services.cli import app
+    from tests.trainer.test_checkpoint_metadata import sharded_checkpoint
+    from trainer import checkpoint
+    from trainer.checkpoint import SHARDS_DIR
+
+    job = tmp_path / "job"
+    for step in (0, 1):
+        sharded_checkpoint(staging_path(job / "checkpoints", step))
+        commit_checkpoint(job / "checkpoints", step)
+    newer = job / "checkpoints" / "step_00000001"
+    (shard,) = (newer / SHARDS_DIR).glob("*.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    assert shard.name in (unreadable(newer) or "")  # a small shard's CRC is read at a start
+    # as at 7 B, where a shard is GBs: the start reads no shard byte
+    monkeypatch.setattr(checkpoint, "SMALL_FILE_BYTES", len(data))
+    assert unreadable(newer) is None  # sizes only: no shard byte read at a start
+    assert shard.name in (unreadable(newer, full=True) or "")
+
+    result = CliRunner().invoke(app, ["checkpoint", "verify", str(job)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"{newer}: ValueError: shards/{shard.name}: ")
+    assert "CRC-32" in lines[0] and lines[1].startswith(f"{newer.parent / 'step_00000000'}: ok")
+    older = newer.parent / "step_00000000"
+    assert CliRunner().invoke(app, ["checkpoint", "verify", str(older)]).exit_code == 0
+
+    manifest = json.loads((older / FOLDER_MANIFEST).read_text())
+    manifest["files"]["driver_state.json"]["crc32"] += 1
+    (older / FOLDER_MANIFEST).write_text(json.dumps(manifest))
+    assert "its listing does not match its digest" in (unreadable(older) or "")
+
+    result = CliRunner().invoke(app, ["checkpoint", "verify", str(tmp_path / "empty")])
+    assert result.exit_code == 2 and "no checkpoint here" in result.output
