@@ -37,6 +37,6 @@ def test_newest_checkpoint_unreadable_resumes_exactly_from_the_previous(
     events = [json.loads(line) for line in (job / "events.jsonl").read_text().splitlines()]
     skipped = [e["message"] for e in events if e["kind"] == "checkpoint_unreadable"]
     assert len(skipped) == 1 and skipped[0].startswith("step_00000002: ValueError: "
-                                                       "__1_0.distcp: "), skipped
+                                                       "shards/__1_0.distcp: "), skipped
     assert [r["step"] for r in rows(job / "metrics.jsonl")] == [0, 1, 2, 3]
     assert_same_training(job, clean_run)
