@@ -134,8 +134,13 @@ def run_episodes(records: list[dict[str, Any]], config: EnvironmentConfig, turns
 
 def turn_calls(wants: list[int], caps: list[int]) -> list[tuple[int, list[int]]]:
     """A turn's engine calls as (max_new_tokens, episode indices): episode i keeps
-    ``wants[i]`` tokens and may be generated up to ``caps[i]`` ≥ wants[i] (its room in the
-    context); a call asks for the largest want of its episodes, within each one's cap."""
+    ``wants[i]`` tokens and may be generated up to ``caps[i]`` ≥ 1 tokens (its room in the
+    context); a call asks for the largest want of its episodes, within each one's cap. A
+    want past its cap (a prompt over its budget) is cut to the cap: asked for as it was,
+    no call could hold it and the turn would never end."""
+    if any(cap < 1 for cap in caps):
+        raise ValueError(f"turn_calls: an episode without room in the context ({caps})")
+    wants = [min(want, cap) for want, cap in zip(wants, caps, strict=True)]
     waiting = sorted(range(len(wants)), key=lambda i: -wants[i])
     calls = []
     while waiting:
@@ -149,7 +154,8 @@ def _turn(live: list[Episode], generate: Generate, max_new_tokens: int, budget: 
           context: int | None, turn: int) -> list[Generation]:
     """One policy turn of every live episode, in order, within each one's budget."""
     wants = [turn_tokens(max_new_tokens, budget, len(e.response_ids)) for e in live]
-    # The prompt budget keeps prompt + R ≤ C, so an episode's cap is never below its want.
+    # The prompt budget keeps prompt + R ≤ C, so a cap is below its want only for a prompt
+    # over its budget (turn_calls cuts the want to it).
     caps = [max_new_tokens if context is None else
             min(max_new_tokens, context - len(e.prompt_ids) - len(e.response_ids))
             for e in live]
@@ -178,6 +184,10 @@ async def _play(episodes: list[Episode], env_class: type, config: EnvironmentCon
         episode.env, episode.prompt_ids = env, fit_prompt(turns.first(observation), i)
     budget = config.max_total_tokens
     for turn in range(config.max_turns):
+        for episode in episodes:  # a prompt over its budget can fill the context
+            if not episode.ended and context is not None and context <= len(
+                    episode.prompt_ids) + len(episode.response_ids):
+                episode.end()
         live = [e for e in episodes if not e.ended]
         if not live:
             return
@@ -205,7 +215,9 @@ async def _play(episodes: list[Episode], env_class: type, config: EnvironmentCon
                 episode.end()
                 continue
             appended = turns.later(observation, action.token_ids)
-            if last_turn or len(episode.response_ids) + len(appended) >= budget:
+            used = len(episode.response_ids) + len(appended)
+            if last_turn or used >= budget or (
+                    context is not None and len(episode.prompt_ids) + used >= context):
                 episode.end()  # no turn left to read it, or no room for one after it
                 continue
             episode.response_ids += appended

@@ -205,3 +205,18 @@ def test_a_hung_environment_holds_a_bounded_number_of_threads(
         RELEASE.set()
         if getattr(loop, "_threads", None) is not None:
             loop._threads.shutdown(wait=True)
+
+
+def test_a_prompt_over_its_budget_plays_within_the_context(engine: TorchEngine,
+                                                           turns: TurnFormat) -> None:
+    """The context holds 3 tokens past the prompt while a turn may keep 6: the turn's
+    call asks for 3 (it looped forever asking for 6), and an episode whose context is
+    full ends."""
+    context = len(turns.first("talk:")) + 3
+    calls: list[tuple[int, int]] = []
+    episodes, _ = play(engine, turns, ["a"] * 2, "Chatty", max_turns=4, max_total_tokens=24,
+                       kwargs={"words": 1}, context=context, calls=calls)
+    assert calls and all(longest + num_tokens <= context for longest, num_tokens in calls)
+    for episode in episodes:
+        assert len(episode.prompt_ids) + len(episode.response_ids) <= context
+        assert episode.ended and not episode.env_done

@@ -88,6 +88,15 @@ def test_a_turn_shares_engine_calls_as_the_context_allows() -> None:
     assert turn_calls([], []) == []
 
 
+def test_a_want_past_its_cap_is_cut_to_it() -> None:
+    """A prompt over its budget leaves an episode less room than it may keep: its call
+    asks for the room, once (this looped forever when the want was asked for)."""
+    assert turn_calls([12], [5]) == [(5, [0])]
+    assert turn_calls([12, 12, 3], [5, 12, 12]) == [(12, [1, 2]), (5, [0])]
+    with pytest.raises(ValueError, match="without room in the context"):
+        turn_calls([4], [0])
+
+
 def test_a_session_sample_must_fit_the_context() -> None:
     assert sample_problem("prompt_tokens[0]", 200, 56, 256) is None
     assert sample_problem("prompt_tokens[1]", 200, 64, 256) == (
