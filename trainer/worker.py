@@ -280,18 +280,21 @@ class TrainerWorker(SessionCalls, abc.ABC):
     def start_engine(self, config: TorchEngineConfig, tokenizer_path: str | None,
                      engine_rank: int | None, synchronous: bool) -> None:
         """Collective: this rank becomes engine ``engine_rank`` (None: it only takes part
-        in the gathers), serving the weights it holds now as version 0. It aliases them
-        (trainer/colocated_engine.py) when ``synchronous`` (rollout.async_steps 0), the
-        trainer has one rank and the engine's dtype is the master weights'."""
-        from trainer.colocated_engine import ColocatedEngine
+        in the gathers), serving the weights it holds now as version 0. When
+        ``synchronous`` (rollout.async_steps 0) it aliases them (trainer/colocated_engine.py)
+        if the trainer has one rank and the engine's dtype is the master weights', else
+        stages each version in place; the async pipeline copies into reused sets."""
+        from trainer.colocated_engine import ColocatedEngine, StageMode
         from trainer.rank import master_dtype
 
         masters = master_dtype(self.compute_dtype)
-        alias = (synchronous and self.config.world_size == 1
-                 and getattr(torch, config.dtype) == masters)
+        mode: StageMode = "copy"
+        if synchronous:
+            mode = ("alias" if self.config.world_size == 1
+                    and getattr(torch, config.dtype) == masters else "in_place")
         if engine_rank is not None:
             self.engine = ColocatedEngine(config, self.model_path, tokenizer_path,
-                                          engine_rank, self.device, alias)
+                                          engine_rank, self.device, mode)
         names = [name for name, _ in self.engine_tensors(alias=False, gather=False)]
         if self.engine is not None:
             self.engine.check_names(names)
@@ -309,6 +312,8 @@ class TrainerWorker(SessionCalls, abc.ABC):
             tensors = self.engine_tensors(alias=alias, gather=not alias)
             if self.engine is not None:
                 copied = self.engine.stage(version, tensors)
+                if self.config.world_size == 1:  # it read the parameters the next step writes
+                    self.engine.fence()
             else:  # no engine here: only this rank's part of each gather
                 copied = 0
                 for _ in tensors:
