@@ -178,6 +178,11 @@ class TorchEngineConfig(BaseModel):
     num_threads: int | None = Field(default=None, ge=1)
     """Torch intra-op threads per engine; None: the cores its phase has
     (services/placement.phase_threads)."""
+    prefix_cache_mb: int = Field(default=2048, ge=0)
+    """KV of environment episodes kept between their turns, per engine (MiB, least
+    recently used out first), so a turn prefills only the tokens past what was kept (the
+    observation) instead of its whole context; 0 keeps none. Flushed when the weights
+    change (rollout/engines/prefix_cache.py)."""
     num_cpus: float = Field(default=0.5, ge=0.0)
     """Ray CPU slots reserved per engine actor."""
     num_gpus: float = Field(default=0.0, ge=0.0)

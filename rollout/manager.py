@@ -32,7 +32,7 @@ from rollout.cursor import PromptCursor
 from rollout.datasets import PromptRecord, load_prompt_dataset
 from rollout.dynamic_sampling import split_by_spread
 from rollout.engines import check_engine_available, engine_actor_options, engine_class
-from rollout.engines.base import Generation
+from rollout.engines.base import EpisodeTurn, Generation
 from rollout.episodes import EnvironmentFailures, Episode, run_episodes
 from rollout.plugins import load_object
 from rollout.prompts import PromptTooLong, fit_prompt
@@ -304,8 +304,11 @@ class RolloutManager:
         def generate(contexts: list[list[int]], max_new_tokens: int, turn: int
                      ) -> list[Generation]:
             turn_sampling = sampling.model_copy(update={"max_new_tokens": max_new_tokens})
+            episode_turn = EpisodeTurn(f"{step}:{draw}", turn,
+                                       turn + 1 == self.config.environment.max_turns)
             return self._generate(contexts, turn_sampling,
-                                  step if turn == 0 else f"{step}:turn{turn}", draw)
+                                  step if turn == 0 else f"{step}:turn{turn}", draw,
+                                  episode_turn)
 
         def fit(ids: list[int], i: int) -> list[int]:
             fitted = fit_prompt(ids, self.max_prompt_tokens, self.config.prompt_truncation,
@@ -446,10 +449,13 @@ class RolloutManager:
             for j, r in enumerate(records)])
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                  step: int | str, draw: int = 0) -> list[Generation]:
-        """Responses to ``prompts`` sharded over the engines, in prompt order."""
+                  step: int | str, draw: int = 0, turn: EpisodeTurn | None = None
+                  ) -> list[Generation]:
+        """Responses to ``prompts`` sharded over the engines, in prompt order (``turn``:
+        they are episodes' contexts, see rollout/engines/base.EpisodeTurn)."""
+        extra = {} if turn is None else {"turn": turn}
         refs = [engine.generate.remote(prompts[start:end], sampling,
-                                       self._seed(step, draw, rank))
+                                       self._seed(step, draw, rank), **extra)
                 for rank, (engine, (start, end)) in enumerate(zip(
                     self.engines, _shard_bounds(len(prompts), len(self.engines)), strict=True))
                 if end > start]

@@ -43,7 +43,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rollout.config import SamplingConfig, TorchEngineConfig
-from rollout.engines.base import Generation
+from rollout.engines.base import EpisodeTurn, Generation
 from rollout.engines.torch_engine import TorchEngine
 from trainer.weight_staging import BufferSets, StreamCopy, TensorSet
 
@@ -207,8 +207,8 @@ class ColocatedEngine:
         if self.buffers is not None and tensors is not None:
             self.buffers.give_back(tensors)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int
-                 ) -> list[Generation]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int,
+                 turn: EpisodeTurn | None = None) -> list[Generation]:
         if self.torn is not None:
             raise RuntimeError(
                 f"colocated engine: staging weights {self.torn} in place failed part way, "
@@ -217,4 +217,4 @@ class ColocatedEngine:
         if self.mode == "in_place" and self.staged:
             raise RuntimeError(f"colocated engine: weights {sorted(self.staged)} are staged "
                                f"in place but not served yet")
-        return self.engine.generate(prompt_ids, sampling, seed)
+        return self.engine.generate(prompt_ids, sampling, seed, turn)

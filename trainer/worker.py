@@ -41,7 +41,7 @@ from trainer.session_calls import SessionCalls
 if TYPE_CHECKING:
     from rollout.batch import RolloutBatch
     from rollout.config import SamplingConfig, TorchEngineConfig
-    from rollout.engines.base import Generation
+    from rollout.engines.base import EpisodeTurn, Generation
     from rollout.weight_bucket import TensorSpec
     from trainer.colocated_engine import ColocatedEngine
     from trainer.step_plan import StepPlan
@@ -327,11 +327,11 @@ class TrainerWorker(SessionCalls, abc.ABC):
         self.engine.serve(version)
         return version
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int
-                 ) -> list[Generation]:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int,
+                 turn: EpisodeTurn | None = None) -> list[Generation]:
         """The engine verb: one response per prompt from the weights served."""
         assert self.engine is not None, "generate: this rank has no engine"
-        return self.engine.generate(prompt_ids, sampling, seed)
+        return self.engine.generate(prompt_ids, sampling, seed, turn)
 
     def ping(self) -> int:
         return self.engine.weight_version if self.engine is not None else -1

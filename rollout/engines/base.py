@@ -51,14 +51,33 @@ class Generation:
             )
 
 
+@dataclass(frozen=True)
+class EpisodeTurn:
+    """Said with a generate call that plays one turn of a set of episodes
+    (rollout/episodes.py): each prompt is an episode's context so far, which its next
+    turn extends. An engine may keep each response's KV for that turn and prefill only
+    what follows it (the torch engine's prefix cache; SGLang's radix cache does so on
+    its own, unasked). Never changes what is sampled."""
+
+    episodes: str
+    """Which set of episodes (one rollout's draw, one evaluation): what one set kept is
+    of no use to another."""
+    turn: int
+    """The turn this call generates (0: the first observation is the prompt)."""
+    last: bool
+    """No turn follows (rollout.environment.max_turns): keep nothing for one."""
+
+
 class Engine(ABC):
     """An inference engine; one instance lives in one Ray actor."""
 
     @abstractmethod
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int,
+        turn: EpisodeTurn | None = None,
     ) -> list[Generation]:
-        """One response per prompt, in prompt order; same inputs and seed, same output."""
+        """One response per prompt, in prompt order; same inputs and seed, same output.
+        ``turn``: the prompts are episodes' contexts at that turn (None: plain prompts)."""
 
     @abstractmethod
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

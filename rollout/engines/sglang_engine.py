@@ -85,7 +85,7 @@ from safetensors.torch import save_file
 
 from rollout.adapters import adapter_factors, is_adapter_sync, write_peft_folder
 from rollout.config import SamplingConfig, SGLangEngineConfig
-from rollout.engines.base import Engine, FinishReason, Generation, as_tensors
+from rollout.engines.base import Engine, EpisodeTurn, FinishReason, Generation, as_tensors
 from rollout.engines.sglang_server import launch_server, stop_server, wait_healthy
 from rollout.tokenizer import eos_token_ids, load_tokenizer
 from rollout.weight_bucket import DTYPES, TensorSpec, WeightBucket, check_buckets, resolve
@@ -203,8 +203,10 @@ class SGLangEngine(Engine):
         }
 
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int,
+        turn: EpisodeTurn | None = None,
     ) -> list[Generation]:
+        # ``turn`` needs nothing here: the server's radix cache keeps an episode's prefix.
         if self._partial_update is not None:
             raise SGLangError(f"weights partially updated ({self._partial_update}); the job "
                               f"restarts from its last checkpoint")

@@ -188,6 +188,36 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_decodes_as_if_alone(
         assert torch.allclose(torch.tensor(gen.log_probs), expected, atol=1e-5, rtol=0)
 
 
+class SeparatePrefills(TorchEngine):
+    """The engine prefilling every row's prompt on its own (as before groups shared)."""
+
+    @staticmethod
+    def _distinct(prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
+        return [tuple(p) for p in prompts], list(range(len(prompts)))
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(temperature=0.0, max_new_tokens=8),
+    SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=12, stop=STOPS),
+])
+def test_a_shared_prefill_samples_what_separate_prefills_sample(
+        engine: TorchEngine, tiny_model_path: str, sampling: SamplingConfig) -> None:
+    """Groups of 3 (batch_size 3: one group a chunk) and a lone prompt: the same tokens
+    with the same seed, log-probs within 1e-5, and each distinct prompt prefilled once."""
+    separate = SeparatePrefills(TorchEngineConfig(batch_size=3), tiny_model_path)
+    prompts = [PROMPTS[0]] * 3 + [PROMPTS[3]] * 3 + [PROMPTS[2]]
+    before = (engine.stats.num_prefilled_tokens, separate.stats.num_prefilled_tokens)
+    shared = engine.generate(prompts, sampling, seed=7)
+    alone = separate.generate(prompts, sampling, seed=7)
+    for one, other in zip(shared, alone, strict=True):
+        assert one.token_ids == other.token_ids
+        assert torch.allclose(torch.tensor(one.log_probs), torch.tensor(other.log_probs),
+                              atol=1e-5, rtol=0)
+    assert engine.stats.num_prefilled_tokens - before[0] == sum(
+        len(p) for p in (PROMPTS[0], PROMPTS[3], PROMPTS[2]))
+    assert separate.stats.num_prefilled_tokens - before[1] == sum(len(p) for p in prompts)
+
+
 def test_weights_in_buckets_load_whole_or_not_at_all(
     tiny_model_path: str, other_tiny_model_path: str
 ) -> None:
