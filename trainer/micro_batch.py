@@ -7,8 +7,9 @@ last token has no target and weight 0: nothing crosses a boundary), each sample 
 rounded up to 2·cp and zigzag-sharded on its own (THD context parallelism), and
 ``sequence_ids`` tells the attention which tokens may see each other: same sample and
 true position not after the query's. Shared prefix (``plan.prefix_skip``, CP 1): a
-sample that leaves its first k tokens to its head starts at position k in the row, and
-``prefix_heads`` / ``prefix_starts`` let it see its head's tokens before position k.
+sample that leaves its first k tokens to its head starts at position k in the row and
+sees its head's tokens before position k. The row's layout (``trainer/row_layout.py``:
+slots, heads, positions, the zigzag view) is built here, once, and checked where used.
 
 Per-token tensors are shifted *before* sharding, so a shard never needs its neighbour's
 token to know its target. Weights are built here from the plan's per-sample coefficients,
@@ -23,12 +24,12 @@ import torch
 
 from rollout.batch import RolloutBatch
 from trainer.context_parallel import (
-    padded_length,
     zigzag_positions,
     zigzag_shard,
     zigzag_unshard,
 )
-from trainer.step_plan import StepPlan, row_cu_seqlens
+from trainer.row_layout import RowLayout, packed_row_index, planted_prefix_error
+from trainer.step_plan import StepPlan
 
 
 @dataclass
@@ -49,12 +50,9 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None = None
     """Packed rows: int32 [n + 1] boundaries of the row's samples, each rounded up to
     2·cp, over the whole (unsharded) row, as THD attention takes them."""
-    prefix_heads: torch.Tensor | None = None
-    """Shared prefix: [1, S] the slot of the sample whose prompt each token's sample
-    shares (its own slot when it shares nothing); None: nothing shared."""
-    prefix_starts: torch.Tensor | None = None
-    """Shared prefix: [1, S] first position of each token's sample in the row: a query
-    sees its head's keys at positions before it."""
+    layout: RowLayout | None = None
+    """Packed rows: which slot owns which span, heads and followers of a shared prefix,
+    positions, the zigzag view (attention's mask is built from it); None: padded."""
 
     def to(self, device: torch.device) -> MicroBatch:
         def move(value: object) -> object:
@@ -104,33 +102,6 @@ def slice_micro_batch(
     )
 
 
-def packed_row_index(lengths: torch.Tensor, cp_size: int, cp_rank: int,
-                     skips: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot, position) of every token of a CP rank's shard of a packed row whose samples
-    have ``lengths``: each sample rounded up to 2·cp, cut into 2·cp chunks, chunks r and
-    2·cp−1−r kept (zigzag_shard per sample, vectorized). Positions ≥ a sample's length
-    are its CP padding (they keep counting, as zigzag_positions does). ``skips`` (shared
-    prefix, CP 1): a sample's tokens start at position skips[slot]."""
-    shared = skips is not None and bool(skips.any())
-    if shared and cp_size > 1:
-        raise ValueError("shared_prefix: needs cp_size 1")
-    chunk = torch.tensor([padded_length(int(n), cp_size) // (2 * cp_size) if cp_size > 1
-                          else int(n) for n in lengths])
-    if shared:
-        chunk = chunk - skips
-    local = chunk * 2 if cp_size > 1 else chunk
-    slot = torch.repeat_interleave(torch.arange(len(lengths)), local)
-    within = torch.arange(int(local.sum())) - torch.repeat_interleave(
-        torch.cumsum(local, 0) - local, local)
-    if cp_size == 1:
-        return slot, (within + skips[slot] if shared else within)
-    c = chunk[slot]
-    first = within < c
-    position = torch.where(first, cp_rank * c + within,
-                           (2 * cp_size - 1 - cp_rank) * c + within - c)
-    return slot, position
-
-
 def slice_packed_row(
     batch: RolloutBatch, plan: StepPlan, samples: list[int], cp_size: int, cp_rank: int
 ) -> MicroBatch:
@@ -140,7 +111,12 @@ def slice_packed_row(
     index = torch.tensor(samples or [0])
     lengths = batch.sequence_lengths[index]
     skips = None if plan.prefix_skip is None or empty else plan.prefix_skip[index]
-    slot, position = packed_row_index(lengths, cp_size, cp_rank, skips)
+    heads = None
+    if skips is not None:  # each sample's head as a slot of this row
+        slot_of = {int(i): k for k, i in enumerate(index)}
+        heads = torch.tensor([slot_of[int(plan.prefix_head[i])] for i in index])
+    layout = RowLayout.build(lengths, cp_size, cp_rank, skips, heads, planted_prefix_error())
+    slot, position = layout.slot_T, layout.position_T
     sample, n = index[slot], lengths[slot]
     real, has_target = position < n, position + 1 < n
     width = batch.input_ids.shape[1]
@@ -158,14 +134,8 @@ def slice_packed_row(
     weights.update({term: at(w, after, has_target) * (0.0 if empty else 1.0)
                     for term, w in plan.dense_weights.items()})
     old = batch.old_log_probs
-    heads = starts = None
-    if skips is not None:  # each sample's head as a slot of this row (heads come first)
-        slot_of = {int(i): k for k, i in enumerate(index)}
-        head_slot = torch.tensor([slot_of[int(plan.prefix_head[i])] for i in index])
-        heads, starts = head_slot[slot][None], skips[slot][None]
     return MicroBatch(
-        prefix_heads=heads,
-        prefix_starts=starts,
+        layout=layout,
         input_ids=at(batch.input_ids, here, real),
         position_ids=position[None],
         targets=at(batch.input_ids, after, has_target),
@@ -176,11 +146,16 @@ def slice_packed_row(
         old_log_probs=None if old is None else at(old, after, has_target),
         # a sample's CP padding keeps its slot: it is a key only of its own padding
         sequence_ids=slot[None],
-        cu_seqlens=torch.tensor(row_cu_seqlens(
-            index.tolist(), (batch.sequence_lengths - (0 if plan.prefix_skip is None
-                                                       else plan.prefix_skip)).tolist(),
-            cp_size), dtype=torch.int32),
+        cu_seqlens=_cu_seqlens(layout),
     )
+
+
+def _cu_seqlens(layout: RowLayout) -> torch.Tensor:
+    """int32 [n + 1] boundaries of the row's slots over the whole (unsharded) row, each
+    rounded up to 2·cp (step_plan.row_cu_seqlens' numbers, from the layout)."""
+    counts = torch.tensor(layout.local_counts()) * layout.cp_size
+    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)]).to(
+        torch.int32)
 
 
 def slice_for_plan(batch: RolloutBatch, plan: StepPlan, samples: list[int], cp_size: int,

@@ -44,7 +44,7 @@ have it in their environment, so tests can show ``verify-aggregation`` catching 
     shard_coefficient     rank 0's shard (one CP shard in a CP layout): the coefficient of
                           its sample with the most valid tokens ×(1 + 1e-3), every term
     entropy_coefficient   the same sample's coefficient ×(1 + 1e-3) in the entropy term only
-    prefix_mask           shared prefix (trainer/cp_attention.py): a response also sees its
+    prefix_mask           shared prefix (trainer/row_layout.py): a response also sees its
                           head's last prompt token, a copy of its own first token (the
                           off-by-one a prefix mask invites), every rank
     observation_tokens    multi-turn: a response's observation tokens (mask 0 between two

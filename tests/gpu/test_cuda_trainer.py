@@ -213,8 +213,8 @@ def _packed_vs_padded(rank: int, port: int, model_path: str, batch: RolloutBatch
         ref = TermResult(ref_sums[logged], ref_sums[f"magnitude/{logged}"], ref_grads)
         got = TermResult(sums[logged], sums[f"magnitude/{logged}"], grads)
         rows.append((mode, term, *compare(ref, got, rtol, atol)))
-    varlen = bool(worker.varlen_flash)
-    return {"rows": rows, "attention": "varlen flash" if varlen else "SDPA", "varlen": varlen}
+    varlen = worker.attention.implementation == "flash_attention_2"
+    return {"rows": rows, "attention": worker.attention.implementation, "varlen": varlen}
 
 
 @needs(1)
@@ -314,7 +314,7 @@ def _throughput(rank: int, port: int, model_path: str, batch: RolloutBatch, step
     tokens = int(batch.sequence_lengths.sum()) * steps
     return {"tokens_per_s": tokens / elapsed, "params": params, "step_s": elapsed / steps,
             "memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-            "varlen": float(worker.varlen_flash)}
+            "varlen": float(worker.attention.implementation == "flash_attention_2")}
 
 
 @needs(1)

@@ -29,7 +29,7 @@ def test_varlen_flash_attention_on_packed_rows_equals_each_sample_alone(tmp_path
                                                                         ) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.backends.fsdp.model import use_varlen_flash_attention
+    from trainer.backends.fsdp.model import configure_attention
     from trainer.micro_batch import slice_packed_row
 
     model_path = create_tiny_checkpoint(tmp_path, seed=0)
@@ -38,8 +38,9 @@ def test_varlen_flash_attention_on_packed_rows_equals_each_sample_alone(tmp_path
     plan = plan_step(batch, ObjectiveConfig.compose(AggregationConfig(), LossConfig(), 8, 1.0),
                      1, 1, 40)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
-    assert use_varlen_flash_attention(model, TrainerConfig(num_gpus_per_rank=1,
-                                                           shared_prefix=False))
+    choice = configure_attention(model, TrainerConfig(num_gpus_per_rank=1,
+                                                      shared_prefix=False))
+    assert choice.implementation == "flash_attention_2", choice
     alone_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
     with torch.no_grad():
         for samples in plan.micro_batches[0]:

@@ -1,6 +1,7 @@
-"""The FSDP attention kernel of packed rows: varlen flash attention only on CUDA, in
-fp16/bf16, with flash-attention 2 as transformers sees it; SDPA's mask in every other
-case. The decision is pure, so every case is checked here on CPU."""
+"""The FSDP attention kernel: the whole table of ``attention_choice`` (device, dtype,
+packing, shared prefix, CP, flash-attention 2 as transformers sees it), each with a
+reason, and ``configure_attention`` switching a model to it and logging it once. The
+decision is pure, so every case is checked here on CPU."""
 
 from __future__ import annotations
 
@@ -10,27 +11,52 @@ import pytest
 import torch
 
 from trainer.backends.fsdp import model as fsdp
-from trainer.backends.fsdp.model import attention_choice, use_varlen_flash_attention
+from trainer.backends.fsdp.model import attention_choice, configure_attention
 from trainer.config import TrainerConfig
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-@pytest.mark.parametrize("available", [True, False])
+def expected(device_type: str, dtype: torch.dtype, packed: bool, shared: bool, cp_size: int,
+             flash: bool) -> str:
+    """The table, written out independently of the implementation."""
+    if not packed and cp_size == 1:
+        return "model"
+    if cp_size > 1 or device_type != "cuda" or dtype == torch.float64:
+        return "sdpa"
+    if not shared and flash and dtype in (torch.float16, torch.bfloat16):
+        return "flash_attention_2"
+    return "flex_attention"
+
+
+@pytest.mark.parametrize("flash", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
-def test_flash_only_with_flash_attn_2_half_precision_on_cuda(
-        available: bool, dtype: torch.dtype, device_type: str) -> None:
-    choice = attention_choice(available, dtype, device_type)
-    flash = available and dtype in (torch.float16, torch.bfloat16) and device_type == "cuda"
-    assert choice.implementation == ("flash_attention_2" if flash else "sdpa")
+@pytest.mark.parametrize(("packed", "shared", "cp_size"),
+                         [(True, True, 1), (True, False, 1), (False, False, 1),
+                          (True, False, 2), (False, False, 2)])
+def test_the_choice_table(flash: bool, dtype: torch.dtype, device_type: str, packed: bool,
+                          shared: bool, cp_size: int) -> None:
+    choice = attention_choice(device_type=device_type, dtype=dtype, packed=packed,
+                              shared_prefix=shared, cp_size=cp_size,
+                              flash_attn_2_available=flash)
+    assert choice.implementation == expected(device_type, dtype, packed, shared, cp_size,
+                                             flash)
     assert choice.reason
 
 
-def test_reasons_name_what_is_missing() -> None:
-    assert "cpu" in attention_choice(True, torch.bfloat16, "cpu").reason
-    assert "fp16/bf16" in attention_choice(True, torch.float32, "cuda").reason
-    assert "flash-attention 2" in attention_choice(False, torch.bfloat16, "cuda").reason
+def test_reasons_name_what_decided() -> None:
+    def reason(**kwargs: object) -> str:
+        base = {"device_type": "cuda", "dtype": torch.bfloat16, "flash_attn_2_available": True}
+        return attention_choice(**(base | kwargs)).reason
+
+    assert "cpu" in reason(device_type="cpu") and "no backward" in reason(device_type="cpu")
+    assert "cp_size 2" in reason(cp_size=2)
+    assert "float64" in reason(dtype=torch.float64)
+    assert "shared prefix" in reason(shared_prefix=True)
+    assert "fp32" in reason(dtype=torch.float32)
+    assert "flash-attention 2" in reason(flash_attn_2_available=False)
+    assert "padded" in reason(packed=False)
 
 
 class _Model(torch.nn.Module):
@@ -46,43 +72,37 @@ class _Model(torch.nn.Module):
 
 
 @pytest.fixture
-def fake_flash_attn_2(monkeypatch: pytest.MonkeyPatch) -> None:
+def on_cuda_with_flash(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers says flash-attention 2 is there and the model sits on CUDA (the
     decision sees only the device type; nothing runs)."""
     import transformers.utils
 
     fsdp._log_choice.cache_clear()  # each test sees its own log line
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    real = fsdp.attention_choice
     monkeypatch.setattr(fsdp, "attention_choice",
-                        lambda available, dtype, _device: attention_choice(
-                            available, dtype, "cuda"))
+                        lambda **kw: real(**(kw | {"device_type": "cuda"})))
 
 
-def test_switches_on_flash_where_the_choice_allows(fake_flash_attn_2: None,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
-    model = _Model()
+@pytest.mark.parametrize(("config", "dtype", "switched_to"), [
+    (TrainerConfig(shared_prefix=False), torch.bfloat16, "flash_attention_2"),
+    (TrainerConfig(), torch.bfloat16, "tally_flex"),  # the default shares prefixes
+    (TrainerConfig(shared_prefix=False), torch.float32, "tally_flex"),
+    (TrainerConfig(shared_prefix=False), torch.float64, "tally_cp"),
+    (TrainerConfig(cp_size=2), torch.bfloat16, "tally_cp"),
+    (TrainerConfig(packing=False), torch.bfloat16, None),
+])
+def test_configure_switches_the_model_and_logs_once(
+        on_cuda_with_flash: None, caplog: pytest.LogCaptureFixture, config: TrainerConfig,
+        dtype: torch.dtype, switched_to: str | None) -> None:
+    models = [_Model(), _Model()]  # the policy and the reference model
     with caplog.at_level(logging.INFO, logger="tally.trainer"):
-        assert use_varlen_flash_attention(model, TrainerConfig(shared_prefix=False),
-                                          torch.bfloat16)
-    assert model.switched_to == "flash_attention_2"
-    assert any(getattr(r, "attention_implementation", None) == "flash_attention_2"
-               for r in caplog.records if r.name == "tally.trainer")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_full_precision_keeps_sdpa(fake_flash_attn_2: None, dtype: torch.dtype) -> None:
-    model = _Model()
-    assert not use_varlen_flash_attention(model, TrainerConfig(shared_prefix=False), dtype)
-    assert model.switched_to is None
-
-
-@pytest.mark.parametrize("config", [TrainerConfig(packing=False), TrainerConfig(cp_size=2),
-                                    TrainerConfig()])  # the default shares prefixes
-def test_unpacked_cp_or_shared_prefix_keeps_sdpa(fake_flash_attn_2: None,
-                                                 config: TrainerConfig) -> None:
-    model = _Model()
-    assert not use_varlen_flash_attention(model, config, torch.bfloat16)
-    assert model.switched_to is None
+        choices = {configure_attention(model, config, dtype) for model in models}
+    assert [m.switched_to for m in models] == [switched_to] * 2
+    (choice,) = choices
+    lines = [r for r in caplog.records if r.name == "tally.trainer"
+             and getattr(r, "attention_implementation", None) == choice.implementation]
+    assert len(lines) == 1 and lines[0].attention_reason == choice.reason
 
 
 def test_namespace_flash_attn_is_not_flash_attn_2(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,16 +115,16 @@ def test_namespace_flash_attn_is_not_flash_attn_2(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    real = fsdp.attention_choice
     monkeypatch.setattr(fsdp, "attention_choice",
-                        lambda available, dtype, _device: attention_choice(
-                            available, dtype, "cuda"))
+                        lambda **kw: real(**(kw | {"device_type": "cuda"})))
     model = _Model()
-    assert not use_varlen_flash_attention(model, TrainerConfig(), torch.bfloat16)
-    assert model.switched_to is None
+    choice = configure_attention(model, TrainerConfig(shared_prefix=False), torch.bfloat16)
+    assert choice.implementation == "flex_attention" and model.switched_to == "tally_flex"
 
 
-def test_on_cpu_the_default_dtype_keeps_sdpa() -> None:
+def test_on_cpu_the_default_config_keeps_the_sdpa_pieces() -> None:
     """No dtype given: ``trainer.dtype`` on the model's device (fp32 on CPU)."""
     model = _Model()
-    assert not use_varlen_flash_attention(model, TrainerConfig())
-    assert model.switched_to is None
+    assert configure_attention(model, TrainerConfig()).implementation == "sdpa"
+    assert model.switched_to == "tally_cp"

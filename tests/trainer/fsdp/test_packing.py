@@ -35,7 +35,7 @@ def packed_logits(rank: int, world_size: int, model_path: str, batch, plan
     with torch.no_grad():
         for samples in plan.micro_batches[0]:
             micro = slice_packed_row(batch, plan, samples, world_size, rank)
-            with context_parallel(group, micro.position_ids, micro.sequence_ids):
+            with context_parallel(group, micro.position_ids, micro.layout):
                 out.append(model(input_ids=micro.input_ids,
                                  position_ids=micro.position_ids).logits[0])
     return out
@@ -89,8 +89,7 @@ def shared_prefix_logits(rank: int, world_size: int, model_path: str, batch, pla
             index = torch.tensor(samples)
             slot, position = packed_row_index(batch.sequence_lengths[index], 1, 0,
                                               plan.prefix_skip[index])
-            with context_parallel(group, micro.position_ids, micro.sequence_ids,
-                                  micro.prefix_heads, micro.prefix_starts):
+            with context_parallel(group, micro.position_ids, micro.layout):
                 logits = model(input_ids=micro.input_ids,
                                position_ids=micro.position_ids).logits[0]
             out.append((samples, slot, position, logits))
@@ -104,7 +103,7 @@ def test_a_shared_prefix_row_gives_each_samples_logits_alone(tiny_model: str) ->
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rollout.batch import RolloutBatch
-    from trainer.cp_attention import _Blocks
+    from trainer.attention_pieces import plan_pieces
     from trainer.micro_batch import slice_packed_row
 
     vocab = AutoConfig.from_pretrained(tiny_model).vocab_size
@@ -130,10 +129,8 @@ def test_a_shared_prefix_row_gives_each_samples_logits_alone(tiny_model: str) ->
     kinds = set()  # group 0 attends run by run, group 1 (short, uneven) under one mask
     for samples in plan.micro_batches[0]:
         micro = slice_packed_row(batch, plan, samples, 1, 0)
-        blocks = _Blocks.of(micro.sequence_ids[0], micro.prefix_heads[0],
-                            micro.prefix_starts[0], micro.position_ids[0])
         kinds |= {"mask" if p.mask is not None else "prefix" if p.prefix_keys[1] else "alone"
-                  for p in blocks.pieces}
+                  for p in plan_pieces(micro.layout)}
     assert kinds == {"mask", "prefix", "alone"}
     (rows,) = run_distributed(shared_prefix_logits, 1, tiny_model, batch, plan)
     alone_model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)

@@ -72,31 +72,53 @@ def keep_norms_in_float64(model: torch.nn.Module) -> int:
 
 
 class AttentionChoice(NamedTuple):
-    """The attention kernel of packed rows and why (what the rank logs)."""
+    """The attention kernel of a model's rows and why (what the rank logs)."""
 
     implementation: str
-    """``flash_attention_2`` (varlen, samples found from position ids) or ``sdpa`` (the
-    block-diagonal mask of ``trainer/cp_attention.py``)."""
+    """``flash_attention_2`` (varlen, samples found from position ids), ``flex_attention``
+    (FlexAttention under the row layout's BlockMask: ``trainer/attention_flex.py``),
+    ``sdpa`` (the layout's SDPA kernels of ``trainer/cp_attention.py``) or ``model``
+    (padded rows at cp 1: the model's own attention)."""
     reason: str
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 """The only dtypes flash-attention 2 computes in (fp32 and the verifier's fp64 raise)."""
+FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""What FlexAttention's CUDA kernels compute in (not the verifier's float64)."""
 
 
-def attention_choice(flash_attn_2_available: bool, dtype: torch.dtype, device_type: str
-                     ) -> AttentionChoice:
-    """Varlen flash attention for packed rows only on CUDA, in fp16/bf16, with
-    flash-attention 2 installed as transformers sees it; SDPA's mask otherwise."""
+def attention_choice(*, device_type: str, dtype: torch.dtype, packed: bool = True,
+                     shared_prefix: bool = False, cp_size: int = 1,
+                     flash_attn_2_available: bool = False) -> AttentionChoice:
+    """The kernel for a job's rows, decided once per model from what the rank has:
+
+    - padded rows at cp 1: the model's own attention (nothing is packed);
+    - CP > 1: SDPA under the layout's mask over all-gathered K/V (FlexAttention here has
+      no CP);
+    - CPU: the SDPA pieces (FlexAttention has no backward on CPU in torch 2.13, and its
+      eager forward measured slower: docs/attention.md);
+    - CUDA in float64: SDPA (FlexAttention's kernels take fp16/bf16/fp32);
+    - CUDA, nothing shared, fp16/bf16 and flash-attention 2 installed (as transformers
+      sees it): varlen flash attention;
+    - CUDA otherwise (a shared prefix, fp32, no flash-attention 2): FlexAttention."""
+    if not packed and cp_size == 1:
+        return AttentionChoice("model", "padded rows, cp_size 1: the model's own attention")
+    if cp_size > 1:
+        return AttentionChoice("sdpa", f"cp_size {cp_size}: SDPA over all-gathered K/V")
     if device_type != "cuda":
-        return AttentionChoice("sdpa", f"device is {device_type}, not cuda")
-    if dtype not in FLASH_DTYPES:
-        return AttentionChoice("sdpa", f"compute dtype {dtype} (flash-attention 2 takes "
-                                       f"fp16/bf16 only)")
-    if not flash_attn_2_available:
-        return AttentionChoice("sdpa", "transformers finds no flash-attention 2 (the "
-                                       "flash-attn package, >= 2.3.3)")
-    return AttentionChoice("flash_attention_2", f"cuda, {dtype}, flash-attention 2 installed")
+        return AttentionChoice("sdpa", f"device is {device_type}, not cuda: SDPA pieces "
+                                       f"(FlexAttention has no backward there)")
+    if dtype not in FLEX_DTYPES:
+        return AttentionChoice("sdpa", f"compute dtype {dtype} (FlexAttention and "
+                                       f"flash-attention 2 take fp16/bf16/fp32 only)")
+    if not shared_prefix and dtype in FLASH_DTYPES and flash_attn_2_available:
+        return AttentionChoice("flash_attention_2",
+                               f"cuda, {dtype}, no shared prefix, flash-attention 2 installed")
+    why = ("a shared prefix (varlen flash cannot read a head's prompt)" if shared_prefix
+           else "fp32 (flash-attention 2 takes fp16/bf16)" if dtype not in FLASH_DTYPES
+           else "transformers finds no flash-attention 2 (the flash-attn package, >= 2.3.3)")
+    return AttentionChoice("flex_attention", f"cuda, {dtype}, {why}")
 
 
 @functools.cache
@@ -107,30 +129,31 @@ def _log_choice(choice: AttentionChoice) -> None:
                     "attention_reason": choice.reason})
 
 
-def use_varlen_flash_attention(model: PreTrainedModel, config: TrainerConfig,
-                               dtype: torch.dtype | None = None) -> bool:
-    """Packed rows without CP go through flash-attention's varlen kernel, which
-    transformers drives from position ids that restart at 0 per sample, where
-    :func:`attention_choice` allows it; True when it was switched on. Elsewhere (CPU, CP,
-    fp32/fp64, no flash-attention 2) and with a shared prefix (a response also reads its
-    group's prompt, which varlen cannot express) the SDPA masks of cp_attention are used.
+def configure_attention(model: PreTrainedModel, config: TrainerConfig,
+                        dtype: torch.dtype | None = None) -> AttentionChoice:
+    """Switch the model to :func:`attention_choice`'s kernel and log it (once per rank).
 
     ``dtype``: the compute dtype (None: ``trainer.dtype`` on the model's device). The
-    package is judged by transformers' own check, never by ``import flash_attn``:
+    flash package is judged by transformers' own check, never by ``import flash_attn``:
     flash-attn-4 alone also provides that module, and transformers would then try to
-    fetch a kernel from the Hub (impossible under HF_HUB_OFFLINE=1)."""
-    if not (config.packing and config.cp_size == 1) or config.shares_prefix:
-        return False
+    fetch a kernel from the Hub (impossible under HF_HUB_OFFLINE=1). Varlen flash
+    attention finds each sample from position ids that restart at 0."""
     from transformers.utils import is_flash_attn_2_available
 
     device = next(model.parameters()).device
-    choice = attention_choice(is_flash_attn_2_available(),
-                              dtype or configured_dtype(config, device), device.type)
+    choice = attention_choice(device_type=device.type,
+                              dtype=dtype or configured_dtype(config, device),
+                              packed=config.packing, shared_prefix=config.shares_prefix,
+                              cp_size=config.cp_size,
+                              flash_attn_2_available=is_flash_attn_2_available())
     _log_choice(choice)
-    if choice.implementation != "flash_attention_2":
-        return False
-    model.set_attn_implementation("flash_attention_2")
-    return True
+    if choice.implementation == "flash_attention_2":
+        model.set_attn_implementation("flash_attention_2")
+    elif choice.implementation in ("sdpa", "flex_attention"):
+        from trainer.cp_attention import enable_context_parallel
+
+        enable_context_parallel(model, choice.implementation)  # masked by the row layout
+    return choice
 
 
 def shard_model(model: PreTrainedModel, compute_dtype: torch.dtype, world_size: int

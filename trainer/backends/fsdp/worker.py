@@ -46,7 +46,7 @@ from trainer.objective import (
 )
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.rank import compute_dtype
-from trainer.step_plan import StepPlan, packs
+from trainer.step_plan import StepPlan
 from trainer.worker import TrainerWorker, in_eval_mode
 
 
@@ -79,12 +79,7 @@ class FSDPWorker(TrainerWorker):
         model = fsdp.load_model(self.model_path, self.compute_dtype, self.device)
         if self.config.lora is not None:
             model = lora.add_adapters(model, self.config.lora, self.compute_dtype)
-        self.varlen_flash = fsdp.use_varlen_flash_attention(model, self.config,
-                                                           self.compute_dtype)
-        if (self.config.cp_size > 1 or packs(self.config)) and not self.varlen_flash:
-            from trainer.cp_attention import enable_context_parallel
-
-            enable_context_parallel(model)  # attention masked by (sample, true position)
+        self.attention = fsdp.configure_attention(model, self.config, self.compute_dtype)
         return fsdp.shard_model(model, self.compute_dtype, self.config.world_size)
 
     def _logits(self, model: torch.nn.Module, micro: MicroBatch, keep: torch.Tensor
@@ -93,13 +88,11 @@ class FSDPWorker(TrainerWorker):
         log-softmax after it, never see a prompt or padding position."""
         kwargs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids,
                   "logits_to_keep": keep}
-        if micro.prefix_heads is None and (
-                self.varlen_flash or (self.config.cp_size == 1 and micro.sequence_ids is None)):
+        if self.attention.implementation in ("flash_attention_2", "model"):
             return model(**kwargs).logits  # varlen flash finds samples from position_ids
         from trainer.cp_attention import context_parallel
 
-        with context_parallel(self.cp_group, micro.position_ids, micro.sequence_ids,
-                              micro.prefix_heads, micro.prefix_starts):
+        with context_parallel(self.cp_group, micro.position_ids, micro.layout):
             return model(**kwargs).logits
 
     def _token_log_probs(self, micro: MicroBatch) -> TokenLogProbs:
