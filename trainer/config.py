@@ -175,13 +175,14 @@ class WeightSyncConfig(BaseModel):
                        "cuda_ipc"] = "auto"
     """in_process: the colocated fast path, torch engines inside the trainer ranks'
     processes generating from the ranks' own weights (one rank, same dtype, synchronous:
-    no copy at all; else one gather per sync); object_store: Ray's object store (torch
-    engine actors, any node); nccl: a broadcast from trainer rank 0 to SGLang servers
-    (update_weights_from_distributed); cuda_ipc: CUDA IPC handles to an SGLang server on
-    rank 0's GPU (update_weights_from_tensor); disk: safetensors files an SGLang server
-    reloads (the fallback). auto: for torch engines in_process when colocated with the
-    FSDP trainer, else object_store; for SGLang, cuda_ipc when colocated, nccl with GPU
-    trainer ranks, else disk."""
+    no copy at all; else one gather per sync, copied in place into the served weights when
+    synchronous, into reused buffer sets with the async pipeline); object_store: Ray's
+    object store (torch engine actors, any node); nccl: a broadcast from trainer rank 0
+    to SGLang servers (update_weights_from_distributed); cuda_ipc: CUDA IPC handles to an
+    SGLang server on rank 0's GPU (update_weights_from_tensor); disk: safetensors files an
+    SGLang server reloads (the fallback). auto: for torch engines in_process when
+    colocated with the FSDP trainer, else object_store; for SGLang, cuda_ipc when
+    colocated, nccl with GPU trainer ranks, else disk."""
 
 
 LORA_ALL_LINEAR = "all-linear"
