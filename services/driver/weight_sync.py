@@ -15,7 +15,9 @@ Weights version v = the rollout steps trained into them. Transports
 
     in_process    the colocated fast path (trainer/colocated_engine.py): every rank
                   stages the weights for the torch engine in its own process (one rank,
-                  synchronous: aliased, nothing copied), served in the manager's order
+                  synchronous: aliased, nothing copied; else synchronous: in place into
+                  the served tensors; async: into reused buffer sets), served in the
+                  manager's order
     object_store  rank 0 puts each bucket in Ray's object store as it is packed; every
                   engine maps them in place (torch engines; an SGLang engine writes them
                   to disk for its server: ``disk``)
