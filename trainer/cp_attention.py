@@ -31,6 +31,7 @@ position_ids=...)``.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -53,14 +54,25 @@ Kernel = Literal["sdpa", "flex_attention"]
 
 
 @dataclass
+class _RowPlan:
+    """What a row's kernels derive from its layout, once per micro-batch (every layer,
+    and the policy's and the reference model's forwards, share it)."""
+
+    pieces: tuple[Piece, ...] | None = None  # SDPA pieces, planned at the first layer
+    block_masks: dict[int | None, Any] = field(default_factory=dict)  # window -> BlockMask
+
+
+_row_plans: weakref.WeakKeyDictionary[RowLayout, _RowPlan] = weakref.WeakKeyDictionary()
+
+
+@dataclass
 class _CPState:
     group: dist.ProcessGroup | None
     positions_BS: torch.Tensor  # this rank's true positions [B, S_local]
     all_positions_BS: torch.Tensor  # every rank's, in rank order [B, cp·S_local]
     layout: RowLayout | None = None  # a packed row (B = 1)
     gather: bool = False
-    pieces: tuple[Piece, ...] | None = None  # SDPA pieces, planned at the first layer
-    block_masks: dict[int | None, Any] = field(default_factory=dict)  # window -> BlockMask
+    row: _RowPlan = field(default_factory=_RowPlan)
 
 
 _state: ContextVar[_CPState | None] = ContextVar("tally_cp_state", default=None)
@@ -102,14 +114,15 @@ def _row_attention(state: _CPState, query: torch.Tensor, key: torch.Tensor,
     if kernel == "flex_attention" and not state.gather and dropout == 0.0:
         from trainer.attention_flex import flex_row_attention, row_block_mask
 
-        if window not in state.block_masks:  # built by the first layer of each window
-            state.block_masks[window] = row_block_mask(layout, window)
-        return flex_row_attention(query, key, value, state.block_masks[window], scale)
+        masks = state.row.block_masks
+        if window not in masks:  # built by the first layer of each window
+            masks[window] = row_block_mask(layout, window)
+        return flex_row_attention(query, key, value, masks[window], scale)
     gqa = key.shape[1] != query.shape[1]
     if not state.gather and (window is None or layout.span <= window):
-        if state.pieces is None:
-            state.pieces = plan_pieces(layout)
-        return pieces_attention(query, key, value, state.pieces, dropout, scale)
+        if state.row.pieces is None:
+            state.row.pieces = plan_pieces(layout)
+        return pieces_attention(query, key, value, state.row.pieces, dropout, scale)
     mask = layout.dense_mask(window)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None],
                                           dropout_p=dropout, scale=scale, enable_gqa=gqa)
@@ -200,7 +213,8 @@ def context_parallel(cp_group: dist.ProcessGroup | None, position_ids: torch.Ten
     else:
         all_positions = (_all_gather_positions(position_ids, cp_group) if gather
                          else position_ids)
-    token = _state.set(_CPState(cp_group, position_ids, all_positions, layout, gather))
+    row = _RowPlan() if layout is None else _row_plans.setdefault(layout, _RowPlan())
+    token = _state.set(_CPState(cp_group, position_ids, all_positions, layout, gather, row))
     try:
         yield
     finally:

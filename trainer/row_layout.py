@@ -113,9 +113,7 @@ class RowLayout:
         slot, position = packed_row_index(lengths_N, cp_size, cp_rank,
                                           starts if starts_N is not None else None)
         prefix = starts + (starts > 0) if planted else starts
-        layout = cls(lengths_N, starts, heads, prefix, slot, position, cp_size, cp_rank)
-        layout.check_slots()
-        return layout
+        return cls(lengths_N, starts, heads, prefix, slot, position, cp_size, cp_rank)
 
     @property
     def num_slots(self) -> int:
@@ -166,7 +164,17 @@ class RowLayout:
     def check(self, position_ids: torch.Tensor | None = None) -> None:
         """Where the row is used: the slots (``check_slots``), the tokens' spans (each
         slot's tokens contiguous, in slot order, as many as it holds) and positions (the
-        row's, and those the model is given); ValueError naming the slot."""
+        row's, and those the model is given); ValueError naming the slot. The layout is
+        frozen, so its own invariants are checked once (the policy's and the reference
+        model's forwards share it); the given positions every time."""
+        if not self.__dict__.get("_checked"):
+            self._check_layout()
+            self.__dict__["_checked"] = True  # frozen: the cache bypasses __setattr__
+        if position_ids is not None and not torch.equal(position_ids.reshape(-1),
+                                                        self.position_T):
+            self._check_layout(position_ids)
+
+    def _check_layout(self, position_ids: torch.Tensor | None = None) -> None:
         self.check_slots()
         slot, position = packed_row_index(self.lengths_N.cpu(), self.cp_size, self.cp_rank,
                                           self.starts_N.cpu() if self.shares_prefix else None)
@@ -228,6 +236,8 @@ class RowLayout:
 
     def to(self, device: torch.device | str) -> RowLayout:
         """The same layout with its tensors on ``device`` (cached views recomputed)."""
+        if self.slot_T.device == torch.device(device):
+            return self
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                  for k, v in moved.items()}
