@@ -23,6 +23,7 @@ from rollout.batch import RolloutBatch
 from rollout.weight_bucket import DTYPES, TensorSpec, pack_flat, plan_buckets
 from trainer import lora
 from trainer.aggregation import sum_reduction_factor
+from trainer.backends.fsdp import bucket_gather
 from trainer.backends.fsdp import model as fsdp
 from trainer.checkpoint import (
     ADAPTER_DIR,
@@ -218,9 +219,18 @@ class FSDPWorker(TrainerWorker):
 
     def weight_buckets(self, dtype: str, bucket_mb: float, device: str = "cpu"
                        ) -> Iterator[torch.Tensor | None]:
-        """Collective, one bucket at a time: each tensor gathered, cast to ``dtype`` and
-        copied into rank 0's flat bucket on ``device`` (None elsewhere), then freed: a
-        rank holds its shard, one bucket and one gathered tensor."""
+        """Collective, one bucket at a time, rank 0's flat bucket on ``device`` (None
+        elsewhere): the whole weights by one gather per bucket of every rank's rows, cast
+        first (bucket_gather.py); LoRA's adapters (small) each gathered, cast and copied
+        in, then freed."""
+        if self.config.lora is None:
+            owned = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+            if not hasattr(self, "_shard_rows"):  # the layout never changes: asked once
+                self._shard_rows = bucket_gather.shard_rows(owned, self.config.world_size)
+            yield from bucket_gather.gather_buckets(
+                owned, self.weight_bucket_specs(dtype, bucket_mb), self._shard_rows,
+                self.rank, self.config.world_size, device)
+            return
         full = self._sync_tensors()
         for specs in self.weight_bucket_specs(dtype, bucket_mb):
             if self.rank == 0:
@@ -232,9 +242,10 @@ class FSDPWorker(TrainerWorker):
 
     def weight_bucket_specs(self, dtype: str, bucket_mb: float
                             ) -> list[tuple[TensorSpec, ...]]:
-        shapes = (lora.wire_shapes(self.model) if self.config.lora is not None
-                  else fsdp.weight_shapes(self.model))
-        return plan_buckets(shapes, dtype, int(bucket_mb * 2**20))
+        if not hasattr(self, "_wire_shapes"):  # the names and shapes never change
+            self._wire_shapes = (lora.wire_shapes(self.model) if self.config.lora is not None
+                                 else fsdp.weight_shapes(self.model))
+        return plan_buckets(self._wire_shapes, dtype, int(bucket_mb * 2**20))
 
     def full_model_bytes(self, dtype: str) -> float | None:
         if self.config.lora is None:
