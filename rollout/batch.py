@@ -30,12 +30,41 @@ Derived on construction (whole-step metadata of the aggregation contract):
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
+import numpy as np
 import torch
 
 
 class RolloutBatchError(ValueError):
     """A RolloutBatch that breaks its own schema."""
+
+
+def to_wire(value: Any) -> Any:
+    """A CPU tensor as a numpy array (what pickle and Ray's object store carry fastest:
+    pickle protocol 5 passes its buffer out of band, where a torch tensor is rebuilt
+    through its storage, ≈ 10× the time of a small one); anything else as it is."""
+    if (isinstance(value, torch.Tensor) and value.device.type == "cpu"
+            and value.dtype != torch.bfloat16 and not value.requires_grad):
+        return value.numpy()
+    return value
+
+
+def from_wire(value: Any) -> Any:
+    """A numpy array of :func:`to_wire` as a tensor again; one mapped read-only from Ray's
+    object store is copied, so no holder writes into the store or keeps it pinned."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value if value.flags.writeable else value.copy())
+    return value
+
+
+def _rebuild_batch(values: dict[str, Any]) -> RolloutBatch:
+    """A pickled RolloutBatch (:meth:`RolloutBatch.__reduce__`), checked once already when
+    it was built, so its derived fields travel too and nothing is computed again."""
+    batch = object.__new__(RolloutBatch)
+    for name, value in values.items():
+        object.__setattr__(batch, name, from_wire(value))
+    return batch
 
 
 @dataclass(frozen=True)
@@ -108,6 +137,13 @@ class RolloutBatch:
         object.__setattr__(self, "sample_token_counts", sample_token_counts)
         object.__setattr__(self, "group_ids", group_ids)
         object.__setattr__(self, "prompt_mask_sums", prompt_mask_sums)
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        """Pickled (Ray's object store, actor calls) as numpy arrays, derived fields
+        included: the manager → driver → rank hop of a rollout costs a fraction of a
+        millisecond rather than milliseconds."""
+        return _rebuild_batch, ({f.name: to_wire(getattr(self, f.name))
+                                 for f in fields(self)},)
 
     @property
     def num_samples(self) -> int:
