@@ -247,3 +247,60 @@ def test_shared_prefix_keeps_groups_whole_and_splits_one_over_the_budget() -> No
     unshared = plan_step(batch, objective, 2, 1, budget)
     assert unshared.prefix_skip is None
     assert plan.computed_tokens < unshared.computed_tokens == int(batch.sequence_lengths.sum())
+
+
+def _prefix_items_by_group_scan(batch, max_tokens):
+    """The plain reading of ``prefix_items``' docstring, one tensor scan per group: the
+    reference the one-pass version must equal."""
+    lengths = batch.sequence_lengths.tolist()
+    skip = torch.zeros(batch.num_samples, dtype=torch.int64)
+    items, costs = [], []
+    for group in batch.group_ids.tolist():
+        members = (batch.group_index == group).nonzero().flatten().tolist()
+        prompt = int(batch.prompt_lengths[members[0]])
+        same = all(int(batch.prompt_lengths[j]) == prompt for j in members) and bool(
+            (batch.input_ids[members, :prompt] == batch.input_ids[members[0], :prompt]).all())
+        if not same or prompt < 2 or len(members) == 1:
+            items += [[j] for j in members]
+            costs += [lengths[j] for j in members]
+            continue
+        shared, first = prompt - 1, True
+        for j in sorted(members, key=lambda j: (-lengths[j], j)):
+            if not first and costs[-1] + lengths[j] - shared <= max_tokens:
+                items[-1].append(j)
+                costs[-1] += lengths[j] - shared
+                skip[j] = shared
+            else:
+                items.append([j])
+                costs.append(lengths[j])
+            first = False
+    return items, costs, skip
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_items_equal_a_scan_per_group_with_odd_groups(seed: int) -> None:
+    """Groups whose prompts differ in a token or a length, prompts of one token, groups of
+    one sample, shuffled group order and budgets that cut groups into chunks."""
+    from rollout.batch import RolloutBatch
+    from trainer.step_plan import prefix_items
+
+    gen = torch.Generator().manual_seed(seed)
+    group_size = [1, 2, 4, 8, 3, 5][seed]
+    prompts, responses, group_index = [], [], []
+    for g in torch.randperm(7, generator=gen).tolist():
+        prompt = torch.randint(3, 50, (int(torch.randint(1, 9, (1,), generator=gen)),),
+                               generator=gen).tolist()
+        for _ in range(group_size):
+            odd = float(torch.rand((), generator=gen))
+            own = ([*prompt[:-1], 99] if odd < 0.1 else [*prompt, 7] if odd < 0.2
+                   else prompt)
+            prompts.append(own)
+            responses.append([5] * int(torch.randint(1, 16, (1,), generator=gen)))
+            group_index.append(3 * g + 1)
+    batch = RolloutBatch.from_samples(prompts, responses, [[-1.0] * len(r) for r in responses],
+                                      [0.0] * len(prompts), [0.0] * len(prompts), group_index,
+                                      group_size)
+    for budget in (6, 12, 30, 2048):
+        items, costs, skip = prefix_items(batch, budget)
+        want_items, want_costs, want_skip = _prefix_items_by_group_scan(batch, budget)
+        assert items == want_items and costs == want_costs and torch.equal(skip, want_skip)
