@@ -1,9 +1,9 @@
 """The trainer group: one Ray actor per DP × CP rank, driven in lock step.
 
 The group makes the step plan (aggregation coefficients from whole-step metadata,
-micro-batch assignment) once, ships it through the object store, and calls the same verb on every
-rank. Actors sit in a placement group: one bundle per rank, packed on one node unless
-the cluster cannot hold them (``STRICT_PACK`` by default).
+micro-batch assignment) once, hands it to every rank inside the call, and calls the same
+verb on every rank. Actors sit in a placement group: one bundle per rank, packed on one
+node unless the cluster cannot hold them (``STRICT_PACK`` by default).
 """
 
 from __future__ import annotations
@@ -94,6 +94,13 @@ MEMORY_PREFIXES = ("perf/peak_mem_gb/", "perf/peak_extra_mem_gb/")
 def most(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Each metric's largest value over the ranks (times, peak memory)."""
     return {name: max(rank[name] for rank in per_rank) for name in per_rank[0]}
+
+
+def _shipped(plan: StepPlan) -> StepPlan | ray.ObjectRef:
+    """How a plan goes to every rank: inside each call (a few KB: Ray inlines it in the
+    call, no object-store round trip), or put once when it carries dense [N, S] weights
+    (a custom reducer), which Ray would otherwise store once per rank."""
+    return ray.put(plan) if plan.dense_weights else plan
 
 
 def _remote(worker: ray.actor.ActorHandle, verb: Verb, *args: Any, num_returns: int = 1
@@ -198,7 +205,7 @@ class TrainerGroup:
         """
         plan = self.plan(batch, objective)
         ref = batch_ref if batch_ref is not None else ray.put(batch)
-        per_rank = self._call(TrainerWorker.train_step, ref, ray.put(plan))
+        per_rank = self._call(TrainerWorker.train_step, ref, _shipped(plan))
         memory = most([{k: v for k, v in rank.items() if k.startswith(MEMORY_PREFIXES)}
                        for rank in per_rank])
         return {**per_rank[0], **memory}  # the sums are global; memory is each rank's
