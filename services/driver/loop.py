@@ -37,7 +37,13 @@ from rollout.batch import RolloutBatch
 from services.config import JobConfig
 from services.driver import checkpoint
 from services.driver.evaluation import Evaluation
-from services.driver.job import JobActors, ensure_ray, job_model_path, with_threads
+from services.driver.job import (
+    JobActors,
+    driver_threads,
+    ensure_ray,
+    job_model_path,
+    with_threads,
+)
 from services.driver.metrics import (
     LearningSignalWatch,
     Progress,
@@ -274,8 +280,9 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
         sinks = [JsonlSink(run_dir.path), TensorBoardSink(run_dir.path),
                  *wandb_sinks(config.logging.wandb, run_dir.path, config.name,
                               config.model_dump(mode="json")), *(extra_sinks or [])]
-        history = run_with_restarts(config, run_dir, model_path, sinks, log, after_step,
-                                    plan.checkpoint)
+        with driver_threads():  # the warm start above trains with every thread
+            history = run_with_restarts(config, run_dir, model_path, sinks, log, after_step,
+                                        plan.checkpoint)
         for line in run_dir.describe():
             log(line)
         return history

@@ -51,3 +51,15 @@ def test_a_group_of_ranks_alone_asks_one_node_unless_allow_cross_node(
         assert placement_group_table(group)["strategy"] == strategy
     finally:
         remove_placement_group(group)
+
+
+def test_the_driver_loop_computes_on_one_thread_and_gives_the_callers_back() -> None:
+    import torch
+
+    from services.driver.job import driver_threads
+
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="a step failed"), driver_threads():
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("a step failed")
+    assert torch.get_num_threads() == before
