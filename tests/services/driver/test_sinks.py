@@ -46,3 +46,18 @@ def test_a_crash_while_truncating_leaves_the_old_file_whole(
 def test_truncating_a_missing_file_creates_nothing(tmp_path: Path) -> None:
     truncate_after(tmp_path / sinks.METRICS_FILE, 3)
     assert not (tmp_path / sinks.METRICS_FILE).exists()
+
+
+def test_tensorboard_gets_every_finite_metric_under_its_own_tag_each_step(
+        tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = sinks.TensorBoardSink(tmp_path)
+    sink.write(0, {"reward/mean": 0.5, "kl": float("nan"), "updates": 1.0})
+    sink.write(1, {"reward/mean": 0.75, "kl": 0.25, "updates": 1.0})
+    sink.close()
+    events = EventAccumulator(str(tmp_path / sinks.TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["kl", "reward/mean", "updates"]
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(0, 0.5), (1, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("kl")] == [(1, 0.25)]  # NaN skipped
