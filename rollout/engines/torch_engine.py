@@ -128,11 +128,12 @@ class TorchEngine(Engine):
         first_row = {prompt: i for i, prompt in enumerate(unique)}
         return unique, [first_row[tuple(p)] for p in prompts]
 
-    def _prefill(self, unique: list[tuple[int, ...]], reuse: bool
+    def _prefill(self, unique: list[tuple[int, ...]], reuse: bool, max_new: int
                  ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
-        """(last logits [U, V], the batch cache, its mask [U, L], each context's row in
-        them [U]) for distinct contexts, each prefilled past its longest kept prefix
-        (``reuse``) and at least its last token (whose logits start the response)."""
+        """(last logits [U, V], the batch cache with room for ``max_new`` tokens, its
+        mask [U, L], each context's row in them [U]) for distinct contexts, each
+        prefilled past its longest kept prefix (``reuse``) and at least its last token
+        (whose logits start the response)."""
         matches = (self.prefix_cache.longest(unique) if reuse
                    else [(0, None)] * len(unique))
         kept = [min(n, len(context) - 1) for (n, _), context in zip(matches, unique,
@@ -142,7 +143,8 @@ class TorchEngine(Engine):
         self.stats.num_kept_tokens += sum(kept)
         groups = prefill_groups(suffixes) if reuse else [list(range(len(unique)))]
         parts = [self._prefill_group([unique[i] for i in group], [kept[i] for i in group],
-                                     [matches[i][1] for i in group]) for group in groups]
+                                     [matches[i][1] for i in group], max_new)
+                 for group in groups]
         if reuse:
             self.prefix_cache.take(matches)  # copied into the batch; their episodes move on
         order = [i for group in groups for i in group]
@@ -152,12 +154,12 @@ class TorchEngine(Engine):
             logits_UV, cache, mask_UL = parts[0]
         else:
             cache, mask_UL = merged(self.model.config, [c for _, c, _ in parts],
-                                    [m for _, _, m in parts])
+                                    [m for _, _, m in parts], max_new)
             logits_UV = torch.cat([logits for logits, _, _ in parts])
         return logits_UV, cache, mask_UL, row_U.to(self.device)
 
     def _prefill_group(self, contexts: list[tuple[int, ...]], kept: list[int],
-                       entries: list[KeptKV | None]
+                       entries: list[KeptKV | None], max_new: int
                        ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
         """One forward over contexts' tokens past their kept prefixes (kv_rows layout)."""
         kept_width = max(kept)
@@ -173,7 +175,7 @@ class TorchEngine(Engine):
         positions_GS = (mask_GL.cumsum(-1) - 1).clamp(min=0)[:, kept_width:]
         cache = seeded_cache(self.model.config, [
             (None if entry is None else entry.layers, n)
-            for entry, n in zip(entries, kept, strict=True)], kept_width)
+            for entry, n in zip(entries, kept, strict=True)], kept_width, width + max_new)
         logits_GV = self.model(
             input_ids=input_ids_GS,
             attention_mask=mask_GL,
@@ -195,7 +197,8 @@ class TorchEngine(Engine):
         unique, prompt_rows = self._distinct(prompts)
         prompt_B = torch.tensor(prompt_rows, device=self.device)
         num_rows = len(prompts)
-        logits_UV, cache, mask_UL, row_U = self._prefill(unique, reuse=turn is not None)
+        logits_UV, cache, mask_UL, row_U = self._prefill(unique, turn is not None,
+                                                         sampling.max_new_tokens)
         row_prompt_B = row_U[prompt_B]  # each row's context in the prefill's order
         if not torch.equal(row_prompt_B, torch.arange(num_rows, device=self.device)):
             cache.batch_select_indices(row_prompt_B)  # repeated rows: copies, then apart
