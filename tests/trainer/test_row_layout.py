@@ -70,7 +70,7 @@ def test_spans_that_overlap_or_leave_a_gap_name_the_slot() -> None:
     with pytest.raises(ValueError, match="slot 1: token 8 of the row belongs to slot 2"):
         dataclasses.replace(layout, slot_T=slot).check()
     gap = torch.cat([layout.slot_T[:3], layout.slot_T[4:]])  # slot 0 misses a token
-    with pytest.raises(ValueError, match="slot 0: token 6 of the row belongs to slot 1 .*gap"):
+    with pytest.raises(ValueError, match=r"slot 0: token 6 of the row belongs to slot 1 .*gap"):
         dataclasses.replace(layout, slot_T=gap).check()
 
 
