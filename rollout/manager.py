@@ -38,7 +38,7 @@ from rollout.plugins import load_object
 from rollout.prompts import PromptTooLong, fit_prompt
 from rollout.rewards import RewardScorer, check_error_rate
 from rollout.token_budget import model_context, prompt_budget
-from rollout.tokenizer import encode_prompt, load_tokenizer
+from rollout.tokenizer import encode_prompt, encode_prompts, load_tokenizer
 from rollout.turns import TurnFormat
 
 ENCODED_PROMPTS = 65536
@@ -218,16 +218,10 @@ class RolloutManager:
             return [(index, []) for index in self.cursor.take(count)]
         taken: list[tuple[int, list[int]]] = []
         while len(taken) < count:
-            for index in self.cursor.take(count - len(taken)):
-                encoded = self._encoded.get(index)
-                if encoded is None:  # a record's ids never change: encoded once each
-                    full = encode_prompt(self.tokenizer, self.records[index].prompt,
-                                         self.apply_chat_template)
-                    encoded = len(full), fit_prompt(full, self.max_prompt_tokens,
-                                                    self.config.prompt_truncation,
-                                                    f"record {index}")
-                    if len(self._encoded) < ENCODED_PROMPTS:
-                        self._encoded[index] = encoded
+            indices = self.cursor.take(count - len(taken))
+            fresh = self._encode_records([i for i in indices if i not in self._encoded])
+            for index in indices:
+                encoded = self._encoded.get(index) or fresh[index]
                 full_length, ids = encoded
                 if ids is None:
                     stats.prompts_dropped += 1
@@ -239,6 +233,21 @@ class RolloutManager:
                 stats.prompts_truncated += len(ids) < full_length
                 taken.append((index, ids))
         return taken
+
+    def _encode_records(self, indices: list[int]
+                        ) -> dict[int, tuple[int, list[int] | None]]:
+        """Record index -> (its prompt's full length, the ids it trains on; None: dropped),
+        encoded in one batch and kept (a record's ids never change: encoded once each)."""
+        fulls = encode_prompts(self.tokenizer, [self.records[i].prompt for i in indices],
+                               self.apply_chat_template)
+        encoded = {index: (len(full), fit_prompt(full, self.max_prompt_tokens,
+                                                 self.config.prompt_truncation,
+                                                 f"record {index}"))
+                   for index, full in zip(indices, fulls, strict=True)}
+        for index, value in encoded.items():
+            if len(self._encoded) < ENCODED_PROMPTS:
+                self._encoded[index] = value
+        return encoded
 
     def _rollout_round(
         self, taken: list[tuple[int, list[int]]], step: int, draw: int, stats: _StepStats

@@ -13,6 +13,7 @@ from rollout.tokenizer import (
     build_char_tokenizer,
     encode_completion,
     encode_prompt,
+    encode_prompts,
     is_char_tokenizer_dir,
     load_tokenizer,
 )
@@ -52,6 +53,19 @@ def test_prompt_and_completion_encoding() -> None:
         *tokenizer.encode("ab", add_special_tokens=False),
         2,
     ]
+
+
+def test_prompts_encoded_together_equal_each_encoded_alone() -> None:
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                               "{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
+    prompts = ["cp ab=", [{"role": "user", "content": "rev xy="}], "", "q 12=",
+               [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]]
+    for chat in (False, True):
+        together = encode_prompts(tokenizer, prompts, apply_chat_template=chat)
+        assert together == [encode_prompt(tokenizer, p, chat) for p in prompts]
+        assert len({tuple(ids) for ids in together}) == len(prompts)
+    assert encode_prompts(tokenizer, []) == []
 
 
 def test_load_tokenizer_rejects_missing_directory(tmp_path: Path) -> None:
