@@ -222,3 +222,38 @@ def test_a_turn_near_the_context_end_in_two_calls_is_the_same(
                                                          other.response_mask)
         assert torch.allclose(torch.tensor(one.log_probs), torch.tensor(other.log_probs),
                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_smollm2_kept_turns_decode_as_whole_prefills(smollm2_path) -> None:
+    """SmolLM2's 30 layers, greedy, three chat turns with a tool's answer between them:
+    the same tokens as prefilling every context whole, and log-probs as close to a
+    teacher-forced pass as that path's own (each ~1e-5 from it in fp32: the prefill and
+    decode matmuls round differently)."""
+    from rollout.tokenizer import encode_prompt
+
+    kept = TorchEngine(TorchEngineConfig(), str(smollm2_path))
+    whole = TorchEngine(TorchEngineConfig(prefix_cache_mb=0), str(smollm2_path))
+    tokenizer = kept.tokenizer
+    questions = ["What is 12 times 7? Use <calc>.", "A train goes 60 km an hour. How far "
+                 "in 3 hours?"]
+    contexts = [encode_prompt(tokenizer, [{"role": "user", "content": q}], True)
+                for q in questions for _ in range(2)]
+    observation = tokenizer.encode("<|im_end|>\n<|im_start|>user\n<result>42</result>"
+                                   "<|im_end|>\n<|im_start|>assistant\n",
+                                   add_special_tokens=False)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    for turn in range(3):
+        said = EpisodeTurn("smollm2", turn, last=turn == 2)
+        mine = kept.generate(contexts, greedy, seed=0, turn=said)
+        theirs = whole.generate(contexts, greedy, seed=0, turn=said)
+        for context, one, other in zip(contexts, mine, theirs, strict=True):
+            assert one.token_ids == other.token_ids
+            ids = torch.tensor([context + one.token_ids])
+            with torch.no_grad():
+                logits = kept.model(input_ids=ids).logits[0, len(context) - 1:-1].float()
+            forced = logits.log_softmax(-1).gather(-1, ids[0, len(context):, None])[:, 0]
+            for log_probs in (one.log_probs, other.log_probs):
+                assert torch.allclose(torch.tensor(log_probs), forced, atol=5e-5, rtol=0)
+        contexts = [c + g.token_ids + observation for c, g in zip(contexts, mine, strict=True)]
+    assert kept.stats.num_prefilled_tokens * 2 < whole.stats.num_prefilled_tokens
