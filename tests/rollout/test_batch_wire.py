@@ -4,6 +4,7 @@ object store maps them so) is a batch of its own that can be written."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import warnings
 
@@ -53,3 +54,27 @@ def test_a_batch_from_read_only_buffers_is_copied_and_writable() -> None:
     loaded.loss_mask.add_(1.0)  # its own memory: writing it touches no buffer
     loaded.input_ids[0, 0] = 42
     _assert_same(pickle.loads(data, buffers=frozen), batch)
+
+
+def test_the_padded_fields_travel_as_their_spans_and_a_stray_value_sends_a_field_whole(
+        ) -> None:
+    batch = _batch(True)
+    wide = dataclasses.replace(batch, input_ids=torch.nn.functional.pad(
+        batch.input_ids, (0, 60), value=batch.pad_token_id),
+        **{name: torch.nn.functional.pad(getattr(batch, name), (0, 60))
+           for name in ("loss_mask", "rollout_log_probs", "old_log_probs")})
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(wide, protocol=5, buffer_callback=buffers.append)
+    dense = sum(t.numel() * t.element_size() for t in vars(wide).values()
+                if isinstance(t, torch.Tensor))
+    sent = sum(buffer.raw().nbytes for buffer in buffers)
+    assert sent < dense / 3  # the 60 columns of padding never travel
+    _assert_same(pickle.loads(data, buffers=buffers), wide)
+    log_probs = wide.rollout_log_probs.clone()
+    log_probs[0, 0] = -0.0  # outside the response: not the padding, bit for bit
+    old = wide.old_log_probs.clone()
+    old[1, -1] = 0.5
+    strays = dataclasses.replace(wide, rollout_log_probs=log_probs, old_log_probs=old)
+    back = pickle.loads(pickle.dumps(strays, protocol=5))
+    _assert_same(back, strays)
+    assert torch.equal(back.rollout_log_probs.view(torch.int32), log_probs.view(torch.int32))
