@@ -38,7 +38,7 @@ from rollout.plugins import load_object
 from rollout.prompts import PromptTooLong, fit_prompt
 from rollout.rewards import RewardScorer, check_error_rate
 from rollout.token_budget import model_context, prompt_budget
-from rollout.tokenizer import encode_prompt, encode_prompts, load_tokenizer
+from rollout.tokenizer import decode_responses, encode_prompt, encode_prompts, load_tokenizer
 from rollout.turns import TurnFormat
 
 ENCODED_PROMPTS = 65536
@@ -264,9 +264,7 @@ class RolloutManager:
         stats.num_draws += 1
         stats.num_samples += len(generations)
 
-        texts = self.tokenizer.batch_decode(
-            [g.token_ids for g in generations], skip_special_tokens=True
-        )
+        texts = decode_responses(self.tokenizer, [g.token_ids for g in generations])
         labels = [r.label for r in records for _ in range(group_size)]
         metadata = [r.metadata for r in records for _ in range(group_size)]
         result = self.scorer.score(texts, labels, metadata)
@@ -429,8 +427,8 @@ class RolloutManager:
         greedy_out = self._generate(prompts, greedy, f"eval:{step}:greedy")
         sample_out = self._generate([p for p in prompts for _ in range(num_samples)], sampled,
                                     f"eval:{step}:sampled") if num_samples else []
-        texts = self.tokenizer.batch_decode([g.token_ids for g in greedy_out + sample_out],
-                                            skip_special_tokens=True)
+        texts = decode_responses(self.tokenizer,
+                                 [g.token_ids for g in greedy_out + sample_out])
         labels = [r.label for r in records] + [r.label for r in records
                                                for _ in range(num_samples)]
         metadata = [r.metadata for r in records] + [r.metadata for r in records

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollout.tiny import create_tiny_checkpoint, resolve_model_path
 from rollout.tokenizer import (
     build_char_tokenizer,
+    decode_responses,
     encode_completion,
     encode_prompt,
     encode_prompts,
@@ -66,6 +67,21 @@ def test_prompts_encoded_together_equal_each_encoded_alone() -> None:
         assert together == [encode_prompt(tokenizer, p, chat) for p in prompts]
         assert len({tuple(ids) for ids in together}) == len(prompts)
     assert encode_prompts(tokenizer, []) == []
+
+
+def test_responses_decode_as_batch_decode_does(tiny_model_path: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tokenizer = load_tokenizer(tiny_model_path)
+    sequences = [torch.randint(0, len(tokenizer), (int(n),), generator=gen).tolist()
+                 for n in torch.randint(0, 12, (64,), generator=gen)]
+    sequences[0] = [tokenizer.bos_token_id, 5, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    want = tokenizer.batch_decode(sequences, skip_special_tokens=True)
+    assert decode_responses(tokenizer, sequences) == want
+    assert decode_responses(tokenizer, [tuple(s) for s in sequences]) == want
+    tokenizer.clean_up_tokenization_spaces = True  # transformers' own path then
+    assert decode_responses(tokenizer, sequences) == tokenizer.batch_decode(
+        sequences, skip_special_tokens=True)
+    assert decode_responses(tokenizer, []) == []
 
 
 def test_load_tokenizer_rejects_missing_directory(tmp_path: Path) -> None:
