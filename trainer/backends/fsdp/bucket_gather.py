@@ -12,14 +12,16 @@ rank's pack to rank 0, which copies every rank's rows to their place in the flat
 Casting rows equals casting the whole tensor (elementwise), and the gather carries the
 engine's dtype (bf16: half of fp32). A plain tensor (a buffer, a parameter FSDP left
 whole) is packed whole by rank 0 alone; a DTensor laid out any other way is gathered
-whole on its own first. The tiny model at DP 2 on CPU: 26 all-gathers (≈ 67 ms) become
-one gather (≈ 3 ms). Rank 0 holds its pack, the gathered packs (about one bucket) and
-the bucket; the other ranks their pack.
+whole on its own first. Where each byte goes is planned once (:func:`plan_gathers`).
+The tiny model at DP 2 on CPU: 26 all-gathers (≈ 67 ms) become one gather (≈ 1.5 ms).
+Rank 0 holds its pack, the gathered packs (about one bucket) and the bucket; the other
+ranks their pack.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,56 +53,78 @@ def shard_rows(owned: dict[str, torch.Tensor], world_size: int) -> dict[str, lis
     return rows
 
 
-def gather_buckets(owned: dict[str, torch.Tensor], buckets: Sequence[Sequence[TensorSpec]],
-                   rows: dict[str, list[int]], rank: int, world_size: int,
-                   device: torch.device | str = "cpu") -> Iterator[torch.Tensor | None]:
-    """Collective: each bucket of ``buckets`` as one flat uint8 tensor on ``device`` on
-    rank 0 (None on the others), in order; ``rows``: :func:`shard_rows`."""
+@dataclass(frozen=True)
+class BucketGather:
+    """Where every byte of one bucket goes, worked out once per model and bucket size:
+    ``pieces[r]`` lists (name, offset in rank r's pack, bytes, offset in the bucket) of
+    what rank r sends, in spec order; ``whole``: DTensors laid out otherwise, gathered
+    whole on their own first."""
+
+    specs: tuple[TensorSpec, ...]
+    pieces: tuple[tuple[tuple[str, int, int, int], ...], ...]
+    pack_bytes: int
+    bucket_bytes: int
+    whole: tuple[str, ...]
+
+
+def plan_gathers(owned: dict[str, torch.Tensor], buckets: Sequence[Sequence[TensorSpec]],
+                 rows: dict[str, list[int]], world_size: int) -> list[BucketGather]:
+    """One :class:`BucketGather` per bucket; ``rows``: :func:`shard_rows`."""
+    plans = []
     for specs in buckets:
-        yield _gather_bucket(owned, specs, rows, rank, world_size, torch.device(device))
-
-
-def _gather_bucket(owned: dict[str, torch.Tensor], specs: Sequence[TensorSpec],
-                   rows: dict[str, list[int]], rank: int, world_size: int,
-                   device: torch.device) -> torch.Tensor | None:
-    whole: dict[str, torch.Tensor] = {}  # gathered on their own (any other layout)
-    for spec in specs:
-        tensor = owned[spec.name].detach()
-        if spec.name not in rows and isinstance(tensor, DTensor):
-            whole[spec.name] = tensor.full_tensor()
-    # Each rank's pack: (name, byte offset in the pack, bytes) of the rows it sends.
-    layout: list[list[tuple[str, int, int]]] = [[] for _ in range(world_size)]
-    for spec in specs:
-        if spec.name in rows:
+        pieces: list[list[tuple[str, int, int, int]]] = [[] for _ in range(world_size)]
+        used = [0] * world_size
+        for spec in specs:
+            counts = rows.get(spec.name)
+            if counts is None:  # whole on rank 0: a plain tensor, or gathered on its own
+                pieces[0].append((spec.name, used[0], spec.num_bytes, spec.offset))
+                used[0] += spec.num_bytes
+                continue
             row_bytes = spec.num_bytes // max(spec.shape[0], 1)
-            for r, n in enumerate(rows[spec.name]):
-                used = layout[r][-1][1] + layout[r][-1][2] if layout[r] else 0
-                layout[r].append((spec.name, used, n * row_bytes))
-        else:
-            used = layout[0][-1][1] + layout[0][-1][2] if layout[0] else 0
-            layout[0].append((spec.name, used, spec.num_bytes))
-    sizes = [sum(n for _, _, n in pieces) for pieces in layout]
-    pack_device = next((t.device for t in owned.values() if isinstance(t, DTensor)), device)
-    pack = torch.zeros(max(sizes), dtype=torch.uint8, device=pack_device)
-    by_name = {spec.name: spec for spec in specs}
-    for name, offset, num_bytes in layout[rank]:
-        source = whole.get(name)
-        if source is None:
-            tensor = owned[name].detach()
-            source = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        dtype = DTYPES[by_name[name].dtype]
-        pack[offset:offset + num_bytes].view(dtype).copy_(source.reshape(-1))
-    gathered = ([torch.empty_like(pack) for _ in range(world_size)] if rank == 0 else None)
-    dist.gather(pack, gathered, dst=0)
+            start = spec.offset
+            for r, n in enumerate(counts):
+                pieces[r].append((spec.name, used[r], n * row_bytes, start))
+                used[r] += n * row_bytes
+                start += n * row_bytes
+        whole = tuple(spec.name for spec in specs
+                      if spec.name not in rows and isinstance(owned[spec.name], DTensor))
+        plans.append(BucketGather(tuple(specs), tuple(map(tuple, pieces)), max(used),
+                                  sum(spec.num_bytes for spec in specs), whole))
+    return plans
+
+
+def gather_buckets(owned: dict[str, torch.Tensor], plans: Sequence[BucketGather],
+                   rank: int, device: torch.device | str = "cpu"
+                   ) -> Iterator[torch.Tensor | None]:
+    """Collective: each bucket of ``plans`` as one flat uint8 tensor on ``device`` on rank
+    0 (None on the others), in order."""
+    device = torch.device(device)
+    local = {name: (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+             for name, tensor in owned.items()}
+    pack_device = next((t.device for t in local.values()), device)
+    for plan in plans:
+        yield _gather_bucket(owned, local, plan, rank, pack_device, device)
+
+
+def _gather_bucket(owned: dict[str, torch.Tensor], local: dict[str, torch.Tensor],
+                   plan: BucketGather, rank: int, pack_device: torch.device,
+                   device: torch.device) -> torch.Tensor | None:
+    sources = dict(local)
+    for name in plan.whole:  # every rank, in spec order: a collective each
+        sources[name] = owned[name].detach().full_tensor()
+    dtypes = {spec.name: DTYPES[spec.dtype] for spec in plan.specs}
+    pack = torch.empty(plan.pack_bytes, dtype=torch.uint8, device=pack_device)
+    for name, offset, num_bytes, _ in plan.pieces[rank]:  # padding past them: never read
+        pack[offset:offset + num_bytes].view(dtypes[name]).copy_(sources[name].reshape(-1))
+    world_size = len(plan.pieces)
+    gathered = (torch.empty(world_size, plan.pack_bytes, dtype=torch.uint8,
+                            device=pack_device) if rank == 0 else None)
+    dist.gather(pack, None if gathered is None else list(gathered.unbind(0)), dst=0)
     del pack
     if gathered is None:
         return None
-    flat = torch.empty(sum(spec.num_bytes for spec in specs), dtype=torch.uint8,
-                       device=device)
-    placed = {spec.name: spec.offset for spec in specs}  # where the next rows go
-    for r, pieces in enumerate(layout):
-        for name, offset, num_bytes in pieces:
-            start = placed[name]
-            flat[start:start + num_bytes].copy_(gathered[r][offset:offset + num_bytes])
-            placed[name] = start + num_bytes
+    flat = torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device)
+    for r, pieces in enumerate(plan.pieces):
+        for _, offset, num_bytes, start in pieces:
+            flat[start:start + num_bytes].copy_(gathered[r, offset:offset + num_bytes])
     return flat

@@ -227,9 +227,13 @@ class FSDPWorker(TrainerWorker):
             owned = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
             if not hasattr(self, "_shard_rows"):  # the layout never changes: asked once
                 self._shard_rows = bucket_gather.shard_rows(owned, self.config.world_size)
-            yield from bucket_gather.gather_buckets(
-                owned, self.weight_bucket_specs(dtype, bucket_mb), self._shard_rows,
-                self.rank, self.config.world_size, device)
+                self._gathers: dict[tuple[str, float], list[bucket_gather.BucketGather]] = {}
+            if (dtype, bucket_mb) not in self._gathers:
+                self._gathers[dtype, bucket_mb] = bucket_gather.plan_gathers(
+                    owned, self.weight_bucket_specs(dtype, bucket_mb), self._shard_rows,
+                    self.config.world_size)
+            yield from bucket_gather.gather_buckets(owned, self._gathers[dtype, bucket_mb],
+                                                    self.rank, device)
             return
         full = self._sync_tensors()
         for specs in self.weight_bucket_specs(dtype, bucket_mb):
