@@ -18,6 +18,11 @@ Runs the demo config end to end (real Ray, the tiny model on CPU) and prints, pe
 
     .venv/bin/python benchmarks/step_profile.py [--steps 12] [--batch 256] [--dp 2]
         [--async-steps 0] [--colocate 0] [--set key=value ...]
+        [--compare OTHER_TREE [--rounds 2]]
+
+``--compare`` runs this tree and another checkout (e.g. ``git worktree add /tmp/before
+<commit>``) alternately, each in its own process with its own sources, and prints each
+run's summary and the medians side by side: before/after in one run.
 """
 
 from __future__ import annotations
@@ -196,16 +201,8 @@ def actor_table(events: list[dict[str, Any]], windows: dict[int, tuple[float, fl
             for verb, by_step in per_step.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=256, help="rollout.global_batch_size")
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--async-steps", type=int, default=0)
-    parser.add_argument("--colocate", type=int, default=0)
-    parser.add_argument("--set", action="append", default=[], help="more overrides")
-    args = parser.parse_args()
-
+def profile(args: argparse.Namespace) -> tuple[list[str], dict[str, float]]:
+    """One run of the demo job under the clock: the report's lines and its summary."""
     from services.config import load_job_config
     from services.driver.job import ensure_ray
     from services.driver.loop import run_job
@@ -235,12 +232,12 @@ def main() -> None:
     step_s = median["perf/step_time_s"]
     wall = statistics.median(clock.windows[s + 1][0] - clock.windows[s][0]
                              for s in steps[:-1])
-    print(f"demo step profile: batch {args.batch}, DP {args.dp}, async_steps "
-          f"{args.async_steps}, colocate {args.colocate}; median of steps "
-          f"{steps[0]}..{steps[-1]}; step {step_s * 1e3:.0f} ms (row), "
-          f"{wall * 1e3:.0f} ms start to start")
-    print(f"\n{'driver phase (own time)':<32} {'ms/step':>8} {'of step':>8} "
-          f"{'in Ray calls':>12}  Ray calls per step")
+    lines = [f"demo step profile: batch {args.batch}, DP {args.dp}, async_steps "
+             f"{args.async_steps}, colocate {args.colocate}; median of steps "
+             f"{steps[0]}..{steps[-1]}; step {step_s * 1e3:.0f} ms (row), "
+             f"{wall * 1e3:.0f} ms start to start",
+             f"\n{'driver phase (own time)':<32} {'ms/step':>8} {'of step':>8} "
+             f"{'in Ray calls':>12}  Ray calls per step"]
     phases = sorted({p for s in steps for p in clock.own[s]},
                     key=lambda p: -statistics.median(clock.own[s][p] for s in steps))
     for phase in phases:
@@ -251,26 +248,82 @@ def main() -> None:
             calls.update({k.split(": ", 1)[1]: v for k, v in clock.calls[s].items()
                           if k.startswith(phase + ": ")})
         said = ", ".join(f"{what} ×{n / len(steps):g}" for what, n in sorted(calls.items()))
-        print(f"{phase:<32} {own * 1e3:>8.1f} {own / wall:>8.1%} {blocked * 1e3:>10.1f}ms"
-              f"  {said}")
+        lines.append(f"{phase:<32} {own * 1e3:>8.1f} {own / wall:>8.1%} "
+                     f"{blocked * 1e3:>10.1f}ms  {said}")
     total_calls = sum(sum(clock.calls[s].values()) for s in steps) / len(steps)
-    print(f"{'Ray calls from the driver':<32} {total_calls:>8.1f} per step")
-
+    lines.append(f"{'Ray calls from the driver':<32} {total_calls:>8.1f} per step")
+    lines.append(f"\n{'actor verb':<42} {'calls':>6} {'total ms':>9} {'deser ms':>9} "
+                 f"{'exec ms':>8} {'store ms':>9}")
     actors = actor_table(events, clock.windows, steps)
-    print(f"\n{'actor verb':<42} {'calls':>6} {'total ms':>9} {'deser ms':>9} "
-          f"{'exec ms':>8} {'store ms':>9}")
     for verb, part in sorted(actors.items(), key=lambda kv: -kv[1]["total"]):
-        print(f"{verb:<42} {part['calls']:>6.1f} {part['total'] * 1e3:>9.1f} "
-              f"{part['deserialize_arguments'] * 1e3:>9.1f} {part['execute'] * 1e3:>8.1f} "
-              f"{part['store_outputs'] * 1e3:>9.1f}")
+        lines.append(f"{verb:<42} {part['calls']:>6.1f} {part['total'] * 1e3:>9.1f} "
+                     f"{part['deserialize_arguments'] * 1e3:>9.1f} "
+                     f"{part['execute'] * 1e3:>8.1f} {part['store_outputs'] * 1e3:>9.1f}")
     generate, compute = median["rollout/gen_time_s"], median["perf/compute_s"]
     exposed = generate * (1 - median["perf/gen_overlap"])
-    print(f"\nrow: generation {generate * 1e3:.0f} ms ({exposed * 1e3:.0f} exposed), "
-          f"fwd+bwd+optimizer {compute * 1e3:.0f} ms (rank 0)")
     orchestration = max(0.0, step_s - exposed - compute)
-    print(f"orchestration (step_throughput's): {orchestration * 1e3:.0f} ms = "
-          f"{orchestration / step_s:.1%} of the step; of the wall clock between step "
-          f"starts: {(wall - exposed - compute) / wall:.1%}")
+    lines += [f"\nrow: generation {generate * 1e3:.0f} ms ({exposed * 1e3:.0f} exposed), "
+              f"fwd+bwd+optimizer {compute * 1e3:.0f} ms (rank 0)",
+              f"orchestration (step_throughput's): {orchestration * 1e3:.0f} ms = "
+              f"{orchestration / step_s:.1%} of the step; of the wall clock between step "
+              f"starts: {(wall - exposed - compute) / wall:.1%}"]
+    return lines, {"step_ms": step_s * 1e3, "wall_ms": wall * 1e3,
+                   "generation_ms": exposed * 1e3, "compute_ms": compute * 1e3,
+                   "orchestration": orchestration / step_s, "ray_calls": total_calls}
+
+
+def compare(args: argparse.Namespace) -> None:
+    """This tree and ``args.compare`` alternately, ``args.rounds`` times each (a noisy
+    machine slows both alike): each run's summary, then the medians side by side."""
+    import json
+    import subprocess
+    import sys
+
+    trees = {"this": ROOT, "other": Path(args.compare).resolve()}
+    passed = [f"--steps={args.steps}", f"--batch={args.batch}", f"--dp={args.dp}",
+              f"--async-steps={args.async_steps}", f"--colocate={args.colocate}",
+              *(f"--set={override}" for override in args.set)]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    print(f"{'tree':<6} {'round':>5} {'step ms':>8} {'wall ms':>8} {'exposed gen':>11} "
+          f"{'fwd+bwd':>8} {'orchestration':>13} {'Ray calls':>9}")
+    for round_ in range(args.rounds):
+        for name, tree in trees.items():
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                subprocess.run([sys.executable, __file__, *passed, "--json", out.name],
+                               cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                               check=True, stdout=subprocess.DEVNULL)
+                run = json.loads(Path(out.name).read_text())
+            runs[name].append(run)
+            print(f"{name:<6} {round_:>5} {run['step_ms']:>8.0f} {run['wall_ms']:>8.0f} "
+                  f"{run['generation_ms']:>11.0f} {run['compute_ms']:>8.0f} "
+                  f"{run['orchestration']:>13.1%} {run['ray_calls']:>9.1f}", flush=True)
+    for name, tree in trees.items():
+        middle = {k: statistics.median(r[k] for r in runs[name]) for k in runs[name][0]}
+        print(f"median {name} ({tree}): step {middle['step_ms']:.0f} ms, orchestration "
+              f"{middle['orchestration']:.1%}, {middle['ray_calls']:.1f} Ray calls a step")
+
+
+def main() -> None:
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=256, help="rollout.global_batch_size")
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--async-steps", type=int, default=0)
+    parser.add_argument("--colocate", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], help="more overrides")
+    parser.add_argument("--compare", help="another source tree: runs alternate with it")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each tree (--compare)")
+    parser.add_argument("--json", help="also write the run's summary here")
+    args = parser.parse_args()
+    if args.compare:
+        compare(args)
+        return
+    lines, summary = profile(args)
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary))
 
 
 if __name__ == "__main__":
