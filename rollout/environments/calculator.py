@@ -45,8 +45,9 @@ INSTRUCTIONS = (
     "The answer is \\boxed{31}."
 )
 """The tool's instructions and one worked example, short and in question/answer form: a
-135 M model given a longer preamble rarely calls the tool or boxes an answer, and every
-turn prefills the whole context again on the torch engine."""
+135 M model given a longer preamble rarely calls the tool or boxes an answer, and the
+first turn prefills it for every prompt (later turns reuse its KV:
+rollout/engines/prefix_cache.py)."""
 HINT = "Use <calc>expression</calc> to compute, or give the final answer as \\boxed{N}."
 
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)

@@ -257,3 +257,30 @@ def test_smollm2_kept_turns_decode_as_whole_prefills(smollm2_path) -> None:
                 assert torch.allclose(torch.tensor(log_probs), forced, atol=5e-5, rtol=0)
         contexts = [c + g.token_ids + observation for c, g in zip(contexts, mine, strict=True)]
     assert kept.stats.num_prefilled_tokens * 2 < whole.stats.num_prefilled_tokens
+
+
+def test_the_manager_says_each_turn_so_its_engine_keeps_the_kv(
+        ray_cluster: None, tiny_model_path: str) -> None:
+    """An environment's rollout through the manager: its engine actor prefills only a
+    share of the context tokens, the others' KV kept from the turn before."""
+    import ray
+
+    from rollout.config import RolloutConfig
+    from rollout.manager import RolloutManager
+
+    config = RolloutConfig.model_validate({
+        "dataset": {"type": "synthetic", "task": "copy", "num_prompts": 4, "seed": 1},
+        "engine": {"type": "torch", "num_engines": 1},
+        "sampling": {"max_new_tokens": 4},
+        "environment": {"class_path": f"{TOYS}:Countdown", "max_turns": 3,
+                        "max_total_tokens": 64},
+        "n_samples_per_prompt": 2, "global_batch_size": 4, "apply_chat_template": False})
+    manager = RolloutManager(config, tiny_model_path)
+    try:
+        batch = manager.generate_batch(0)
+        assert batch.num_samples == 4
+        (engine,) = manager.engines
+        stats = ray.get(engine.__ray_call__.remote(lambda self: self.stats))
+        assert 0 < stats.num_prefilled_tokens < stats.num_kept_tokens, stats
+    finally:
+        manager.shutdown()
