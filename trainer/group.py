@@ -1,10 +1,9 @@
 """The trainer group: one Ray actor per DP × CP rank, driven in lock step.
 
-A step plan (aggregation coefficients from whole-step metadata, micro-batch assignment)
-is a pure function of the batch and the config: for a train step every rank makes it
-itself, so nothing but the batch travels; the other verbs get the group's. The group
-calls the same verb on every rank. Actors sit in a placement group: one bundle per rank,
-packed on one node unless the cluster cannot hold them (``STRICT_PACK`` by default).
+The group makes the step plan (aggregation coefficients from whole-step metadata,
+micro-batch assignment) once, hands it to every rank inside the call, and calls the same
+verb on every rank. Actors sit in a placement group: one bundle per rank, packed on one
+node unless the cluster cannot hold them (``STRICT_PACK`` by default).
 """
 
 from __future__ import annotations
@@ -97,6 +96,13 @@ def most(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {name: max(rank[name] for rank in per_rank) for name in per_rank[0]}
 
 
+def _shipped(plan: StepPlan) -> StepPlan | ray.ObjectRef:
+    """How a plan goes to every rank: inside each call (a few KB: Ray inlines it in the
+    call, no object-store round trip), or put once when it carries dense [N, S] weights
+    (a custom reducer), which Ray would otherwise store once per rank."""
+    return ray.put(plan) if plan.dense_weights else plan
+
+
 def _remote(worker: ray.actor.ActorHandle, verb: Verb, *args: Any, num_returns: int = 1
             ) -> Any:
     """Start ``verb`` on one rank's actor; its ref, or a list of ``num_returns`` refs."""
@@ -155,15 +161,15 @@ class TrainerGroup:
         """Where rank 0's store listens: rank 0 binds the port itself, so no other process
         can take it between choosing and using it."""
         verb = TrainerWorker.rendezvous_address
-        return self._wait(verb, [_remote(self.workers[0], verb)])[0]
+        ref = _remote(self.workers[0], verb)
+        self._wait(verb, [ref])
+        return ray.get(ref)
 
-    def _wait(self, verb: Verb, refs: list[ray.ObjectRef]) -> list[Any]:
+    def _wait(self, verb: Verb, refs: list[ray.ObjectRef]) -> None:
         """Wait for ``refs`` (``refs[rank]``: that rank's call of ``verb``), failing fast:
         the first rank that dies raises at once (its peers may be stuck in a collective
-        waiting for it), and a verb past ``call_timeout_s`` raises too. Every answer, in
-        the order of ``refs``, each fetched once as it comes."""
+        waiting for it), and a verb past ``call_timeout_s`` raises too."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        answers: list[Any] = [None] * len(refs)
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1,
@@ -173,14 +179,15 @@ class TrainerGroup:
                 raise TimeoutError(f"trainer: ranks {stuck} did not finish {verb.__name__} "
                                    f"within {self.config.call_timeout_s:.0f} s")
             try:
-                answers[rank_of[ready[0]]] = ray.get(ready[0])
+                ray.get(ready[0])
             except ray.exceptions.RayActorError as err:
                 raise TrainerRankDied(rank_of[ready[0]], verb.__name__, err) from err
-        return answers
 
     def _call(self, verb: Verb, *args: Any) -> list[Any]:
         """Run ``verb`` with ``args`` on every rank at once; every rank's answer."""
-        return self._wait(verb, [_remote(worker, verb, *args) for worker in self.workers])
+        refs = [_remote(worker, verb, *args) for worker in self.workers]
+        self._wait(verb, refs)
+        return ray.get(refs)
 
     def plan(self, batch: RolloutBatch, objective: ObjectiveConfig | None = None) -> StepPlan:
         """The step plan of ``batch`` for this group's layout (``objective`` overrides the
@@ -193,18 +200,12 @@ class TrainerGroup:
               objective: ObjectiveConfig | None = None) -> dict[str, float]:
         """One optimizer step on a mini-batch of whole groups; returns its exact metrics.
 
-        The driver holds the batch already; ``batch_ref`` is the same batch in the object
-        store, so the ranks fetch it without another copy. Every rank plans the step
-        itself (``TrainerWorker.plan``: the same plan, nothing shipped), except under a
-        custom pg reducer: user code, imported where the job runs, so its plan (with
-        dense [N, S] weights) is made here and put once.
+        The driver holds the batch already (it plans the step); ``batch_ref`` is the same
+        batch in the object store, so the ranks fetch it without another copy.
         """
+        plan = self.plan(batch, objective)
         ref = batch_ref if batch_ref is not None else ray.put(batch)
-        if (objective or self.objective).pg.custom_reducer is None:
-            per_rank = self._call(TrainerWorker.train_step, ref, None, objective)
-        else:
-            per_rank = self._call(TrainerWorker.train_step, ref,
-                                  ray.put(self.plan(batch, objective)))
+        per_rank = self._call(TrainerWorker.train_step, ref, _shipped(plan))
         memory = most([{k: v for k, v in rank.items() if k.startswith(MEMORY_PREFIXES)}
                        for rank in per_rank])
         return {**per_rank[0], **memory}  # the sums are global; memory is each rank's
@@ -220,7 +221,8 @@ class TrainerGroup:
         batch_ref, plan_ref = ray.put(batch), ray.put(plan)
         refs = [_remote(worker, verb, batch_ref, plan_ref) for worker in self.workers]
         try:
-            sums = self._wait(verb, refs)[0]
+            self._wait(verb, refs)
+            sums = ray.get(refs[0])
         except Exception as err:
             cause = _failed_rank(refs) or _first_line(err)
             try:  # queued behind each rank's call: it runs once that call is over
@@ -285,7 +287,8 @@ class TrainerGroup:
         verb = TrainerWorker.export_weight_buckets
         receipts, buckets = zip(*(_remote(worker, verb, dtype, bucket_mb, num_returns=2)
                                   for worker in self.workers), strict=True)
-        return buckets[0], most(self._wait(verb, list(receipts)))
+        self._wait(verb, list(receipts))
+        return buckets[0], most(ray.get(list(receipts)))
 
     # The colocated fast path (trainer/colocated_engine.py).
 
@@ -308,7 +311,9 @@ class TrainerGroup:
     # The GPU weight transports (services/driver/weight_sync.py).
 
     def _on_rank0(self, verb: Verb, *args: Any) -> Any:
-        return self._wait(verb, [_remote(self.workers[0], verb, *args)])[0]
+        ref = _remote(self.workers[0], verb, *args)
+        self._wait(verb, [ref])
+        return ray.get(ref)
 
     def weight_group_address(self) -> tuple[str, int]:
         return self._on_rank0(TrainerWorker.weight_group_address)

@@ -104,32 +104,9 @@ class TrainerWorker(SessionCalls, abc.ABC):
 
     # Verbs every backend shares.
 
-    def plan(self, batch: RolloutBatch, objective: ObjectiveConfig | None = None
-             ) -> StepPlan:
-        """The step plan of ``batch`` (under ``objective``, else the configured one) for
-        this trainer's layout: what the group would make (``TrainerGroup.plan``), made
-        here: a pure function of the batch and the config, the same on every rank."""
-        from trainer.step_plan import plan_step
-
-        config = self.config
-        return plan_step(batch, objective or self.objective, config.dp_size, config.cp_size,
-                         config.max_tokens_per_micro_batch, packed=self.packs_rows(),
-                         shared_prefix=config.shares_prefix)
-
-    def packs_rows(self) -> bool:
-        """Whether this trainer computes packed rows (``step_plan.packs``)."""
-        from trainer.step_plan import packs
-
-        return packs(self.config)
-
-    def train_step(self, batch: RolloutBatch, plan: StepPlan | None = None,
-                   objective: ObjectiveConfig | None = None) -> dict[str, float]:
-        """Collective: one optimizer step on this rank's micro-batches of ``plan`` (None:
-        this rank plans ``batch`` itself, :meth:`plan` under ``objective``); the step's
-        exact sums, its grad norm and lr, and this rank's compute time (planning not in
-        it)."""
-        if plan is None:
-            plan = self.plan(batch, objective)
+    def train_step(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
+        """Collective: one optimizer step on this rank's micro-batches of ``plan``; the
+        step's exact sums, its grad norm and lr, and this rank's compute time."""
         started = time.perf_counter()
         with PeakMemory(self.device) as peak:
             sums = self.forward_backward(batch, plan)

@@ -57,30 +57,3 @@ def test_a_dead_rank_fails_the_export_with_trainer_rank_died(ray_cluster: None,
         assert time.monotonic() - started < COLLECTIVE_TIMEOUT_S / 2
     finally:
         group.shutdown()
-
-
-@pytest.mark.slow
-def test_a_train_step_planned_on_the_ranks_or_put_once_for_a_custom_reducer_is_exact(
-        ray_cluster: None, tiny_model: str) -> None:
-    """The step's logged sums equal those of the no-update ``gradients`` call at the same
-    weights, whose plan the group makes: ranks planning themselves (built-in modes) and a
-    custom reducer's plan put once by the group both train the plan of the batch."""
-    from tests.trainer.helpers import random_train_batch
-    from trainer.config import AggregationConfig, LossConfig
-
-    batch = random_train_batch(100, num_prompts=4, group_size=2, seed=3)
-    config = TrainerConfig(dp_size=2, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-                           call_timeout_s=2 * COLLECTIVE_TIMEOUT_S)
-    built_in = ObjectiveConfig.compose(AggregationConfig(mode="prompt_mean"), LossConfig(),
-                                       8, 1.0)
-    custom = ObjectiveConfig.compose(AggregationConfig(
-        custom_reducer="tests.trainer.reducers:discounted_group_mean"), LossConfig(), 8, 1.0)
-    group = TrainerGroup(config, built_in, tiny_model, total_steps=2)
-    try:
-        for objective in (built_in, custom):
-            (sums, _), = group.gradients(batch, [objective])  # no update: same weights
-            trained = group.train(batch, objective=objective)
-            assert sums["pg_loss"] != 0.0
-            assert trained["pg_loss"] == pytest.approx(sums["pg_loss"], rel=1e-6, abs=1e-9)
-    finally:
-        group.shutdown()

@@ -62,11 +62,6 @@ class MegatronWorker(TrainerWorker):
         super().__init__(config, objective, model_path, rank, total_steps)
         self.attention = attention if attention is not None else decide_attention(config)
 
-    def packs_rows(self) -> bool:
-        """THD rows where the driver's attention decision has them (``step_plan.packs``
-        decides the same, without detecting TransformerEngine again)."""
-        return self.config.packing and self.attention.packed
-
     def setup(self, master_addr: str, master_port: int) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
