@@ -62,8 +62,18 @@ def test_prompts_encoded_together_equal_each_encoded_alone() -> None:
                                "{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
     prompts = ["cp ab=", [{"role": "user", "content": "rev xy="}], "", "q 12=",
                [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]]
+
+    def alone(prompt: str | list[dict[str, str]], chat: bool) -> list[int]:
+        """One tokenizer call for this prompt alone, as transformers does it."""
+        if isinstance(prompt, str) and not chat:
+            return list(tokenizer(prompt)["input_ids"])
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=True)["input_ids"])
+
     for chat in (False, True):
         together = encode_prompts(tokenizer, prompts, apply_chat_template=chat)
+        assert together == [alone(p, chat) for p in prompts]
         assert together == [encode_prompt(tokenizer, p, chat) for p in prompts]
         assert len({tuple(ids) for ids in together}) == len(prompts)
     assert encode_prompts(tokenizer, []) == []
