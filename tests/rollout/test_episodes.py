@@ -4,7 +4,6 @@ environments that are async, slow or raise."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 
@@ -12,45 +11,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout.config import EnvironmentConfig, SamplingConfig, TorchEngineConfig
-from rollout.engines.base import Generation
+from rollout.config import TorchEngineConfig
 from rollout.engines.torch_engine import TorchEngine
-from rollout.episodes import Episode, run_episodes
-from rollout.tokenizer import load_tokenizer
+from rollout.episodes import Episode
 from rollout.turns import TurnFormat
-
-SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=["a", "e"])
-TOYS = "tests.rollout.toy_envs"
+from tests.rollout.episode_play import SAMPLING, play
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path: str) -> TorchEngine:
     return TorchEngine(TorchEngineConfig(batch_size=8), tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def turns(tiny_model_path: str) -> TurnFormat:
-    return TurnFormat(load_tokenizer(tiny_model_path), apply_chat_template=False)
-
-
-def play(engine: TorchEngine, turns: TurnFormat, labels: list[str], env: str,
-         seed: int = 0, context: int | None = None,
-         calls: list[tuple[int, int]] | None = None, **settings: object
-         ) -> tuple[list[Episode], float]:
-    """``calls``: gets (longest context, max_new_tokens) of each engine call."""
-    config = EnvironmentConfig.model_validate({"class_path": f"{TOYS}:{env}", **settings})
-
-    def generate(contexts: list[list[int]], max_new_tokens: int, turn: int
-                 ) -> list[Generation]:
-        if calls is not None:
-            calls.append((max(len(c) for c in contexts), max_new_tokens))
-        turn_seed = int.from_bytes(hashlib.sha256(f"{seed}:{turn}".encode()).digest()[:4])
-        return engine.generate(contexts, SAMPLING.model_copy(
-            update={"max_new_tokens": max_new_tokens}), turn_seed)
-
-    return run_episodes([{"prompt": "p", "label": label, "metadata": {}} for label in labels],
-                        config, turns, generate, SAMPLING.max_new_tokens,
-                        lambda ids, i: ids, context)
 
 
 def segments(episode: Episode) -> list[tuple[int, list[int]]]:

@@ -4,22 +4,16 @@ past the weights, the episodes or the byte budget it was kept for."""
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout.config import EnvironmentConfig, SamplingConfig, TorchEngineConfig
+from rollout.config import SamplingConfig, TorchEngineConfig
 from rollout.engines.base import EpisodeTurn, Generation
 from rollout.engines.prefix_cache import KeptKV, PrefixCache
 from rollout.engines.torch_engine import TorchEngine
-from rollout.episodes import Episode, run_episodes
-from rollout.tokenizer import load_tokenizer
 from rollout.turns import TurnFormat
-
-SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=["a", "e"])
-TOYS = "tests.rollout.toy_envs"
+from tests.rollout.episode_play import SAMPLING, TOYS, play
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +25,6 @@ def kept(tiny_model_path: str) -> TorchEngine:
 def whole(tiny_model_path: str) -> TorchEngine:
     """The same weights, nothing kept: every turn prefills its whole context."""
     return TorchEngine(TorchEngineConfig(batch_size=8, prefix_cache_mb=0), tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def turns(tiny_model_path: str) -> TurnFormat:
-    return TurnFormat(load_tokenizer(tiny_model_path), apply_chat_template=False)
 
 
 def entry(tokens: list[int], turn: int = 0, episodes: str = "s", num_context: int = 1,
@@ -164,23 +153,6 @@ def test_new_weights_flush_what_was_kept(tiny_model_path: str,
     assert engine.prefix_cache.weight_version == 7
 
 
-def play(engine: TorchEngine, turns: TurnFormat, labels: list[str], env: str,
-         context: int | None = None, **settings: object) -> list[Episode]:
-    """Episodes played as the manager plays them, each call saying its EpisodeTurn."""
-    config = EnvironmentConfig.model_validate({"class_path": f"{TOYS}:{env}", **settings})
-
-    def generate(contexts: list[list[int]], max_new_tokens: int, turn: int
-                 ) -> list[Generation]:
-        seed = int.from_bytes(hashlib.sha256(f"0:{turn}".encode()).digest()[:4])
-        return engine.generate(contexts, SAMPLING.model_copy(
-            update={"max_new_tokens": max_new_tokens}), seed,
-            turn=EpisodeTurn("play", turn, turn + 1 == config.max_turns))
-
-    return run_episodes([{"prompt": "p", "label": label, "metadata": {}} for label in labels],
-                        config, turns, generate, SAMPLING.max_new_tokens,
-                        lambda ids, i: ids, context)[0]
-
-
 @pytest.mark.parametrize(("env", "settings", "share"), [
     ("Countdown", {"max_turns": 4, "kwargs": {"turns": 4}}, 0.5),
     # long observations (what is prefilled either way) after short actions
@@ -195,8 +167,8 @@ def test_episodes_with_kept_kv_are_the_episodes_prefilled_whole(
     labels = ["a", "a", "b", "b", "c", "c"]
     before = (kept.stats.num_prefilled_tokens, whole.stats.num_prefilled_tokens,
               kept.stats.num_kept_tokens)
-    mine = play(kept, turns, labels, env, **settings)
-    theirs = play(whole, turns, labels, env, **settings)
+    mine, _ = play(kept, turns, labels, env, say_turns=True, **settings)
+    theirs, _ = play(whole, turns, labels, env, say_turns=True, **settings)
     for one, other in zip(mine, theirs, strict=True):
         assert (one.prompt_ids, one.response_ids, one.response_mask, one.reward) == (
             other.prompt_ids, other.response_ids, other.response_mask, other.reward)
@@ -215,8 +187,10 @@ def test_a_turn_near_the_context_end_in_two_calls_is_the_same(
     budget = 24
     context = len(turns.first("talk:")) + budget
     settings = {"max_turns": 8, "max_total_tokens": budget, "kwargs": {"words": 1}}
-    mine = play(kept, turns, ["a"] * 8, "Chatty", context=context, **settings)
-    theirs = play(whole, turns, ["a"] * 8, "Chatty", context=context, **settings)
+    mine, _ = play(kept, turns, ["a"] * 8, "Chatty", context=context, say_turns=True,
+                   **settings)
+    theirs, _ = play(whole, turns, ["a"] * 8, "Chatty", context=context, say_turns=True,
+                     **settings)
     for one, other in zip(mine, theirs, strict=True):
         assert (one.response_ids, one.response_mask) == (other.response_ids,
                                                          other.response_mask)
