@@ -20,7 +20,6 @@ from tests.services.driver.clean_run import (
     rows,
     stop_after,
 )
-from trainer.checkpoint import unreadable
 
 ROOT = Path(__file__).resolve().parents[2]
 # demo.yaml's warm-up (the one every test shares, tests/conftest.py's data folder caches
@@ -30,24 +29,7 @@ SMALL = ["rollout.global_batch_size=32", "rollout.n_samples_per_prompt=8",
          "trainer.optimizer.schedule=constant"]
 
 
-@pytest.mark.slow  # 40 rollout steps of 128 samples
-def test_short_run_improves_reward(ray_cluster: None, tmp_path: Path) -> None:
-    config = load_job_config(ROOT / "configs" / "demo.yaml",
-                             [*SMALL, "num_steps=40", "rollout.global_batch_size=128"])
-    history = run_job(config, tmp_path / "job", log=lambda *_: None)
-    rewards = [m["reward/mean"] for m in history]
-    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
-    assert last > first + 0.05, rewards
-    logged = rows(tmp_path / "job" / "metrics.jsonl")
-    assert [r["step"] for r in logged] == list(range(40))
-    for mode in ("sample_mean", "token_mean", "prompt_mean", "constant"):
-        assert f"pg_loss/{mode}" in logged[-1]["metrics"]
-        assert sum(logged[-1]["metrics"][f"length_bias/{mode}/{bucket}"]
-                   for bucket in ("short", "middle", "long")) == pytest.approx(1.0)
-    assert unreadable(tmp_path / "job" / "checkpoints" / "step_00000039") is None
-    assert (tmp_path / "job" / "final_model" / "config.json").exists()
-
-
+# A short run that learns (and is evaluated): tests/services/driver/test_loop.py.
 # Exact resume of an in-job restart: tests/services/test_recovery.py; of a newest
 # checkpoint that cannot be read: tests/services/test_resume_fallback.py.
 

@@ -1,6 +1,7 @@
 """The driver loop on real Ray with the tiny model: a rank dying during the weight export
-restarts the job (it does not fail it) and the job ends as the clean run, the final
-trained weights are evaluated in the last row (and the W&B run holds every row), an
+restarts the job (it does not fail it) and the job ends as the clean run, a short run
+learns and its final trained weights are evaluated in the last row (and the W&B run
+holds every row), an
 optimizer step with no valid token is skipped, not taken, and a start with no checkpoint
 drops the rows an earlier attempt wrote."""
 
@@ -23,7 +24,8 @@ from services.driver.sinks import JsonlSink, read_metrics
 from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.driver.clean_run import CleanRun, assert_same_training, clean_config
 from tests.services.driver.test_wandb_sink import finished_run_records, history_of
-from tests.services.test_train import ROOT
+from tests.services.test_train import ROOT, SMALL
+from trainer.checkpoint import unreadable
 from trainer.group import TrainerGroup
 
 
@@ -60,27 +62,43 @@ def test_a_rank_dying_during_the_weight_export_restarts_the_job(clean_run: Clean
 
 
 # With rollout.async_steps: test_evaluation.py's evaluated clean run.
-@pytest.mark.slow
-def test_the_final_trained_weights_are_evaluated_in_the_last_row(
+@pytest.mark.slow  # 40 rollout steps of 128 samples, evaluated three times
+def test_a_short_run_improves_reward_and_its_final_weights_are_evaluated_in_the_last_row(
         ray_cluster: None, wandb_home: Path, tmp_path: Path) -> None:
+    """One job shows that RL learns (the reward of the last 8 rollout steps beats the
+    first 8), logs every mode's loss and length bias, checkpoints its last step, exports
+    its final weights, evaluates the start, every 20 steps and the final trained weights
+    (in the last row), and that its W&B run holds what metrics.jsonl holds."""
     config = load_job_config(ROOT / "configs" / "demo.yaml", [
-        *DEMO_OVERRIDES, "num_steps=2",
-        "eval.enabled=true", "eval.every_steps=1", "eval.num_prompts=8", "eval.num_samples=2",
+        *SMALL, "num_steps=40", "rollout.global_batch_size=128",
+        "eval.enabled=true", "eval.every_steps=20", "eval.num_prompts=8", "eval.num_samples=2",
         "eval.dataset={type: synthetic, task: copy, difficulty: 1, seed: 7}",
         "logging.wandb={project: tally-tests, mode: offline}"])
-    rows = run_job(config, tmp_path / "job", log=lambda *_: None)
+    job = tmp_path / "job"
+    history = run_job(config, job, log=lambda *_: None)
+    rewards = [m["reward/mean"] for m in history]
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    assert last > first + 0.05, rewards
+    logged = read_metrics(job / "metrics.jsonl")
+    assert [r["step"] for r in logged] == list(range(40))
+    for mode in ("sample_mean", "token_mean", "prompt_mean", "constant"):
+        assert f"pg_loss/{mode}" in logged[-1]["metrics"]
+        assert sum(logged[-1]["metrics"][f"length_bias/{mode}/{bucket}"]
+                   for bucket in ("short", "middle", "long")) == pytest.approx(1.0)
+    assert unreadable(job / "checkpoints" / "step_00000039") is None
+    assert (job / "final_model" / "config.json").exists()
     # The job's W&B run (offline) holds what metrics.jsonl holds, row by row.
-    [log] = (tmp_path / "job").glob("wandb/offline-run-*/run-*.wandb")
+    [log] = job.glob("wandb/offline-run-*/run-*.wandb")
     assert history_of(finished_run_records(log)) == {
         row["step"]: {k: v for k, v in row["metrics"].items() if v is not None}
-        for row in read_metrics(tmp_path / "job" / "metrics.jsonl")}
-    # Version 0 (the start) in row 0 and the weights after both steps, as the manager
-    # says it held them, in the last row.
-    assert rows[-1]["eval/weight_version"] == 2.0
-    evaluated = read_metrics(tmp_path / "job" / "eval.jsonl")
-    assert [r["step"] for r in evaluated] == [0, 2]
-    assert [r["metrics"]["eval/weight_version"] for r in evaluated] == [0.0, 2.0]
-    assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
+        for row in logged}
+    # Version 0 (the start) in row 0, version 20 in row 20, and the weights after all 40
+    # steps, as the manager says it held them, in the last row.
+    assert history[-1]["eval/weight_version"] == 40.0
+    evaluated = read_metrics(job / "eval.jsonl")
+    assert [r["step"] for r in evaluated] == [0, 20, 40]
+    assert [r["metrics"]["eval/weight_version"] for r in evaluated] == [0.0, 20.0, 40.0]
+    assert 0.0 <= history[-1]["eval/accuracy"] <= 1.0
 
 
 @pytest.mark.slow
