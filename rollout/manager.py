@@ -103,16 +103,31 @@ def _shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def start_engines(config: RolloutConfig, model_path: str,
+                  engine_placement: list[dict[str, Any]] | None = None) -> list[Any]:
+    """The engine actors of ``config.engine``, started (not waited for). A driver calls
+    this itself, beside the manager's own start, when it can: an actor's process start
+    and imports take seconds, and the manager's would otherwise come first."""
+    actor_class = ray.remote(engine_class(config.engine))
+    placement = engine_placement or [{} for _ in range(config.engine.num_engines)]
+    tokenizer_path = config.tokenizer or model_path
+    return [actor_class.options(**{**engine_actor_options(config.engine), **placement[rank]})
+            .remote(config.engine, model_path, tokenizer_path, rank)
+            for rank in range(config.engine.num_engines)]
+
+
 class RolloutManager:
     """Owns the engine actors, the dataset cursor and the reward function."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None,
                  engine_placement: list[dict[str, Any]] | None = None,
-                 engines: list[Any] | None = None) -> None:
+                 engines: list[Any] | None = None, owns_engines: bool | None = None) -> None:
         """engine_placement: per-engine Ray options (e.g. a placement-group bundle) chosen
         by the driver, which knows the whole job's layout; they override the defaults.
-        ``engines``: actors that answer the engine verbs and belong to someone else (the
-        trainer ranks of the colocated fast path); the manager starts none and stops none."""
+        ``engines``: actors that answer the engine verbs, started by the caller (the
+        trainer ranks of the colocated fast path, or :func:`start_engines` run beside
+        this actor's own start); the manager starts none, and stops them only when
+        ``owns_engines`` (default: only the engines it started)."""
         check_engine_available(config)
         self.config = config
         self.seed = config.seed if seed is None else seed
@@ -138,16 +153,9 @@ class RolloutManager:
         self._eval_records: dict[str, list[PromptRecord]] = {}  # held-out sets, loaded once
         self._encoded: dict[int, tuple[int, list[int] | None]] = {}
         """Record index -> (its prompt's full length, the ids it trains on; None: dropped)."""
-        self.owns_engines = engines is None
+        self.owns_engines = engines is None if owns_engines is None else owns_engines
         if engines is None:
-            actor_class = ray.remote(engine_class(config.engine))
-            placement = engine_placement or [{} for _ in range(config.engine.num_engines)]
-            engines = [
-                actor_class.options(**{**engine_actor_options(config.engine),
-                                       **placement[rank]})
-                .remote(config.engine, model_path, tokenizer_path, rank)
-                for rank in range(config.engine.num_engines)
-            ]
+            engines = start_engines(config, model_path, engine_placement)
         self.engines = engines
         ray.get([engine.ping.remote() for engine in self.engines])  # constructor errors here
 

@@ -23,7 +23,7 @@ import torch
 from ray.util.placement_group import remove_placement_group
 
 from rollout.config import RolloutConfig, SyntheticDatasetConfig
-from rollout.manager import RolloutManagerActor
+from rollout.manager import RolloutManagerActor, start_engines
 from rollout.tiny import resolve_model_path
 from services.config import JobConfig
 from services.driver.run_dir import RunDir, data_dir
@@ -131,6 +131,11 @@ def driver_threads() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _kill_all(actors: list[ray.actor.ActorHandle]) -> None:
+    for actor in actors:
+        ray.kill(actor)
+
+
 class JobActors:
     """The running actors of one job and the manager's call path."""
 
@@ -145,9 +150,11 @@ class JobActors:
             manager = RolloutManagerActor.options(runtime_env={"env_vars": QUIET_ENV},
                                                   **gang.manager_options())
             in_process = config.weight_transport() == "in_process"
-            if not in_process:  # the engines load now, while the trainer ranks do
-                self.manager = manager.remote(config.rollout, model_path, None,
-                                              gang.engine_options)
+            if not in_process:  # the engines load now, beside the manager and the ranks
+                engines = start_engines(config.rollout, model_path, gang.engine_options)
+                started.callback(_kill_all, engines)  # the manager's shutdown stops them first
+                self.manager = manager.remote(config.rollout, model_path, None, None,
+                                              engines, True)
                 started.callback(self._stop_manager)
             self.trainer = TrainerGroup(config.trainer, config.objective_config(), model_path,
                                         config.num_optimizer_steps, env_vars=QUIET_ENV,
