@@ -11,10 +11,13 @@ shifts to next-token prediction itself (the log-prob of token t comes from logit
     input_ids          [N, S] int64    prompt then response, right-padded with pad_token_id
     prompt_lengths     [N]    int64    tokens of prompt
     response_lengths   [N]    int64    tokens of response (including EOS when sampled)
-    loss_mask          [N, S] float32  1 on response tokens that count, 0 elsewhere
+    loss_mask          [N, S] float32  m_it in [0, 1] on response tokens (1: counts whole,
+                                       a fraction: counts that much), 0 elsewhere
     rollout_log_probs  [N, S] float32  the engine's log-prob of each response token, 0 elsewhere
     rewards            [N]    float32
-    advantages         [N]    float32  one per sample (broadcast over its tokens)
+    advantages         [N, S] float32  A_it of each response token, 0 elsewhere; a per-sample
+                                       advantage [N] given to the constructor is a row of
+                                       equal values over its response (one code path)
     group_index        [N]    int64    samples of one prompt share it; increases across steps
     old_log_probs      [N, S] float32  optional: the trainer's log-prob of each response token
                                        under the policy at the start of the rollout (set by
@@ -22,7 +25,7 @@ shifts to next-token prediction itself (the log-prob of token t comes from logit
 
 Derived on construction (whole-step metadata of the aggregation contract):
 
-    sample_token_counts [N]  M_i = Σ_t loss_mask[i, t]
+    sample_token_counts [N]  M_i = Σ_t m_it (float64; a whole number for a 0/1 mask)
     group_ids           [P]  the step's distinct group_index values, ascending
     prompt_mask_sums    [P]  T_g = Σ_{i∈g} M_i
 """
@@ -59,7 +62,8 @@ def from_wire(value: Any) -> Any:
 
 
 SPAN_FIELDS = {"input_ids": "sequence", "loss_mask": "response",
-               "rollout_log_probs": "response", "old_log_probs": "response"}
+               "rollout_log_probs": "response", "old_log_probs": "response",
+               "advantages": "response"}
 """[N, S] fields that travel as their rows' spans only (prompt + response, or response),
 when everything outside is the padding value: the demo's rollout of 256 samples is then
 ≈ 40 KB instead of 110, under Ray's 100 KB for objects carried inside a call, so it goes
@@ -155,13 +159,20 @@ class RolloutBatch:
 
     def __post_init__(self) -> None:
         num_samples, seq_len = self.input_ids.shape
+        positions = torch.arange(seq_len)
+        response_span = (positions >= self.prompt_lengths[:, None]) & (
+            positions < (self.prompt_lengths + self.response_lengths)[:, None]
+        )
+        if self.advantages.dim() == 1 and self.advantages.shape == (num_samples,):
+            object.__setattr__(self, "advantages", torch.where(
+                response_span, self.advantages[:, None].to(torch.float32), 0.0))
         for name, shape in (
             ("prompt_lengths", (num_samples,)),
             ("response_lengths", (num_samples,)),
             ("loss_mask", (num_samples, seq_len)),
             ("rollout_log_probs", (num_samples, seq_len)),
             ("rewards", (num_samples,)),
-            ("advantages", (num_samples,)),
+            ("advantages", (num_samples, seq_len)),
             ("group_index", (num_samples,)),
         ):
             actual = tuple(getattr(self, name).shape)
@@ -176,12 +187,11 @@ class RolloutBatch:
                 raise RolloutBatchError(f"{name}: contains NaN or inf")
         if (self.prompt_lengths + self.response_lengths > seq_len).any():
             raise RolloutBatchError("prompt_lengths + response_lengths exceed input_ids width")
-        positions = torch.arange(seq_len)
-        response_span = (positions >= self.prompt_lengths[:, None]) & (
-            positions < (self.prompt_lengths + self.response_lengths)[:, None]
-        )
-        if ((self.loss_mask != 0) & ~response_span).any():
-            raise RolloutBatchError("loss_mask: is non-zero outside the response tokens")
+        for name in ("loss_mask", "advantages"):
+            if ((getattr(self, name) != 0) & ~response_span).any():
+                raise RolloutBatchError(f"{name}: is non-zero outside the response tokens")
+        if ((self.loss_mask < 0) | (self.loss_mask > 1)).any():
+            raise RolloutBatchError("loss_mask: a token's weight m_it must lie in [0, 1]")
 
         # (kind, message) pairs, also when read back from a checkpoint's JSON as lists
         object.__setattr__(self, "events", [(str(k), str(m)) for k, m in self.events])
@@ -195,8 +205,8 @@ class RolloutBatch:
                 f"group_index: group {int(group_ids[g])} has {int(counts[g])} samples, "
                 f"expected {self.samples_per_prompt} (steps hold whole groups)"
             )
-        sample_token_counts = self.loss_mask.sum(dim=-1).to(torch.int64)
-        prompt_mask_sums = torch.zeros(len(group_ids), dtype=torch.int64)
+        sample_token_counts = self.loss_mask.to(torch.float64).sum(dim=-1)
+        prompt_mask_sums = torch.zeros(len(group_ids), dtype=torch.float64)
         prompt_mask_sums.index_add_(0, dense, sample_token_counts)
         object.__setattr__(self, "sample_token_counts", sample_token_counts)
         object.__setattr__(self, "group_ids", group_ids)
@@ -233,7 +243,8 @@ class RolloutBatch:
 
     @property
     def num_valid_tokens(self) -> int:
-        return int(self.sample_token_counts.sum())
+        """Tokens with a weight m_it > 0 (Σ M_i for a 0/1 mask)."""
+        return int((self.loss_mask > 0).sum())
 
     @property
     def sequence_lengths(self) -> torch.Tensor:
@@ -260,7 +271,7 @@ class RolloutBatch:
         response_ids: list[list[int]],
         response_log_probs: list[list[float]],
         rewards: list[float],
-        advantages: list[float],
+        advantages: list[float] | list[list[float]],
         group_index: list[int],
         samples_per_prompt: int,
         pad_token_id: int = 0,
@@ -272,6 +283,7 @@ class RolloutBatch:
 
         response_masks defaults to all response tokens counting (an episode of an
         environment masks its observation tokens with 0: rollout/episodes.py).
+        ``advantages``: one per sample, or one per response token of each sample.
         """
         num_samples = len(prompt_ids)
         for name, values in (
@@ -310,6 +322,19 @@ class RolloutBatch:
         log_probs = torch.zeros(num_samples, seq_len, dtype=torch.float32)
         log_probs[in_response] = torch.tensor([lp for lps in response_log_probs for lp in lps],
                                               dtype=torch.float32)
+        per_token = [isinstance(a, list | tuple) for a in advantages]
+        if any(per_token):
+            for i, response in enumerate(response_ids):
+                if not per_token[i] or len(advantages[i]) != len(response):
+                    raise RolloutBatchError(
+                        f"advantages: sample {i} has "
+                        f"{len(advantages[i]) if per_token[i] else 'one'} advantage(s) for "
+                        f"{len(response)} response tokens (one per token, in every sample)")
+            advantage = torch.zeros(num_samples, seq_len, dtype=torch.float32)
+            advantage[in_response] = torch.tensor([a for adv in advantages for a in adv],
+                                                  dtype=torch.float32)
+        else:
+            advantage = torch.tensor(advantages, dtype=torch.float32)
         return cls(
             input_ids=input_ids,
             prompt_lengths=prompt_lengths,
@@ -317,7 +342,7 @@ class RolloutBatch:
             loss_mask=loss_mask,
             rollout_log_probs=log_probs,
             rewards=torch.tensor(rewards, dtype=torch.float32),
-            advantages=torch.tensor(advantages, dtype=torch.float32),
+            advantages=advantage,
             group_index=torch.tensor(group_index, dtype=torch.int64),
             samples_per_prompt=samples_per_prompt,
             pad_token_id=pad_token_id,

@@ -69,20 +69,32 @@ def _answer(response: httpx.Response) -> dict[str, Any]:
     return response.json()
 
 
-def datum(prompt: Sequence[int], response: Sequence[int], advantage: float = 0.0,
+def datum(prompt: Sequence[int], response: Sequence[int],
+          advantage: float | Sequence[float] = 0.0,
           logprobs: Sequence[float] | None = None, group: int | None = None,
-          temperature: float | None = None) -> dict[str, Any]:
+          temperature: float | None = None,
+          weights: Sequence[float] | None = None) -> dict[str, Any]:
     """One sequence as a Datum: prompt then response, the response's tokens trained
-    (weight 1), ``advantage`` on each of them, ``logprobs`` the sampling log-probs of the
-    response's tokens (one each), ``temperature`` the one they were sampled at (what
+    (weight 1, or ``weights``: one in [0, 1] per response token), ``advantage`` on each of
+    them (one number, or one per response token), ``logprobs`` the sampling log-probs of
+    the response's tokens (one each), ``temperature`` the one they were sampled at (what
     ``sample`` returns with each sequence; the session refuses another than its own)."""
     if not prompt or not response:
         raise ValueError("datum: the prompt and the response need a token each")
     sequence = [*prompt, *response]
     size = len(sequence) - 1
-    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(response)
-    item: dict[str, Any] = {"tokens": sequence[:-1], "targets": sequence[1:],
-                            "weights": weights, "advantages": [advantage] * size}
+    for name, values in (("advantage", advantage), ("weights", weights)):
+        if isinstance(values, Sequence) and len(values) != len(response):
+            raise ValueError(f"datum: {len(values)} {name} values for {len(response)} "
+                             "response tokens")
+    prompt_zeros = [0.0] * (len(prompt) - 1)
+    advantages = (prompt_zeros + [float(a) for a in advantage]
+                  if isinstance(advantage, Sequence) else [float(advantage)] * size)
+    item: dict[str, Any] = {
+        "tokens": sequence[:-1], "targets": sequence[1:],
+        "weights": prompt_zeros + ([float(w) for w in weights] if weights is not None
+                                   else [1.0] * len(response)),
+        "advantages": advantages}
     if logprobs is not None:
         if len(logprobs) != len(response):
             raise ValueError(f"datum: {len(logprobs)} log-probs for {len(response)} "

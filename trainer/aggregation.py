@@ -1,7 +1,8 @@
 r"""Loss aggregation: the one place where per-token losses become the step objective J.
 
 For one optimizer step: N samples from P prompt groups (G samples each). Sample i has
-per-token loss ℓ_it, mask m_it and M_i = Σ_t m_it valid tokens; group g has
+per-token loss ℓ_it, loss weight m_it ∈ [0, 1] (0 or 1 for a plain mask; a fraction weights a
+token partly) and M_i = Σ_t m_it its weight in tokens; group g has
 T_g = Σ_{i∈g} M_i (``prompt_mask_sums``); L is the constant divisor.
 
     sample_mean  J = (1/N) Σ_i (1/M_i) Σ_t m_it ℓ_it          w_it = m_it / (N · M_i)
@@ -134,6 +135,12 @@ def sample_coefficients(
     return per_call / denominator if denominator > 0 else torch.zeros_like(per_call)
 
 
+def _nonzero(counts: torch.Tensor) -> torch.Tensor:
+    """The counts with 0 replaced by 1, so 1 / counts stays finite where ``torch.where``
+    discards it. Not a clamp: M_i of fractional weights may lie in (0, 1)."""
+    return torch.where(counts > 0, counts, torch.ones_like(counts))
+
+
 def call_coefficients(
     sample_token_counts: torch.Tensor,
     group_index: torch.Tensor,
@@ -149,7 +156,7 @@ def call_coefficients(
     counts = sample_token_counts.to(torch.float64)
     num_samples = counts.shape[0]
     if mode == "sample_mean":
-        return torch.where(counts > 0, 1.0 / counts.clamp(min=1), 0.0), float(num_samples)
+        return torch.where(counts > 0, 1.0 / _nonzero(counts), 0.0), float(num_samples)
     if mode == "token_mean":
         return torch.ones_like(counts), float(counts.sum())
     if mode == "prompt_mean":
@@ -157,7 +164,7 @@ def call_coefficients(
         totals = torch.zeros(num_prompts, dtype=torch.float64, device=counts.device)
         totals.index_add_(0, dense.to(counts.device), counts)
         group_totals = totals[dense]
-        return (torch.where(group_totals > 0, 1.0 / group_totals.clamp(min=1), 0.0),
+        return (torch.where(group_totals > 0, 1.0 / _nonzero(group_totals), 0.0),
                 float(num_prompts))
     if mode == "constant":
         if divisor is None or not divisor > 0:

@@ -199,7 +199,8 @@ def micro_batch_objective(
     with torch.no_grad():
         mismatch = torch.where(mask > 0, token.log_probs - micro.rollout_log_probs, 0.0)
         sums = torch.stack([
-            pg_sum, kl_sum, entropy_sum, pg.clipped.sum(), mask.sum(), mismatch.abs().sum(),
+            pg_sum, kl_sum, entropy_sum, (pg.clipped * mask).sum(), mask.sum(),
+            (mismatch.abs() * mask).sum(),
             ((pg.ratio - 1).abs() * mask).sum(),
             *[local_weighted_sum(value.abs(), weights[term].abs()) for term, value in
               (("pg", pg.pg_loss), ("kl", kl), ("entropy", token.entropy))],

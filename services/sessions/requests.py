@@ -2,8 +2,10 @@
 
 A ``Datum`` is one sequence the Tinker way: ``tokens`` (the model's input), ``targets``
 (the next token at each position: ``targets[t] == tokens[t + 1]``) and ``weights`` (the
-loss mask, 0 on prompt and environment tokens, 1 on the tokens the loss trains), with
-``advantages`` and sampling ``logprobs`` per target when the loss needs them. Pydantic
+loss weight m_t of each target in [0, 1]: 0 on prompt and environment tokens, 1 on the
+tokens the loss trains, a fraction to train a token partly; M = Σ_t m_t is the sample's
+size in tokens for every mode), with ``advantages`` (one per target, free to differ from
+token to token) and sampling ``logprobs`` per target when the loss needs them. Pydantic
 checks each field's type; :func:`check_data` checks what needs the whole datum or the
 model (lengths, the vocabulary, groups), each problem named ``data[i].field[t]``.
 A datum becomes one sample of a ``RolloutBatch`` (:func:`call_batch`): the sequence is
@@ -153,10 +155,12 @@ def _datum_problems(i: int, datum: Datum, vocab_size: int, loss_fn: LossFn) -> l
     for name, ids in (("tokens", datum.tokens), ("targets", datum.targets)):
         if (problem := vocabulary_problem(f"data[{i}].{name}", ids, vocab_size)) is not None:
             problems.append(problem)
-    bad = next((t for t, w in enumerate(datum.weights) if w not in (0.0, 1.0)), None)
+    bad = next((t for t, w in enumerate(datum.weights)
+                if not (math.isfinite(w) and 0.0 <= w <= 1.0)), None)
     if bad is not None:
-        problems.append((f"data[{i}].weights[{bad}]", f"is {datum.weights[bad]}; weights are "
-                         "the loss mask, 0 or 1 (scale a token's loss with its advantage)"))
+        problems.append((f"data[{i}].weights[{bad}]", f"is {datum.weights[bad]}; a weight is "
+                         "the token's share of the loss, in [0, 1] (scale a token's loss "
+                         "with its advantage)"))
     bad = next((t for t in range(len(datum.tokens) - 1)
                 if datum.targets[t] != datum.tokens[t + 1]), None)
     if bad is not None:
@@ -168,15 +172,8 @@ def _datum_problems(i: int, datum: Datum, vocab_size: int, loss_fn: LossFn) -> l
         bad = next((t for t, v in enumerate(values) if not math.isfinite(v)), None)
         if bad is not None:
             problems.append((f"data[{i}].{name}[{bad}]", f"is {values[bad]}; must be finite"))
-    if loss_fn in NEEDS_ADVANTAGES:
-        if datum.advantages is None:
-            problems.append((f"data[{i}].advantages", f"required by loss_fn {loss_fn}"))
-        else:
-            weighted = {a for a, w in zip(datum.advantages, datum.weights, strict=True) if w}
-            if len(weighted) > 1:
-                problems.append((f"data[{i}].advantages", "must be one value on every "
-                                 f"weighted token (one advantage per sample), got "
-                                 f"{min(weighted)} … {max(weighted)}"))
+    if loss_fn in NEEDS_ADVANTAGES and datum.advantages is None:
+        problems.append((f"data[{i}].advantages", f"required by loss_fn {loss_fn}"))
     if loss_fn in NEEDS_LOGPROBS and datum.logprobs is None:
         problems.append((f"data[{i}].logprobs",
                          f"required by loss_fn {loss_fn} (the sampling log-probs)"))
@@ -242,19 +239,21 @@ def call_batch(data: list[Datum], mode: str, pad_token_id: int = 0,
     ids = torch.full((len(data), width), pad_token_id, dtype=torch.int64)
     mask = torch.zeros(len(data), width)
     sampled = torch.zeros(len(data), width)
-    prompt_lengths, response_lengths, advantages = [], [], []
+    advantages = torch.zeros(len(data), width)
+    prompt_lengths, response_lengths = [], []
     for i, datum in enumerate(data):
         size = len(datum.tokens)
         ids[i, :size + 1] = torch.tensor([*datum.tokens, datum.targets[-1]])
         mask[i, 1:size + 1] = 1.0 if full_mask else torch.tensor(datum.weights)
         if datum.logprobs is not None:
             sampled[i, 1:size + 1] = torch.tensor(datum.logprobs)
+        if datum.advantages is not None and not full_mask:
+            advantages[i, 1:size + 1] = torch.tensor(datum.advantages)
         weighted = mask[i].nonzero().flatten().tolist()
         start = weighted[0] if weighted else size
         prompt_lengths.append(start)
         response_lengths.append(size + 1 - start)
-        advantages.append(datum.advantages[start - 1]
-                          if datum.advantages is not None and weighted else 0.0)
+        advantages[i, :start] = 0.0  # the prompt's: no loss is taken there
     sampled = sampled * (mask > 0)
     if mode == "prompt_mean" and not full_mask:
         groups = [d.group for d in data]
@@ -267,7 +266,7 @@ def call_batch(data: list[Datum], mode: str, pad_token_id: int = 0,
         input_ids=ids, prompt_lengths=torch.tensor(prompt_lengths),
         response_lengths=torch.tensor(response_lengths), loss_mask=mask,
         rollout_log_probs=sampled, rewards=torch.zeros(len(data)),
-        advantages=torch.tensor(advantages, dtype=torch.float32), group_index=group_index,
+        advantages=advantages, group_index=group_index,
         samples_per_prompt=group_size, pad_token_id=pad_token_id)
 
 

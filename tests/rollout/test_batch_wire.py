@@ -62,7 +62,7 @@ def test_the_padded_fields_travel_as_their_spans_and_a_stray_value_sends_a_field
     wide = dataclasses.replace(batch, input_ids=torch.nn.functional.pad(
         batch.input_ids, (0, 60), value=batch.pad_token_id),
         **{name: torch.nn.functional.pad(getattr(batch, name), (0, 60))
-           for name in ("loss_mask", "rollout_log_probs", "old_log_probs")})
+           for name in ("loss_mask", "rollout_log_probs", "old_log_probs", "advantages")})
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(wide, protocol=5, buffer_callback=buffers.append)
     dense = sum(t.numel() * t.element_size() for t in vars(wide).values()

@@ -72,17 +72,21 @@ def shared_dp2(controller: ControllerProcess) -> Iterator:
 
 def random_data(num_samples: int, seed: int) -> list[dict]:
     """Sequences of 5–14 tokens: a prompt, then response tokens with a hole (an
-    observation) in some, sampling log-probs, and one advantage per sample; groups of 4."""
+    observation) in some and fractional weights on others, sampling log-probs, and an
+    advantage per token (a per-sample one in some); groups of 4."""
     rng = random.Random(seed)
     data = []
     for i in range(num_samples):
         size, prompt = rng.randint(5, 14), rng.randint(2, 4)
         sequence = [rng.randrange(VOCAB) for _ in range(size + 1)]
-        weights = [0.0] * (prompt - 1) + [1.0] * (size - prompt + 1)
+        weights = [0.0] * (prompt - 1) + [rng.choice([1.0, 1.0, 0.5, 0.25])
+                                          for _ in range(size - prompt + 1)]
         if rng.random() < 0.4 and size - prompt > 2:
             weights[prompt + 1] = 0.0
+        advantages = ([round(rng.gauss(0, 1), 3)] * size if i % 3 == 0
+                      else [round(rng.gauss(0, 1), 3) for _ in range(size)])
         data.append({"tokens": sequence[:-1], "targets": sequence[1:], "weights": weights,
-                     "advantages": [round(rng.gauss(0, 1), 3)] * size,
+                     "advantages": advantages,
                      "logprobs": [-round(rng.uniform(0.5, 5), 3) for _ in range(size)],
                      "group": i // GROUP})
     return data

@@ -8,8 +8,10 @@ from rollout.batch import RolloutBatch
 
 
 def random_train_batch(vocab_size: int, num_prompts: int = 3, group_size: int = 2,
-                       seed: int = 0, first_group: int = 0) -> RolloutBatch:
-    """Groups with uneven prompt and response lengths (one empty-mask sample)."""
+                       seed: int = 0, first_group: int = 0, per_token: bool = False
+                       ) -> RolloutBatch:
+    """Groups with uneven prompt and response lengths (one empty-mask sample).
+    ``per_token``: an advantage per token and fractional weights m_it (1, 0.5 or 0.25)."""
     gen = torch.Generator().manual_seed(seed)
     prompts, responses, log_probs, masks, groups = [], [], [], [], []
     for g in range(num_prompts):
@@ -20,14 +22,15 @@ def random_train_batch(vocab_size: int, num_prompts: int = 3, group_size: int = 
             prompts.append(prompt)
             responses.append(torch.randint(3, vocab_size, (length,), generator=gen).tolist())
             log_probs.append((-torch.rand(length, generator=gen) * 3).tolist())
-            masks.append([1] * length)
+            masks.append(torch.tensor([1.0, 0.5, 0.25])[torch.randint(
+                0, 3, (length,), generator=gen)].tolist() if per_token else [1] * length)
             groups.append(first_group + g)
     masks[1] = [0] * len(masks[1])  # a sample with no valid token still counts in N
     rewards = torch.rand(len(prompts), generator=gen)
-    advantages = rewards - rewards.mean()
+    advantages = ([torch.randn(len(r), generator=gen).tolist() for r in responses]
+                  if per_token else (rewards - rewards.mean()).tolist())
     return RolloutBatch.from_samples(prompts, responses, log_probs, rewards.tolist(),
-                                   advantages.tolist(), groups, group_size,
-                                   response_masks=masks)
+                                   advantages, groups, group_size, response_masks=masks)
 
 
 def sampled_train_batch(model_path: str, temperature: float, num_prompts: int = 4,

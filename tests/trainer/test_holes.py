@@ -44,12 +44,15 @@ MODE_NAMES = [MODE_METRIC_PREFIX + mode for mode in AGGREGATION_MODES]
 
 
 def multi_turn_batch(vocab_size: int, num_prompts: int = 4, group_size: int = 2,
-                     seed: int = 0) -> tuple[RolloutBatch, list[list[int]]]:
+                     seed: int = 0, per_token: bool = False
+                     ) -> tuple[RolloutBatch, list[list[float]]]:
     """Whole groups of multi-turn responses with uneven lengths: 1–3 actions of 1–4
     tokens, an observation of 1–3 tokens (mask 0, rollout log-prob 0) between two
     actions; sample 0 has three actions, sample 1 only an observation (no valid token),
-    sample 2 ends on an observation (after its last action: not a hole). Returns the
-    batch and each response's mask."""
+    sample 2 ends on an observation (after its last action: not a hole). ``per_token``:
+    action tokens weighted 1, 0.5 or 0.25 (fractional m_it) and an advantage per token
+    (differing within a sample, values at the holes too), else 1 and one per sample.
+    Returns the batch and each response's mask."""
     gen = torch.Generator().manual_seed(seed)
 
     def randint(low: int, high: int) -> int:
@@ -61,20 +64,24 @@ def multi_turn_batch(vocab_size: int, num_prompts: int = 4, group_size: int = 2,
         for _ in range(group_size):
             i = len(prompts)
             num_actions = 3 if i == 0 else 0 if i == 1 else randint(1, 3)
-            mask: list[int] = []
+            mask: list[float] = []
             for a in range(num_actions):
-                mask += [0] * (randint(1, 3) if a else 0) + [1] * randint(1, 4)
+                mask += [0.0] * (randint(1, 3) if a else 0) + [
+                    (1.0, 0.5, 0.25)[randint(0, 2)] if per_token else 1.0
+                    for _ in range(randint(1, 4))]
             if i in (1, 2):
-                mask += [0] * randint(2, 3)
+                mask += [0.0] * randint(2, 3)
             prompts.append(prompt)
             responses.append(torch.randint(3, vocab_size, (len(mask),), generator=gen).tolist())
-            log_probs.append([-float(torch.rand(1, generator=gen)) * 3 * m for m in mask])
+            log_probs.append([-float(torch.rand(1, generator=gen)) * 3 * (m > 0)
+                              for m in mask])
             masks.append(mask)
             groups.append(g)
     rewards = torch.rand(len(prompts), generator=gen)
+    advantages = ([(torch.randn(len(r), generator=gen)).tolist() for r in responses]
+                  if per_token else (rewards - rewards.mean()).tolist())
     batch = RolloutBatch.from_samples(prompts, responses, log_probs, rewards.tolist(),
-                                      (rewards - rewards.mean()).tolist(), groups, group_size,
-                                      response_masks=masks)
+                                      advantages, groups, group_size, response_masks=masks)
     return batch, masks
 
 
@@ -89,7 +96,7 @@ def test_token_counts_and_weights_count_actions_only() -> None:
     """M_i is the sample's action tokens, T_g its group's, and each mode's coefficient is
     built from them; the holes are the observation tokens between two actions."""
     batch, masks = multi_turn_batch(vocab_size=50)
-    actions = torch.tensor([sum(m) for m in masks])
+    actions = torch.tensor([sum(m) for m in masks], dtype=torch.float64)
     assert int(actions[1]) == 0 and len(masks[0]) > int(actions[0])  # the test's premises
     assert torch.equal(batch.sample_token_counts, actions)
     assert torch.equal(batch.prompt_mask_sums, actions.view(-1, 2).sum(-1))
@@ -125,7 +132,7 @@ def _with_policy(batch: RolloutBatch, seed: int = 1) -> RolloutBatch:
     actions, a value of its own (≠ 0) on every other response token, holes included."""
     gen = torch.Generator().manual_seed(seed)
     noise = torch.rand(batch.loss_mask.shape, generator=gen)
-    response = batch.rollout_log_probs != 0
+    response = batch.loss_mask > 0
     policy = torch.where(response, batch.rollout_log_probs + 0.4 * (noise - 0.5), -0.5 - noise)
     return batch.with_old_log_probs(policy)
 
@@ -135,7 +142,7 @@ def _oracle(batch: RolloutBatch, objective: ObjectiveConfig) -> dict[str, float]
     float64, on the whole [N, S] batch."""
     policy, mask = batch.old_log_probs.double(), batch.loss_mask
     pg = policy_gradient_loss(policy, batch.rollout_log_probs.double(),
-                              batch.advantages.double()[:, None], LOSS, mask).pg_loss
+                              batch.advantages.double(), LOSS, mask).pg_loss
     kl = kl_penalty(policy, 0.8 * policy - 0.1, LOSS.kl_estimator, mask)
     entropy = 1.5 + 0.25 * policy
 
@@ -168,19 +175,23 @@ def _layout_sums(batch: RolloutBatch, objective: ObjectiveConfig, dp: int, cp: i
 LAYOUTS = [(dp, cp, packed) for dp in (1, 2, 3) for cp in (1, 2) for packed in (True, False)]
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_every_layout_and_update_gives_the_float64_oracle_with_holes(
-        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        mode: str, per_token: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every pg mode (KL under prompt_mean, entropy under token_mean), every update of a
     2-step × 2-epoch rollout and DP 1–3 × CP 1–2, packed and padded: the objective's
     logged J of each term, summed over micro-batches and shards, is the formulas' on the
     whole mini-batch, with a policy whose values at the holes are not 0 (as a backend
-    that computes every position gives); planting ``observation_tokens`` moves them."""
+    that computes every position gives), for one advantage per sample and for advantages
+    that differ per token with fractional weights m_it (M_i = Σ_t m_it); planting
+    ``observation_tokens`` moves them."""
     monkeypatch.delenv(PLANTED_ERROR_ENV, raising=False)
     objective = ObjectiveConfig.compose(
         AggregationConfig(mode=mode, divisor=5.0 if mode == "constant" else None), LOSS,
         MAX_RESPONSE_LEN, 0.7)
-    batch, _ = multi_turn_batch(vocab_size=50, num_prompts=6, group_size=2, seed=2)
+    batch, _ = multi_turn_batch(vocab_size=50, num_prompts=6, group_size=2, seed=2,
+                                per_token=per_token)
     updates = rollout_updates(batch, samples_per_step=6, num_epochs=2, seed=0,
                               rollout_index=0)
     assert len(updates) == 4

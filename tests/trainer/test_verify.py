@@ -57,7 +57,8 @@ def test_every_update_of_a_rollout_matches_across_layouts(ray_cluster: None, tin
     """2 optimizer steps per rollout × 2 epochs: each update's J and ∇J (pg, KL, entropy)
     on its own mini-batch equal padded DP=1's under packed DP=2 and CP=2 with several rows
     per rank (some samples longer than a row), with the rollout's old log-probs and real
-    steps in between. Two modes, the two whose normaliser a mini-batch cuts: token_mean
+    steps in between, with advantages that differ per token and fractional weights m_it.
+    Two modes, the two whose normaliser a mini-batch cuts: token_mean
     (the mini-batch's tokens over all ranks) and prompt_mean (its groups); every mode's
     weighting under each layout is checked on one update by the README's command
     (tests/services/test_cli.py) and the planted-error run."""
@@ -66,7 +67,7 @@ def test_every_update_of_a_rollout_matches_across_layouts(ray_cluster: None, tin
     from trainer.mini_batches import rollout_updates
 
     rollout = random_train_batch(AutoConfig.from_pretrained(tiny_model).vocab_size,
-                                 num_prompts=8, group_size=2, seed=3)
+                                 num_prompts=8, group_size=2, seed=3, per_token=True)
     updates = rollout_updates(rollout, samples_per_step=8, num_epochs=2, seed=0,
                               rollout_index=0)
     assert len(updates) == 4

@@ -33,12 +33,14 @@ from trainer.checkpoint import (
 
 
 def rollout(first_group: int) -> RolloutBatch:
+    """A rollout with advantages that differ per token and fractional weights."""
     batch = RolloutBatch.from_samples(
         prompt_ids=[[1, 2], [1, 2], [3], [3]], response_ids=[[4, 5], [6], [7, 8, 9], [2]],
         response_log_probs=[[-0.5, -1.25], [-2.0], [-0.1, -0.2, -0.3], [-4.0]],
-        rewards=[1.0, 0.0, 0.5, 0.25], advantages=[0.5, -0.5, 0.125, -0.125],
+        rewards=[1.0, 0.0, 0.5, 0.25],
+        advantages=[[0.5, 0.25], [-0.5], [0.125, 3.0, -1.5], [-0.125]],
         group_index=[first_group] * 2 + [first_group + 1] * 2, samples_per_prompt=2,
-        pad_token_id=0, response_masks=[[1, 1], [1], [1, 0, 1], [0]],
+        pad_token_id=0, response_masks=[[1, 0.5], [1], [1, 0, 0.25], [0]],
         metadata={"rollout/weight_version": 3.0, "rollout/gen_start_time": 1.7e9},
         events=[("environment_failed", "rollout step 4: Game.step: ValueError: x")])
     return batch.with_old_log_probs(torch.randn(batch.input_ids.shape))

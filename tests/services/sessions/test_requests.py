@@ -68,10 +68,12 @@ def test_token_ids_outside_the_vocabulary_name_their_position() -> None:
                                                       "data[1].targets[2]"]
 
 
-def test_a_weight_other_than_0_or_1_names_its_position() -> None:
-    problems = check_data(request(make_datum(weights=[0.0, 1.0, 0.5, 0.0, 1.0])), VOCAB)
-    assert [f for f, _ in problems] == ["data[0].weights[2]"]
-    assert "0 or 1" in problems[0][1]
+def test_a_weight_outside_0_to_1_names_its_position_and_a_fraction_is_accepted() -> None:
+    assert check_data(request(make_datum(weights=[0.0, 1.0, 0.5, 0.0, 0.25])), VOCAB) == []
+    for bad in (1.5, -0.25, float("nan"), float("inf")):
+        problems = check_data(request(make_datum(weights=[0.0, 1.0, bad, 0.0, 1.0])), VOCAB)
+        assert [f for f, _ in problems] == ["data[0].weights[2]"]
+        assert "in [0, 1]" in problems[0][1]
 
 
 def test_targets_that_are_not_the_next_tokens_name_the_first_wrong_one() -> None:
@@ -89,13 +91,12 @@ def test_advantages_and_logprobs_are_required_by_the_losses_that_read_them(
     assert fields_of(request(make_datum(), bare, loss_fn="cross_entropy")) == []
 
 
-def test_advantages_must_be_one_value_on_the_weighted_tokens() -> None:
-    # make_datum's advantages already differ on unweighted tokens (0 and −9): allowed
-    uneven = make_datum(advantages=[0.0, 0.75, 0.5, 0.75, 0.75])
-    problems = check_data(request(make_datum(), uneven), VOCAB)
-    assert [f for f, _ in problems] == ["data[1].advantages"]
-    assert "0.5 … 0.75" in problems[0][1]
-    assert fields_of(request(make_datum(), uneven, loss_fn="cross_entropy")) == []
+def test_advantages_may_differ_per_token_and_a_wrong_count_names_the_field() -> None:
+    per_token = make_datum(advantages=[0.0, 0.75, 0.5, -1.0, 2.0])
+    assert check_data(request(make_datum(), per_token), VOCAB) == []
+    short = make_datum(advantages=[0.75, 0.5])
+    assert check_data(request(make_datum(), short), VOCAB) == [
+        ("data[1].advantages", "has 2 values; tokens has 5")]
 
 
 def grouped(*groups: int | None) -> list[dict]:
@@ -156,9 +157,11 @@ def test_a_datum_becomes_one_sample_with_target_t_at_position_t_plus_1(full_mask
         first = next((t + 1 for t, w in enumerate(weights) if w), size)
         assert int(batch.prompt_lengths[i]) == first
         assert int(batch.prompt_lengths[i] + batch.response_lengths[i]) == size + 1
-    if not full_mask:
-        # the advantage of the weighted targets (make_datum's differ elsewhere); 0 without
-        assert batch.advantages.tolist() == [0.75, -2.0, 0.0, 1.0]
+    # each target's advantage at position t + 1, over the response (from the first weighted
+    # target on: make_datum's 0.0 before it is the prompt's); 0 without advantages
+    expected = [[0.0, 0.0, 0.75, 0.75, -9.0, 0.75], [0.0, -2.0, -2.0, 0.0, 0.0, 0.0],
+                [0.0] * 6, [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]
+    assert batch.advantages.tolist() == ([[0.0] * 6] * 4 if full_mask else expected)
 
 
 def test_groups_are_dense_per_call_under_prompt_mean_only() -> None:
@@ -192,3 +195,20 @@ def test_models_refuse_unknown_fields_and_a_misplaced_divisor() -> None:
     with pytest.raises(ValidationError, match="divisor: only mode constant takes one"):
         Aggregation(mode="token_mean", divisor=2.0)
     assert Aggregation(mode="constant", divisor=2.0).divisor == 2.0
+
+
+def test_the_client_datum_carries_per_token_advantages_and_fractional_weights() -> None:
+    from services.training_client import datum
+
+    item = datum([5, 6], [7, 8, 9], advantage=[0.5, -1.0, 2.0], logprobs=[-1.0, -2.0, -3.0],
+                 weights=[1.0, 0.25, 0.5])
+    assert item["weights"] == [0.0, 1.0, 0.25, 0.5]
+    assert item["advantages"] == [0.0, 0.5, -1.0, 2.0]
+    assert check_data(request(item), VOCAB) == []
+    batch = call_batch([Datum.model_validate(item)], "token_mean")
+    assert batch.loss_mask.tolist() == [[0.0, 0.0, 1.0, 0.25, 0.5]]
+    assert batch.advantages.tolist() == [[0.0, 0.0, 0.5, -1.0, 2.0]]
+    assert batch.sample_token_counts.tolist() == [1.75]  # M = Σ m, fractions included
+    assert datum([5, 6], [7, 8], advantage=0.5)["advantages"] == [0.5, 0.5, 0.5]
+    with pytest.raises(ValueError, match="2 advantage values for 3 response tokens"):
+        datum([5], [7, 8, 9], advantage=[1.0, 2.0])
