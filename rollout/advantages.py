@@ -12,6 +12,18 @@ Sample i of group g has reward r_i; μ_g and σ_g are the mean and standard devi
 
 A group whose rewards are all equal has A_i = 0 under grpo: it carries no signal, which
 is why dynamic sampling drops such groups.
+
+On-policy distillation (a teacher, rollout/teacher.py) gives each sampled token y_t of a
+response its own advantage from the teacher's and the sampling policy's log-probs of it
+(both at the sampling temperature), c = the teacher's ``coef``:
+
+    distill       A_it = c · (log π_teacher(y_t) − log π_old(y_t))   on tokens with m_it > 0
+
+Its expectation over y_t ~ π_old is −c · KL(π_old ‖ π_teacher) at that position: the
+policy gradient on it descends the reverse KL, token by token (GKD, arXiv 2306.13649).
+With ``rollout.teacher`` beside a task type it is added to the task's per-sample A_i;
+under ``advantage.type: distill`` it is the whole advantage. ``distill/reverse_kl`` logs
+the estimate Σ m (log π_old − log π_teacher) / Σ m over the rollout's tokens.
 """
 
 from __future__ import annotations
@@ -60,7 +72,8 @@ def reinforce_pp_advantages(
 def compute_advantages(
     rewards: torch.Tensor, group_index: torch.Tensor, config: AdvantageConfig
 ) -> torch.Tensor:
-    """Advantages [N] of the configured estimator for rewards [N] and group_index [N]."""
+    """Advantages [N] of the configured estimator for rewards [N] and group_index [N]
+    (type distill: 0, the teacher's per-token advantage comes on top, rollout/manager)."""
     if rewards.shape != group_index.shape or rewards.dim() != 1:
         raise ValueError(
             f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} "
@@ -70,4 +83,26 @@ def compute_advantages(
         return grpo_advantages(rewards, group_index, config.normalize_std, config.eps)
     if config.type == "reinforce_pp":
         return reinforce_pp_advantages(rewards, group_index, config.eps)
+    if config.type == "distill":  # the teacher's per-token advantage is all of it
+        return torch.zeros_like(rewards, dtype=torch.float32)
     return rewards.to(torch.float32).clone()
+
+
+def distill_advantages(teacher_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                       loss_mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """A_it = coef · (log π_teacher − log π_old) [N, S] where m_it > 0, else 0 (module
+    docstring); every argument [N, S], aligned with the batch's ``input_ids``."""
+    gap = teacher_log_probs.to(torch.float64) - old_log_probs.to(torch.float64)
+    return torch.where(loss_mask > 0, coef * gap, 0.0).to(torch.float32)
+
+
+def reverse_kl(teacher_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+               loss_mask: torch.Tensor) -> float:
+    """The sampled estimate of KL(π_old ‖ π_teacher) per token: Σ m (log π_old −
+    log π_teacher) / Σ m (0 without a weighted token)."""
+    weights = loss_mask.to(torch.float64)
+    total = float(weights.sum())
+    if total == 0:
+        return 0.0
+    gap = old_log_probs.to(torch.float64) - teacher_log_probs.to(torch.float64)
+    return float((weights * gap).sum()) / total

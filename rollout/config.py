@@ -315,22 +315,63 @@ class RewardConfig(BaseModel):
 
 
 class AdvantageConfig(BaseModel):
-    """How rewards become per-sample advantages (see rollout/advantages.py)."""
+    """How rewards become advantages (see rollout/advantages.py)."""
 
     model_config = _FROZEN
 
-    type: Literal["grpo", "reinforce_pp", "reward"] = "grpo"
-    """grpo (group baseline), reinforce_pp (group baseline + batch whitening) or reward."""
+    type: Literal["grpo", "reinforce_pp", "reward", "distill"] = "grpo"
+    """grpo (group baseline), reinforce_pp (group baseline + batch whitening), reward, or
+    distill (on-policy distillation: each token's advantage is coef · (log π_teacher −
+    log π_old) of the sampled token, the reverse KL to ``teacher``; rewards are still
+    scored and logged, but do not train)."""
     normalize_std: bool = True
     """grpo only: divide by the group's reward std; False is Dr. GRPO."""
     eps: float = Field(default=1e-6, gt=0.0)
     """Added to every std divisor."""
+    teacher: str | None = None
+    """distill only: the teacher model (as ``rollout.model``: a local Hugging Face folder,
+    ``tiny`` or ``smollm2-135m-instruct``); its tokenizer must be the policy's."""
+    coef: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    """distill only: the scale of the per-token reverse-KL advantage."""
 
     @model_validator(mode="after")
     def _normalize_std_is_grpo(self) -> AdvantageConfig:
         if "normalize_std" in self.model_fields_set and self.type != "grpo":
             raise ValueError(f"normalize_std: only applies to type=grpo, not type={self.type}")
         return self
+
+    @model_validator(mode="after")
+    def _teacher_is_distill(self) -> AdvantageConfig:
+        if self.type == "distill" and self.teacher is None:
+            raise ValueError("teacher: type distill needs a teacher model")
+        for name in ("teacher", "coef"):
+            if name in self.model_fields_set and self.type != "distill":
+                raise ValueError(f"{name}: only applies to type=distill, not type={self.type}"
+                                 " (a teacher beside another type: rollout.teacher)")
+        return self
+
+
+class TeacherConfig(BaseModel):
+    """A teacher model scoring the sampled tokens (on-policy distillation, rollout/
+    teacher.py): its log-probs of each response token, in teacher actors of the job."""
+
+    model_config = _FROZEN
+
+    model: str
+    """As ``rollout.model``: a local Hugging Face folder, ``tiny`` or
+    ``smollm2-135m-instruct``; its tokenizer must be the policy's (the tokens are shared)."""
+    coef: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    """The per-token advantage added to the task's: coef · (log π_teacher − log π_old)."""
+    num_actors: int = Field(default=1, ge=1)
+    """Teacher actors; a rollout's samples are split between them."""
+    num_cpus: float = Field(default=1.0, ge=0.0)
+    """CPUs of each teacher actor (its bundle in the job's placement group)."""
+    num_gpus: float = Field(default=0.0, ge=0.0)
+    """GPUs of each teacher actor."""
+    batch_size: int = Field(default=32, ge=1)
+    """Samples per teacher forward pass."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The teacher's compute dtype; auto: float32 on CPU, bfloat16 on a GPU."""
 
 
 class DynamicSamplingConfig(BaseModel):
@@ -410,6 +451,10 @@ class RolloutConfig(BaseModel):
     """How responses are scored."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     """How rewards become advantages."""
+    teacher: TeacherConfig | None = None
+    """A teacher whose per-token reverse KL is added to the advantages of any type
+    (on-policy distillation beside a task reward; ``advantage.type: distill`` is the
+    teacher alone)."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     """DAPO-style filtering of groups without reward spread."""
     environment: EnvironmentConfig | None = None
@@ -474,6 +519,22 @@ class RolloutConfig(BaseModel):
                 "never has reward spread)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_teacher(self) -> RolloutConfig:
+        if self.teacher is not None and self.advantage.type == "distill":
+            raise ValueError("teacher: advantage.type distill names its own teacher "
+                             "(advantage.teacher); rollout.teacher adds one to another type")
+        return self
+
+    @property
+    def distillation(self) -> TeacherConfig | None:
+        """The job's teacher: ``rollout.teacher``, or ``advantage.teacher`` of type
+        distill (with its coef); None without one."""
+        if self.advantage.type == "distill":
+            assert self.advantage.teacher is not None
+            return TeacherConfig(model=self.advantage.teacher, coef=self.advantage.coef)
+        return self.teacher
 
     @model_validator(mode="after")
     def _environment_keeps_every_episode(self) -> RolloutConfig:

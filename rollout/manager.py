@@ -16,6 +16,7 @@ object store), or in-process inside a Ray driver.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Mapping
@@ -25,9 +26,9 @@ from typing import Any
 import ray
 import torch
 
-from rollout.advantages import compute_advantages
-from rollout.batch import RolloutBatch
-from rollout.config import DatasetConfig, RolloutConfig, SamplingConfig
+from rollout.advantages import compute_advantages, distill_advantages, reverse_kl
+from rollout.batch import RolloutBatch, from_wire
+from rollout.config import DatasetConfig, RolloutConfig, SamplingConfig, TeacherConfig
 from rollout.cursor import PromptCursor
 from rollout.datasets import PromptRecord, load_prompt_dataset
 from rollout.dynamic_sampling import split_by_spread
@@ -37,6 +38,7 @@ from rollout.episodes import EnvironmentFailures, Episode, run_episodes
 from rollout.plugins import load_object
 from rollout.prompts import PromptTooLong, fit_prompt
 from rollout.rewards import RewardScorer, check_error_rate
+from rollout.teacher import Teacher
 from rollout.token_budget import model_context, prompt_budget
 from rollout.tokenizer import decode_responses, encode_prompt, encode_prompts, load_tokenizer
 from rollout.turns import TurnFormat
@@ -116,18 +118,34 @@ def start_engines(config: RolloutConfig, model_path: str,
             for rank in range(config.engine.num_engines)]
 
 
+def start_teachers(config: TeacherConfig, model_path: str,
+                   placement: list[dict[str, Any]] | None = None) -> list[Any]:
+    """The teacher actors of ``config`` (rollout/teacher.py), started (not waited for);
+    ``placement``: per-actor Ray options (a bundle of the job's placement group)."""
+    actor_class = ray.remote(Teacher)
+    placement = placement or [{} for _ in range(config.num_actors)]
+    return [actor_class.options(num_cpus=config.num_cpus, num_gpus=config.num_gpus,
+                                **placement[rank])
+            .remote(config, model_path, max(1, int(config.num_cpus)))
+            for rank in range(config.num_actors)]
+
+
 class RolloutManager:
     """Owns the engine actors, the dataset cursor and the reward function."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None,
                  engine_placement: list[dict[str, Any]] | None = None,
-                 engines: list[Any] | None = None, owns_engines: bool | None = None) -> None:
+                 engines: list[Any] | None = None, owns_engines: bool | None = None,
+                 teachers: list[Any] | None = None) -> None:
         """engine_placement: per-engine Ray options (e.g. a placement-group bundle) chosen
         by the driver, which knows the whole job's layout; they override the defaults.
         ``engines``: actors that answer the engine verbs, started by the caller (the
         trainer ranks of the colocated fast path, or :func:`start_engines` run beside
         this actor's own start); the manager starts none, and stops them only when
-        ``owns_engines`` (default: only the engines it started)."""
+        ``owns_engines`` (default: only the engines it started). ``teachers``: the
+        teacher actors of ``config.distillation`` (:func:`start_teachers`, placed by the
+        driver), which the manager stops; None: it starts its own when there is a
+        teacher."""
         check_engine_available(config)
         self.config = config
         self.seed = config.seed if seed is None else seed
@@ -157,7 +175,14 @@ class RolloutManager:
         if engines is None:
             engines = start_engines(config, model_path, engine_placement)
         self.engines = engines
-        ray.get([engine.ping.remote() for engine in self.engines])  # constructor errors here
+        self.teacher = config.distillation
+        self.teachers: list[Any] = []
+        if self.teacher is not None:
+            from rollout.tiny import resolve_model_path
+
+            self.teachers = teachers if teachers is not None else start_teachers(
+                self.teacher, resolve_model_path(self.teacher.model))
+        ray.get([actor.ping.remote() for actor in [*self.engines, *self.teachers]])
 
     # -- one step ---------------------------------------------------------------------
 
@@ -410,7 +435,24 @@ class RolloutManager:
             events=events,
         )
         self.next_group_index += len(groups)
-        return batch
+        return self._distilled(batch) if self.teachers else batch
+
+    def _distilled(self, batch: RolloutBatch) -> RolloutBatch:
+        """The batch with the teacher's per-token reverse-KL advantage added to the task's
+        (0 under type distill); the teachers score their shares at once."""
+        assert self.teacher is not None
+        started = time.perf_counter()
+        shares = _shard_bounds(batch.num_samples, len(self.teachers))
+        temperature = self.config.sampling.temperature
+        refs = [teacher.log_probs.remote(batch.input_ids[a:b], batch.prompt_lengths[a:b],
+                                         batch.response_lengths[a:b], temperature)
+                for teacher, (a, b) in zip(self.teachers, shares, strict=True) if b > a]
+        teacher = torch.cat([from_wire(part) for part in ray.get(refs)])
+        old = batch.rollout_log_probs
+        distill = distill_advantages(teacher, old, batch.loss_mask, self.teacher.coef)
+        return dataclasses.replace(batch, advantages=batch.advantages + distill, metadata={
+            **batch.metadata, "distill/reverse_kl": reverse_kl(teacher, old, batch.loss_mask),
+            "perf/teacher_s": time.perf_counter() - started})
 
     # -- evaluation -------------------------------------------------------------------
 
@@ -580,7 +622,11 @@ class RolloutManager:
         return ray.get([engine.node_id.remote() for engine in self.engines])
 
     def shutdown(self) -> None:
-        """Stop the engines (and any servers they launched), if they are ours."""
+        """Stop the teachers, and the engines (and any servers they launched) if they
+        are ours."""
+        for teacher in self.teachers:
+            ray.kill(teacher)
+        self.teachers = []
         if not self.owns_engines:
             self.engines = []
             return

@@ -120,6 +120,46 @@ def check_model(model: str, tokenizer: str | None = None) -> None:
                                "tokenizer folder in rollout.tokenizer")
 
 
+SMOLLM2_VOCAB_SIZE = 49152
+
+
+def tokenizer_vocabulary(model: str, models_dir: Path | None = None
+                         ) -> dict[str, int] | int | None:
+    """What a model's token ids mean, read as data (no tokenizer code runs): the
+    tokenizer.json vocabulary (pieces and added tokens -> ids) of a folder, or of the
+    built-in ``tiny``; for ``smollm2-135m-instruct`` its folder under ``models_dir`` when
+    imported, else only its vocabulary size; None where a folder has no tokenizer.json."""
+    if model == "tiny":
+        from rollout.tokenizer import CHARACTERS, SPECIAL_TOKENS  # the char tokenizer's ids
+
+        return {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    if model == SMOLLM2_NAME:
+        folder = (models_dir or Path()) / SMOLLM2_NAME
+        if models_dir is None or not (folder / "tokenizer.json").is_file():
+            return SMOLLM2_VOCAB_SIZE
+    else:
+        folder = Path(model).expanduser()
+    try:
+        data = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    pieces = data.get("model", {}).get("vocab", {})
+    vocab = ({piece: i for i, (piece, _score) in enumerate(pieces)} if isinstance(pieces, list)
+             else dict(pieces))
+    vocab.update({token["content"]: token["id"] for token in data.get("added_tokens", [])})
+    return vocab
+
+
+def same_vocabulary(a: dict[str, int] | int | None, b: dict[str, int] | int | None) -> bool:
+    """Whether two :func:`tokenizer_vocabulary` answers can mean the same ids (an unknown
+    one, or a size beside a vocabulary of that size, is not told apart)."""
+    if a is None or b is None:
+        return True
+    if isinstance(a, int) or isinstance(b, int):
+        return (a if isinstance(a, int) else len(a)) == (b if isinstance(b, int) else len(b))
+    return a == b
+
+
 def _has_weights(folder: Path) -> bool:
     return any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS)
 

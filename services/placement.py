@@ -1,7 +1,8 @@
 """Where a job's actors go: one placement group holds the whole job (gang placement).
 
-    bundles  [rank 0 … rank W-1 | engine 0 … engine E-1]     (engines colocated: ranks only)
-              trainer ranks        rollout engines            rollout manager: bundle 0, 0 CPU
+    bundles  [rank 0 … rank W-1 | engine 0 … engine E-1 | teacher 0 … teacher T-1]
+              trainer ranks        rollout engines         distillation teachers
+              (engines colocated: no engine bundles)       rollout manager: bundle 0, 0 CPU
 
 Ray reserves a placement group's bundles all at once or not at all, so a job that does
 not fit waits holding nothing, and two jobs can never each hold half of what the other
@@ -91,12 +92,28 @@ def engine_bundle(config: JobConfig) -> dict[str, float]:
     return {name: amount for name, amount in bundle.items() if amount}
 
 
+def teacher_bundle(config: JobConfig) -> dict[str, float]:
+    """One distillation teacher's bundle; empty without a teacher or when it needs
+    nothing."""
+    teacher = config.rollout.distillation
+    if teacher is None:
+        return {}
+    bundle = {"CPU": teacher.num_cpus, "GPU": teacher.num_gpus}
+    return {name: amount for name, amount in bundle.items() if amount}
+
+
+def num_teachers(config: JobConfig) -> int:
+    teacher = config.rollout.distillation
+    return teacher.num_actors if teacher is not None else 0
+
+
 def job_bundles(config: JobConfig) -> list[dict[str, float]]:
     """Every bundle of the job, trainer ranks first."""
-    engines = engine_bundle(config)
+    engines, teachers = engine_bundle(config), teacher_bundle(config)
     return ([dict(trainer_bundle(config)) for _ in range(config.trainer.world_size)]
             + ([dict(engines) for _ in range(config.rollout.engine.num_engines)]
-               if engines else []))
+               if engines else [])
+            + ([dict(teachers) for _ in range(num_teachers(config))] if teachers else []))
 
 
 def job_needs(config: JobConfig) -> dict[str, float]:
@@ -129,10 +146,17 @@ class JobPlacement:
     num_engines: int
     colocate: bool
     has_engine_bundles: bool
+    num_teacher_bundles: int = 0
     engine_options: list[dict[str, Any]] = field(init=False)
+    teacher_options: list[dict[str, Any]] = field(init=False)
+    """Per teacher actor: its bundle after the engines'; empty options when teachers have
+    no bundles (they need no resource)."""
 
     def __post_init__(self) -> None:
         self.engine_options = [self._engine(rank) for rank in range(self.num_engines)]
+        first = self.world_size + (self.num_engines if self.has_engine_bundles else 0)
+        self.teacher_options = [{"scheduling_strategy": self.strategy(first + rank)}
+                                for rank in range(self.num_teacher_bundles)]
 
     def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -164,9 +188,11 @@ def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
     )
 
     bundles = job_bundles(config)
-    has_engines = len(bundles) > config.trainer.world_size
+    has_engines = bool(engine_bundle(config))
+    teachers_placed = bool(teacher_bundle(config))
     one_node = not config.trainer.allow_cross_node
-    strategy = "STRICT_PACK" if one_node and not has_engines else "PACK"
+    strategy = ("STRICT_PACK" if one_node and not (has_engines or teachers_placed)
+                else "PACK")
     timeout_s = config.trainer.call_timeout_s if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
     needs, said = job_needs(config), ""
@@ -184,14 +210,15 @@ def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
             remove_placement_group(group)
             raise RuntimeError(f"the cluster cannot place the job within {timeout_s:.0f} s "
                                f"({message.removeprefix('waiting for resources: ')})")
-    if one_node and has_engines:
+    if one_node and (has_engines or teachers_placed):
         nodes = placement_group_table(group)["bundles_to_node_id"]
         if len({nodes[i] for i in range(config.trainer.world_size)}) > 1:
             remove_placement_group(group)
             raise RuntimeError(f"trainer: the cluster cannot place {config.trainer.world_size}"
                                f" ranks of {trainer_bundle(config)} on one node")
     return JobPlacement(group, config.trainer.world_size, config.rollout.engine.num_engines,
-                        config.colocate, has_engines)
+                        config.colocate, has_engines,
+                        num_teachers(config) if teachers_placed else 0)
 
 
 # ---- a Ray head started here: what it has, and a job it could never place ------------

@@ -24,7 +24,9 @@ from rollout.pretrained import (
     SMOLLM2_NAME,
     check_model,
     require_gguf,
+    same_vocabulary,
     smollm2_gguf_path,
+    tokenizer_vocabulary,
 )
 from rollout.rewards import check_reward_function
 from services.config import ConfigError, ConfigProblem, JobConfig
@@ -61,6 +63,8 @@ def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
     check("rollout", lambda: _check_model(config))
     check("", lambda: _check_context(config))
     check("rollout", lambda: check_reward_function(config.rollout.reward))
+    if config.rollout.distillation is not None:
+        check("", lambda: _check_teacher(config))
     if config.rollout.environment is not None:
         check("rollout", lambda: check_object(config.rollout.environment.class_path,
                                               "environment.class_path"))
@@ -92,6 +96,28 @@ def _check_model(config: JobConfig) -> None:
         smollm2_gguf_path()  # imported into the data folder at start, once
         require_gguf()
     check_model(config.rollout.model, config.rollout.tokenizer)
+
+
+def _check_teacher(config: JobConfig) -> None:
+    """The teacher loads as a model, and its tokens are the policy's: it scores the
+    policy's token ids, so another vocabulary would score other text."""
+    from services.driver.run_dir import data_dir
+
+    teacher = config.rollout.distillation
+    assert teacher is not None
+    field = ("rollout.advantage.teacher" if config.rollout.advantage.type == "distill"
+             else "rollout.teacher.model")
+    try:
+        check_model(teacher.model)
+    except RuntimeError as err:
+        raise ValueError(f"{field}: {str(err).removeprefix('model: ')}") from None
+    models = data_dir() / "models"
+    policy = config.rollout.tokenizer or config.rollout.model
+    if not same_vocabulary(tokenizer_vocabulary(teacher.model, models),
+                           tokenizer_vocabulary(policy, models)):
+        raise ValueError(f"{field}: {teacher.model}'s tokenizer is not the policy's "
+                         f"({policy}): the teacher scores the policy's token ids, so both "
+                         "need one vocabulary (distil from a teacher of the same family)")
 
 
 def _check_context(config: JobConfig) -> None:

@@ -23,7 +23,7 @@ import torch
 from ray.util.placement_group import remove_placement_group
 
 from rollout.config import RolloutConfig, SyntheticDatasetConfig
-from rollout.manager import RolloutManagerActor, start_engines
+from rollout.manager import RolloutManagerActor, start_engines, start_teachers
 from rollout.tiny import resolve_model_path
 from services.config import JobConfig
 from services.driver.run_dir import RunDir, data_dir
@@ -150,11 +150,12 @@ class JobActors:
             manager = RolloutManagerActor.options(runtime_env={"env_vars": QUIET_ENV},
                                                   **gang.manager_options())
             in_process = config.weight_transport() == "in_process"
+            teachers = self._start_teachers(config, gang.teacher_options, started)
             if not in_process:  # the engines load now, beside the manager and the ranks
                 engines = start_engines(config.rollout, model_path, gang.engine_options)
                 started.callback(_kill_all, engines)  # the manager's shutdown stops them first
                 self.manager = manager.remote(config.rollout, model_path, None, None,
-                                              engines, True)
+                                              engines, True, teachers)
                 started.callback(self._stop_manager)
             self.trainer = TrainerGroup(config.trainer, config.objective_config(), model_path,
                                         config.num_optimizer_steps, env_vars=QUIET_ENV,
@@ -164,11 +165,25 @@ class JobActors:
                 engines = self.trainer.start_engines(
                     config.rollout.engine, config.rollout.tokenizer,
                     config.rollout.engine.num_engines, not config.rollout.async_steps)
-                self.manager = manager.remote(config.rollout, model_path, None, None, engines)
+                self.manager = manager.remote(config.rollout, model_path, None, None, engines,
+                                              None, teachers)
                 # Killed, not asked: its engines are the ranks, and a call would queue
                 # behind a rollout waiting on a rank that may be stuck.
                 started.callback(ray.kill, self.manager)
             self._started = started.pop_all()
+
+    @staticmethod
+    def _start_teachers(config: JobConfig, options: list[dict[str, Any]],
+                        started: contextlib.ExitStack) -> list[Any] | None:
+        """The distillation teachers (rollout/teacher.py), started beside the rest in
+        their bundles; None without a teacher."""
+        teacher = config.rollout.distillation
+        if teacher is None:
+            return None
+        teachers = start_teachers(teacher, resolve_model_path(
+            teacher.model, data_dir() / "models"), options or None)
+        started.callback(_kill_all, teachers)
+        return teachers
 
     def rollout_call(self, ref: ray.ObjectRef, verb: str) -> Any:
         """The rollout manager's answer; past rollout.call_timeout_s a TimeoutError, which

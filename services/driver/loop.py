@@ -314,7 +314,8 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
                     sink.write(step, row)
                 history = {k: v for k, v in history.items() if k < step} | {step: row}
                 log(progress.line(step, list(history.values())))
-                if warning := signal.check(row):
+                if config.rollout.advantage.type != "distill" and (
+                        warning := signal.check(row)):  # a teacher's signal needs no spread
                     log(f"warning: {warning}")
                     run_dir.write_event("no_learning_signal", warning)
                 if checkpoint.due(step, config):

@@ -140,7 +140,8 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
         return f"{head} | skipped: no valid token in the batch" + evaluated
     recent = [m["reward/mean"] for m in history[-10:]]
     terms = "".join(f" | {name} {metrics[name]:{spec}}"
-                    for name, spec in (("kl", ".4f"), ("entropy", ".3f"), ("lr", ".2e"))
+                    for name, spec in (("kl", ".4f"), ("entropy", ".3f"),
+                                       ("distill/reverse_kl", ".4f"), ("lr", ".2e"))
                     if name in metrics)
     return (f"{head} | reward {metrics['reward/mean']:.3f} "
             f"(last 10: {sum(recent) / len(recent):.3f}) "

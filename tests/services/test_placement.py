@@ -25,6 +25,14 @@ def test_bundles_cover_ranks_and_engines() -> None:
         "waiting for resources: needs 2.5 CPU, cluster has 2 free"
 
 
+def test_distillation_teachers_have_bundles_of_their_own_after_the_engines() -> None:
+    teachers = demo("rollout.teacher={model: tiny, num_actors: 2, num_cpus: 0.5}")
+    assert job_bundles(teachers) == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert job_needs(demo("rollout.advantage={type: distill, teacher: tiny}")) == {"CPU": 2.5}
+    free = demo("rollout.teacher={model: tiny, num_cpus: 0}")  # needs nothing: no bundle
+    assert job_bundles(free) == [{"CPU": 1.0}, {"CPU": 0.5}]
+
+
 def test_threads_follow_the_phase_cores_and_set_values_win(tmp_path) -> None:
     from services.placement import phase_threads
 

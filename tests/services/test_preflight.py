@@ -278,3 +278,44 @@ def test_preflight_imports_neither_torch_nor_ray(tmp_path: Path) -> None:
                          text=True, env={"PATH": "", "CUDA_VISIBLE_DEVICES": ""}, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_teacher_is_named_where_it_cannot_load_or_speaks_another_vocabulary(
+        tmp_path: Path) -> None:
+    """Distillation's teacher scores the policy's token ids: a teacher of another
+    vocabulary is refused before anything starts, naming the field it came from, and so
+    is one that is no model; one of the policy's family passes."""
+    from rollout.tiny import create_tiny_checkpoint
+
+    assert problem("rollout.teacher.model=smollm2-135m-instruct") == (
+        "rollout.teacher.model: smollm2-135m-instruct's tokenizer is not the policy's "
+        "(tiny): the teacher scores the policy's token ids, so both need one vocabulary "
+        "(distil from a teacher of the same family)")
+    assert problem("rollout.advantage.type=distill",
+                   "rollout.advantage.teacher=smollm2-135m-instruct").startswith(
+        "rollout.advantage.teacher: smollm2-135m-instruct's tokenizer is not the policy's")
+    missing = tmp_path / "nope"
+    assert problem(f"rollout.teacher.model={missing}").startswith(
+        f"rollout.teacher.model: '{missing}' is neither a built-in model nor a local folder")
+    teacher = create_tiny_checkpoint(tmp_path / "teacher", seed=3)
+    assert preflight(parse_job_config("", [f"rollout.teacher.model={teacher}"])) == []
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.advantage.type=distill"],
+     "rollout.advantage: teacher: type distill needs a teacher model"),
+    (["rollout.advantage.teacher=tiny"],
+     "rollout.advantage: teacher: only applies to type=distill, not type=grpo (a teacher "
+     "beside another type: rollout.teacher)"),
+    (["rollout.advantage.type=distill", "rollout.advantage.teacher=tiny",
+      "rollout.teacher.model=tiny"],
+     "rollout: teacher: advantage.type distill names its own teacher (advantage.teacher); "
+     "rollout.teacher adds one to another type"),
+    (["rollout.teacher.model=tiny", "rollout.teacher.coef=0"],
+     "rollout.teacher.coef: Input should be greater than 0"),
+])
+def test_a_teacher_config_that_cannot_mean_one_thing_is_refused(
+        overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_job_config("", overrides)
+    assert message in str(info.value)
