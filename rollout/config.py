@@ -336,7 +336,8 @@ class AdvantageConfig(BaseModel):
 
     @model_validator(mode="after")
     def _normalize_std_is_grpo(self) -> AdvantageConfig:
-        if "normalize_std" in self.model_fields_set and self.type != "grpo":
+        # By value: a dumped config holds the default (True) and is validated again.
+        if not self.normalize_std and self.type != "grpo":
             raise ValueError(f"normalize_std: only applies to type=grpo, not type={self.type}")
         return self
 
@@ -344,8 +345,10 @@ class AdvantageConfig(BaseModel):
     def _teacher_is_distill(self) -> AdvantageConfig:
         if self.type == "distill" and self.teacher is None:
             raise ValueError("teacher: type distill needs a teacher model")
-        for name in ("teacher", "coef"):
-            if name in self.model_fields_set and self.type != "distill":
+        # By value, not by what was set: a dumped config (the job folder's, a session's)
+        # holds every field at its default and is validated again.
+        for name, unused in (("teacher", None), ("coef", 1.0)):
+            if getattr(self, name) != unused and self.type != "distill":
                 raise ValueError(f"{name}: only applies to type=distill, not type={self.type}"
                                  " (a teacher beside another type: rollout.teacher)")
         return self

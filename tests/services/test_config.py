@@ -487,3 +487,15 @@ def test_eval_split_fraction_carves_held_out_records_from_the_training_file() ->
 ])
 def test_eval_split_rules_name_the_field(text: str, field: str, message: str) -> None:
     assert problems_of(text + "\n") == [ConfigProblem(field, message)]
+
+
+@pytest.mark.parametrize("advantage", [
+    "rollout.advantage={type: reinforce_pp}", "rollout.advantage={type: reward}",
+    "rollout.advantage={type: distill, teacher: tiny, coef: 0.5}",
+    "rollout.teacher={model: tiny, coef: 0.5}"])
+def test_a_dumped_config_of_every_advantage_validates_again_unchanged(advantage: str) -> None:
+    """The job folder's resolved config and a session's config are dumps, every field at
+    its value, validated again: a rule about what a user set must not refuse them."""
+    config = load_job_config(ROOT / "configs" / "demo.yaml", [advantage])
+    assert JobConfig.model_validate(config.model_dump()) == config
+    assert JobConfig.model_validate_json(config.model_dump_json()) == config
