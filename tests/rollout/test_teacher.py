@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout.advantages import distill_advantages, reverse_kl
+from rollout.advantages import compute_advantages, distill_advantages, reverse_kl
 from rollout.config import (
     AdvantageConfig,
     RolloutConfig,
@@ -69,31 +69,35 @@ def test_a_managers_teachers_add_their_advantage_to_the_tasks_and_distill_replac
         ray_cluster: None, tiny_model_path: str, other_tiny_model_path: str) -> None:
     """Two teacher actors (another model: seed 1) score a rollout of 12 samples between
     them; beside GRPO the advantage is GRPO's plus 0.5 · (log π_teacher − log π_old),
-    computed here from the teacher model in this process; type distill keeps only the
-    teacher's. The same seed samples the same rollout with and without a teacher."""
+    computed here from the teacher model in this process; type distill (one teacher
+    actor) keeps only the teacher's. The same seed samples the same rollout under both."""
     teacher_model = AutoModelForCausalLM.from_pretrained(other_tiny_model_path,
                                                          dtype=torch.float32)
-    plain = _manager(tiny_model_path, other_tiny_model_path, AdvantageConfig(), False)
     grpo = _manager(tiny_model_path, other_tiny_model_path, AdvantageConfig(), True)
     distill = _manager(tiny_model_path, other_tiny_model_path,
                        AdvantageConfig(type="distill", teacher=other_tiny_model_path,
                                        coef=0.5), False)
     try:
         assert len(grpo.teachers) == 2 and len(distill.teachers) == 1
-        base, with_teacher, distilled = (m.generate_batch(0) for m in (plain, grpo, distill))
+        with_teacher, distilled = grpo.generate_batch(0), distill.generate_batch(0)
     finally:
-        for manager in (plain, grpo, distill):
+        for manager in (grpo, distill):
             manager.shutdown()
-    assert torch.equal(with_teacher.input_ids, base.input_ids)
-    scored = response_log_probs(teacher_model, base.input_ids, base.prompt_lengths,
-                                base.response_lengths, 0.9, 32)
-    expected = 0.5 * (scored - base.rollout_log_probs) * (base.loss_mask > 0)
+    assert torch.equal(with_teacher.input_ids, distilled.input_ids)
+    assert torch.equal(distilled.rewards, with_teacher.rewards)  # scored, not trained
+    batch = with_teacher
+    scored = response_log_probs(teacher_model, batch.input_ids, batch.prompt_lengths,
+                                batch.response_lengths, 0.9, 32)
+    expected = 0.5 * (scored - batch.rollout_log_probs) * (batch.loss_mask > 0)
     assert float(expected.abs().max()) > 0.1  # another model: a real signal
-    torch.testing.assert_close(with_teacher.advantages, base.advantages + expected,
+    task = compute_advantages(batch.rewards, batch.group_index, AdvantageConfig())
+    position = torch.arange(batch.input_ids.shape[1])[None, :]
+    response = (position >= batch.prompt_lengths[:, None]) & (
+        position < batch.sequence_lengths[:, None])
+    torch.testing.assert_close(with_teacher.advantages,
+                               torch.where(response, task[:, None], 0.0) + expected,
                                rtol=0, atol=1e-5)
     torch.testing.assert_close(distilled.advantages, expected, rtol=0, atol=1e-5)
-    assert torch.equal(distilled.rewards, base.rewards)  # scored and logged, not trained
     kl = with_teacher.metadata["distill/reverse_kl"]
-    assert kl == pytest.approx(reverse_kl(scored, base.rollout_log_probs, base.loss_mask),
+    assert kl == pytest.approx(reverse_kl(scored, batch.rollout_log_probs, batch.loss_mask),
                                abs=1e-6)
-    assert "distill/reverse_kl" not in base.metadata
