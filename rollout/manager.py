@@ -3,9 +3,11 @@
     dataset ─► PromptCursor ─► P prompts × G ─► shards ─► engine actors (torch | sglang)
                                                                │ token ids + log-probs
     RolloutBatch ◄─ advantages ◄─ [dynamic sampling] ◄─ rewards ◄┘ (decoded, in prompt order)
+         ▲  per token: + coef · (log π_teacher − log π_old)  ◄─ teacher actors (distillation)
 
 One step draws P = N / G prompts, samples G responses for each (a group), scores them
-and computes advantages over the final batch. Group indices are contiguous and keep
+and computes advantages over the final batch (and, with a teacher, adds its per-token
+reverse-KL advantage, rollout/teacher.py). Group indices are contiguous and keep
 increasing across steps. Sampling seeds are a hash of (seed, step, round, engine rank):
 the only mutable state is the data cursor, the next group index and the weight version,
 which is what :meth:`state_dict` saves, so a resumed run continues exactly.
@@ -131,7 +133,8 @@ def start_teachers(config: TeacherConfig, model_path: str,
 
 
 class RolloutManager:
-    """Owns the engine actors, the dataset cursor and the reward function."""
+    """Owns the engine actors, the teacher actors, the dataset cursor and the reward
+    function."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None,
                  engine_placement: list[dict[str, Any]] | None = None,
