@@ -65,6 +65,7 @@ def _manager(model_path: str, teacher: str, advantage: AdvantageConfig,
     return RolloutManager(config, model_path)
 
 
+@pytest.mark.slow  # two managers, their engines and three teacher actors on Ray
 def test_a_managers_teachers_add_their_advantage_to_the_tasks_and_distill_replaces_it(
         ray_cluster: None, tiny_model_path: str, other_tiny_model_path: str) -> None:
     """Two teacher actors (another model: seed 1) score a rollout of 12 samples between
