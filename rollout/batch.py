@@ -159,10 +159,7 @@ class RolloutBatch:
 
     def __post_init__(self) -> None:
         num_samples, seq_len = self.input_ids.shape
-        positions = torch.arange(seq_len)
-        response_span = (positions >= self.prompt_lengths[:, None]) & (
-            positions < (self.prompt_lengths + self.response_lengths)[:, None]
-        )
+        response_span = _span_mask(self, "response", seq_len)
         if self.advantages.dim() == 1 and self.advantages.shape == (num_samples,):
             object.__setattr__(self, "advantages", torch.where(
                 response_span, self.advantages[:, None].to(torch.float32), 0.0))

@@ -19,17 +19,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout.config import TeacherConfig
+from rollout.engines.sampling import scaled_logits
 
 
 def response_log_probs(model: torch.nn.Module, input_ids: torch.Tensor,
                        prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
                        temperature: float, batch_size: int) -> torch.Tensor:
-    """log softmax(logits / T) of each response token under ``model``: [N, S] float32,
+    """log softmax(logits / T) of each response token under ``model`` (the engine's
+    reported log-prob, rollout/engines/sampling.scaled_logits): [N, S] float32,
     aligned with ``input_ids`` (position t holds the log-prob of token t, from the logits
     at t − 1), 0 off the responses. Right-padded rows, ``batch_size`` rows per forward."""
     num_samples, width = input_ids.shape
     device = next(model.parameters()).device
-    scale = temperature if temperature > 0 else 1.0
     out = torch.zeros(num_samples, width, dtype=torch.float32)
     ends = prompt_lengths + response_lengths
     for start in range(0, num_samples, batch_size):
@@ -39,7 +40,7 @@ def response_log_probs(model: torch.nn.Module, input_ids: torch.Tensor,
         attention = (torch.arange(length)[None, :] < ends[rows, None]).to(device)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=attention.long()).logits[:, :-1]
-            log_probs = torch.log_softmax(logits.float() / scale, dim=-1)
+            log_probs = scaled_logits(logits, temperature).log_softmax(dim=-1)
             picked = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
         position = torch.arange(1, length)[None, :]
         in_response = (position >= prompt_lengths[rows, None]) & (position < ends[rows, None])

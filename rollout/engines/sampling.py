@@ -55,17 +55,23 @@ def inverse_cdf_draw(probs_BV: torch.Tensor, generator: torch.Generator) -> torc
     return torch.searchsorted(cumulative_BV, u_B1, right=True).squeeze(-1)
 
 
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z / T in float32 (z itself at T = 0, greedy): what the reported log-prob is the
+    log-softmax of, for the engine's own tokens and for a teacher scoring them alike
+    (rollout/teacher.py)."""
+    logits = logits.float()
+    return logits if temperature == 0.0 else logits / temperature
+
+
 def sample_next_tokens(
     logits_BV: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], log-probs [B]) for next-token logits [B, V]."""
-    logits_BV = logits_BV.float()
+    scaled_BV = scaled_logits(logits_BV, sampling.temperature)
+    log_probs_BV = scaled_BV.log_softmax(dim=-1)
     if sampling.temperature == 0.0:
-        tokens_B = logits_BV.argmax(dim=-1)
-        log_probs_BV = logits_BV.log_softmax(dim=-1)
+        tokens_B = scaled_BV.argmax(dim=-1)
     else:
-        scaled_BV = logits_BV / sampling.temperature
-        log_probs_BV = scaled_BV.log_softmax(dim=-1)
         truncated_BV = _truncate(scaled_BV, sampling.top_k, sampling.top_p)
         tokens_B = inverse_cdf_draw(truncated_BV.softmax(dim=-1), generator)
     return tokens_B, log_probs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
