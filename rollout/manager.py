@@ -147,8 +147,8 @@ class RolloutManager:
         this actor's own start); the manager starts none, and stops them only when
         ``owns_engines`` (default: only the engines it started). ``teachers``: the
         teacher actors of ``config.distillation`` (:func:`start_teachers`, placed by the
-        driver), which the manager stops; None: it starts its own when there is a
-        teacher."""
+        driver), which the manager stops; None: it starts its own with its first rollout
+        when there is a teacher."""
         check_engine_available(config)
         self.config = config
         self.seed = config.seed if seed is None else seed
@@ -179,12 +179,9 @@ class RolloutManager:
             engines = start_engines(config, model_path, engine_placement)
         self.engines = engines
         self.teacher = config.distillation
-        self.teachers: list[Any] = []
-        if self.teacher is not None:
-            from rollout.tiny import resolve_model_path
-
-            self.teachers = teachers if teachers is not None else start_teachers(
-                self.teacher, resolve_model_path(self.teacher.model))
+        self.teachers: list[Any] = list(teachers or [])
+        """The driver's, or the manager's own started with its first rollout (an
+        evaluation or ``tally eval`` needs none)."""
         ray.get([actor.ping.remote() for actor in [*self.engines, *self.teachers]])
 
     # -- one step ---------------------------------------------------------------------
@@ -438,13 +435,17 @@ class RolloutManager:
             events=events,
         )
         self.next_group_index += len(groups)
-        return self._distilled(batch) if self.teachers else batch
+        return self._distilled(batch) if self.teacher is not None else batch
 
     def _distilled(self, batch: RolloutBatch) -> RolloutBatch:
         """The batch with the teacher's per-token reverse-KL advantage added to the task's
         (0 under type distill); the teachers score their shares at once."""
         assert self.teacher is not None
         started = time.perf_counter()
+        if not self.teachers:
+            from rollout.tiny import resolve_model_path
+
+            self.teachers = start_teachers(self.teacher, resolve_model_path(self.teacher.model))
         shares = _shard_bounds(batch.num_samples, len(self.teachers))
         temperature = self.config.sampling.temperature
         refs = [teacher.log_probs.remote(batch.input_ids[a:b], batch.prompt_lengths[a:b],
