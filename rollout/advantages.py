@@ -24,6 +24,26 @@ policy gradient on it descends the reverse KL, token by token (GKD, arXiv 2306.1
 With ``rollout.teacher`` beside a task type it is added to the task's per-sample A_i;
 under ``advantage.type: distill`` it is the whole advantage. ``distill/reverse_kl`` logs
 the estimate Σ m (log π_old − log π_teacher) / Σ m over the rollout's tokens.
+
+PPO with a learned critic (``type: gae``) works per token. For sample i, take its valid
+tokens (m_it > 0) in order, k = 1 … K (an environment's observation tokens, m = 0, are
+skipped: the time axis is the policy's own tokens); r_k is the reward placed on token k
+(the task's reward on the last token, an environment step's reward on the last token of
+its action), V_k the critic's value at it, V_{K+1} = 0:
+
+    gae           δ_k = r_k + γ · V_{k+1} − V_k
+                  A_k = δ_k + γλ · A_{k+1}                     (A_{K+1} = 0)
+                  R_k = A'_k + V_k, A' the same recursion with λ = critic_lam
+
+R_k is the critic's target. VAPO (arXiv 2504.05118) decouples λ: critic_lam = 1 makes R_k
+the discounted Monte-Carlo return Σ_{j≥k} γ^{j−k} r_j, unbiased for the critic, while
+the policy keeps lam < 1 to lower its variance. With ``normalize`` the advantages are
+whitened with the rollout's global statistics over its valid tokens,
+
+    A_k ← (A_k − μ) / (σ + ε),   μ = Σ A / n,   σ² = Σ (A − μ)² / (n − 1)
+
+from the moments (n, Σ A, Σ A²) of every valid token of the rollout — never one rank's or
+one mini-batch's (:func:`token_moments` adds up across shards exactly).
 """
 
 from __future__ import annotations
@@ -73,7 +93,8 @@ def compute_advantages(
     rewards: torch.Tensor, group_index: torch.Tensor, config: AdvantageConfig
 ) -> torch.Tensor:
     """Advantages [N] of the configured estimator for rewards [N] and group_index [N]
-    (type distill: 0, the teacher's per-token advantage comes on top, rollout/manager)."""
+    (types distill and gae: 0, their per-token advantages come on top: the teacher's in
+    rollout/manager, GAE where the critic's values are, services/driver/critic.py)."""
     if rewards.shape != group_index.shape or rewards.dim() != 1:
         raise ValueError(
             f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} "
@@ -83,7 +104,7 @@ def compute_advantages(
         return grpo_advantages(rewards, group_index, config.normalize_std, config.eps)
     if config.type == "reinforce_pp":
         return reinforce_pp_advantages(rewards, group_index, config.eps)
-    if config.type == "distill":  # the teacher's per-token advantage is all of it
+    if config.type in ("distill", "gae"):  # per token, added later (teacher, critic)
         return torch.zeros_like(rewards, dtype=torch.float32)
     return rewards.to(torch.float32).clone()
 
@@ -106,3 +127,60 @@ def reverse_kl(teacher_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
         return 0.0
     gap = old_log_probs.to(torch.float64) - teacher_log_probs.to(torch.float64)
     return float((weights * gap).sum()) / total
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor,
+        gamma: float, lam: float) -> torch.Tensor:
+    """A_it [N, S] float64 of the module docstring's recursion over each sample's valid
+    tokens (m_it > 0), right to left; 0 off them. Every argument [N, S], aligned."""
+    rewards, values = token_rewards.to(torch.float64), values.to(torch.float64)
+    valid = loss_mask > 0
+    advantages = torch.zeros_like(values)
+    running = torch.zeros(values.shape[0], dtype=torch.float64)
+    next_value = torch.zeros_like(running)
+    for t in range(values.shape[1] - 1, -1, -1):  # a hole carries both on unchanged
+        here = valid[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        step = delta + gamma * lam * running
+        advantages[:, t] = torch.where(here, step, 0.0)
+        running = torch.where(here, step, running)
+        next_value = torch.where(here, values[:, t], next_value)
+    return advantages
+
+
+def token_moments(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """(n, Σ x, Σ x²) float64 over the valid tokens (m > 0): shards' moments add up to
+    the whole's exactly, so a rollout split over ranks reduces them by a sum."""
+    valid = loss_mask > 0
+    x = values.to(torch.float64)[valid]
+    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(),
+                        (x * x).sum()])
+
+
+def moments_mean_std(moments: torch.Tensor) -> tuple[float, float]:
+    """(μ, σ) of (n, Σ x, Σ x²): σ Bessel-corrected, 0 for fewer than two tokens."""
+    n, total, squares = (float(v) for v in moments)
+    if n == 0:
+        return 0.0, 0.0
+    mean = total / n
+    variance = max(squares - n * mean * mean, 0.0) / (n - 1) if n > 1 else 0.0
+    return mean, variance ** 0.5
+
+
+def whiten(advantages: torch.Tensor, loss_mask: torch.Tensor, moments: torch.Tensor,
+           eps: float) -> torch.Tensor:
+    """(A − μ) / (σ + ε) on the valid tokens, 0 elsewhere, with μ and σ of ``moments``
+    (:func:`token_moments` of the whole rollout)."""
+    mean, std = moments_mean_std(moments)
+    return torch.where(loss_mask > 0, (advantages.to(torch.float64) - mean) / (std + eps),
+                       0.0)
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor,
+                       loss_mask: torch.Tensor) -> float:
+    """1 − Var(R − V) / Var(R) over the valid tokens: 1 when the critic predicts every
+    return, 0 when it does no better than their mean, negative when worse (0 when the
+    returns do not vary)."""
+    _, spread = moments_mean_std(token_moments(returns, loss_mask))
+    _, error = moments_mean_std(token_moments(returns.double() - values.double(), loss_mask))
+    return 1.0 - (error / spread) ** 2 if spread > 0 else 0.0

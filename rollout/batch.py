@@ -22,6 +22,12 @@ shifts to next-token prediction itself (the log-prob of token t comes from logit
     old_log_probs      [N, S] float32  optional: the trainer's log-prob of each response token
                                        under the policy at the start of the rollout (set by
                                        the trainer when a rollout has several updates)
+    token_rewards      [N, S] float32  optional: the reward placed on tokens (an environment
+                                       step's on the last token of its action); None: each
+                                       sample's whole reward on its last valid token
+    values             [N, S] float32  optional: the critic's V of each response token at
+                                       the rollout (PPO with a critic), 0 elsewhere
+    returns            [N, S] float32  optional: the critic's targets R_it (GAE), 0 elsewhere
 
 Derived on construction (whole-step metadata of the aggregation contract):
 
@@ -63,7 +69,8 @@ def from_wire(value: Any) -> Any:
 
 SPAN_FIELDS = {"input_ids": "sequence", "loss_mask": "response",
                "rollout_log_probs": "response", "old_log_probs": "response",
-               "advantages": "response"}
+               "advantages": "response", "token_rewards": "response",
+               "values": "response", "returns": "response"}
 """[N, S] fields that travel as their rows' spans only (prompt + response, or response),
 when everything outside is the padding value: the demo's rollout of 256 samples is then
 ≈ 40 KB instead of 110, under Ray's 100 KB for objects carried inside a call, so it goes
@@ -135,6 +142,10 @@ def _rebuild_batch(values: dict[str, Any]) -> RolloutBatch:
     return batch
 
 
+OPTIONAL_TOKEN_FIELDS = ("old_log_probs", "token_rewards", "values", "returns")
+"""The [N, S] fields a batch may carry or not (None)."""
+
+
 @dataclass(frozen=True)
 class RolloutBatch:
     input_ids: torch.Tensor
@@ -153,6 +164,9 @@ class RolloutBatch:
     """(kind, message) the job's events file gets with this rollout (an environment
     that failed in an episode)."""
     old_log_probs: torch.Tensor | None = None
+    token_rewards: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
     sample_token_counts: torch.Tensor = field(init=False)
     group_ids: torch.Tensor = field(init=False)
     prompt_mask_sums: torch.Tensor = field(init=False)
@@ -175,17 +189,20 @@ class RolloutBatch:
             actual = tuple(getattr(self, name).shape)
             if actual != shape:
                 raise RolloutBatchError(f"{name}: expected shape {shape}, got {actual}")
-        if self.old_log_probs is not None and tuple(self.old_log_probs.shape) != (
-                num_samples, seq_len):
-            raise RolloutBatchError(f"old_log_probs: expected shape {(num_samples, seq_len)}, "
-                                  f"got {tuple(self.old_log_probs.shape)}")
-        for name in ("loss_mask", "rollout_log_probs", "rewards", "advantages", "old_log_probs"):
+        for name in OPTIONAL_TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (num_samples, seq_len):
+                raise RolloutBatchError(f"{name}: expected shape {(num_samples, seq_len)}, "
+                                        f"got {tuple(value.shape)}")
+        for name in ("loss_mask", "rollout_log_probs", "rewards", "advantages",
+                     *OPTIONAL_TOKEN_FIELDS):
             if getattr(self, name) is not None and not torch.isfinite(getattr(self, name)).all():
                 raise RolloutBatchError(f"{name}: contains NaN or inf")
         if (self.prompt_lengths + self.response_lengths > seq_len).any():
             raise RolloutBatchError("prompt_lengths + response_lengths exceed input_ids width")
-        for name in ("loss_mask", "advantages"):
-            if ((getattr(self, name) != 0) & ~response_span).any():
+        for name in ("loss_mask", "advantages", "token_rewards", "values", "returns"):
+            if getattr(self, name) is not None and \
+                    ((getattr(self, name) != 0) & ~response_span).any():
                 raise RolloutBatchError(f"{name}: is non-zero outside the response tokens")
         if ((self.loss_mask < 0) | (self.loss_mask > 1)).any():
             raise RolloutBatchError("loss_mask: a token's weight m_it must lie in [0, 1]")
@@ -251,6 +268,19 @@ class RolloutBatch:
         """The same batch carrying the trainer's start-of-rollout log-probs."""
         return replace(self, old_log_probs=old_log_probs)
 
+    def placed_rewards(self) -> torch.Tensor:
+        """The rewards on tokens [N, S] float64: ``token_rewards``, or each sample's
+        reward on its last valid token (a sample with none has nowhere to put it)."""
+        if self.token_rewards is not None:
+            return self.token_rewards.to(torch.float64)
+        valid = self.loss_mask > 0
+        width = valid.shape[1]
+        last = width - 1 - valid.flip(-1).int().argmax(dim=-1)
+        placed = torch.zeros(valid.shape, dtype=torch.float64)
+        has = valid.any(dim=-1)
+        placed[has.nonzero().flatten(), last[has]] = self.rewards[has].to(torch.float64)
+        return placed
+
     def select(self, sample_indices: torch.Tensor | list[int]) -> RolloutBatch:
         """A batch of whole groups picked by sample index (keeps the schema's checks)."""
         index = torch.as_tensor(sample_indices, dtype=torch.int64)
@@ -275,12 +305,15 @@ class RolloutBatch:
         response_masks: list[list[int]] | None = None,
         metadata: dict[str, float] | None = None,
         events: list[tuple[str, str]] | None = None,
+        turn_rewards: list[list[tuple[int, float]]] | None = None,
     ) -> RolloutBatch:
         """Pad ragged per-sample lists into the tensor layout.
 
         response_masks defaults to all response tokens counting (an episode of an
         environment masks its observation tokens with 0: rollout/episodes.py).
         ``advantages``: one per sample, or one per response token of each sample.
+        ``turn_rewards``: per sample, (response position, reward) of each environment
+        step, placed there in ``token_rewards`` (they sum to the sample's reward).
         """
         num_samples = len(prompt_ids)
         for name, values in (
@@ -332,6 +365,16 @@ class RolloutBatch:
                                                   dtype=torch.float32)
         else:
             advantage = torch.tensor(advantages, dtype=torch.float32)
+        token_rewards = None
+        if turn_rewards is not None:
+            token_rewards = torch.zeros(num_samples, seq_len, dtype=torch.float32)
+            for i, placed in enumerate(turn_rewards):
+                for position, reward in placed:
+                    if not 0 <= position < int(response_lengths[i]):
+                        raise RolloutBatchError(
+                            f"turn_rewards: sample {i} places a reward at response position "
+                            f"{position} of {int(response_lengths[i])}")
+                    token_rewards[i, int(prompt_lengths[i]) + position] += reward
         return cls(
             input_ids=input_ids,
             prompt_lengths=prompt_lengths,
@@ -345,4 +388,5 @@ class RolloutBatch:
             pad_token_id=pad_token_id,
             metadata=dict(metadata or {}),
             events=list(events or []),
+            token_rewards=token_rewards,
         )

@@ -319,11 +319,12 @@ class AdvantageConfig(BaseModel):
 
     model_config = _FROZEN
 
-    type: Literal["grpo", "reinforce_pp", "reward", "distill"] = "grpo"
-    """grpo (group baseline), reinforce_pp (group baseline + batch whitening), reward, or
+    type: Literal["grpo", "reinforce_pp", "reward", "distill", "gae"] = "grpo"
+    """grpo (group baseline), reinforce_pp (group baseline + batch whitening), reward,
     distill (on-policy distillation: each token's advantage is coef · (log π_teacher −
     log π_old) of the sampled token, the reverse KL to ``teacher``; rewards are still
-    scored and logged, but do not train)."""
+    scored and logged, but do not train), or gae (PPO with a learned critic: per-token
+    GAE over the critic's values; needs ``critic.enabled``)."""
     normalize_std: bool = True
     """grpo only: divide by the group's reward std; False is Dr. GRPO."""
     eps: float = Field(default=1e-6, gt=0.0)
@@ -333,6 +334,25 @@ class AdvantageConfig(BaseModel):
     ``tiny`` or ``smollm2-135m-instruct``); its tokenizer must be the policy's."""
     coef: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     """distill only: the scale of the per-token reverse-KL advantage."""
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """gae only: the discount per response token."""
+    lam: float = Field(default=0.95, ge=0.0, le=1.0)
+    """gae only: λ of the policy's advantages (bias against variance)."""
+    critic_lam: float = Field(default=1.0, ge=0.0, le=1.0)
+    """gae only: λ of the critic's targets (VAPO's decoupled GAE: 1.0, unbiased
+    Monte-Carlo returns, while the policy uses ``lam``)."""
+    normalize: bool = False
+    """gae only: whiten the advantages with the step's mean and std over every valid
+    token of the rollout (global statistics, never a rank's or a mini-batch's)."""
+
+    @model_validator(mode="after")
+    def _gae_settings_are_gae(self) -> AdvantageConfig:
+        # By value (a dumped config holds the defaults and is validated again).
+        for name, unused in (("gamma", 1.0), ("lam", 0.95), ("critic_lam", 1.0),
+                             ("normalize", False)):
+            if getattr(self, name) != unused and self.type != "gae":
+                raise ValueError(f"{name}: only applies to type=gae, not type={self.type}")
+        return self
 
     @model_validator(mode="after")
     def _normalize_std_is_grpo(self) -> AdvantageConfig:

@@ -45,6 +45,10 @@ class MicroBatch:
     weights: dict[str, torch.Tensor]
     old_log_probs: torch.Tensor | None = None
     """The trainer's start-of-rollout log-probs (several updates per rollout), else None."""
+    returns: torch.Tensor | None = None
+    """The critic's targets R (PPO with a critic), else None."""
+    old_values: torch.Tensor | None = None
+    """The critic's values at the rollout, the centre of its value clip, else None."""
     sequence_ids: torch.Tensor | None = None
     """Packed rows: [1, S_local] slot of each token's sample in the row; None: padded."""
     cu_seqlens: torch.Tensor | None = None
@@ -89,7 +93,9 @@ def slice_micro_batch(
         return zigzag_shard(x, cp_size, cp_rank, dim=1)
 
     positions = zigzag_positions(width, cp_size, cp_rank)[None, :].expand(len(index), -1)
-    old = batch.old_log_probs
+    def optional(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else shard(shift_left(x[index, :width]))
+
     return MicroBatch(
         input_ids=shard(input_ids),
         position_ids=positions.contiguous(),
@@ -98,7 +104,9 @@ def slice_micro_batch(
         advantages=shard(shift_left(batch.advantages[index, :width])),
         rollout_log_probs=shard(shift_left(batch.rollout_log_probs[index, :width])),
         weights={k: shard(w) for k, w in weights.items()},
-        old_log_probs=None if old is None else shard(shift_left(old[index, :width])),
+        old_log_probs=optional(batch.old_log_probs),
+        returns=optional(batch.returns),
+        old_values=optional(batch.values),
     )
 
 
@@ -133,7 +141,9 @@ def slice_packed_row(
                for term, c in plan.coefficients.items()}
     weights.update({term: at(w, after, has_target) * (0.0 if empty else 1.0)
                     for term, w in plan.dense_weights.items()})
-    old = batch.old_log_probs
+    def optional(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else at(x, after, has_target)
+
     return MicroBatch(
         layout=layout,
         input_ids=at(batch.input_ids, here, real),
@@ -143,7 +153,9 @@ def slice_packed_row(
         advantages=at(batch.advantages, after, has_target),
         rollout_log_probs=at(batch.rollout_log_probs, after, has_target),
         weights=weights,
-        old_log_probs=None if old is None else at(old, after, has_target),
+        old_log_probs=optional(batch.old_log_probs),
+        returns=optional(batch.returns),
+        old_values=optional(batch.values),
         # a sample's CP padding keeps its slot: it is a key only of its own padding
         sequence_ids=slot[None],
         cu_seqlens=_cu_seqlens(layout),
@@ -170,9 +182,10 @@ def gather_log_probs(
     cp_group: object, cp_size: int, owner: bool, packed: bool = False,
     prefix_skip: torch.Tensor | None = None,
 ) -> None:
-    """Collective over the CP group: put one micro-batch's log-probs (this rank's shard,
-    next-token positions) back into ``out`` [N, S], aligned with input_ids and 0 outside
-    the loss mask. Only an ``owner`` rank writes (one per DP group), so summing ``out``
+    """Collective over the CP group: put one micro-batch's log-probs (or any per-token
+    value: the critic's) (this rank's shard, next-token positions) back into ``out``
+    [N, S], aligned with input_ids and 0 where the loss weight is 0 (never scaled by a
+    fractional weight). Only an ``owner`` rank writes (one per DP group), so summing ``out``
     over all ranks gives every sample exactly once. ``prefix_skip``: the plan's (shared
     prefix)."""
     import torch.distributed as dist
@@ -191,10 +204,11 @@ def gather_log_probs(
             slot, position = packed_row_index(lengths, cp_size, rank, skips)
             keep = position + 1 < lengths[slot]
             rows, cols = index[slot][keep], position[keep] + 1
-            out[rows, cols] = shard[0][keep].float().cpu() * batch.loss_mask[rows, cols]
+            out[rows, cols] = torch.where(batch.loss_mask[rows, cols] > 0,
+                                          shard[0][keep].float().cpu(), 0.0)
         return
     log_probs = zigzag_unshard(shards, shards[0].shape[1] * cp_size, dim=1)
     index = torch.tensor(samples)
     width = int(batch.sequence_lengths[index].max())
     values = log_probs[:, : width - 1].float().cpu()
-    out[index, 1:width] = values * batch.loss_mask[index, 1:width]
+    out[index, 1:width] = torch.where(batch.loss_mask[index, 1:width] > 0, values, 0.0)

@@ -34,6 +34,11 @@ have it in their environment, so tests can show ``verify-aggregation`` catching 
 (``services/cli.py``'s PLANT_ENV sets it for one layout's ranks):
 
     pg, kl, entropy       rank 0's share of that term's gradient doubled
+    value                 the critic's rank 0: its share of the value loss's gradient
+                          doubled (trainer/value_loss.py)
+    local_whitening       GAE's advantages whitened with each DP rank's own statistics
+                          (mean and std of its samples' tokens) instead of the rollout's
+                          (services/driver/critic.py: the classic silent error)
     local_tokens          every rank normalises by its own tokens (the bug Tally exists to
                           prevent): a term's weights become w·S/(R·s), s = Σ w over the
                           rank's tokens of the call, S = Σ s over the R ranks; for
@@ -61,7 +66,8 @@ PLANTED_FACTOR_TERMS = ("pg", "kl", "entropy")
 PLANTED_ON_EVERY_RANK = frozenset({"local_tokens", "prefix_mask", "observation_tokens"})
 """Planted errors each rank of the layout makes (read here, not passed by the backend)."""
 PLANTED_ERRORS = frozenset({*PLANTED_FACTOR_TERMS, *PLANTED_ON_EVERY_RANK,
-                            "shard_coefficient", "entropy_coefficient"})
+                            "shard_coefficient", "entropy_coefficient", "value",
+                            "local_whitening"})
 PLANTED_COEFFICIENT_ERROR = 1e-3
 """Relative error of the one wrong per-sample coefficient (shard_ / entropy_coefficient)."""
 

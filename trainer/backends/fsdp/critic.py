@@ -1,0 +1,104 @@
+"""One FSDP2 rank of the critic (a Ray actor): the policy rank's machinery around a value
+model.
+
+The critic is a trainer group of its own in the job's gang, built from ``critic:``: its
+own ranks (DP × CP), optimizer, schedule and checkpoint shards. Its model is
+``AutoModelForTokenClassification`` with one label (the policy's decoder and a fresh
+value head by default: ``backends/fsdp/model.load_value_model``); V_it is the head's
+output at the position before token t, where the policy's logits for token t are. Two
+verbs differ from the policy rank's: ``values`` (V of every response token, gathered
+back into the batch's layout) and the objective of ``forward_backward``, the clipped
+value loss of ``trainer/value_loss.py`` under the critic's aggregation mode. Rows,
+packing, shared prefixes and CP shards are the policy's (``trainer/micro_batch.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollout.batch import RolloutBatch
+from trainer.aggregation import sum_reduction_factor
+from trainer.backends.fsdp import model as fsdp
+from trainer.backends.fsdp.worker import FSDPWorker
+from trainer.config import ObjectiveConfig, TrainerConfig
+from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
+from trainer.objective import planted_error_terms
+from trainer.step_plan import StepPlan
+from trainer.value_loss import (
+    PLANTED_VALUE_ERROR,
+    VALUE_SUMS,
+    micro_batch_value_objective,
+    value_step_metrics,
+)
+from trainer.worker import in_eval_mode
+
+
+class FSDPCriticWorker(FSDPWorker):
+    """The critic's rank: ``FSDPWorker`` with a value model and the value loss."""
+
+    def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
+                 rank: int, total_steps: int, value_clip: float | None = 0.2) -> None:
+        if config.lora is not None or config.loss.kl_coef > 0:
+            raise ValueError("critic: its trainer config has no LoRA and no KL term")
+        super().__init__(config, objective, model_path, rank, total_steps)
+        self.value_clip = value_clip
+
+    def _build(self) -> torch.nn.Module:
+        model = fsdp.load_value_model(self.model_path, self.compute_dtype, self.device)
+        self.attention = fsdp.configure_attention(model, self.config, self.compute_dtype)
+        return fsdp.shard_model(model, self.compute_dtype, self.config.world_size)
+
+    def _values(self, micro: MicroBatch) -> torch.Tensor:
+        """V [b, s] at every position of the shard (the head is one number wide: no
+        position is worth skipping), float32 or better."""
+        kwargs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids}
+        if self.attention.implementation in ("flash_attention_2", "model"):
+            out = self.model(**kwargs).logits
+        else:
+            from trainer.cp_attention import context_parallel
+
+            with context_parallel(self.cp_group, micro.position_ids, micro.layout):
+                out = self.model(**kwargs).logits
+        values = out[..., 0]
+        return values if values.dtype == torch.float64 else values.float()
+
+    def forward_backward(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
+        """Σ w·ℓ of the value loss over this rank's tokens, backpropagated (gradients
+        summed over DP × CP); the step's exact sums."""
+        scale = sum_reduction_factor(self.config.world_size)  # FSDP averages; we SUM
+        planted = self.rank == 0 and PLANTED_VALUE_ERROR in planted_error_terms()
+        totals = torch.zeros(len(VALUE_SUMS), dtype=torch.float64)
+        self.model.train()
+        for samples in plan.micro_batches[self.dp_rank]:
+            micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
+                                   self.cp_rank).to(self.device)
+            objective, sums = micro_batch_value_objective(self._values(micro), micro,
+                                                          self.value_clip, planted)
+            (objective * scale).backward()
+            totals += sums.cpu()
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every token is owned by one rank
+        return value_step_metrics(totals)
+
+    @torch.no_grad()
+    @in_eval_mode
+    def values(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
+        """Collective, no update: V [N, S] of every response token (m > 0) under the
+        current critic, aligned with ``input_ids``, 0 elsewhere; rank 0 returns it."""
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        for samples in plan.micro_batches[self.dp_rank]:
+            micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
+                                   self.cp_rank).to(self.device)
+            gather_log_probs(batch, samples, self._values(micro), out, self.cp_group,
+                             self.config.cp_size, owner=self.cp_rank == 0,
+                             packed=plan.packed, prefix_skip=plan.prefix_skip)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
+        return out if self.rank == 0 else None
+
+    def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> Any:
+        raise NotImplementedError("the critic has values, not log-probs")
+
+    def forward_only(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
+        raise NotImplementedError("the critic takes no training-session calls")
