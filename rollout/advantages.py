@@ -48,8 +48,11 @@ one mini-batch's (:func:`token_moments` adds up across shards exactly).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from rollout.batch import RolloutBatch
 from rollout.config import AdvantageConfig
 
 
@@ -184,3 +187,31 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor,
     _, spread = moments_mean_std(token_moments(returns, loss_mask))
     _, error = moments_mean_std(token_moments(returns.double() - values.double(), loss_mask))
     return 1.0 - (error / spread) ** 2 if spread > 0 else 0.0
+
+
+def with_gae(batch: RolloutBatch, values: torch.Tensor, config: AdvantageConfig,
+             moments: torch.Tensor | None = None) -> RolloutBatch:
+    """The batch with the critic's ``values`` [N, S] (V at the rollout), GAE's per-token
+    advantages added to its own (a teacher's reverse KL; 0 otherwise), and the critic's
+    targets R (``returns``); whitened with ``moments`` (default: the whole rollout's,
+    :func:`token_moments`) when ``config.normalize``. Metadata: the rollout's
+    ``critic/explained_variance`` (of V before this step's updates), ``critic/returns_mean``
+    and ``critic/advantages_std`` (before whitening)."""
+    mask = batch.loss_mask
+    values = torch.where(mask > 0, values.to(torch.float32), 0.0)
+    rewards = batch.placed_rewards()
+    advantages = gae(rewards, values, mask, config.gamma, config.lam)
+    returns = gae(rewards, values, mask, config.gamma, config.critic_lam) + values.double()
+    returns = torch.where(mask > 0, returns, 0.0)
+    raw_mean, raw_std = moments_mean_std(token_moments(advantages, mask))
+    if config.normalize:
+        advantages = whiten(advantages, mask, token_moments(advantages, mask)
+                            if moments is None else moments, config.eps)
+    returns_mean, _ = moments_mean_std(token_moments(returns, mask))
+    return replace(batch, advantages=batch.advantages + advantages.to(torch.float32),
+                   values=values, returns=returns.to(torch.float32), metadata={
+                       **batch.metadata,
+                       "critic/explained_variance": explained_variance(returns, values, mask),
+                       "critic/returns_mean": returns_mean,
+                       "critic/advantages_mean": raw_mean,
+                       "critic/advantages_std": raw_std})

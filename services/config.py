@@ -30,7 +30,14 @@ from rollout.config import (
 from services.config_errors import ConfigError, ConfigProblem, validation_error
 from services.config_errors import error_field as error_field  # where the controller finds it
 from services.driver.config import EvalConfig, LoggingConfig
-from trainer.config import LORA_ALL_LINEAR, AggregationConfig, ObjectiveConfig, TrainerConfig
+from trainer.config import (
+    LORA_ALL_LINEAR,
+    AggregationConfig,
+    CriticConfig,
+    LossConfig,
+    ObjectiveConfig,
+    TrainerConfig,
+)
 
 FILE_DATASETS = ("jsonl", "parquet")
 """rollout.dataset types read from a file, which eval.split_fraction can split."""
@@ -79,6 +86,8 @@ class JobConfig(BaseModel):
     """Prompts, engines, sampling, rewards and advantages."""
     trainer: TrainerConfig = TrainerConfig()
     """Backend, parallel layout, losses and optimizer."""
+    critic: CriticConfig = CriticConfig()
+    """PPO's learned value model (rollout.advantage.type: gae): its own trainer group."""
     warmup: WarmupConfig = WarmupConfig()
     """Optional supervised warm start on the synthetic task."""
     eval: EvalConfig = EvalConfig()
@@ -228,6 +237,33 @@ class JobConfig(BaseModel):
         flags = list(engine.extra_args)
         given = flags[flags.index("--dtype") + 1] if "--dtype" in flags[:-1] else "bfloat16"
         return {"half": "float16", "float": "float32", "auto": "bfloat16"}.get(given, given)
+
+    @model_validator(mode="after")
+    def _critic_serves_gae(self) -> JobConfig:
+        gae = self.rollout.advantage.type == "gae"
+        if gae and not self.critic.enabled:
+            raise ValueError("rollout.advantage.type: gae needs the critic's values; set "
+                             "critic.enabled: true (or use grpo, which needs no critic)")
+        if self.critic.enabled and not gae:
+            raise ValueError(f"critic.enabled: the critic's values are used by "
+                             f"rollout.advantage.type: gae, not "
+                             f"{self.rollout.advantage.type}; set type: gae or disable it")
+        if self.critic.enabled and self.trainer.backend != "fsdp":
+            raise ValueError(f"critic.enabled: the critic trains on trainer.backend: fsdp "
+                             f"only (the {self.trainer.backend} backend has no value model);"
+                             " use backend: fsdp for PPO with a critic")
+        return self
+
+    def critic_trainer_config(self) -> TrainerConfig:
+        """The critic group's trainer config (``CriticConfig.trainer_config``)."""
+        return self.critic.trainer_config(self.trainer)
+
+    def critic_objective_config(self) -> ObjectiveConfig:
+        """The critic's objective: its aggregation in the main term, resolved like the
+        policy's (trainer/value_loss.py reads it there)."""
+        return ObjectiveConfig.compose(self.critic.aggregation_config(self.aggregation),
+                                       LossConfig(), self.max_response_len,
+                                       self.rollout.sampling.temperature)
 
     @model_validator(mode="after")
     def _ranks_match_layout(self) -> JobConfig:

@@ -107,13 +107,22 @@ def num_teachers(config: JobConfig) -> int:
     return teacher.num_actors if teacher is not None else 0
 
 
+def critic_bundles(config: JobConfig) -> list[dict[str, float]]:
+    """The critic's rank bundles (its trainer config's), none without a critic."""
+    if not config.critic.enabled:
+        return []
+    critic = config.critic_trainer_config()
+    return [critic.rank_bundle for _ in range(critic.world_size)]
+
+
 def job_bundles(config: JobConfig) -> list[dict[str, float]]:
-    """Every bundle of the job, trainer ranks first."""
+    """Every bundle of the job: trainer ranks, engines, teachers, critic ranks."""
     engines, teachers = engine_bundle(config), teacher_bundle(config)
     return ([dict(trainer_bundle(config)) for _ in range(config.trainer.world_size)]
             + ([dict(engines) for _ in range(config.rollout.engine.num_engines)]
                if engines else [])
-            + ([dict(teachers) for _ in range(num_teachers(config))] if teachers else []))
+            + ([dict(teachers) for _ in range(num_teachers(config))] if teachers else [])
+            + critic_bundles(config))
 
 
 def job_needs(config: JobConfig) -> dict[str, float]:
@@ -152,11 +161,15 @@ class JobPlacement:
     """Per teacher actor: its bundle after the engines'; empty options when teachers have
     no bundles (they need no resource)."""
 
+    critic_first_bundle: int = field(init=False)
+    """The critic's rank 0 bundle (its ranks' follow), after the teachers'."""
+
     def __post_init__(self) -> None:
         self.engine_options = [self._engine(rank) for rank in range(self.num_engines)]
         first = self.world_size + (self.num_engines if self.has_engine_bundles else 0)
         self.teacher_options = [{"scheduling_strategy": self.strategy(first + rank)}
                                 for rank in range(self.num_teacher_bundles)]
+        self.critic_first_bundle = first + self.num_teacher_bundles
 
     def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -216,6 +229,11 @@ def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
             remove_placement_group(group)
             raise RuntimeError(f"trainer: the cluster cannot place {config.trainer.world_size}"
                                f" ranks of {trainer_bundle(config)} on one node")
+        critics = range(len(bundles) - len(critic_bundles(config)), len(bundles))
+        if len({nodes[i] for i in critics}) > 1:
+            remove_placement_group(group)
+            raise RuntimeError(f"critic: the cluster cannot place its {len(critics)} ranks "
+                               "on one node")
     return JobPlacement(group, config.trainer.world_size, config.rollout.engine.num_engines,
                         config.colocate, has_engines,
                         num_teachers(config) if teachers_placed else 0)
@@ -237,9 +255,10 @@ def starts_local_head() -> bool:
 
 def local_head_cpus(config: JobConfig) -> int:
     """CPUs of the head Tally starts for this job: every core, and at least what the
-    trainer ranks need plus two (an oversubscribed small machine runs; an undersized
+    trainer ranks (and the critic's) need plus two (an oversubscribed small machine runs; an undersized
     head would wait forever)."""
-    needed = config.trainer.world_size * config.trainer.num_cpus_per_rank + 2
+    needed = (config.trainer.world_size * config.trainer.num_cpus_per_rank
+              + sum(bundle.get("CPU", 0.0) for bundle in critic_bundles(config)) + 2)
     return max(os.cpu_count() or 1, int(needed + 0.999))
 
 

@@ -55,6 +55,9 @@ from trainer.dcp_metadata import SafeFileSystemReader
 MODEL_DIR, TRAINER_STATE = "model", "trainer_state.pt"
 SHARDS_DIR, MANIFEST, MODEL_CONFIG_DIR = "shards", "manifest.json", "model_config"
 ADAPTER_DIR = "adapter"
+CRITIC_DIR = "critic"
+"""The critic's part of a checkpoint (PPO with a critic): its own shards, trainer state
+and model config, laid out like the policy's at the top."""
 """Under trainer.lora: peft's adapter folder of the step (the shards hold the adapters
 and their AdamW state only; the frozen base is the job's model folder)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -329,7 +332,8 @@ def write_manifest(folder: Path) -> None:
         name = path.relative_to(folder).as_posix()
         if name == FOLDER_MANIFEST:
             continue
-        known = shard_digests.get(path.name) if path.parent.name == SHARDS_DIR else None
+        # shards/manifest.json names the top-level shards only (a critic's has its own)
+        known = shard_digests.get(path.name) if path.parent == folder / SHARDS_DIR else None
         files[name] = (dict(known) if known and known["bytes"] == path.stat().st_size
                        else _digest(path))
     (folder / FOLDER_MANIFEST).write_text(
@@ -399,6 +403,9 @@ def unreadable(path: str | Path, full: bool = False) -> str | None:
                            framework="pt") as weights:
                 list(weights.keys())
         torch.load(path / TRAINER_STATE, weights_only=True, mmap=True)
+        if (path / CRITIC_DIR).is_dir():
+            _check_shards(path / CRITIC_DIR / SHARDS_DIR, full)
+            torch.load(path / CRITIC_DIR / TRAINER_STATE, weights_only=True, mmap=True)
     except Exception as err:  # any failure to read is the answer
         return f"{type(err).__name__}: {str(err).strip()[:300]}"
     return None

@@ -369,3 +369,52 @@ class ObjectiveConfig(BaseModel):
         return cls(pg=pg.resolved(max_response_len), kl=built_in(loss.kl_aggregation),
                    entropy=built_in(loss.entropy_aggregation),
                    metric_divisor=float(max_response_len), temperature=temperature)
+
+
+class CriticConfig(BaseModel):
+    """PPO's learned value model (trainer/backends/fsdp/critic.py): a trainer group of its
+    own in the job's gang whose values become per-token advantages through GAE
+    (``rollout.advantage.type: gae``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    enabled: bool = False
+    """Train a critic beside the policy (needs rollout.advantage.type: gae)."""
+    model: str | None = None
+    """As ``rollout.model`` (a local Hugging Face folder, ``tiny``, ``smollm2-135m-instruct``);
+    None: the policy's model, its decoder with a fresh scalar value head. A folder saved
+    from a critic keeps its head. Its tokenizer must be the policy's (the tokens are
+    shared)."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """The critic's optimizer and schedule (its own: critics usually take a larger lr)."""
+    value_clip: float | None = Field(default=0.2, gt=0)
+    """ε of the clipped value loss: V may move at most ε from its value at the rollout
+    before the clipped branch takes over (null: the plain squared error)."""
+    dp_size: int | None = Field(default=None, ge=1)
+    """Data-parallel ranks of the critic; None: the policy's trainer.dp_size."""
+    cp_size: int | None = Field(default=None, ge=1)
+    """Context-parallel ranks of the critic; None: the policy's trainer.cp_size."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """The first this many rollout steps train the critic only (the policy waits for
+    values worth following)."""
+    aggregation: AggregationMode | None = None
+    """How the value loss of a step is aggregated; None: the job's aggregation.mode."""
+
+    def trainer_config(self, policy: TrainerConfig) -> TrainerConfig:
+        """The critic group's trainer config: the policy's layout defaults, devices,
+        micro-batching and timeouts, its own optimizer, no LoRA, no KL or entropy."""
+        data = policy.model_dump()
+        data.update(dp_size=self.dp_size or policy.dp_size,
+                    cp_size=self.cp_size or policy.cp_size, tp_size=1, lora=None,
+                    loss=LossConfig().model_dump(), optimizer=self.optimizer.model_dump())
+        if data["cp_size"] > 1 and policy.shared_prefix:
+            data["shared_prefix"] = None
+        return TrainerConfig.model_validate(data)
+
+    def aggregation_config(self, job: AggregationConfig) -> AggregationConfig:
+        """The value loss's aggregation: the job's, or ``aggregation``'s mode (constant
+        divides by max_response_len)."""
+        if self.aggregation is None or self.aggregation == job.mode:
+            return job
+        return AggregationConfig(mode=self.aggregation, divisor=MAX_RESPONSE_LEN
+                                 if self.aggregation == "constant" else None)

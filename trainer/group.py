@@ -74,6 +74,8 @@ WORKER_CLASSES = {
     "fsdp": "trainer.backends.fsdp.worker:FSDPWorker",
     "megatron": "trainer.backends.megatron.worker:MegatronWorker",
 }
+CRITIC_WORKER = "trainer.backends.fsdp.critic:FSDPCriticWorker"
+"""The critic's rank actor (a group made with ``worker=CRITIC_WORKER``)."""
 """The rank actor of each ``trainer.backend``, imported only when a group is made."""
 
 Verb = Callable[..., Any]
@@ -115,25 +117,31 @@ def _remote(worker: ray.actor.ActorHandle, verb: Verb, *args: Any, num_returns: 
 class TrainerGroup:
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                  total_steps: int, env_vars: dict[str, str] | None = None,
-                 placement: PlacementGroup | None = None, name: str | None = None) -> None:
-        """``placement``: a placed group whose bundles 0..world_size-1 are the ranks' (the
-        caller's, e.g. a whole job's; it stays theirs); None: the group makes its own.
-        ``name``: the ranks are named actors ``<name>-rank<r>`` in namespace
-        :data:`ACTOR_NAMESPACE` (a session's, so a test can reach one rank)."""
+                 placement: PlacementGroup | None = None, name: str | None = None,
+                 first_bundle: int = 0, worker: str | None = None,
+                 worker_kwargs: dict[str, Any] | None = None) -> None:
+        """``placement``: a placed group whose bundles first_bundle … first_bundle +
+        world_size − 1 are the ranks' (the caller's, e.g. a whole job's; it stays
+        theirs); None: the group makes its own. ``name``: the ranks are named actors
+        ``<name>-rank<r>`` in namespace :data:`ACTOR_NAMESPACE` (a session's, so a test
+        can reach one rank). ``worker``: the rank actor as ``module:Class`` (the critic's:
+        :data:`CRITIC_WORKER`), default the backend's; ``worker_kwargs`` go to it."""
         self.config, self.objective = config, objective
         self.owns_placement = placement is None
         self.placement_group: PlacementGroup = placement or self._place(config)
-        actor_cls = ray.remote(worker_class(config.backend))
+        actor_cls = ray.remote(load_object(worker, "worker") if worker
+                               else worker_class(config.backend))
+        decided: dict[str, Any] = dict(worker_kwargs or {})
         # Megatron's attention is decided once, here, by the rule the step plan packs by;
         # the ranks take it rather than detect TransformerEngine again.
-        decided = ({"attention": decide_attention(config)} if config.backend == "megatron"
-                   else {})
+        if config.backend == "megatron":
+            decided["attention"] = decide_attention(config)
         self.workers = [
             actor_cls.options(
                 num_cpus=config.num_cpus_per_rank,
                 num_gpus=config.num_gpus_per_rank,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=rank),
+                    self.placement_group, placement_group_bundle_index=first_bundle + rank),
                 runtime_env={"env_vars": env_vars or {}},
                 **({"name": f"{name}-rank{rank}", "namespace": ACTOR_NAMESPACE}
                    if name else {}),
@@ -257,6 +265,10 @@ class TrainerGroup:
     def log_probs(self, batch: RolloutBatch) -> Any:
         """log π_T [N, S] of every response token under the current policy (no update)."""
         return self._call(TrainerWorker.log_probs, ray.put(batch), ray.put(self.plan(batch)))[0]
+
+    def values(self, batch: RolloutBatch) -> Any:
+        """The critic's V [N, S] of every response token (no update)."""
+        return self._call(TrainerWorker.values, ray.put(batch), ray.put(self.plan(batch)))[0]
 
     def gradients(self, batch: RolloutBatch, objectives: list[ObjectiveConfig]
                   ) -> list[tuple[dict[str, float], dict[str, Any]]]:

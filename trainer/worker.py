@@ -372,6 +372,12 @@ class TrainerWorker(SessionCalls, abc.ABC):
         raise NotImplementedError(f"training sessions need trainer.backend: fsdp, not "
                                   f"{self.config.backend}")
 
+    def values(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
+        """Collective, no update: the critic's V [N, S] of every response token, rank 0
+        (trainer/backends/fsdp/critic.py); a policy rank has none."""
+        raise NotImplementedError("values: a policy rank has log-probs; the critic's "
+                                  "ranks have values")
+
     # Backend verbs.
 
     @abc.abstractmethod

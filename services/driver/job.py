@@ -1,5 +1,5 @@
 """The actors of one job, up and down: Ray, the placement group, the rollout manager with
-its engines, the trainer group.
+its engines (and teachers), the trainer group, the critic's group (PPO with a critic).
 
     ensure_ray ─► reserve_job (one placement group: ranks | engines) ─► RolloutManager
                   (starts loading) ─► TrainerGroup (loads meanwhile) ─► … ─► close()
@@ -27,10 +27,10 @@ from rollout.manager import RolloutManagerActor, start_engines, start_teachers
 from rollout.tiny import resolve_model_path
 from services.config import JobConfig
 from services.driver.run_dir import RunDir, data_dir
-from services.placement import phase_threads, reserve_job
+from services.placement import JobPlacement, phase_threads, reserve_job
 from services.quiet import QUIET_ENV
 from services.warmup import warm_start
-from trainer.group import TrainerGroup
+from trainer.group import CRITIC_WORKER, TrainerGroup
 
 
 def ensure_ray(num_cpus: int) -> bool:
@@ -161,6 +161,7 @@ class JobActors:
                                         config.num_optimizer_steps, env_vars=QUIET_ENV,
                                         placement=gang.group)
             started.callback(self.trainer.shutdown)
+            self.critic = self._start_critic(config, model_path, gang, started)
             if in_process:  # the colocated fast path: the ranks are the engines
                 engines = self.trainer.start_engines(
                     config.rollout.engine, config.rollout.tokenizer,
@@ -184,6 +185,23 @@ class JobActors:
             teacher.model, data_dir() / "models"), options or None)
         started.callback(_kill_all, teachers)
         return teachers
+
+    @staticmethod
+    def _start_critic(config: JobConfig, model_path: str, gang: JobPlacement,
+                      started: contextlib.ExitStack) -> TrainerGroup | None:
+        """PPO's critic (trainer/backends/fsdp/critic.py): its ranks in their bundles after
+        the teachers'; its model ``critic.model`` or the policy's; None without one."""
+        if not config.critic.enabled:
+            return None
+        critic_model = (resolve_model_path(config.critic.model, data_dir() / "models")
+                        if config.critic.model else model_path)
+        critic = TrainerGroup(config.critic_trainer_config(), config.critic_objective_config(),
+                              critic_model, config.num_optimizer_steps, env_vars=QUIET_ENV,
+                              placement=gang.group, first_bundle=gang.critic_first_bundle,
+                              worker=CRITIC_WORKER,
+                              worker_kwargs={"value_clip": config.critic.value_clip})
+        started.callback(critic.shutdown)
+        return critic
 
     def rollout_call(self, ref: ray.ObjectRef, verb: str) -> Any:
         """The rollout manager's answer; past rollout.call_timeout_s a TimeoutError, which

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import ray
 
+from rollout.advantages import with_gae
 from rollout.batch import RolloutBatch
 from services.config import JobConfig
 from services.driver import checkpoint
@@ -46,6 +47,7 @@ from services.driver.job import (
 )
 from services.driver.metrics import (
     LearningSignalWatch,
+    critic_metrics,
     Progress,
     rollout_metrics,
     skipped_rollout_metrics,
@@ -124,6 +126,9 @@ def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
     job.evaluation.start(version=step)  # queued after the load of weights `step`
     evaluated = job.evaluation.collect(wait=not config.rollout.async_steps)
     batch, batch_ref = job.pipeline.take(step, lookahead)
+    if job.actors.critic is not None:  # PPO: the critic's values, then GAE over them
+        batch, batch_ref = with_gae(batch, job.actors.critic.values(batch),
+                                    config.rollout.advantage), None
     for kind, message in batch.events:  # e.g. an environment that failed in an episode
         job.run_dir.write_event(kind, message)
     job.weights.poll()
@@ -152,18 +157,24 @@ def train_optimizer_steps(job: RunningJob, step: int, batch: RolloutBatch,
                           batch_ref: ray.ObjectRef | None) -> list[dict[str, float]]:
     """The rollout's optimizer steps in order (mini-batches of whole groups × epochs),
     each with its own exact J; a mini-batch with no valid token is skipped and reported
-    (``skipped`` in updates.jsonl, ``updates/skipped`` in the row), never stepped."""
-    config, trainer = job.config, job.actors.trainer
+    (``skipped`` in updates.jsonl, ``updates/skipped`` in the row), never stepped. The
+    critic, when there is one, steps on the same mini-batches (``critic/*``); during its
+    ``warmup_steps`` it steps alone."""
+    config, trainer, critic = job.config, job.actors.trainer, job.actors.critic
+    policy_steps = critic is None or step >= config.critic.warmup_steps
     updates = rollout_updates(batch, config.rollout.global_batch_size,
                               config.trainer.ppo_epochs, config.trainer.seed, step)
-    if len(updates) > 1 and config.trainer.loss.old_log_probs == "trainer":
+    if len(updates) > 1 and config.trainer.loss.old_log_probs == "trainer" and policy_steps:
         batch = batch.with_old_log_probs(trainer.log_probs(batch))  # π at the start
         batch_ref = None  # the stored batch has no old log-probs
     per_update = []
     for update in updates:  # fetched once; each mini-batch planned on its own
         mini = mini_batch(batch, update)
-        metrics = (trainer.train(mini, batch_ref if mini is batch else None)
-                   if mini.num_valid_tokens else {"skipped": 1.0})
+        metrics = {"skipped": 1.0} if not mini.num_valid_tokens else (
+            trainer.train(mini, batch_ref if mini is batch else None) if policy_steps
+            else {})
+        if critic is not None and mini.num_valid_tokens:
+            metrics |= critic_metrics(critic.train(mini))
         job.updates.write(step * config.num_updates_per_rollout + update.index,
                           {**metrics, "rollout": float(step), "update": float(update.index),
                            "epoch": float(update.epoch)})
@@ -177,6 +188,8 @@ def save_checkpoint(job: RunningJob, step: int) -> Path:
     root = job.run_dir.checkpoints_dir
     staging = trainer_checkpoint.staging_path(root, step)
     job.checkpointed = job.actors.trainer.save_checkpoint(str(staging))
+    if job.actors.critic is not None:  # its own shards, committed with the policy's
+        job.actors.critic.save_checkpoint(str(staging / trainer_checkpoint.CRITIC_DIR))
     rollout_state = job.actors.rollout_call(job.actors.manager.state_dict.remote(),
                                             "state_dict")
     checkpoint.save_driver_state(staging, checkpoint.DriverState(
@@ -198,6 +211,12 @@ def restore(job: RunningJob, latest: Path | None, log: Callable[[str], None]) ->
         return 0
     state = checkpoint.load_driver_state(latest)
     job.actors.trainer.load_checkpoint(str(latest))
+    if job.actors.critic is not None:
+        critic_part = latest / trainer_checkpoint.CRITIC_DIR
+        if critic_part.is_dir():
+            job.actors.critic.load_checkpoint(str(critic_part))
+        else:  # a checkpoint of a run without one (resumed with --force)
+            log(f"{latest} holds no critic: the critic starts from its model")
     job.actors.rollout_call(job.actors.manager.load_state_dict.remote(state.rollout),
                             "load_state_dict")
     job.weights.start(version=state.step + 1)

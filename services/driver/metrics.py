@@ -37,13 +37,26 @@ def optimizer_steps_summary(per_update: list[dict[str, float]]) -> dict[str, flo
         return out
     names = [k for k in taken[0] if k not in ("valid_tokens", "skipped")]
     out |= {k: sum(u[k] for u in taken) / len(taken) for k in names}
-    out |= {k: max(u[k] for u in taken) for k in names if k.startswith("perf/peak_")}
+    out |= {k: max(u[k] for u in taken) for k in names if "perf/peak_" in k}
     for name in SPREAD_METRICS:
-        out[f"{name}/min"] = min(u[name] for u in taken)
-        out[f"{name}/max"] = max(u[name] for u in taken)
-    out["perf/compute_s"] = sum(u["perf/compute_s"] for u in taken)
-    out["lr"] = taken[-1]["lr"]
+        if name in taken[0]:  # a critic's warm-up steps have no policy metrics
+            out[f"{name}/min"] = min(u[name] for u in taken)
+            out[f"{name}/max"] = max(u[name] for u in taken)
+    for name in ("perf/compute_s", "critic/perf/compute_s"):
+        if name in taken[0]:
+            out[name] = sum(u[name] for u in taken)
+    for name in ("lr", "critic/lr"):
+        if name in taken[0]:
+            out[name] = taken[-1][name]
     return out
+
+
+def critic_metrics(update: dict[str, float]) -> dict[str, float]:
+    """A critic update's metrics as the row names them: ``critic/value_loss``,
+    ``critic/clip_fraction``, ``critic/values_mean``, ``critic/grad_norm``, ``critic/lr``,
+    and its compute time and peak memory under ``critic/perf/…``."""
+    return {f"critic/{name}": value for name, value in update.items()
+            if name not in ("valid_tokens", "padding_fraction", "perf/trained_tokens")}
 
 
 def length_bias_metrics(batch: RolloutBatch, constant_divisor: float) -> dict[str, float]:
@@ -126,9 +139,9 @@ class Progress:
 
 
 def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) -> str:
-    """``step 3 (4/20 done) | reward … | pg_loss … | kl … | entropy … | lr … | tok/s | s |
-    padding [| updates] [| turns, tool calls, env s] [| eval]``: step 3 is row 3 of
-    metrics.jsonl."""
+    """``step 3 (4/20 done) | reward … | pg_loss … | kl … | entropy … | lr … [| value_loss
+    … ev …] | tok/s | s | padding [| updates] [| turns, tool calls, env s] [| eval]``:
+    step 3 is row 3 of metrics.jsonl."""
     metrics = history[-1]
     head = f"step {step} ({step + 1}/{num_steps} done)"
     evaluated = (f" | eval accuracy {metrics['eval/accuracy']:.3f}"
@@ -143,9 +156,14 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
                     for name, spec in (("kl", ".4f"), ("entropy", ".3f"),
                                        ("distill/reverse_kl", ".4f"), ("lr", ".2e"))
                     if name in metrics)
+    policy = (f"| pg_loss {metrics['pg_loss']:+.4f}{terms} " if "pg_loss" in metrics
+              else "| critic warm-up (policy waits) ")
+    critic = (f"| value_loss {metrics['critic/value_loss']:.4f} "
+              f"ev {metrics['critic/explained_variance']:+.3f} "
+              if "critic/value_loss" in metrics else "")
     return (f"{head} | reward {metrics['reward/mean']:.3f} "
             f"(last 10: {sum(recent) / len(recent):.3f}) "
-            f"| pg_loss {metrics['pg_loss']:+.4f}{terms} "
+            f"{policy}{critic}"
             f"| {metrics['perf/tokens_per_s']:,.0f} tok/s "
             f"| {metrics['perf/step_time_s']:.1f} s "
             f"| padding {metrics.get('padding_fraction', 0.0):.1%}"
