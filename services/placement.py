@@ -255,8 +255,8 @@ def starts_local_head() -> bool:
 
 def local_head_cpus(config: JobConfig) -> int:
     """CPUs of the head Tally starts for this job: every core, and at least what the
-    trainer ranks (and the critic's) need plus two (an oversubscribed small machine runs; an undersized
-    head would wait forever)."""
+    trainer ranks (and the critic's) need plus two (an oversubscribed small machine
+    runs; an undersized head would wait forever)."""
     needed = (config.trainer.world_size * config.trainer.num_cpus_per_rank
               + sum(bundle.get("CPU", 0.0) for bundle in critic_bundles(config)) + 2)
     return max(os.cpu_count() or 1, int(needed + 0.999))

@@ -47,8 +47,8 @@ from services.driver.job import (
 )
 from services.driver.metrics import (
     LearningSignalWatch,
-    critic_metrics,
     Progress,
+    critic_metrics,
     rollout_metrics,
     skipped_rollout_metrics,
 )
