@@ -84,6 +84,9 @@ class Episode:
     """1 on the policy's tokens, 0 on the environment's."""
     log_probs: list[float] = field(default_factory=list)
     reward: float = 0.0
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
+    """(response position, reward) of each environment step: on the last token of the
+    policy's action so far (where GAE credits it); they sum to ``reward``."""
     turns: int = 0
     """Policy turns taken."""
     observations: int = 0
@@ -102,13 +105,21 @@ class Episode:
     def policy_tokens(self) -> int:
         return sum(self.response_mask)
 
+    def place_reward(self, reward: float) -> None:
+        """Credit an environment step's reward to the last token of the policy's action
+        (an empty action: its last token before; none yet: nowhere to learn from)."""
+        last = next((t for t in range(len(self.response_mask) - 1, -1, -1)
+                     if self.response_mask[t]), None)
+        if last is not None and reward:
+            self.turn_rewards.append((last, reward))
+
     def end(self, failure: str | None = None) -> None:
         calls = getattr(self.env, "tool_calls", None)
         if isinstance(calls, int) and not isinstance(calls, bool):
             self.tool_calls = calls
         self.ended, self.env = True, None
         if failure is not None:
-            self.failure, self.reward = failure, 0.0
+            self.failure, self.reward, self.turn_rewards = failure, 0.0, []
 
     def generation(self) -> Generation:
         """The response as one Generation: "stop" when the environment ended it."""
@@ -210,6 +221,7 @@ async def _play(episodes: list[Episode], env_class: type, config: EnvironmentCon
                 episode.end(failure)
                 continue
             episode.reward += reward
+            episode.place_reward(reward)
             if done or observation is None:
                 episode.env_done = True
                 episode.end()

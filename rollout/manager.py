@@ -60,6 +60,9 @@ class _Group:
     rewards: list[float]
     masks: list[list[int]] | None = None
     """Per response token: 1 the policy's, 0 the environment's; None: all the policy's."""
+    turn_rewards: list[list[tuple[int, float]]] | None = None
+    """Per episode: (response position, reward) of each environment step, on the last
+    token of its action (GAE's per-turn credit); None: one reward per response."""
 
 
 @dataclass(frozen=True)
@@ -330,7 +333,8 @@ class RolloutManager:
         stats.all_rewards += [e.reward for e in episodes]
         return [
             _Group([e.prompt_ids for e in group], [e.generation() for e in group],
-                   [e.reward for e in group], [e.response_mask for e in group])
+                   [e.reward for e in group], [e.response_mask for e in group],
+                   [e.turn_rewards for e in group])
             for group in (episodes[j:j + group_size]
                           for j in range(0, len(episodes), group_size))
         ]
@@ -421,6 +425,8 @@ class RolloutManager:
         }
         masks = ([m for g in groups for m in g.masks or []] if self.turns is not None
                  else None)  # episodes' holes; else every response token counts
+        turn_rewards = ([t for g in groups for t in g.turn_rewards or []]
+                        if self.turns is not None else None)
         batch = RolloutBatch.from_samples(
             prompt_ids=[p for g in groups for p in g.prompt_ids],
             response_ids=[gen.token_ids for gen in generations],
@@ -433,6 +439,7 @@ class RolloutManager:
             response_masks=masks,
             metadata=metadata,
             events=events,
+            turn_rewards=turn_rewards,
         )
         self.next_group_index += len(groups)
         return self._distilled(batch) if self.teacher is not None else batch

@@ -37,12 +37,12 @@ def optimizer_steps_summary(per_update: list[dict[str, float]]) -> dict[str, flo
         return out
     names = [k for k in taken[0] if k not in ("valid_tokens", "skipped")]
     out |= {k: sum(u[k] for u in taken) / len(taken) for k in names}
-    out |= {k: max(u[k] for u in taken) for k in names if "perf/peak_" in k}
+    out |= {k: max(u[k] for u in taken) for k in names if "/peak_" in k}
     for name in SPREAD_METRICS:
         if name in taken[0]:  # a critic's warm-up steps have no policy metrics
             out[f"{name}/min"] = min(u[name] for u in taken)
             out[f"{name}/max"] = max(u[name] for u in taken)
-    for name in ("perf/compute_s", "critic/perf/compute_s"):
+    for name in ("perf/compute_s", "perf/critic/compute_s"):
         if name in taken[0]:
             out[name] = sum(u[name] for u in taken)
     for name in ("lr", "critic/lr"):
@@ -54,8 +54,9 @@ def optimizer_steps_summary(per_update: list[dict[str, float]]) -> dict[str, flo
 def critic_metrics(update: dict[str, float]) -> dict[str, float]:
     """A critic update's metrics as the row names them: ``critic/value_loss``,
     ``critic/clip_fraction``, ``critic/values_mean``, ``critic/grad_norm``, ``critic/lr``,
-    and its compute time and peak memory under ``critic/perf/…``."""
-    return {f"critic/{name}": value for name, value in update.items()
+    and its compute time and peak memory under ``perf/critic/…``."""
+    return {(f"perf/critic/{name.removeprefix('perf/')}" if name.startswith("perf/")
+             else f"critic/{name}"): value for name, value in update.items()
             if name not in ("valid_tokens", "padding_fraction", "perf/trained_tokens")}
 
 
@@ -167,7 +168,9 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
             f"| {metrics['perf/tokens_per_s']:,.0f} tok/s "
             f"| {metrics['perf/step_time_s']:.1f} s "
             f"| padding {metrics.get('padding_fraction', 0.0):.1%}"
-            + (f" | {metrics['updates']:.0f} updates, clip ≤ {metrics['clip_fraction/max']:.3f}"
+            + (f" | {metrics['updates']:.0f} updates"
+               + (f", clip ≤ {metrics['clip_fraction/max']:.3f}"
+                  if "clip_fraction/max" in metrics else "")
                if metrics.get("updates", 1) > 1 else "")
             + (f" ({metrics['updates/skipped']:.0f} skipped: no valid token)"
                if metrics.get("updates/skipped") else "")

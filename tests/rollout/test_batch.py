@@ -4,6 +4,8 @@ their sums, and what breaks the schema is named."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,3 +64,24 @@ def test_what_breaks_the_schema_is_named() -> None:
     inf = [[1.0, float("inf")], [3.0], [4.0, 5.0, 6.0], [7.0]]
     with pytest.raises(RolloutBatchError, match="advantages: contains NaN or inf"):
         batch(inf)
+
+
+def test_rewards_are_placed_on_tokens_per_turn_or_on_the_last_valid_token() -> None:
+    """An episode's step rewards sit on the last token of each action (``turn_rewards``)
+    and sum to its reward, which GRPO keeps using; without them a sample's reward sits on
+    its last valid token (a trailing observation, mask 0, is not one)."""
+    masks = [[1, 1, 0, 0, 1, 1, 0], [1, 1, 1]]
+    batch = RolloutBatch.from_samples(
+        prompt_ids=[[5, 6], [5, 6]], response_ids=[[7] * 7, [8] * 3],
+        response_log_probs=[[-0.5] * 7, [-0.5] * 3], rewards=[1.5, 2.0],
+        advantages=[0.0, 0.0], group_index=[0, 0], samples_per_prompt=2,
+        response_masks=masks, turn_rewards=[[(1, 0.5), (5, 1.0)], [(2, 2.0)]])
+    placed = batch.placed_rewards()
+    assert placed[0].tolist() == [0, 0, 0, 0.5, 0, 0, 0, 1.0, 0]
+    assert placed.sum(-1).tolist() == batch.rewards.double().tolist()
+    plain = dataclasses.replace(batch, token_rewards=None).placed_rewards()
+    assert plain[0].tolist() == [0, 0, 0, 0, 0, 0, 0, 1.5, 0]  # its last valid token
+    assert plain[1].tolist() == [0, 0, 0, 0, 2.0, 0, 0, 0, 0]
+    with pytest.raises(RolloutBatchError, match="turn_rewards: sample 1"):
+        RolloutBatch.from_samples([[5], [5]], [[7], [8]], [[-0.5], [-0.5]], [1.0, 1.0],
+                                  [0.0, 0.0], [0, 0], 2, turn_rewards=[[], [(1, 1.0)]])

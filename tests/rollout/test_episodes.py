@@ -49,6 +49,13 @@ def test_an_episode_is_one_sequence_with_the_policy_tokens_masked_in(
         assert (episode.turns, episode.observations, episode.env_done) == (3, 2, True)
         assert episode.tool_calls == 2  # the environment's own count, read at the end
         assert episode.reward == pytest.approx(0.75)  # the sum of the three steps' rewards
+        # Each step's reward sits on the last token of its action (GAE's per-turn credit).
+        ends, position = [], -1
+        for mask, ids in runs:
+            position += len(ids)
+            if mask == 1:
+                ends.append(position)
+        assert episode.turn_rewards == [(end, 0.25) for end in ends]
         holes = [lp for lp, m in zip(episode.log_probs, episode.response_mask, strict=True)
                  if m == 0]
         assert holes == [0.0] * len(holes)
