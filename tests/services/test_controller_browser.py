@@ -59,6 +59,18 @@ def with_environment(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def with_critic_and_teacher(rows: list[dict]) -> list[dict]:
+    """``rows`` plus a critic's metrics (services/driver/metrics.py: critic_metrics, the
+    rollout's GAE) and a teacher's reverse KL, the explained variance rising."""
+    for row in rows:
+        step = row["step"]
+        row["metrics"] |= {"critic/value_loss": 0.1 / (1 + step), "critic/clip_fraction": 0.05,
+                           "critic/explained_variance": -0.5 + step / 40,
+                           "critic/values_mean": 0.3, "critic/returns_mean": 0.35,
+                           "critic/grad_norm": 0.8, "distill/reverse_kl": 1.0 / (1 + step)}
+    return rows
+
+
 @pytest.fixture(scope="module")
 def dashboard(tmp_path_factory: pytest.TempPathFactory):
     """A controller (Ray faked) holding a finished job and a four-mode sweep with metrics."""
@@ -71,8 +83,8 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory):
                                            "overrides": [*DEMO_OVERRIDES, "num_steps=40",
                                                          "aggregation.mode=token_mean"]}).json()
         http.post(f"/api/jobs/{job['id']}/metrics",
-                  json={"rows": with_environment(with_peak_memory(
-                      with_length_bias_and_eval(step_rows(40), eval_every=5)))})
+                  json={"rows": with_critic_and_teacher(with_environment(with_peak_memory(
+                      with_length_bias_and_eval(step_rows(40), eval_every=5))))})
         sweep = http.post("/api/sweeps", json={"config_yaml": config, "modes": MODES,
                                                "overrides": [*DEMO_OVERRIDES, "num_steps=4"]}
                           ).json()
@@ -102,7 +114,8 @@ def page(dashboard):
 
 JOB_CHARTS = ("pg_loss_modes", "length_bias_long", "length_bias_short", "reward", "eval", "kl",
               "entropy", "clip_fraction", "grad_norm", "response_length", "tokens_per_s",
-              "padding_fraction", "env_turns", "env_tokens", "env_seconds", "peak_mem")
+              "padding_fraction", "env_turns", "env_tokens", "env_seconds", "critic_loss",
+              "critic_fit", "critic_values", "distill", "peak_mem")
 """The job page's charts, in page order (charts.js: JOB_CHARTS)."""
 
 # Columns of a chart's canvas holding blue (the first series' colour, #4269d0), counted
@@ -157,6 +170,9 @@ def test_job_page_draws_every_chart_with_points(dashboard, page) -> None:
     assert (points_of(tab, "env_turns"), tab.get_attribute('[data-chart="env_turns"]',
                                                            "data-series")) == (120, "3")
     assert float(tab.get_attribute('[data-chart="env_tokens"]', "data-y-max")) <= 1.0
+    # The critic: 40 steps × 2 and × 3 series; its explained variance crosses 0.
+    assert (points_of(tab, "critic_loss"), points_of(tab, "critic_values")) == (80, 120)
+    assert "explained variance" in tab.locator('[data-chart="critic_fit"] .u-legend').inner_text()
     covered, width = tab.evaluate(BLUE_COLUMNS, '[data-chart="eval"]')
     assert covered > width / 2, (covered, width)
     legend = tab.locator('[data-chart="pg_loss_modes"] .u-legend').inner_text()
@@ -172,12 +188,14 @@ def test_charts_without_points_say_no_data(dashboard, page) -> None:
     tab.goto(f"{url}/jobs/{run}")
     tab.wait_for_selector('[data-chart="pg_loss_modes"][data-points="8"]', timeout=15_000)
     for chart in ("eval", "length_bias_long", "length_bias_short", "peak_mem", "env_turns",
-                  "env_tokens", "env_seconds"):
+                  "env_tokens", "env_seconds", "critic_loss", "critic_fit", "distill"):
         assert points_of(tab, chart) == 0, chart
         assert tab.locator(f'[data-chart="{chart}"] .no-data').is_visible(), chart
     assert tab.locator('[data-chart="env_turns"] .no-data').inner_text() == \
         "no environment (rollout.environment)"
     assert tab.locator('[data-chart="eval"] .no-data').inner_text() == "no evaluation logged"
+    assert tab.locator('[data-chart="critic_fit"] .no-data').inner_text() == \
+        "no critic (critic.enabled)"
     assert tab.locator('[data-chart="eval"] h3').inner_text() == \
         "evaluation on held-out prompts"  # no k to show
     assert points_of(tab, "reward") == 4

@@ -37,6 +37,8 @@ const lengthBias = (bucket, which) => ({ id: `length_bias_${bucket}`,
 
 // What an environment chart says on a job without one.
 const NO_ENVIRONMENT = "no environment (rollout.environment)";
+// What a critic chart says on a job without one.
+const NO_CRITIC = "no critic (critic.enabled)";
 
 // What a job page charts: title -> series (metric name, label); `note` names a metric
 // whose last value the title shows, `hint` a line under it, `empty` what a chart without
@@ -79,6 +81,22 @@ const JOB_CHARTS = [
     empty: NO_ENVIRONMENT,
     series: [{ name: "env/seconds", label: "seconds" },
       { name: "env/failures", label: "failed episodes" }] },
+  // PPO with a critic (trainer/value_loss.py, rollout/advantages.py: GAE)
+  { id: "critic_loss", title: "critic: value loss (and its clip fraction)", empty: NO_CRITIC,
+    series: [{ name: "critic/value_loss", label: "value loss" },
+      { name: "critic/clip_fraction", label: "clip fraction" }] },
+  { id: "critic_fit", title: "critic: explained variance of the returns",
+    empty: NO_CRITIC, hint: "1: V predicts every return; 0: no better than their mean",
+    series: [{ name: "critic/explained_variance", label: "explained variance" }] },
+  { id: "critic_values", title: "critic: values and returns (mean per token)",
+    empty: NO_CRITIC,
+    series: [{ name: "critic/values_mean", label: "values" },
+      { name: "critic/returns_mean", label: "returns" },
+      { name: "critic/grad_norm", label: "grad norm" }] },
+  // on-policy distillation (rollout/teacher.py)
+  { id: "distill", title: "distillation: reverse KL to the teacher per token",
+    empty: "no teacher (rollout.teacher)",
+    series: [{ name: "distill/reverse_kl", label: "reverse KL" }] },
   // trainer/memory.py; a checkpoint is written only every checkpoint_every steps
   { id: "peak_mem", title: "peak memory (GB) per phase", empty: "no memory logged",
     hint: "each rank's peak: resident anonymous memory on CPU, max_memory_allocated on GPU",
@@ -90,7 +108,7 @@ const JOB_METRICS = [...new Set(JOB_CHARTS.flatMap((c) => [...c.series.map((s) =
 // What a sweep page overlays, one chart per metric, one series per run.
 const SWEEP_METRICS = ["pg_loss", "reward/mean", "reward/std", "eval/accuracy", "kl", "entropy",
   "clip_fraction", "grad_norm", "response_length/mean", "perf/tokens_per_s",
-  "padding_fraction"];
+  "padding_fraction", "critic/value_loss", "critic/explained_variance"];
 
 // `names=` of a metrics request: each name encoded (`eval/pass@k`), commas between.
 const namesParam = (names) => names.map(encodeURIComponent).join(",");
