@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 if TYPE_CHECKING:
+    import torch
+
+    from rollout.batch import RolloutBatch
     from rollout.config import RolloutConfig
+    from services.config import JobConfig
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
@@ -179,6 +183,56 @@ def spread_rollout(rollout: RolloutConfig) -> RolloutConfig:
                                                               "max_draws": 8}})
 
 
+def _critic_check(job: JobConfig, model_path: str, batch: RolloutBatch,
+                  planted: dict[str, dict[str, str]]) -> Any:
+    """The verifier's critic part (trainer/verify.CriticCheck) of a PPO job, None without
+    a critic. Each layout's batch is GAE over the reference critic's values, whitened with
+    the statistics of every DP × CP rank of that layout summed (``rank_token_moments``);
+    the planted ``local_whitening`` whitens each DP rank's samples with its own instead."""
+    import dataclasses
+
+    import torch
+
+    from rollout.advantages import whiten, with_gae
+    from rollout.tiny import resolve_model_path
+    from services.driver.run_dir import data_dir
+    from trainer.objective import PLANTED_ERROR_ENV, parse_planted_errors
+    from trainer.step_plan import packs, plan_step
+    from trainer.verify import CriticCheck, Layout, layout_config, rank_token_moments
+
+    if not job.critic.enabled:
+        return None
+    advantage = job.rollout.advantage
+    objective = job.objective_config()
+
+    def batch_for_layout(layout: Layout, values: torch.Tensor) -> RolloutBatch:
+        raw = with_gae(batch, values, advantage.model_copy(update={"normalize": False}))
+        if not advantage.normalize:
+            return raw
+        config = layout_config(job.trainer, layout)
+        plan = plan_step(raw, objective, config.dp_size, config.cp_size,
+                         config.max_tokens_per_micro_batch, packed=packs(config),
+                         shared_prefix=config.shares_prefix)
+        gae_only = dataclasses.replace(raw, advantages=raw.advantages - batch.advantages)
+        moments = rank_token_moments(gae_only, plan, config.cp_size)
+        errors = parse_planted_errors(planted.get(str(layout), {}).get(PLANTED_ERROR_ENV, ""))
+        mask, advantages = raw.loss_mask, gae_only.advantages
+        if "local_whitening" not in errors:
+            whitened = whiten(advantages, mask, moments.sum(dim=(0, 1)), advantage.eps)
+        else:  # each DP rank's samples by its own statistics: the classic silent error
+            whitened = torch.zeros_like(advantages, dtype=torch.float64)
+            for rank, micro_batches in enumerate(plan.micro_batches):
+                samples = [i for micro in micro_batches for i in micro]
+                whitened[samples] = whiten(advantages[samples], mask[samples],
+                                           moments[rank].sum(dim=0), advantage.eps)
+        return dataclasses.replace(raw, advantages=batch.advantages + whitened.float())
+
+    critic_model = (resolve_model_path(job.critic.model, data_dir() / "models")
+                    if job.critic.model else model_path)
+    return CriticCheck(job.critic_trainer_config(), job.critic_objective_config(),
+                       critic_model, job.critic.value_clip, batch_for_layout)
+
+
 @app.command("verify-aggregation")
 def verify_aggregation(
     config: ConfigArg, set_: SetOpt = None,
@@ -230,7 +284,8 @@ def verify_aggregation(
         typer.echo(f"{len(updates)} optimizer step(s) per rollout, each compared")
         rows = verify_layouts(job.trainer, job.objective_config(), model_path, batch, parsed,
                               tolerance=tolerance, env_for_layout=planted,
-                              updates=updates)
+                              updates=updates, critic=_critic_check(job, model_path, batch,
+                                                                    planted))
         for line in format_rows(rows):
             typer.echo(line)
         failed = [row for row in rows if not row.ok]

@@ -29,10 +29,18 @@ the KL reference the base itself, adapters disabled; B is perturbed away from 0 
 A job with ``aggregation.custom_reducer`` is checked under one more mode, ``custom``: its
 pg term weighted by the reducer's dense [N, S] weights (sliced like the tokens), KL and
 entropy by their own modes.
+
+PPO with a critic (``critic.enabled``) adds the critic's term ``value``: the reference
+layout's critic gives the rollout's values, GAE over them gives each layout's per-token
+advantages (whitened by that layout's reduction of every rank's statistics:
+:func:`rank_token_moments`) and the critic's returns; the policy's terms are compared on
+those advantages, then the critic's value-loss gradient and J under every mode, update by
+update, on its own ranks (trainer/backends/fsdp/critic.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -40,10 +48,14 @@ import torch
 
 from rollout.batch import RolloutBatch
 from trainer.config import AGGREGATION_MODES, AggregationConfig, ObjectiveConfig, TrainerConfig
+from trainer.micro_batch import slice_for_plan
 from trainer.mini_batches import Update, mini_batch
+from trainer.step_plan import StepPlan
 
 TERMS = {"pg": "pg_loss", "kl": "kl", "entropy": "entropy"}
 """Term -> its logged J."""
+CRITIC_TERMS = {"value": "value_loss"}
+"""The critic's term (trainer/value_loss.py) -> its logged J."""
 CUSTOM_MODE = "custom"
 """The mode of the rows that check the job's own ``aggregation.custom_reducer``."""
 
@@ -132,10 +144,12 @@ def checked_modes(objective: ObjectiveConfig) -> tuple[str, ...]:
     return (*AGGREGATION_MODES, *((CUSTOM_MODE,) if objective.pg.custom_reducer else ()))
 
 
-def mode_objectives(objective: ObjectiveConfig, modes: tuple[str, ...]
+def mode_objectives(objective: ObjectiveConfig, modes: tuple[str, ...],
+                    terms: tuple[str, ...] = tuple(TERMS)
                     ) -> list[tuple[str, str, ObjectiveConfig]]:
     """(mode, term, the objective whose gradient is that term's under that pg mode) for
-    every mode and term; ``custom`` keeps the job's own pg aggregation (its reducer)."""
+    every mode and term; ``custom`` keeps the job's own pg aggregation (its reducer). The
+    critic's one term (``value``) is its whole objective (``gradient_of`` all)."""
     checked = []
     for mode in modes:
         if mode == CUSTOM_MODE:
@@ -145,9 +159,42 @@ def mode_objectives(objective: ObjectiveConfig, modes: tuple[str, ...]
         else:
             pg = AggregationConfig(mode=mode, divisor=objective.metric_divisor
                                    if mode == "constant" else None)
-        checked += [(mode, term, objective.model_copy(update={"pg": pg, "gradient_of": term}))
-                    for term in TERMS]
+        checked += [(mode, term, objective.model_copy(update={
+            "pg": pg, "gradient_of": term if term in TERMS else "all"})) for term in terms]
     return checked
+
+
+@dataclass(frozen=True)
+class CriticCheck:
+    """The critic's part of a verification (PPO with a critic): its group's trainer
+    config and objective, model, value clip, and each layout's rollout batch (GAE over
+    the reference critic's values, whitened by that layout's reduction: a test may plant
+    per-rank statistics there)."""
+
+    config: TrainerConfig
+    objective: ObjectiveConfig
+    model_path: str
+    value_clip: float | None
+    batch_for_layout: Callable[[Layout, torch.Tensor], RolloutBatch]
+    """(layout, the reference critic's values [N, S]) -> the batch that layout trains."""
+
+
+def rank_token_moments(batch: RolloutBatch, plan: StepPlan, cp_size: int) -> torch.Tensor:
+    """[dp, cp, 3]: (n, Σ A, Σ A²) of the advantages over the valid tokens each DP × CP
+    rank holds under ``plan`` (its micro-batches, shifted and cut to its CP shard): the
+    statistics a whitening reduces over every rank. Summed over the ranks they are the
+    whole rollout's, exactly once per token."""
+    out = torch.zeros(len(plan.micro_batches), cp_size, 3, dtype=torch.float64)
+    for dp_rank, micro_batches in enumerate(plan.micro_batches):
+        for samples in micro_batches:
+            for cp_rank in range(cp_size):
+                micro = slice_for_plan(batch, plan, samples, cp_size, cp_rank)
+                valid = micro.loss_mask > 0
+                x = micro.advantages.double()[valid]
+                out[dp_rank, cp_rank] += torch.stack([
+                    torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(),
+                    (x * x).sum()])
+    return out
 
 
 def perturbed(state: dict[str, torch.Tensor], seed: int = 0, scale: float = 0.05
@@ -167,41 +214,52 @@ def perturbed(state: dict[str, torch.Tensor], seed: int = 0, scale: float = 0.05
     return out
 
 
-def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
-               batch: RolloutBatch, layout: Layout, modes: tuple[str, ...],
-               updates: list[Update], policy_state: dict[str, torch.Tensor] | None = None,
-               env_vars: dict[str, str] | None = None,
-               ) -> tuple[dict[tuple[str, int, str], TermResult], dict[str, torch.Tensor]]:
-    """Every (mode, update, term) gradient and J under one layout, from ``policy_state``
-    (the perturbed policy; made from the first layout's weights when None)."""
-    import ray
-
-    from trainer.group import TrainerGroup
-
+def layout_config(config: TrainerConfig, layout: Layout) -> TrainerConfig:
+    """The trainer config of ``layout``: its DP and CP sizes, packing and prefix."""
     update: dict[str, object] = {"dp_size": layout.dp_size, "cp_size": layout.cp_size}
     if layout.packed is not None:
         update |= {"packing": layout.packed, "shared_prefix": layout.shared_prefix}
     elif config.shared_prefix and layout.cp_size > 1:  # the job's own, where CP allows
         update["shared_prefix"] = None
-    config = TrainerConfig.model_validate(config.model_dump() | update)
+    return TrainerConfig.model_validate(config.model_dump() | update)
+
+
+def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
+               batch: RolloutBatch, layout: Layout, modes: tuple[str, ...],
+               updates: list[Update], policy_state: dict[str, torch.Tensor] | None = None,
+               env_vars: dict[str, str] | None = None, critic: CriticCheck | None = None,
+               ) -> tuple[dict[tuple[str, int, str], TermResult], dict[str, torch.Tensor]]:
+    """Every (mode, update, term) gradient and J under one layout, from ``policy_state``
+    (the perturbed policy; made from the first layout's weights when None). ``critic``:
+    the critic's group instead, its ``value`` term (its fresh head needs no
+    perturbation: its values are not the returns)."""
+    import ray
+
+    from trainer.group import CRITIC_WORKER, TrainerGroup
+
+    config = layout_config(config, layout)
     group = TrainerGroup(config, objective, model_path, total_steps=len(updates),
-                         env_vars=env_vars)
+                         env_vars=env_vars, **({} if critic is None else {
+                             "worker": CRITIC_WORKER,
+                             "worker_kwargs": {"value_clip": critic.value_clip}}))
+    terms = CRITIC_TERMS if critic is not None else TERMS
     try:
         if policy_state is None:
-            policy_state = perturbed(ray.get(group.async_export_weights()))
+            policy_state = ray.get(group.async_export_weights())
+            policy_state = policy_state if critic is not None else perturbed(policy_state)
         group.load_weights(policy_state)
         rollout = batch
-        if len(updates) > 1 and config.loss.old_log_probs == "trainer":
+        if len(updates) > 1 and config.loss.old_log_probs == "trainer" and critic is None:
             rollout = batch.with_old_log_probs(group.log_probs(batch))
-        checked = mode_objectives(objective, modes)
+        checked = mode_objectives(objective, modes, tuple(terms))
         results = {}
         for update in updates:
             mini = mini_batch(rollout, update)
             per_check = group.gradients(mini, [obj for *_, obj in checked])
             for (mode, term, _), (sums, grads) in zip(checked, per_check, strict=True):
-                logged = TERMS[term]
+                logged = terms[term]
                 results[mode, update.index, term] = TermResult(
-                    sums[logged], sums[f"magnitude/{logged}"], grads)
+                    sums[logged], sums[f"magnitude/{term if critic else logged}"], grads)
             if len(updates) > 1:  # the job's own step, the same in every layout
                 group.train(mini)
         return results, policy_state
@@ -233,26 +291,66 @@ def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path
                    modes: tuple[str, ...] | None = None,
                    tolerance: tuple[float, float] | None = None,
                    env_for_layout: dict[str, dict[str, str]] | None = None,
-                   updates: list[Update] | None = None) -> list[Row]:
+                   updates: list[Update] | None = None, critic: CriticCheck | None = None
+                   ) -> list[Row]:
     """Rows of (layout, mode, update, term) against the first layout. ``modes``: default
     :func:`checked_modes`; ``updates`` splits the rollout (default: one update on the
     whole batch); ``env_for_layout`` is a test hook (environment of one layout's ranks,
-    e.g. a planted reduction error)."""
+    e.g. a planted reduction error). ``critic`` (PPO with a critic): the reference
+    critic's values make each layout's batch (GAE, its own whitening reduction), and the
+    critic's ``value`` term is compared too, after the policy's."""
     config = verification_config(config)
     modes = modes or checked_modes(objective)
     rtol, atol = tolerance or default_tolerance(config)
     env_for_layout = env_for_layout or {}
     updates = updates or [Update(0, 0, list(range(batch.num_samples)))]
-    reference, policy = run_layout(config, objective, model_path, batch, layouts[0], modes,
-                                   updates, env_vars=env_for_layout.get(str(layouts[0])))
+    batches = {str(layout): batch for layout in layouts}
+    critic_config = None
+    if critic is not None:
+        critic_config = verification_config(critic.config).model_copy(
+            update={"loss": critic.config.loss})  # no reference model for a critic
+        values = critic_values(critic_config, critic, layouts[0], batch)
+        batches = {str(layout): critic.batch_for_layout(layout, values) for layout in layouts}
+    reference, policy = run_layout(config, objective, model_path, batches[str(layouts[0])],
+                                   layouts[0], modes, updates,
+                                   env_vars=env_for_layout.get(str(layouts[0])))
     rows = []
     for layout in layouts[1:]:
-        results, _ = run_layout(config, objective, model_path, batch, layout, modes, updates,
-                                policy, env_vars=env_for_layout.get(str(layout)))
+        results, _ = run_layout(config, objective, model_path, batches[str(layout)], layout,
+                                modes, updates, policy,
+                                env_vars=env_for_layout.get(str(layout)))
+        for (mode, update, term), got in results.items():
+            rows.append(Row(str(layout), mode, update, term,
+                            *compare(reference[mode, update, term], got, rtol, atol)))
+    if critic is None or critic_config is None:
+        return rows
+    critic_modes = tuple(m for m in modes if m != CUSTOM_MODE)
+    trained = batches[str(layouts[0])]  # the returns do not depend on the whitening
+    reference, state = run_layout(critic_config, critic.objective, critic.model_path,
+                                  trained, layouts[0], critic_modes, updates,
+                                  env_vars=env_for_layout.get(str(layouts[0])), critic=critic)
+    for layout in layouts[1:]:
+        results, _ = run_layout(critic_config, critic.objective, critic.model_path, trained,
+                                layout, critic_modes, updates, state,
+                                env_vars=env_for_layout.get(str(layout)), critic=critic)
         for (mode, update, term), got in results.items():
             rows.append(Row(str(layout), mode, update, term,
                             *compare(reference[mode, update, term], got, rtol, atol)))
     return rows
+
+
+def critic_values(config: TrainerConfig, critic: CriticCheck, layout: Layout,
+                  batch: RolloutBatch) -> torch.Tensor:
+    """The critic's values [N, S] of the rollout ``batch`` under ``layout`` (no update)."""
+    from trainer.group import CRITIC_WORKER, TrainerGroup
+
+    group = TrainerGroup(layout_config(config, layout), critic.objective, critic.model_path,
+                         total_steps=1, worker=CRITIC_WORKER,
+                         worker_kwargs={"value_clip": critic.value_clip})
+    try:
+        return group.values(batch)
+    finally:
+        group.shutdown()
 
 
 def format_rows(rows: list[Row]) -> list[str]:

@@ -286,3 +286,58 @@ def test_a_planted_coefficient_error_moves_one_sample_of_the_shard(
             factor = 1 + PLANTED_COEFFICIENT_ERROR if term in terms else 1.0
             assert torch.equal(planted[term][chosen], weights[chosen] * factor), term
             assert torch.equal(planted[term][~chosen], weights[~chosen]), term
+
+
+@pytest.mark.parametrize(("dp", "cp", "packed"), [
+    (dp, cp, packed) for dp in (1, 2, 3) for cp in (1, 2) for packed in (True, False)])
+def test_whitening_statistics_reduced_over_every_rank_are_the_global_ones(
+        dp: int, cp: int, packed: bool) -> None:
+    """GAE's whitening reduces (n, Σ A, Σ A²) over the valid tokens every DP × CP rank
+    holds (its micro-batches, shifted and cut to its CP shard): the sum is the whole
+    rollout's, each token once, so μ and σ are the global ones; one rank's alone are not
+    (what the planted ``local_whitening`` uses)."""
+    from rollout.advantages import moments_mean_std, token_moments
+    from trainer.step_plan import plan_step
+    from trainer.verify import rank_token_moments
+
+    batch = random_train_batch(vocab_size=40, num_prompts=6, group_size=2, seed=dp + cp,
+                               per_token=True)
+    plan = plan_step(batch, OBJECTIVE, dp, cp, max_tokens_per_micro_batch=20, packed=packed)
+    per_rank = rank_token_moments(batch, plan, cp)
+    assert per_rank.shape == (dp, cp, 3)
+    whole = token_moments(batch.advantages, batch.loss_mask)
+    assert per_rank.sum(dim=(0, 1)).tolist() == pytest.approx(whole.tolist(), rel=1e-12)
+    assert moments_mean_std(per_rank.sum(dim=(0, 1))) == pytest.approx(
+        moments_mean_std(whole), rel=1e-12)
+    if dp * cp > 1:  # a rank's own statistics are not the rollout's
+        own = [moments_mean_std(rank) for rank in per_rank.reshape(dp * cp, 3) if rank[0]]
+        assert any(abs(mean - moments_mean_std(whole)[0]) > 1e-3 for mean, _ in own)
+
+
+@pytest.mark.slow  # the demo's warm start, a critic and three layouts on Ray actors
+def test_verify_aggregation_checks_the_critic_and_exits_1_on_its_planted_errors(
+        ray_cluster: None, shared_data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """demo-ppo.yaml (critic, GAE, whitening): the policy's per-token advantages and the
+    critic's ``value`` term under every mode. Planted: ``local_whitening`` in DP 2 (each
+    rank whitens its samples by its own statistics) fails that layout's pg rows and no
+    value row; ``value`` in CP 2 (the critic's rank 0 doubles its share) fails that
+    layout's value rows and no pg row."""
+    from services.cli import app
+
+    monkeypatch.setenv("TALLY_TEST_PLANT", "dp2cp1-packed:local_whitening;dp1cp2:value")
+    result = CliRunner().invoke(app, [
+        "verify-aggregation", str(ROOT / "configs" / "demo-ppo.yaml"),
+        "--layouts", "dp1cp1-padded,dp2cp1-packed,dp1cp2",
+        "--set", "rollout.global_batch_size=16", "--set", "rollout.rollout_batch_size=4",
+        "--set", "rollout.n_samples_per_prompt=4"])
+    print(result.output)
+    assert result.exit_code == 1, result.output
+    rows = [line.split() for line in result.output.splitlines() if line.startswith("dp")]
+    assert {(r[0], r[3]) for r in rows} == {
+        (layout, term) for layout in ("dp2cp1-packed", "dp1cp2")
+        for term in ("pg", "kl", "entropy", "value")}
+    failed = {(r[0], r[1], r[3]) for r in rows if r[-1] == "FAIL"}
+    assert {(m, t) for lay, m, t in failed if lay == "dp2cp1-packed"} == {
+        (mode, "pg") for mode in MODES}
+    assert {(m, t) for lay, m, t in failed if lay == "dp1cp2"} == {
+        (mode, "value") for mode in MODES}

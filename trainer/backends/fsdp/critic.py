@@ -14,6 +14,7 @@ packing, shared prefixes and CP shards are the policy's (``trainer/micro_batch.p
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -34,6 +35,11 @@ from trainer.value_loss import (
     value_step_metrics,
 )
 from trainer.worker import in_eval_mode
+
+# FSDP2 warns when a wrapped root returns a view (the token classifier's output); the
+# warning is about in-place ops on that view skipping its pre-backward hook, and the
+# critic never writes to its output (it reads ``logits[..., 0]`` out of place).
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 class FSDPCriticWorker(FSDPWorker):
