@@ -65,6 +65,8 @@ def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
     check("rollout", lambda: check_reward_function(config.rollout.reward))
     if config.rollout.distillation is not None:
         check("", lambda: _check_teacher(config))
+    if config.critic.enabled and config.critic.model is not None:
+        check("", lambda: _check_critic(config))
     if config.rollout.environment is not None:
         check("rollout", lambda: check_object(config.rollout.environment.class_path,
                                               "environment.class_path"))
@@ -118,6 +120,26 @@ def _check_teacher(config: JobConfig) -> None:
         raise ValueError(f"{field}: {teacher.model}'s tokenizer is not the policy's "
                          f"({policy}): the teacher scores the policy's token ids, so both "
                          "need one vocabulary (distil from a teacher of the same family)")
+
+
+def _check_critic(config: JobConfig) -> None:
+    """A critic of its own loads as a model, and its tokens are the policy's: it values
+    the policy's token ids."""
+    from services.driver.run_dir import data_dir
+
+    critic = config.critic.model
+    assert critic is not None
+    try:
+        check_model(critic)
+    except RuntimeError as err:
+        raise ValueError(f"critic.model: {str(err).removeprefix('model: ')}") from None
+    models = data_dir() / "models"
+    policy = config.rollout.tokenizer or config.rollout.model
+    if not same_vocabulary(tokenizer_vocabulary(critic, models),
+                           tokenizer_vocabulary(policy, models)):
+        raise ValueError(f"critic.model: {critic}'s tokenizer is not the policy's ({policy}): "
+                         "the critic values the policy's token ids, so both need one "
+                         "vocabulary (leave critic.model unset for the policy's own)")
 
 
 def _check_context(config: JobConfig) -> None:

@@ -50,6 +50,31 @@ def test_aggregation_rules_surface_with_their_path() -> None:
         parse_job_config("aggregation: {mode: prompt_mean, calculate_per_token_loss: true}\n")
 
 
+def test_ppo_with_a_critic_is_refused_where_it_cannot_run() -> None:
+    """gae needs the critic's values, a critic serves gae only, and only FSDP has a value
+    model: each refused in one line naming the field; GAE's settings belong to gae; the
+    critic's trainer config takes the policy's layout unless it sets its own."""
+    gae = "rollout: {advantage: {type: gae}}\n"
+    with pytest.raises(ConfigError, match=r"rollout\.advantage\.type: gae needs .* "
+                                          r"critic\.enabled: true"):
+        parse_job_config(gae)
+    with pytest.raises(ConfigError, match=r"critic\.enabled: the critic's values are used by "
+                                          r"rollout\.advantage\.type: gae, not grpo"):
+        parse_job_config("critic: {enabled: true}\n")
+    with pytest.raises(ConfigError, match=r"critic\.enabled: the critic trains on "
+                                          r"trainer\.backend: fsdp only"):
+        parse_job_config(gae + "critic: {enabled: true}\ntrainer: {backend: megatron}\n")
+    with pytest.raises(ConfigError, match=r"lam: only applies to type=gae, not type=grpo"):
+        parse_job_config("rollout: {advantage: {type: grpo, lam: 0.9}}\n")
+    job = parse_job_config(gae + "critic: {enabled: true, cp_size: 2, aggregation: token_mean}"
+                           "\ntrainer: {dp_size: 2, shared_prefix: true}\n")
+    critic = job.critic_trainer_config()
+    assert (critic.dp_size, critic.cp_size, critic.lora, critic.loss.kl_coef) == (2, 2, None, 0)
+    assert not critic.shares_prefix  # CP 2 cannot share a prompt: off for the critic only
+    assert job.critic_objective_config().pg.mode == "token_mean"
+    assert JobConfig.model_validate(job.model_dump()) == job  # a dumped config validates
+
+
 def test_a_shared_prefix_is_refused_where_it_cannot_run() -> None:
     """true insists: refused under CP (naming trainer.cp_size), padding and Megatron; the
     default (None) resolves to on only where it applies."""

@@ -301,6 +301,20 @@ def test_a_teacher_is_named_where_it_cannot_load_or_speaks_another_vocabulary(
     assert preflight(parse_job_config("", [f"rollout.teacher.model={teacher}"])) == []
 
 
+def test_a_critic_model_of_another_vocabulary_or_no_model_is_named(tmp_path: Path) -> None:
+    """A critic of its own values the policy's token ids: one of another vocabulary, or no
+    model at all, is refused naming critic.model; one of the policy's family passes."""
+    from rollout.tiny import create_tiny_checkpoint
+
+    ppo = ["rollout.advantage.type=gae", "critic.enabled=true"]
+    assert problem(*ppo, "critic.model=smollm2-135m-instruct").startswith(
+        "critic.model: smollm2-135m-instruct's tokenizer is not the policy's (tiny)")
+    assert problem(*ppo, f"critic.model={tmp_path / 'nope'}").startswith(
+        f"critic.model: '{tmp_path / 'nope'}' is neither a built-in model nor a local folder")
+    critic = create_tiny_checkpoint(tmp_path / "critic", seed=5)
+    assert preflight(parse_job_config("", [*ppo, f"critic.model={critic}"])) == []
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rollout.advantage.type=distill"],
      "rollout.advantage: teacher: type distill needs a teacher model"),
