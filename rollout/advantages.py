@@ -189,12 +189,12 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor,
     return 1.0 - (error / spread) ** 2 if spread > 0 else 0.0
 
 
-def with_gae(batch: RolloutBatch, values: torch.Tensor, config: AdvantageConfig,
-             moments: torch.Tensor | None = None) -> RolloutBatch:
+def with_gae(batch: RolloutBatch, values: torch.Tensor, config: AdvantageConfig
+             ) -> RolloutBatch:
     """The batch with the critic's ``values`` [N, S] (V at the rollout), GAE's per-token
     advantages added to its own (a teacher's reverse KL; 0 otherwise), and the critic's
-    targets R (``returns``); whitened with ``moments`` (default: the whole rollout's,
-    :func:`token_moments`) when ``config.normalize``. Metadata: the rollout's
+    targets R (``returns``); whitened with the whole rollout's moments when
+    ``config.normalize`` (the batch is the whole rollout here). Metadata: the rollout's
     ``critic/explained_variance`` (of V before this step's updates), ``critic/returns_mean``
     and ``critic/advantages_std`` (before whitening)."""
     mask = batch.loss_mask
@@ -205,8 +205,7 @@ def with_gae(batch: RolloutBatch, values: torch.Tensor, config: AdvantageConfig,
     returns = torch.where(mask > 0, returns, 0.0)
     raw_mean, raw_std = moments_mean_std(token_moments(advantages, mask))
     if config.normalize:
-        advantages = whiten(advantages, mask, token_moments(advantages, mask)
-                            if moments is None else moments, config.eps)
+        advantages = whiten(advantages, mask, token_moments(advantages, mask), config.eps)
     returns_mean, _ = moments_mean_std(token_moments(returns, mask))
     return replace(batch, advantages=batch.advantages + advantages.to(torch.float32),
                    values=values, returns=returns.to(torch.float32), metadata={

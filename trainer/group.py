@@ -74,9 +74,9 @@ WORKER_CLASSES = {
     "fsdp": "trainer.backends.fsdp.worker:FSDPWorker",
     "megatron": "trainer.backends.megatron.worker:MegatronWorker",
 }
+"""The rank actor of each ``trainer.backend``, imported only when a group is made."""
 CRITIC_WORKER = "trainer.backends.fsdp.critic:FSDPCriticWorker"
 """The critic's rank actor (a group made with ``worker=CRITIC_WORKER``)."""
-"""The rank actor of each ``trainer.backend``, imported only when a group is made."""
 
 Verb = Callable[..., Any]
 """A ``TrainerWorker`` method, unbound (``TrainerWorker.train_step``): the group derives

@@ -134,13 +134,16 @@ RESUME_FREE = (
     "trainer.num_cpus_per_rank", "trainer.num_threads", "trainer.num_gpus_per_rank",
     "trainer.resources", "trainer.allow_cross_node", "trainer.collective_timeout_s",
     "trainer.call_timeout_s", "trainer.max_tokens_per_micro_batch", "trainer.packing",
-    "trainer.weight_sync")
+    "trainer.weight_sync", "critic.dp_size", "critic.cp_size")
 """Settings a resume may change silently: where and how the job runs, evaluation and
 logging, never what it trains (a layout changes nothing: docs/loss-aggregation.md)."""
 RESUME_LOGGED = ("num_steps", "trainer.optimizer.lr", "trainer.optimizer.warmup_steps",
-                 "trainer.optimizer.schedule", "trainer.optimizer.min_lr_ratio")
+                 "trainer.optimizer.schedule", "trainer.optimizer.min_lr_ratio",
+                 "critic.optimizer.lr", "critic.optimizer.warmup_steps",
+                 "critic.optimizer.schedule", "critic.optimizer.min_lr_ratio")
 """Settings a resume may change, said in a ``config_changed`` event: the learning-rate
-schedule from the resumed step on, and how many rollout steps the job has."""
+schedules (the policy's and the critic's) from the resumed step on, and how many rollout
+steps the job has."""
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
