@@ -43,16 +43,23 @@ def _check_env_row(row: dict[str, float], max_turns: int) -> None:
     assert row["tokens/valid"] > 0 and row["grad_norm"] > 0
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+PPO = ["rollout.advantage={type: gae, lam: 0.9}", "critic.enabled=true"]
+"""PPO with a critic: each environment step's reward credited at its action's last token."""
+
+
+@pytest.mark.parametrize("name", [*sorted(CONFIGS), "calculator-ppo"])
 def test_a_built_in_environment_trains_a_step_on_the_tiny_model(ray_cluster: None,
                                                                tmp_path: Path,
                                                                name: str) -> None:
     job = tmp_path / name
     overrides = ([*README_QUICK_LOOK, *ONE_SMALL_STEP] if name == "guess-number" else
-                 [*ONE_SMALL_STEP, *TINY])
-    assert train_from_cli(CONFIGS[name], overrides, job) == 0
+                 [*ONE_SMALL_STEP, *TINY, *(PPO if name.endswith("-ppo") else [])])
+    assert train_from_cli(CONFIGS[name.removesuffix("-ppo")], overrides, job) == 0
     (row,) = [r["metrics"] for r in read_metrics(job / "metrics.jsonl")]
     _check_env_row(row, max_turns=5)
+    if name.endswith("-ppo"):  # the critic valued the episodes and stepped on them
+        assert row["critic/value_loss"] > 0 and row["critic/grad_norm"] > 0
+        assert -10 < row["critic/explained_variance"] <= 1
 
 
 @pytest.mark.slow  # SmolLM2 plays and trains a job of one step
