@@ -211,12 +211,27 @@ class TrainerGroup:
         The driver holds the batch already (it plans the step); ``batch_ref`` is the same
         batch in the object store, so the ranks fetch it without another copy.
         """
+        return self.start_train(batch, batch_ref, objective)()
+
+    def start_train(self, batch: RolloutBatch, batch_ref: ray.ObjectRef | None = None,
+                    objective: ObjectiveConfig | None = None
+                    ) -> Callable[[], dict[str, float]]:
+        """:meth:`train` started on every rank; the returned call waits for it (bounded
+        and failing fast like every verb) and returns its metrics. The driver runs the
+        critic's step this way while the policy's runs."""
         plan = self.plan(batch, objective)
         ref = batch_ref if batch_ref is not None else ray.put(batch)
-        per_rank = self._call(TrainerWorker.train_step, ref, _shipped(plan))
-        memory = most([{k: v for k, v in rank.items() if k.startswith(MEMORY_PREFIXES)}
-                       for rank in per_rank])
-        return {**per_rank[0], **memory}  # the sums are global; memory is each rank's
+        verb = TrainerWorker.train_step
+        refs = [_remote(worker, verb, ref, _shipped(plan)) for worker in self.workers]
+
+        def finish() -> dict[str, float]:
+            self._wait(verb, refs)
+            per_rank = ray.get(refs)
+            memory = most([{k: v for k, v in rank.items() if k.startswith(MEMORY_PREFIXES)}
+                           for rank in per_rank])
+            return {**per_rank[0], **memory}  # the sums are global; memory is each rank's
+
+        return finish
 
     # The training API (services/sessions): a step's gradients over several calls.
 

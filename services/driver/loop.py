@@ -158,8 +158,8 @@ def train_optimizer_steps(job: RunningJob, step: int, batch: RolloutBatch,
     """The rollout's optimizer steps in order (mini-batches of whole groups × epochs),
     each with its own exact J; a mini-batch with no valid token is skipped and reported
     (``skipped`` in updates.jsonl, ``updates/skipped`` in the row), never stepped. The
-    critic, when there is one, steps on the same mini-batches (``critic/*``); during its
-    ``warmup_steps`` it steps alone."""
+    critic, when there is one, steps on the same mini-batches at the same time, on its
+    own ranks (``critic/*``); during its ``warmup_steps`` it steps alone."""
     config, trainer, critic = job.config, job.actors.trainer, job.actors.critic
     policy_steps = critic is None or step >= config.critic.warmup_steps
     updates = rollout_updates(batch, config.rollout.global_batch_size,
@@ -170,11 +170,13 @@ def train_optimizer_steps(job: RunningJob, step: int, batch: RolloutBatch,
     per_update = []
     for update in updates:  # fetched once; each mini-batch planned on its own
         mini = mini_batch(batch, update)
+        critic_step = (critic.start_train(mini) if critic is not None and mini.num_valid_tokens
+                       else None)  # on its own ranks, while the policy's step runs
         metrics = {"skipped": 1.0} if not mini.num_valid_tokens else (
             trainer.train(mini, batch_ref if mini is batch else None) if policy_steps
             else {})
-        if critic is not None and mini.num_valid_tokens:
-            metrics |= critic_metrics(critic.train(mini))
+        if critic_step is not None:
+            metrics |= critic_metrics(critic_step())
         job.updates.write(step * config.num_updates_per_rollout + update.index,
                           {**metrics, "rollout": float(step), "update": float(update.index),
                            "epoch": float(update.epoch)})

@@ -40,7 +40,8 @@ def test_a_resumed_ppo_job_with_a_critic_trains_what_the_whole_run_does(
 @pytest.mark.slow  # the demo's warm start (cached), then 40 rollout steps
 def test_demo_ppo_learns_copy_and_its_critic_explains_the_returns(
         ray_cluster: None, tmp_path: Path) -> None:
-    config = load_job_config(PPO, ["num_steps=40", "trainer.optimizer.schedule=constant"])
+    config = load_job_config(PPO, ["num_steps=40", "trainer.optimizer.schedule=constant",
+                                   "trainer.dp_size=1"])
     history = run_job(config, tmp_path / "job", log=lambda *_: None)
     rewards = [row["reward/mean"] for row in history]
     assert sum(rewards[-8:]) / 8 > sum(rewards[:5]) / 5 + 0.1, rewards

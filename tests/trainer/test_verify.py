@@ -318,26 +318,24 @@ def test_whitening_statistics_reduced_over_every_rank_are_the_global_ones(
 def test_verify_aggregation_checks_the_critic_and_exits_1_on_its_planted_errors(
         ray_cluster: None, shared_data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """demo-ppo.yaml (critic, GAE, whitening): the policy's per-token advantages and the
-    critic's ``value`` term under every mode. Planted: ``local_whitening`` in DP 2 (each
-    rank whitens its samples by its own statistics) fails that layout's pg rows and no
-    value row; ``value`` in CP 2 (the critic's rank 0 doubles its share) fails that
-    layout's value rows and no pg row."""
+    critic's ``value`` term under every mode, DP 2 against padded DP 1 (CP 2 and the
+    shared prefix: tests/trainer/fsdp/test_critic.py, docs/ppo.md's run). Planted in DP 2:
+    ``local_whitening`` (each rank whitens its samples by its own statistics) fails the pg
+    rows, and only them of the policy's; ``value`` (the critic's rank 0 doubles its share)
+    fails the value rows; KL and entropy stay within tolerance."""
     from services.cli import app
 
-    monkeypatch.setenv("TALLY_TEST_PLANT", "dp2cp1-packed:local_whitening;dp1cp2:value")
+    monkeypatch.setenv("TALLY_TEST_PLANT", "dp2cp1-packed:local_whitening,value")
     result = CliRunner().invoke(app, [
         "verify-aggregation", str(ROOT / "configs" / "demo-ppo.yaml"),
-        "--layouts", "dp1cp1-padded,dp2cp1-packed,dp1cp2",
+        "--layouts", "dp1cp1-padded,dp2cp1-packed",
         "--set", "rollout.global_batch_size=16", "--set", "rollout.rollout_batch_size=4",
         "--set", "rollout.n_samples_per_prompt=4"])
     print(result.output)
     assert result.exit_code == 1, result.output
     rows = [line.split() for line in result.output.splitlines() if line.startswith("dp")]
-    assert {(r[0], r[3]) for r in rows} == {
-        (layout, term) for layout in ("dp2cp1-packed", "dp1cp2")
+    assert {(r[0], r[1], r[3]) for r in rows} == {
+        ("dp2cp1-packed", mode, term) for mode in MODES
         for term in ("pg", "kl", "entropy", "value")}
-    failed = {(r[0], r[1], r[3]) for r in rows if r[-1] == "FAIL"}
-    assert {(m, t) for lay, m, t in failed if lay == "dp2cp1-packed"} == {
-        (mode, "pg") for mode in MODES}
-    assert {(m, t) for lay, m, t in failed if lay == "dp1cp2"} == {
-        (mode, "value") for mode in MODES}
+    failed = {(r[1], r[3]) for r in rows if r[-1] == "FAIL"}
+    assert failed == {(mode, term) for mode in MODES for term in ("pg", "value")}

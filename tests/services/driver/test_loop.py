@@ -117,7 +117,8 @@ def test_a_mini_batch_with_no_valid_token_is_skipped_not_stepped(ray_cluster: No
     trainers = [TrainerGroup(config.trainer, config.objective_config(), model_path, 4)
                 for _ in range(2)]
     try:
-        job = SimpleNamespace(config=config, actors=SimpleNamespace(trainer=trainers[0]),
+        job = SimpleNamespace(config=config, actors=SimpleNamespace(trainer=trainers[0],
+                                                                    critic=None),
                               updates=JsonlSink(tmp_path, "updates.jsonl"))
         per_update = train_optimizer_steps(job, 0, batch, None)
         job.updates.close()
