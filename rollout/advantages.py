@@ -203,9 +203,10 @@ def with_gae(batch: RolloutBatch, values: torch.Tensor, config: AdvantageConfig
     advantages = gae(rewards, values, mask, config.gamma, config.lam)
     returns = gae(rewards, values, mask, config.gamma, config.critic_lam) + values.double()
     returns = torch.where(mask > 0, returns, 0.0)
-    raw_mean, raw_std = moments_mean_std(token_moments(advantages, mask))
+    moments = token_moments(advantages, mask)
+    raw_mean, raw_std = moments_mean_std(moments)
     if config.normalize:
-        advantages = whiten(advantages, mask, token_moments(advantages, mask), config.eps)
+        advantages = whiten(advantages, mask, moments, config.eps)
     returns_mean, _ = moments_mean_std(token_moments(returns, mask))
     return replace(batch, advantages=batch.advantages + advantages.to(torch.float32),
                    values=values, returns=returns.to(torch.float32), metadata={

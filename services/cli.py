@@ -194,8 +194,7 @@ def _critic_check(job: JobConfig, model_path: str, batch: RolloutBatch,
     import torch
 
     from rollout.advantages import whiten, with_gae
-    from rollout.tiny import resolve_model_path
-    from services.driver.run_dir import data_dir
+    from services.driver.job import critic_model_path
     from trainer.objective import PLANTED_ERROR_ENV, parse_planted_errors
     from trainer.step_plan import packs, plan_step
     from trainer.verify import CriticCheck, Layout, layout_config, rank_token_moments
@@ -227,10 +226,9 @@ def _critic_check(job: JobConfig, model_path: str, batch: RolloutBatch,
                                            moments[rank].sum(dim=0), advantage.eps)
         return dataclasses.replace(raw, advantages=batch.advantages + whitened.float())
 
-    critic_model = (resolve_model_path(job.critic.model, data_dir() / "models")
-                    if job.critic.model else model_path)
     return CriticCheck(job.critic_trainer_config(), job.critic_objective_config(),
-                       critic_model, job.critic.value_clip, batch_for_layout)
+                       critic_model_path(job, model_path), job.critic.value_clip,
+                       batch_for_layout)
 
 
 @app.command("verify-aggregation")

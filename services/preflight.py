@@ -103,43 +103,38 @@ def _check_model(config: JobConfig) -> None:
 def _check_teacher(config: JobConfig) -> None:
     """The teacher loads as a model, and its tokens are the policy's: it scores the
     policy's token ids, so another vocabulary would score other text."""
-    from services.driver.run_dir import data_dir
-
     teacher = config.rollout.distillation
     assert teacher is not None
     field = ("rollout.advantage.teacher" if config.rollout.advantage.type == "distill"
              else "rollout.teacher.model")
-    try:
-        check_model(teacher.model)
-    except RuntimeError as err:
-        raise ValueError(f"{field}: {str(err).removeprefix('model: ')}") from None
-    models = data_dir() / "models"
-    policy = config.rollout.tokenizer or config.rollout.model
-    if not same_vocabulary(tokenizer_vocabulary(teacher.model, models),
-                           tokenizer_vocabulary(policy, models)):
-        raise ValueError(f"{field}: {teacher.model}'s tokenizer is not the policy's "
-                         f"({policy}): the teacher scores the policy's token ids, so both "
-                         "need one vocabulary (distil from a teacher of the same family)")
+    _check_policys_vocabulary(config, teacher.model, field, (
+        "the teacher scores the policy's token ids, so both need one vocabulary (distil "
+        "from a teacher of the same family)"))
 
 
 def _check_critic(config: JobConfig) -> None:
     """A critic of its own loads as a model, and its tokens are the policy's: it values
     the policy's token ids."""
+    assert config.critic.model is not None
+    _check_policys_vocabulary(config, config.critic.model, "critic.model", (
+        "the critic values the policy's token ids, so both need one vocabulary (leave "
+        "critic.model unset for the policy's own)"))
+
+
+def _check_policys_vocabulary(config: JobConfig, model: str, field: str, why: str) -> None:
+    """``model`` (named by ``field``) loads as a model and its tokenizer is the policy's;
+    ``why`` it must be ends the refusal."""
     from services.driver.run_dir import data_dir
 
-    critic = config.critic.model
-    assert critic is not None
     try:
-        check_model(critic)
+        check_model(model)
     except RuntimeError as err:
-        raise ValueError(f"critic.model: {str(err).removeprefix('model: ')}") from None
+        raise ValueError(f"{field}: {str(err).removeprefix('model: ')}") from None
     models = data_dir() / "models"
     policy = config.rollout.tokenizer or config.rollout.model
-    if not same_vocabulary(tokenizer_vocabulary(critic, models),
+    if not same_vocabulary(tokenizer_vocabulary(model, models),
                            tokenizer_vocabulary(policy, models)):
-        raise ValueError(f"critic.model: {critic}'s tokenizer is not the policy's ({policy}): "
-                         "the critic values the policy's token ids, so both need one "
-                         "vocabulary (leave critic.model unset for the policy's own)")
+        raise ValueError(f"{field}: {model}'s tokenizer is not the policy's ({policy}): {why}")
 
 
 def _check_context(config: JobConfig) -> None:

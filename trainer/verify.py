@@ -311,32 +311,33 @@ def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path
             update={"loss": critic.config.loss})  # no reference model for a critic
         values = critic_values(critic_config, critic, layouts[0], batch)
         batches = {str(layout): critic.batch_for_layout(layout, values) for layout in layouts}
-    reference, policy = run_layout(config, objective, model_path, batches[str(layouts[0])],
-                                   layouts[0], modes, updates,
-                                   env_vars=env_for_layout.get(str(layouts[0])))
-    rows = []
-    for layout in layouts[1:]:
-        results, _ = run_layout(config, objective, model_path, batches[str(layout)], layout,
-                                modes, updates, policy,
-                                env_vars=env_for_layout.get(str(layout)))
-        for (mode, update, term), got in results.items():
-            rows.append(Row(str(layout), mode, update, term,
-                            *compare(reference[mode, update, term], got, rtol, atol)))
+
+    def against_reference(config: TrainerConfig, objective: ObjectiveConfig,
+                          model_path: str, modes: tuple[str, ...],
+                          batch_of: Callable[[Layout], RolloutBatch],
+                          critic: CriticCheck | None = None) -> list[Row]:
+        """Every later layout's (mode, update, term) against the first layout's, from
+        the first layout's weights."""
+        def run(layout: Layout, state: dict[str, torch.Tensor] | None = None
+                ) -> tuple[dict[tuple[str, int, str], TermResult], dict[str, torch.Tensor]]:
+            return run_layout(config, objective, model_path, batch_of(layout), layout, modes,
+                              updates, state, env_vars=env_for_layout.get(str(layout)),
+                              critic=critic)
+
+        reference, state = run(layouts[0])
+        return [Row(str(layout), mode, update, term,
+                    *compare(reference[mode, update, term], got, rtol, atol))
+                for layout in layouts[1:]
+                for (mode, update, term), got in run(layout, state)[0].items()]
+
+    rows = against_reference(config, objective, model_path, modes,
+                             lambda layout: batches[str(layout)])
     if critic is None or critic_config is None:
         return rows
-    critic_modes = tuple(m for m in modes if m != CUSTOM_MODE)
     trained = batches[str(layouts[0])]  # the returns do not depend on the whitening
-    reference, state = run_layout(critic_config, critic.objective, critic.model_path,
-                                  trained, layouts[0], critic_modes, updates,
-                                  env_vars=env_for_layout.get(str(layouts[0])), critic=critic)
-    for layout in layouts[1:]:
-        results, _ = run_layout(critic_config, critic.objective, critic.model_path, trained,
-                                layout, critic_modes, updates, state,
-                                env_vars=env_for_layout.get(str(layout)), critic=critic)
-        for (mode, update, term), got in results.items():
-            rows.append(Row(str(layout), mode, update, term,
-                            *compare(reference[mode, update, term], got, rtol, atol)))
-    return rows
+    return rows + against_reference(
+        critic_config, critic.objective, critic.model_path,
+        tuple(m for m in modes if m != CUSTOM_MODE), lambda _: trained, critic)
 
 
 def critic_values(config: TrainerConfig, critic: CriticCheck, layout: Layout,

@@ -103,6 +103,14 @@ def job_model_path(config: JobConfig, log: Callable[[str], None] = print) -> str
     return model_path
 
 
+def critic_model_path(config: JobConfig, model_path: str) -> str:
+    """The critic's start folder: ``critic.model`` resolved like ``rollout.model``, or the
+    policy's own ``model_path`` (a fresh value head on its decoder)."""
+    if config.critic.model is None:
+        return model_path
+    return resolve_model_path(config.critic.model, data_dir() / "models")
+
+
 def with_threads(config: JobConfig, model_path: str) -> JobConfig:
     """The job config with the threads of each phase resolved (services/placement.py:
     they depend on rollout.async_steps and the model's width); the driver writes this
@@ -193,10 +201,9 @@ class JobActors:
         the teachers'; its model ``critic.model`` or the policy's; None without one."""
         if not config.critic.enabled:
             return None
-        critic_model = (resolve_model_path(config.critic.model, data_dir() / "models")
-                        if config.critic.model else model_path)
         critic = TrainerGroup(config.critic_trainer_config(), config.critic_objective_config(),
-                              critic_model, config.num_optimizer_steps, env_vars=QUIET_ENV,
+                              critic_model_path(config, model_path),
+                              config.num_optimizer_steps, env_vars=QUIET_ENV,
                               placement=gang.group, first_bundle=gang.critic_first_bundle,
                               worker=CRITIC_WORKER,
                               worker_kwargs={"value_clip": config.critic.value_clip})

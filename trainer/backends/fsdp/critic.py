@@ -60,15 +60,7 @@ class FSDPCriticWorker(FSDPWorker):
     def _values(self, micro: MicroBatch) -> torch.Tensor:
         """V [b, s] at every position of the shard (the head is one number wide: no
         position is worth skipping), float32 or better."""
-        kwargs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids}
-        if self.attention.implementation in ("flash_attention_2", "model"):
-            out = self.model(**kwargs).logits
-        else:
-            from trainer.cp_attention import context_parallel
-
-            with context_parallel(self.cp_group, micro.position_ids, micro.layout):
-                out = self.model(**kwargs).logits
-        values = out[..., 0]
+        values = self._forward(self.model, micro).logits[..., 0]
         return values if values.dtype == torch.float64 else values.float()
 
     def forward_backward(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:

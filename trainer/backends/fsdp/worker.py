@@ -87,14 +87,19 @@ class FSDPWorker(TrainerWorker):
                 ) -> torch.Tensor:
         """Logits [n, V] at the n positions ``keep`` [b, s] marks: the LM head, and the
         log-softmax after it, never see a prompt or padding position."""
-        kwargs = {"input_ids": micro.input_ids, "position_ids": micro.position_ids,
-                  "logits_to_keep": keep}
+        return self._forward(model, micro, logits_to_keep=keep).logits
+
+    def _forward(self, model: torch.nn.Module, micro: MicroBatch, **kwargs: Any) -> Any:
+        """``model``'s output on the micro-batch's rows under this rank's attention: the
+        row layout's mask and the CP ring, or the model's own (padded rows) and varlen
+        flash, which finds the samples from position_ids."""
+        kwargs |= {"input_ids": micro.input_ids, "position_ids": micro.position_ids}
         if self.attention.implementation in ("flash_attention_2", "model"):
-            return model(**kwargs).logits  # varlen flash finds samples from position_ids
+            return model(**kwargs)
         from trainer.cp_attention import context_parallel
 
         with context_parallel(self.cp_group, micro.position_ids, micro.layout):
-            return model(**kwargs).logits
+            return model(**kwargs)
 
     def _token_log_probs(self, micro: MicroBatch) -> TokenLogProbs:
         """log π_T(target) and H(π_T) of the policy (and π_ref,T) at fp32 or better, at
