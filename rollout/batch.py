@@ -163,6 +163,9 @@ class RolloutBatch:
     events: list[tuple[str, str]] = field(default_factory=list)
     """(kind, message) the job's events file gets with this rollout (an environment
     that failed in an episode)."""
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    """samples.jsonl records of some of the rollout's samples, as text (prompt, response,
+    label, rewards; ``index``: the sample's row); a mini-batch carries none."""
     old_log_probs: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -289,7 +292,7 @@ class RolloutBatch:
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
                 values[name] = value[index]
-        return RolloutBatch(**values)
+        return RolloutBatch(**{**values, "samples": []})
 
     @classmethod
     def from_samples(
@@ -306,6 +309,7 @@ class RolloutBatch:
         metadata: dict[str, float] | None = None,
         events: list[tuple[str, str]] | None = None,
         turn_rewards: list[list[tuple[int, float]]] | None = None,
+        samples: list[dict[str, Any]] | None = None,
     ) -> RolloutBatch:
         """Pad ragged per-sample lists into the tensor layout.
 
@@ -389,4 +393,5 @@ class RolloutBatch:
             metadata=dict(metadata or {}),
             events=list(events or []),
             token_rewards=token_rewards,
+            samples=list(samples or []),
         )

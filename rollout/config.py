@@ -12,6 +12,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from rollout.reward_config import (  # noqa: F401  (RewardConfig: the rule, re-exported)
+    JudgeConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RewardPart,
+    RewardSpec,
+    check_reward_parts,
+    reward_parts,
+)
+
 TaskName = Literal["copy", "repeat", "reverse", "add", "count"]
 """Built-in synthetic tasks (see rollout/tasks.py); `copy` is the easiest."""
 DatasetSplit = Literal["train", "heldout"]
@@ -282,38 +292,6 @@ EngineConfig = Annotated[
 ]
 
 
-class RewardConfig(BaseModel):
-    """How a response is scored against its prompt's label."""
-
-    model_config = _FROZEN
-
-    type: Literal["exact_match", "numeric", "boxed", "custom"] = "exact_match"
-    """exact_match, numeric (last number), boxed (last \\boxed{}) or custom."""
-    custom_function: str | None = None
-    """`module:function` for type=custom: (responses, labels, metadata) -> rewards."""
-    numeric_tolerance: float = Field(default=1e-6, ge=0.0)
-    """Relative tolerance of numeric comparisons (numeric and boxed)."""
-    default_on_error: float = Field(default=0.0, allow_inf_nan=False)
-    """Reward of a sample whose reward function raised."""
-    max_error_rate: float = Field(default=0.1, ge=0.0, le=1.0)
-    """Largest fraction of a step's samples whose reward may fail before the step fails."""
-
-    @model_validator(mode="after")
-    def _custom_function_iff_custom(self) -> RewardConfig:
-        if self.type == "custom":
-            if self.custom_function is None:
-                raise ValueError("custom_function: type=custom needs 'module:function'")
-            if not _FUNCTION_PATH.match(self.custom_function):
-                raise ValueError(
-                    f"custom_function: expected 'module:function', got {self.custom_function!r}"
-                )
-        elif self.custom_function is not None:
-            raise ValueError(
-                f"custom_function: only type=custom takes a function, but type={self.type}"
-            )
-        return self
-
-
 class AdvantageConfig(BaseModel):
     """How rewards become advantages (see rollout/advantages.py)."""
 
@@ -470,8 +448,9 @@ class RolloutConfig(BaseModel):
     """Which inference engine generates responses."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters of every response."""
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    """How responses are scored."""
+    reward: RewardSpec = Field(default_factory=RewardConfig)
+    """How responses are scored: one reward (a rule, ``type: model`` or ``type: judge``),
+    or a list of them whose weighted sum is the reward (rollout/reward_config.py)."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     """How rewards become advantages."""
     teacher: TeacherConfig | None = None
@@ -549,6 +528,21 @@ class RolloutConfig(BaseModel):
             raise ValueError("teacher: advantage.type distill names its own teacher "
                              "(advantage.teacher); rollout.teacher adds one to another type")
         return self
+
+    @model_validator(mode="after")
+    def _reward_parts_named(self) -> RolloutConfig:
+        check_reward_parts(self.reward)
+        learned = [p.type for p in reward_parts(self.reward) if p.type in ("model", "judge")]
+        if learned and self.environment is not None:
+            raise ValueError(f"reward: a {learned[0]} scores single responses; with "
+                             "rollout.environment an episode's reward is what its "
+                             "environment's steps return")
+        return self
+
+    @property
+    def reward_parts(self) -> list[RewardPart]:
+        """``reward`` as a list of parts (one block: a list of one)."""
+        return reward_parts(self.reward)
 
     @property
     def distillation(self) -> TeacherConfig | None:

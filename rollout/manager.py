@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,9 @@ from rollout.engines.base import EpisodeTurn, Generation
 from rollout.episodes import EnvironmentFailures, Episode, run_episodes
 from rollout.plugins import load_object
 from rollout.prompts import PromptTooLong, fit_prompt
-from rollout.rewards import RewardScorer, check_error_rate
+from rollout.reward_config import RewardConfig
+from rollout.reward_parts import Rewarder, RewardScores, start_reward_actors
+from rollout.rewards import check_error_rate
 from rollout.teacher import Teacher
 from rollout.token_budget import model_context, prompt_budget
 from rollout.tokenizer import decode_responses, encode_prompt, encode_prompts, load_tokenizer
@@ -63,6 +65,13 @@ class _Group:
     turn_rewards: list[list[tuple[int, float]]] | None = None
     """Per episode: (response position, reward) of each environment step, on the last
     token of its action (GAE's per-turn credit); None: one reward per response."""
+    parts: dict[str, list[float]] = field(default_factory=dict)
+    """Each reward part's values of the G samples (rollout.reward)."""
+    texts: list[str] = field(default_factory=list)
+    """The G responses as the rewards read them."""
+    label: str | None = None
+    record_prompt: Any = None
+    """The record's prompt as the dataset holds it (a string or chat messages)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,8 @@ class EvalOutcome:
     greedy_reward: float
     greedy_length: int
     sample_rewards: list[float]
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    """samples.jsonl records of its responses, the greedy one first."""
 
 
 @dataclass(frozen=True)
@@ -90,13 +101,24 @@ class _StepStats:
     num_samples: int = 0
     gen_tokens: int = 0
     gen_time_s: float = 0.0
-    reward_errors: int = 0
-    first_error: str | None = None
     all_rewards: list[float] = field(default_factory=list)
     prompts_truncated: int = 0
     prompts_dropped: int = 0
     episodes: list[Episode] = field(default_factory=list)
     env_seconds: float = 0.0
+    reward_s: float = 0.0
+    """Seconds the rollout waited for rewards after its last response was generated."""
+    reward_busy_s: float = 0.0
+    unparsed: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+
+    def add_scores(self, scores: RewardScores) -> None:
+        self.reward_busy_s += scores.busy_s
+        for name, count in scores.unparsed.items():
+            self.unparsed[name] = self.unparsed.get(name, 0) + count
+        for name, (count, first) in scores.errors.items():
+            had, first_had = self.errors.get(name, (0, None))
+            self.errors[name] = (had + count, first_had or first)
 
 
 def _shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
@@ -142,7 +164,9 @@ class RolloutManager:
     def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None,
                  engine_placement: list[dict[str, Any]] | None = None,
                  engines: list[Any] | None = None, owns_engines: bool | None = None,
-                 teachers: list[Any] | None = None) -> None:
+                 teachers: list[Any] | None = None,
+                 reward_actors: dict[str, list[Any]] | None = None,
+                 samples_per_step: int = 8) -> None:
         """engine_placement: per-engine Ray options (e.g. a placement-group bundle) chosen
         by the driver, which knows the whole job's layout; they override the defaults.
         ``engines``: actors that answer the engine verbs, started by the caller (the
@@ -151,7 +175,10 @@ class RolloutManager:
         ``owns_engines`` (default: only the engines it started). ``teachers``: the
         teacher actors of ``config.distillation`` (:func:`start_teachers`, placed by the
         driver), which the manager stops; None: it starts its own with its first rollout
-        when there is a teacher."""
+        when there is a teacher. ``reward_actors``: the reward models' and judges' actors
+        by part name (rollout/reward_parts.start_reward_actors, placed by the driver),
+        which the manager stops; None: it starts its own. ``samples_per_step``: how many
+        of a rollout's samples it hands on as text (samples.jsonl)."""
         check_engine_available(config)
         self.config = config
         self.seed = config.seed if seed is None else seed
@@ -166,7 +193,13 @@ class RolloutManager:
         self.max_prompt_tokens = prompt_budget(config, self.context)  # raises if ≤ 0
         self.records: list[PromptRecord] = load_prompt_dataset(config.dataset)
         self.cursor = PromptCursor(len(self.records), config.dataset.seed, config.dataset.shuffle)
-        self.scorer = RewardScorer(config.reward)
+        self.samples_per_step = samples_per_step
+        if reward_actors is None:
+            from rollout.tiny import resolve_model_path
+
+            reward_actors = start_reward_actors(config.reward_parts, resolve_model_path)
+        self.reward_actors = reward_actors
+        self.rewarder = Rewarder(config.reward_parts, reward_actors)
         self.turns: TurnFormat | None = None
         if config.environment is not None:  # its class imports here, or the job stops
             load_object(config.environment.class_path, "rollout.environment.class_path")
@@ -185,7 +218,8 @@ class RolloutManager:
         self.teachers: list[Any] = list(teachers or [])
         """The driver's, or the manager's own started with its first rollout (an
         evaluation or ``tally eval`` needs none)."""
-        ray.get([actor.ping.remote() for actor in [*self.engines, *self.teachers]])
+        ray.get([actor.ping.remote() for actor in [*self.engines, *self.teachers,
+                                                   *self._reward_actor_list()]])
 
     # -- one step ---------------------------------------------------------------------
 
@@ -212,9 +246,10 @@ class RolloutManager:
                 kept += groups
         num_filled = num_prompts - len(kept)
         kept += zero_spread[:num_filled]  # max_draws hit: see rollout/dynamic_sampling.py
-        check_error_rate(
-            stats.reward_errors, stats.num_samples, self.config.reward, step, stats.first_error
-        )
+        for part in self.config.reward_parts:
+            if isinstance(part, RewardConfig) and self.turns is None:
+                errors, first = stats.errors.get(part.part_name, (0, None))
+                check_error_rate(errors, stats.num_samples, part, step, first)
         events = self._environment_events(stats, step)
         metadata = {
             **self._environment_metrics(stats),
@@ -226,7 +261,11 @@ class RolloutManager:
             "rollout/gen_tokens": float(stats.gen_tokens),
             "rollout/gen_time_s": stats.gen_time_s,
             "rollout/gen_tokens_per_s": stats.gen_tokens / max(stats.gen_time_s, 1e-9),
-            "rollout/reward_errors": float(stats.reward_errors),
+            "rollout/reward_errors": float(sum(n for n, _ in stats.errors.values())),
+            "perf/reward_s": stats.reward_s,
+            "perf/reward_busy_s": stats.reward_busy_s,
+            **{f"reward/{name}/unparsed": float(count)
+               for name, count in stats.unparsed.items()},
             "rollout/prompts_truncated": float(stats.prompts_truncated),
             "rollout/prompts_dropped": float(stats.prompts_dropped),
             "rollout/weight_version": float(self.weight_version),
@@ -234,7 +273,7 @@ class RolloutManager:
             "rollout/gen_start_time": gen_start_time,
             "rollout/gen_end_time": time.time(),
         }
-        return self._build_batch(kept, metadata, events)
+        return self._build_batch(kept, metadata, events, step)
 
     def _seed(self, step: int | str, draw: int, rank: int) -> int:
         digest = hashlib.sha256(f"{self.seed}:{step}:{draw}:{rank}".encode()).digest()
@@ -293,28 +332,42 @@ class RolloutManager:
         records = [self.records[i] for i, _ in taken]
         prompt_ids = [ids for _, ids in taken]
         sample_prompts = [ids for ids in prompt_ids for _ in range(group_size)]
+        policy_prompts = [self.tokenizer.decode(ids, skip_special_tokens=False)
+                          for ids in prompt_ids]  # the prompt as the policy saw it
+        each = [j for j in range(len(records)) for _ in range(group_size)]
+        raw = [records[j].prompt for j in each]
+        labels = [records[j].label for j in each]
+        metadata = [records[j].metadata for j in each]
         started = time.perf_counter()
-        generations = self._generate(sample_prompts, self.config.sampling, step, draw)
-        stats.gen_time_s += time.perf_counter() - started
+        generations: list[Generation] = []
+        texts: list[str] = []
+        pending = []  # each engine's shard is scored as soon as it is generated
+        for (a, b), shard in self._shards_as_done(sample_prompts, self.config.sampling,
+                                                  step, draw):
+            shard_texts = decode_responses(self.tokenizer, [g.token_ids for g in shard])
+            pending.append((a, shard, shard_texts, self.rewarder.submit(
+                [policy_prompts[j] for j in each[a:b]], raw[a:b], shard_texts, labels[a:b],
+                metadata[a:b])))
+        generated = time.perf_counter()
+        stats.gen_time_s += generated - started
+        pending.sort(key=lambda shard: shard[0])
+        for _, shard, shard_texts, _ in pending:
+            generations += shard
+            texts += shard_texts
+        scores = self.rewarder.collect([p for *_, p in pending])
+        stats.reward_s += time.perf_counter() - generated
+        stats.add_scores(scores)
         stats.gen_tokens += sum(len(g.token_ids) for g in generations)
         stats.num_draws += 1
         stats.num_samples += len(generations)
-
-        texts = decode_responses(self.tokenizer, [g.token_ids for g in generations])
-        labels = [r.label for r in records for _ in range(group_size)]
-        metadata = [r.metadata for r in records for _ in range(group_size)]
-        result = self.scorer.score(texts, labels, metadata)
-        stats.reward_errors += result.num_errors
-        stats.first_error = stats.first_error or result.first_error
-        stats.all_rewards += result.rewards
-        return [
-            _Group(
-                [prompt_ids[j]] * group_size,
-                generations[j * group_size : (j + 1) * group_size],
-                result.rewards[j * group_size : (j + 1) * group_size],
-            )
-            for j in range(len(records))
-        ]
+        stats.all_rewards += scores.total
+        rows = [slice(j * group_size, (j + 1) * group_size) for j in range(len(records))]
+        return [_Group([prompt_ids[j]] * group_size, generations[rows[j]],
+                       scores.total[rows[j]], parts={k: v[rows[j]] for k, v in
+                                                     scores.parts.items()},
+                       texts=texts[rows[j]], label=records[j].label,
+                       record_prompt=records[j].prompt)
+                for j in range(len(records))]
 
     def _episode_round(self, taken: list[tuple[int, list[int]]], step: int, draw: int,
                        stats: _StepStats) -> list[_Group]:
@@ -334,9 +387,12 @@ class RolloutManager:
         return [
             _Group([e.prompt_ids for e in group], [e.generation() for e in group],
                    [e.reward for e in group], [e.response_mask for e in group],
-                   [e.turn_rewards for e in group])
-            for group in (episodes[j:j + group_size]
-                          for j in range(0, len(episodes), group_size))
+                   [e.turn_rewards for e in group],
+                   texts=decode_responses(self.tokenizer, [e.response_ids for e in group]),
+                   label=self.records[indices[j]].label,
+                   record_prompt=self.records[indices[j]].prompt)
+            for j, group in ((j, episodes[j:j + group_size])
+                             for j in range(0, len(episodes), group_size))
         ]
 
     def _play(self, records: list[PromptRecord], indices: list[int],
@@ -402,7 +458,8 @@ class RolloutManager:
         }
 
     def _build_batch(self, groups: list[_Group], metadata: dict[str, float],
-                     events: list[tuple[str, str]] | None = None) -> RolloutBatch:
+                     events: list[tuple[str, str]] | None = None, step: int = 0
+                     ) -> RolloutBatch:
         group_size = self.config.n_samples_per_prompt
         group_index = [
             self.next_group_index + j for j, g in enumerate(groups) for _ in g.generations
@@ -422,6 +479,7 @@ class RolloutManager:
             "rollout/truncated_fraction": _mean(
                 [gen.finish_reason == "length" for gen in generations]
             ),
+            **_part_metrics(groups),
         }
         masks = ([m for g in groups for m in g.masks or []] if self.turns is not None
                  else None)  # episodes' holes; else every response token counts
@@ -440,9 +498,30 @@ class RolloutManager:
             metadata=metadata,
             events=events,
             turn_rewards=turn_rewards,
+            samples=self._sample_records(groups, group_index, step),
         )
         self.next_group_index += len(groups)
         return self._distilled(batch) if self.teacher is not None else batch
+
+    def _sample_records(self, groups: list[_Group], group_index: list[int], step: int
+                        ) -> list[dict[str, Any]]:
+        """samples.jsonl records of the rollout's first ``samples_per_step`` samples
+        (their ``index`` in the batch; the driver adds each one's advantage)."""
+        records: list[dict[str, Any]] = []
+        for g in groups:
+            for k, gen in enumerate(g.generations):
+                if len(records) >= self.samples_per_step:
+                    return records
+                i = len(records)
+                records.append({
+                    "step": step, "index": i, "group": group_index[i],
+                    "prompt": self.tokenizer.decode(g.prompt_ids[k],
+                                                    skip_special_tokens=False),
+                    "record_prompt": g.record_prompt, "response": g.texts[k],
+                    "label": g.label, "reward": float(g.rewards[k]),
+                    "rewards": {name: values[k] for name, values in g.parts.items()},
+                    "response_tokens": len(gen.token_ids)})
+        return records
 
     def _distilled(self, batch: RolloutBatch) -> RolloutBatch:
         """The batch with the teacher's per-token reverse-KL advantage added to the task's
@@ -490,15 +569,28 @@ class RolloutManager:
                                     f"eval:{step}:sampled") if num_samples else []
         texts = decode_responses(self.tokenizer,
                                  [g.token_ids for g in greedy_out + sample_out])
-        labels = [r.label for r in records] + [r.label for r in records
-                                               for _ in range(num_samples)]
-        metadata = [r.metadata for r in records] + [r.metadata for r in records
-                                                    for _ in range(num_samples)]
-        rewards = self.scorer.score(texts, labels, metadata).rewards
+        # greedy responses first, then each prompt's sampled ones
+        each = list(range(len(records))) + [j for j in range(len(records))
+                                             for _ in range(num_samples)]
+        policy_prompts = [self.tokenizer.decode(ids, skip_special_tokens=False)
+                          for ids in prompts]
+        scores = self.rewarder.score([policy_prompts[j] for j in each],
+                                     [records[j].prompt for j in each], texts,
+                                     [records[j].label for j in each],
+                                     [records[j].metadata for j in each], update_stats=False)
+        rewards, outputs = scores.total, greedy_out + sample_out
+        samples = [{"step": step, "eval": True, "greedy": i < len(records), "group": j,
+                    "prompt": policy_prompts[j], "record_prompt": records[j].prompt,
+                    "response": texts[i], "label": records[j].label, "reward": rewards[i],
+                    "rewards": {k: v[i] for k, v in scores.parts.items()},
+                    "response_tokens": len(outputs[i].token_ids)}
+                   for i, j in enumerate(each)]
         sample_rewards = rewards[len(records):]
         return EvalRun(self.weight_version, [
             EvalOutcome(r.metadata, rewards[j], len(greedy_out[j].token_ids),
-                        sample_rewards[j * num_samples:(j + 1) * num_samples])
+                        sample_rewards[j * num_samples:(j + 1) * num_samples],
+                        [samples[j], *samples[len(records) + j * num_samples:
+                                              len(records) + (j + 1) * num_samples]])
             for j, r in enumerate(records)])
 
     def _evaluate_episodes(self, records: list[PromptRecord], num_samples: int,
@@ -521,13 +613,29 @@ class RolloutManager:
                   ) -> list[Generation]:
         """Responses to ``prompts`` sharded over the engines, in prompt order (``turn``:
         they are episodes' contexts, see rollout/engines/base.EpisodeTurn)."""
+        refs = self._generate_refs(prompts, sampling, step, draw, turn)
+        return [g for shard in ray.get(list(refs)) for g in shard]
+
+    def _generate_refs(self, prompts: list[list[int]], sampling: SamplingConfig,
+                       step: int | str, draw: int = 0, turn: EpisodeTurn | None = None
+                       ) -> dict[Any, tuple[int, int]]:
+        """Each engine's generate call on its shard of ``prompts``: ref -> (start, end)."""
         extra = {} if turn is None else {"turn": turn}
-        refs = [engine.generate.remote(prompts[start:end], sampling,
-                                       self._seed(step, draw, rank), **extra)
+        return {engine.generate.remote(prompts[start:end], sampling,
+                                       self._seed(step, draw, rank), **extra): (start, end)
                 for rank, (engine, (start, end)) in enumerate(zip(
                     self.engines, _shard_bounds(len(prompts), len(self.engines)), strict=True))
-                if end > start]
-        return [g for shard in ray.get(refs) for g in shard]
+                if end > start}
+
+    def _shards_as_done(self, prompts: list[list[int]], sampling: SamplingConfig,
+                        step: int, draw: int
+                        ) -> Iterator[tuple[tuple[int, int], list[Generation]]]:
+        """:meth:`_generate`'s shards, each as its engine finishes it, with its bounds
+        (a generator: the caller scores one while the other engines still generate)."""
+        remaining = self._generate_refs(prompts, sampling, step, draw)
+        while remaining:
+            (ref,), _ = ray.wait(list(remaining), num_returns=1)
+            yield remaining.pop(ref), ray.get(ref)
 
     # -- weights, state, lifetime ----------------------------------------------------
 
@@ -616,6 +724,7 @@ class RolloutManager:
             "next_group_index": self.next_group_index,
             "weight_version": self.weight_version,
             "seed": self.seed,
+            "rewards": self.rewarder.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -627,6 +736,10 @@ class RolloutManager:
         self.cursor.load_state_dict(state["cursor"])
         self.next_group_index = int(state["next_group_index"])
         self.weight_version = int(state["weight_version"])
+        self.rewarder.load_state_dict(state.get("rewards", {}))
+
+    def _reward_actor_list(self) -> list[Any]:
+        return [actor for actors in self.reward_actors.values() for actor in actors]
 
     def engine_nodes(self) -> list[str]:
         """The Ray node id of each engine actor, in engine order."""
@@ -635,9 +748,9 @@ class RolloutManager:
     def shutdown(self) -> None:
         """Stop the teachers, and the engines (and any servers they launched) if they
         are ours."""
-        for teacher in self.teachers:
-            ray.kill(teacher)
-        self.teachers = []
+        for actor in [*self.teachers, *self._reward_actor_list()]:
+            ray.kill(actor)
+        self.teachers, self.reward_actors = [], {}
         if not self.owns_engines:
             self.engines = []
             return
@@ -649,6 +762,17 @@ class RolloutManager:
 
 def _mean(values: list[float] | list[int] | list[bool]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
+
+
+def _part_metrics(groups: list[_Group]) -> dict[str, float]:
+    """``reward/<name>/mean`` and ``/std`` of each reward part over the batch's samples."""
+    names = list(groups[0].parts) if groups else []
+    out: dict[str, float] = {}
+    for name in names:
+        values = torch.tensor([v for g in groups for v in g.parts[name]], dtype=torch.float64)
+        out[f"reward/{name}/mean"] = float(values.mean())
+        out[f"reward/{name}/std"] = float(values.std()) if len(values) > 1 else 0.0
+    return out
 
 
 RolloutManagerActor = ray.remote(num_cpus=0)(RolloutManager)

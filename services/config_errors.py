@@ -27,7 +27,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, Tag, ValidationError
 
-RULE_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): (.+)$", re.DOTALL)
+RULE_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.+)$", re.DOTALL)
 """How every rule here names its field: ``field.path: message``."""
 
 
@@ -72,10 +72,11 @@ class ConfigError(ValueError):
 
 
 def error_field(loc: tuple[int | str, ...] | list[int | str]) -> str:
-    """A pydantic error location as a dotted field path (``trainer.optimizer.0``),
+    """A pydantic error location as a dotted field path (``trainer.optimizer[0]``),
     without the ``function-…`` steps of validators; "" for the input itself. Knows no
     schema: :func:`field_path` also drops the union steps of one."""
-    return ".".join(str(part) for part in loc if not str(part).startswith("function-"))
+    return ".".join(f"[{part}]" if isinstance(part, int) else str(part) for part in loc
+                    if not str(part).startswith("function-")).replace(".[", "[")
 
 
 def _alternatives(annotation: Any) -> list[tuple[set[str], Any]]:
@@ -152,8 +153,8 @@ def field_path(root: type[BaseModel], loc: tuple[int | str, ...] | list[int | st
         owner = (annotation if isinstance(annotation, type)
                  and issubclass(annotation, BaseModel) else None)
         annotation = _step(annotation, part) if annotation is not None else None
-        kept.append(str(part))
-    return ".".join(kept), owner, annotation
+        kept.append(f"[{part}]" if isinstance(part, int) else str(part))
+    return ".".join(kept).replace(".[", "["), owner, annotation
 
 
 def one_edit_apart(a: str, b: str) -> bool:

@@ -107,6 +107,15 @@ def num_teachers(config: JobConfig) -> int:
     return teacher.num_actors if teacher is not None else 0
 
 
+def reward_bundles(config: JobConfig) -> list[dict[str, float]]:
+    """One bundle per reward actor (reward models, judges without a url), in the order
+    they start (rollout/reward_parts.start_reward_actors); empty for an actor that needs
+    nothing (it gets no bundle)."""
+    from rollout.reward_config import reward_actor_bundles
+
+    return reward_actor_bundles(config.rollout.reward_parts)
+
+
 def critic_bundles(config: JobConfig) -> list[dict[str, float]]:
     """The critic's rank bundles (its trainer config's), none without a critic."""
     if not config.critic.enabled:
@@ -122,6 +131,7 @@ def job_bundles(config: JobConfig) -> list[dict[str, float]]:
             + ([dict(engines) for _ in range(config.rollout.engine.num_engines)]
                if engines else [])
             + ([dict(teachers) for _ in range(num_teachers(config))] if teachers else [])
+            + [bundle for bundle in reward_bundles(config) if bundle]
             + critic_bundles(config))
 
 
@@ -156,20 +166,31 @@ class JobPlacement:
     colocate: bool
     has_engine_bundles: bool
     num_teacher_bundles: int = 0
+    reward_has_bundle: list[bool] = field(default_factory=list)
+    """Per reward actor (rollout/reward_parts.start_reward_actors' order): whether it has
+    a bundle (after the teachers')."""
     engine_options: list[dict[str, Any]] = field(init=False)
     teacher_options: list[dict[str, Any]] = field(init=False)
     """Per teacher actor: its bundle after the engines'; empty options when teachers have
     no bundles (they need no resource)."""
 
+    reward_options: list[dict[str, Any]] = field(init=False)
+    """Per reward actor: its bundle's options, or none when it needs no resource."""
     critic_first_bundle: int = field(init=False)
-    """The critic's rank 0 bundle (its ranks' follow), after the teachers'."""
+    """The critic's rank 0 bundle (its ranks' follow), after the reward actors'."""
 
     def __post_init__(self) -> None:
         self.engine_options = [self._engine(rank) for rank in range(self.num_engines)]
         first = self.world_size + (self.num_engines if self.has_engine_bundles else 0)
         self.teacher_options = [{"scheduling_strategy": self.strategy(first + rank)}
                                 for rank in range(self.num_teacher_bundles)]
-        self.critic_first_bundle = first + self.num_teacher_bundles
+        first += self.num_teacher_bundles
+        self.reward_options = []
+        for has_bundle in self.reward_has_bundle:
+            self.reward_options.append({"scheduling_strategy": self.strategy(first)}
+                                       if has_bundle else {})
+            first += has_bundle
+        self.critic_first_bundle = first
 
     def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -202,7 +223,7 @@ def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
 
     bundles = job_bundles(config)
     has_engines = bool(engine_bundle(config))
-    teachers_placed = bool(teacher_bundle(config))
+    teachers_placed = bool(teacher_bundle(config)) or any(reward_bundles(config))
     one_node = not config.trainer.allow_cross_node
     strategy = ("STRICT_PACK" if one_node and not (has_engines or teachers_placed)
                 else "PACK")
@@ -236,7 +257,8 @@ def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
                                "on one node")
     return JobPlacement(group, config.trainer.world_size, config.rollout.engine.num_engines,
                         config.colocate, has_engines,
-                        num_teachers(config) if teachers_placed else 0)
+                        num_teachers(config) if teacher_bundle(config) else 0,
+                        [bool(bundle) for bundle in reward_bundles(config)])
 
 
 # ---- a Ray head started here: what it has, and a job it could never place ------------

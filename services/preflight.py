@@ -22,13 +22,14 @@ from rollout.plugins import check_object
 from rollout.pretrained import (
     BUILTIN_MODELS,
     SMOLLM2_NAME,
+    ModelImportError,
     check_model,
     require_gguf,
     same_vocabulary,
     smollm2_gguf_path,
     tokenizer_vocabulary,
 )
-from rollout.rewards import check_reward_function
+from rollout.reward_config import JudgeConfig, RewardConfig, RewardModelConfig
 from services.config import ConfigError, ConfigProblem, JobConfig
 from services.driver.wandb_sink import check_wandb_available
 from services.placement import check_local_head
@@ -62,7 +63,7 @@ def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
     check("rollout", lambda: check_engine_available(config.rollout))
     check("rollout", lambda: _check_model(config))
     check("", lambda: _check_context(config))
-    check("rollout", lambda: check_reward_function(config.rollout.reward))
+    check("", lambda: _check_rewards(config))
     if config.rollout.distillation is not None:
         check("", lambda: _check_teacher(config))
     if config.critic.enabled and config.critic.model is not None:
@@ -98,6 +99,27 @@ def _check_model(config: JobConfig) -> None:
         smollm2_gguf_path()  # imported into the data folder at start, once
         require_gguf()
     check_model(config.rollout.model, config.rollout.tokenizer)
+
+
+def _check_rewards(config: JobConfig) -> None:
+    """Each part of ``rollout.reward``: a custom rule's module imports; a reward model
+    is a one-label sequence classifier with a tokenizer; a judge's model loads. The
+    first problem, naming the part (``rollout.reward[1].path``)."""
+    many = isinstance(config.rollout.reward, list)
+    for k, part in enumerate(config.rollout.reward_parts):
+        field = f"rollout.reward[{k}]" if many else "rollout.reward"
+        if isinstance(part, RewardConfig):
+            if part.custom_function is not None:
+                check_object(part.custom_function, f"{field}.custom_function")
+        elif isinstance(part, RewardModelConfig):
+            from rollout.reward_checks import check_reward_model
+
+            check_reward_model(part, field)
+        elif isinstance(part, JudgeConfig) and part.url is None:
+            try:
+                check_model(part.model)
+            except ModelImportError as err:
+                raise ModelImportError(f"{field}.{err}") from None
 
 
 def _check_teacher(config: JobConfig) -> None:

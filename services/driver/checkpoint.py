@@ -45,7 +45,7 @@ from trainer import checkpoint as trainer_checkpoint
 
 DRIVER_STATE = "driver_state.json"
 ROLLOUTS_IN_FLIGHT = "rollouts_in_flight.safetensors"
-SCALAR_FIELDS = ("samples_per_prompt", "pad_token_id", "metadata", "events")
+SCALAR_FIELDS = ("samples_per_prompt", "pad_token_id", "metadata", "events", "samples")
 """RolloutBatch fields that are not tensors: kept in the safetensors header as JSON."""
 
 
@@ -216,6 +216,7 @@ def truncate_rows_after(run_dir: RunDir, step: int, num_updates_per_rollout: int
     truncate_after(run_dir.metrics_file, step)
     truncate_after(run_dir.updates_file, (step + 1) * num_updates_per_rollout - 1)
     truncate_after(run_dir.eval_file, step)
+    truncate_after(run_dir.samples_file, step)
 
 
 def save_driver_state(folder: Path, state: DriverState) -> None:
@@ -268,7 +269,7 @@ def _read_rollouts(path: Path) -> dict[int, RolloutBatch]:
         raise ValueError(f"{path.name}: not a Tally rollouts file ({type(err).__name__}: "
                          f"{str(err).strip()[:200]}); a checkpoint is data (safetensors + "
                          "JSON), never a pickle") from None
-    return {int(step): RolloutBatch(
+    return {int(step): RolloutBatch(  # (a checkpoint before samples.jsonl has none)
         **scalars, **{name: values.get(f"{step}/{name}") for name in _tensor_fields()})
         for step, scalars in header.items()}
 

@@ -104,3 +104,6 @@ class LoggingConfig(BaseModel):
 
     wandb: WandbConfig | None = None
     """A Weights & Biases run per job; None: no W&B."""
+    samples_per_step: int = Field(default=8, ge=0, le=4096)
+    """Samples of each rollout step written to samples.jsonl as text (prompt, response,
+    label, rewards, advantage); every evaluation sample is written too."""

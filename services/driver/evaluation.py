@@ -90,12 +90,15 @@ class Evaluation:
 
     def __init__(self, config: EvalConfig, num_steps: int, ask: Callable[[int], Any],
                  fetch: Callable[[Any], EvalRun], is_ready: Callable[[Any], bool],
-                 record: Callable[[int, dict[str, float]], None]) -> None:
+                 record: Callable[[int, dict[str, float]], None],
+                 record_samples: Callable[[list[dict]], None] = lambda _: None) -> None:
         """``ask(version)``: the manager's evaluate call, a reference; ``fetch(ref)``: its
         answer (bounded wait); ``is_ready(ref)``: answered yet; ``record(version,
-        metrics)``: every result's own row (eval.jsonl)."""
+        metrics)``: every result's own row (eval.jsonl); ``record_samples``: its samples
+        as text (samples.jsonl)."""
         self.config, self.num_steps = config, num_steps
         self.ask, self.fetch, self.is_ready, self.record = ask, fetch, is_ready, record
+        self.record_samples = record_samples
         self.pending: list[tuple[int, Any, float]] = []
 
     def start(self, version: int) -> None:
@@ -116,6 +119,7 @@ class Evaluation:
                    "eval/weight_version": float(run.weight_version),
                    "perf/eval_s": time.perf_counter() - started}
             self.record(version, row)
+            self.record_samples([s for outcome in run.outcomes for s in outcome.samples])
         return row
 
 

@@ -24,6 +24,7 @@ from ray.util.placement_group import remove_placement_group
 
 from rollout.config import RolloutConfig, SyntheticDatasetConfig
 from rollout.manager import RolloutManagerActor, start_engines, start_teachers
+from rollout.reward_parts import start_reward_actors
 from rollout.tiny import resolve_model_path
 from services.config import JobConfig
 from services.driver.run_dir import RunDir, data_dir
@@ -159,11 +160,14 @@ class JobActors:
                                                   **gang.manager_options())
             in_process = config.weight_transport() == "in_process"
             teachers = self._start_teachers(config, gang.teacher_options, started)
+            rewards = self._start_reward_actors(config, gang.reward_options, started)
+            extra = {"reward_actors": rewards,
+                     "samples_per_step": config.logging.samples_per_step}
             if not in_process:  # the engines load now, beside the manager and the ranks
                 engines = start_engines(config.rollout, model_path, gang.engine_options)
                 started.callback(_kill_all, engines)  # the manager's shutdown stops them first
                 self.manager = manager.remote(config.rollout, model_path, None, None,
-                                              engines, True, teachers)
+                                              engines, True, teachers, **extra)
                 started.callback(self._stop_manager)
             self.trainer = TrainerGroup(config.trainer, config.objective_config(), model_path,
                                         config.num_optimizer_steps, env_vars=QUIET_ENV,
@@ -175,7 +179,7 @@ class JobActors:
                     config.rollout.engine, config.rollout.tokenizer,
                     config.rollout.engine.num_engines, not config.rollout.async_steps)
                 self.manager = manager.remote(config.rollout, model_path, None, None, engines,
-                                              None, teachers)
+                                              None, teachers, **extra)
                 # Killed, not asked: its engines are the ranks, and a call would queue
                 # behind a rollout waiting on a rank that may be stuck.
                 started.callback(ray.kill, self.manager)
@@ -193,6 +197,17 @@ class JobActors:
             teacher.model, data_dir() / "models"), options or None)
         started.callback(_kill_all, teachers)
         return teachers
+
+    @staticmethod
+    def _start_reward_actors(config: JobConfig, options: list[dict[str, Any]],
+                             started: contextlib.ExitStack) -> dict[str, list[Any]]:
+        """The reward models' and judges' actors (rollout/reward_parts.py), started
+        beside the rest in their bundles; {} with rules only."""
+        actors = start_reward_actors(
+            config.rollout.reward_parts,
+            lambda model: resolve_model_path(model, data_dir() / "models"), options)
+        started.callback(_kill_all, [a for group in actors.values() for a in group])
+        return actors
 
     @staticmethod
     def _start_critic(config: JobConfig, model_path: str, gang: JobPlacement,

@@ -55,6 +55,7 @@ from services.driver.metrics import (
 from services.driver.pipeline import RolloutPipeline
 from services.driver.retention import best_eval_step, retire_checkpoints
 from services.driver.run_dir import EVAL_FILE, UPDATES_FILE, RunDir, job_dir
+from services.driver.samples import append_samples, with_advantages
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 from services.driver.weight_sync import WeightSync, transport_for
@@ -105,7 +106,8 @@ class RunningJob:
                 config.eval_dataset(), config.eval.num_prompts, config.eval.num_samples,
                 config.eval.temperature or config.rollout.sampling.temperature, version),
                 lambda ref: call(ref, "evaluate"),
-                lambda ref: bool(ray.wait([ref], timeout=0)[0]), evals.write),
+                lambda ref: bool(ray.wait([ref], timeout=0)[0]), evals.write,
+                lambda samples: append_samples(run_dir.samples_file, samples)),
             JsonlSink(run_dir.path, UPDATES_FILE))
 
     def close(self) -> None:
@@ -131,6 +133,7 @@ def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
                                     config.rollout.advantage), None
     for kind, message in batch.events:  # e.g. an environment that failed in an episode
         job.run_dir.write_event(kind, message)
+    append_samples(job.run_dir.samples_file, with_advantages(batch))
     job.weights.poll()
     generated = time.perf_counter()
     if batch.num_valid_tokens == 0:  # nothing to learn from: skipped, never NaN

@@ -4,6 +4,8 @@
     <job>/metrics.jsonl       one row per rollout step (the source of truth)
     <job>/updates.jsonl       one row per optimizer step, tagged with its rollout step
     <job>/eval.jsonl          one row per evaluated weight version (its ``step``)
+    <job>/samples.jsonl       samples as text: logging.samples_per_step of each rollout
+                              step, every evaluation sample (``"eval": true``)
     <job>/events.jsonl        placement, waiting, warnings, failures, restarts
     <job>/job_config.yaml     the config as submitted, when the controller started it
     <job>/driver.log          the driver's output, when the controller started it
@@ -36,6 +38,9 @@ UPDATES_FILE = "updates.jsonl"
 """Trainer metrics of every optimizer step, tagged with their rollout step, update and
 epoch (its ``step`` field counts optimizer steps: docs/glossary.md)."""
 EVAL_FILE = "eval.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+"""Samples as text: some of every rollout's and every evaluation's (services/driver/
+samples.py)."""
 EVENTS_FILE = "events.jsonl"
 JOB_CONFIG_FILE = "job_config.yaml"
 """The config as the controller received it (before defaults), when it submitted the job."""
@@ -84,6 +89,10 @@ class RunDir:
     @property
     def eval_file(self) -> Path:
         return self.path / EVAL_FILE
+
+    @property
+    def samples_file(self) -> Path:
+        return self.path / SAMPLES_FILE
 
     @property
     def events_file(self) -> Path:

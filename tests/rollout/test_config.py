@@ -41,7 +41,7 @@ def test_field_limits_name_the_field() -> None:
     assert "sampling.top_p" in _error({"sampling": {"top_p": 0.0}})
     assert "sampling.temperature" in _error({"sampling": {"temperature": -1}})
     assert "sampling.max_new_tokens" in _error({"sampling": {"max_new_tokens": 0}})
-    assert "reward.max_error_rate" in _error({"reward": {"max_error_rate": 1.5}})
+    assert "reward.one.rule.max_error_rate" in _error({"reward": {"max_error_rate": 1.5}})
     assert "n_samples_per_prompt" in _error({"n_samples_per_prompt": 0})
     assert "stop: stop strings must be non-empty" in _error({"sampling": {"stop": [""]}})
 

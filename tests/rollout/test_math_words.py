@@ -132,7 +132,7 @@ def test_job_config_yaml() -> None:
     assert config.rollout.dataset == MathWordsDatasetConfig(
         split="heldout", difficulties=[2, 4], num_prompts=64, seed=3,
         answer_format="last_number")
-    with pytest.raises(ConfigError, match=r"rollout\.dataset\.difficulties\.0: Input should "
+    with pytest.raises(ConfigError, match=r"rollout\.dataset\.difficulties\[0\]: Input should "
                                           r"be less than or equal to 4"):
         parse_job_config("rollout: {dataset: {type: math_words, difficulties: [5]}}\n")
     with pytest.raises(ConfigError, match=r"warmup\.enabled: the warm-up trains on the synthetic"):

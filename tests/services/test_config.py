@@ -290,7 +290,7 @@ def test_list_fields_are_capped_naming_the_field() -> None:
     [problem] = problems_of(f"rollout: {{sampling: {{stop: {stops}}}}}\n")
     assert problem.field == "rollout.sampling.stop" and "at most 32" in problem.message
     [problem] = problems_of("rollout: {sampling: {stop: [" + "x" * 300 + "]}}\n")
-    assert problem.field == "rollout.sampling.stop.0"
+    assert problem.field == "rollout.sampling.stop[0]"
 
 
 def test_a_setting_chosen_by_a_rule_is_said_and_inert_tis_is_warned() -> None:
@@ -325,7 +325,7 @@ def test_yaml_dotted_keys_and_error_fields_have_one_home() -> None:
         set_dotted(data, "rollout.model.name", "y", source="--set rollout.model.name")
     assert err.value.problems == [ConfigProblem("rollout.model.name", "'model' is not a section")]
     assert error_field(("trainer", "function-after[_rule()]", "optimizer", 0)) == \
-        "trainer.optimizer.0"
+        "trainer.optimizer[0]"
 
 
 def test_sglang_top_k_one_at_a_temperature_is_refused_at_submit_naming_the_field() -> None:

@@ -378,7 +378,7 @@ def test_ingest_refuses_non_finite_values(api: TestClient, value: str) -> None:
     refused = api.post(f"/api/jobs/{job_id}/metrics", content=body,
                        headers={"Content-Type": "application/json"})
     assert refused.status_code == 422, refused.text
-    assert refused.json()["errors"] == [{"field": "body.rows.2.metrics.kl",
+    assert refused.json()["errors"] == [{"field": "body.rows[2].metrics.kl",
                                          "message": "Input should be a finite number"}]
     assert api.get(f"/api/jobs/{job_id}/metrics").json()["steps"] == []
 

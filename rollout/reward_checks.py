@@ -1,0 +1,46 @@
+"""Checks of a reward-model folder before a job starts (``rollout.reward`` part of
+``type: model``): free of torch, so preflight stays light."""
+
+from __future__ import annotations
+
+from rollout.reward_config import RewardModelConfig
+
+
+class RewardModelError(ValueError):
+    """A reward-model folder that cannot score: no classification head, not one label,
+    no tokenizer, no chat template where one is asked for."""
+
+
+def check_reward_model(config: RewardModelConfig, field: str) -> None:
+    """Before anything starts: the folder is a sequence classifier with one label and a
+    tokenizer (with a chat template when ``chat_template``); RewardModelError naming
+    ``field`` (``rollout.reward[1]``) otherwise."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.path)
+    except (OSError, ValueError) as err:
+        raise RewardModelError(f"{field}.path: {config.path} is not a Hugging Face model "
+                               f"folder ({err.__class__.__name__}: "
+                               f"{str(err).splitlines()[0]})") from None
+    architectures = model_config.architectures or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        raise RewardModelError(
+            f"{field}.path: {config.path} has no sequence-classification head "
+            f"(architectures {architectures}); a reward model is an "
+            "AutoModelForSequenceClassification with one label (tally train-rm writes one)")
+    if model_config.num_labels != 1:
+        raise RewardModelError(f"{field}.path: {config.path} has num_labels="
+                               f"{model_config.num_labels}; a reward model has one label "
+                               "(its score)")
+    where = config.tokenizer or config.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError, TypeError) as err:
+        name = "tokenizer" if config.tokenizer else "path"
+        raise RewardModelError(f"{field}.{name}: no tokenizer in {where} "
+                               f"({err.__class__.__name__}); save the RM's tokenizer "
+                               f"there or set {field}.tokenizer") from None
+    if config.chat_template and tokenizer.chat_template is None:
+        raise RewardModelError(f"{field}.chat_template: the tokenizer of {where} has no "
+                               "chat template")

@@ -1,0 +1,214 @@
+"""Configuration schemas of rewards: rules, reward models and judges, one or a weighted
+list of them (``rollout.reward``). Imports only pydantic and the stdlib.
+
+    rollout.reward: {type: boxed}                       one part, weight 1
+    rollout.reward: [{type: boxed, weight: 1.0},        r = Σ_k weight_k · r_k
+                     {type: model, name: rm, path: …, weight: 0.5}]
+
+Each part has a ``name`` (its ``type`` when unset; names are unique) under which its
+mean and std are logged (``reward/<name>/mean``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+_FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_FROZEN = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+BUILT_IN_PARSE = "0-10"
+"""The judge's built-in parse: the first whole number 0…10 of its answer, divided by 10."""
+
+
+class _Part(BaseModel):
+    """What every reward part has: a name and a weight."""
+
+    model_config = _FROZEN
+
+    name: str | None = None
+    """Name of this part in metrics (``reward/<name>/mean``) and samples.jsonl; None:
+    its type."""
+    weight: float = Field(default=1.0, allow_inf_nan=False)
+    """The part's weight in the reward, Σ weight · r."""
+
+    @model_validator(mode="after")
+    def _name_form(self) -> _Part:
+        if self.name is not None and not _NAME.match(self.name):
+            raise ValueError(f"name: {self.name!r} is not a metric name (letters, digits, "
+                             "_ . -, at most 64)")
+        return self
+
+    @property
+    def part_name(self) -> str:
+        return self.name or str(self.type)
+
+
+class RewardConfig(_Part):
+    """A rule: how a response is scored against its prompt's label."""
+
+    type: Literal["exact_match", "numeric", "boxed", "custom"] = "exact_match"
+    """exact_match, numeric (last number), boxed (last \\boxed{}) or custom."""
+    custom_function: str | None = None
+    """`module:function` for type=custom: (responses, labels, metadata) -> rewards."""
+    numeric_tolerance: float = Field(default=1e-6, ge=0.0)
+    """Relative tolerance of numeric comparisons (numeric and boxed)."""
+    default_on_error: float = Field(default=0.0, allow_inf_nan=False)
+    """Reward of a sample whose reward function raised."""
+    max_error_rate: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Largest fraction of a step's samples whose reward may fail before the step fails."""
+
+    @model_validator(mode="after")
+    def _custom_function_iff_custom(self) -> RewardConfig:
+        if self.type == "custom":
+            if self.custom_function is None:
+                raise ValueError("custom_function: type=custom needs 'module:function'")
+            if not _FUNCTION_PATH.match(self.custom_function):
+                raise ValueError(
+                    f"custom_function: expected 'module:function', got {self.custom_function!r}"
+                )
+        elif self.custom_function is not None:
+            raise ValueError(
+                f"custom_function: only type=custom takes a function, but type={self.type}"
+            )
+        return self
+
+
+class RewardModelConfig(_Part):
+    """A learned reward model (rollout/reward_model.py): a Hugging Face
+    ``AutoModelForSequenceClassification`` folder with one label, served by reward actors
+    in the job's gang. The score of a sample is the logit at the last token of
+    ``reward_text`` (rollout/reward_text.py) in the RM's own tokenizer."""
+
+    type: Literal["model"] = "model"
+    """A reward model."""
+    path: str
+    """Local folder of the reward model (``tally train-rm`` writes one)."""
+    tokenizer: str | None = None
+    """Local tokenizer folder; None: the reward model's own."""
+    chat_template: bool = False
+    """Score the RM tokenizer's chat template over [user: prompt, assistant: response];
+    False: the prompt as the policy saw it followed by the response."""
+    num_actors: int = Field(default=1, ge=1)
+    """Reward actors; a rollout's samples are split between them."""
+    num_cpus: float = Field(default=1.0, ge=0.0)
+    """CPUs of each reward actor (its bundle in the job's placement group)."""
+    num_gpus: float = Field(default=0.0, ge=0.0)
+    """GPUs of each reward actor."""
+    batch_size: int = Field(default=16, ge=1)
+    """Texts per forward pass."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype; auto: float32 on CPU, bfloat16 on a GPU."""
+    max_length: int | None = Field(default=None, gt=0)
+    """Longest text in the RM's tokens; a longer one keeps its last max_length tokens
+    (the end, where the score is read). None: the RM's context."""
+    normalize: bool = False
+    """Score (r − μ) / σ with the running mean and std of every raw score so far, this
+    rollout's included (saved in checkpoints: a resume continues them)."""
+
+
+class JudgeConfig(_Part):
+    """A generative judge (rollout/judge.py): a language model asked, greedily, to grade
+    each response by ``template``; its answer is parsed into the score."""
+
+    type: Literal["judge"] = "judge"
+    """An LLM judge."""
+    model: str = "smollm2-135m-instruct"
+    """As ``rollout.model``: a local folder, ``tiny`` or ``smollm2-135m-instruct``."""
+    template: str = ("Question: {prompt}\nAnswer: {response}\nReference answer: {label}\n"
+                     "Is the answer correct? Reply with a score from 0 to 10.")
+    """The judge's prompt; {prompt}, {response} and {label} are filled in (literal braces
+    are doubled: {{ }}). Sent as a user message when the judge has a chat template."""
+    parse: str = BUILT_IN_PARSE
+    """``0-10`` (the first whole number 0…10 of the answer, / 10), or a regex whose first
+    group is the score (a float). An answer that does not parse scores 0 and counts in
+    ``reward/<name>/unparsed``."""
+    max_new_tokens: int = Field(default=16, gt=0)
+    """Longest judge answer, greedy."""
+    url: str | None = None
+    """An SGLang server (``http://host:port``) that serves the judge model; None: torch
+    engine actors in the job's gang."""
+    timeout_s: float = Field(default=120.0, gt=0)
+    """Longest one request to ``url`` may take."""
+    num_actors: int = Field(default=1, ge=1)
+    """Judge engine actors (without url)."""
+    num_cpus: float = Field(default=1.0, ge=0.0)
+    """CPUs of each judge actor."""
+    num_gpus: float = Field(default=0.0, ge=0.0)
+    """GPUs of each judge actor."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The judge engine's dtype; auto: float32 on CPU, bfloat16 on a GPU."""
+
+    @model_validator(mode="after")
+    def _template_and_parse(self) -> JudgeConfig:
+        if "{response}" not in self.template:
+            raise ValueError("template: has no {response}; the judge would not see the "
+                             "answer it grades")
+        try:
+            self.template.format(prompt="", response="", label="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"template: only {{prompt}}, {{response}} and {{label}} are "
+                             f"filled in (double a literal brace): {err!r}") from None
+        if self.parse != BUILT_IN_PARSE:
+            try:
+                groups = re.compile(self.parse).groups
+            except re.error as err:
+                raise ValueError(f"parse: not a regex: {err}") from None
+            if groups < 1:
+                raise ValueError(f"parse: {self.parse!r} has no group; its first group is "
+                                 "the score, e.g. 'Score: ([0-9.]+)'")
+        if self.url is not None and not re.match(r"^https?://", self.url):
+            raise ValueError(f"url: expected http://host:port, got {self.url!r}")
+        return self
+
+
+def _part_tag(value: Any) -> str:
+    kind = value.get("type", "exact_match") if isinstance(value, dict) \
+        else getattr(value, "type", "exact_match")
+    return kind if kind in ("model", "judge") else "rule"
+
+
+RewardPart = Annotated[
+    Annotated[RewardConfig, Tag("rule")] | Annotated[RewardModelConfig, Tag("model")]
+    | Annotated[JudgeConfig, Tag("judge")],
+    Discriminator(_part_tag),
+]
+"""One reward part: a rule, a reward model or a judge."""
+
+RewardSpec = Annotated[
+    Annotated[RewardPart, Tag("one")] | Annotated[list[RewardPart], Tag("list")],
+    Discriminator(lambda value: "list" if isinstance(value, list | tuple) else "one"),
+]
+"""``rollout.reward``: one part, or a list of them."""
+
+
+def reward_parts(reward: Any) -> list[Any]:
+    """``rollout.reward`` as its list of parts (one block is a list of one)."""
+    return list(reward) if isinstance(reward, list | tuple) else [reward]
+
+
+def check_reward_parts(reward: Any) -> None:
+    """A list has parts, and their names are unique (ValueError naming the field)."""
+    parts = reward_parts(reward)
+    if not parts:
+        raise ValueError("reward: an empty list; give at least one reward")
+    seen: dict[str, int] = {}
+    for k, part in enumerate(parts):
+        if part.part_name in seen:
+            raise ValueError(f"reward[{k}].name: {part.part_name!r} is also reward"
+                             f"[{seen[part.part_name]}]'s name; give each part its own")
+        seen[part.part_name] = k
+
+
+def reward_actor_bundles(parts: list[Any]) -> list[dict[str, float]]:
+    """One bundle per reward actor, in :func:`start_reward_actors`' order."""
+    bundles = []
+    for part in parts:
+        if isinstance(part, RewardModelConfig) or (isinstance(part, JudgeConfig)
+                                                   and part.url is None):
+            bundle = {"CPU": part.num_cpus, "GPU": part.num_gpus}
+            bundles += [{k: v for k, v in bundle.items() if v}] * part.num_actors
+    return bundles

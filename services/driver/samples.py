@@ -1,0 +1,72 @@
+"""samples.jsonl: what the policy wrote, as text, one JSON object per sample.
+
+    {"step", "group", "prompt", "response", "label", "reward", "rewards": {part: value},
+     "advantage", "response_tokens", ...}
+
+Training samples: the first ``logging.samples_per_step`` of each rollout step (the rollout
+manager hands them on as text, ``RolloutBatch.samples``), with the advantage they were
+trained with (the mean over the sample's response tokens of A_it, after GAE in a PPO
+job). Evaluation samples: every one, ``"eval": true``, ``step`` the weight version,
+``greedy`` or sampled. ``prompt`` is the prompt as the policy saw it (its chat
+template's text), ``record_prompt`` as the dataset holds it. A resume drops the rows
+after its checkpoint, as for metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rollout.batch import RolloutBatch
+
+
+def with_advantages(batch: RolloutBatch) -> list[dict[str, Any]]:
+    """The batch's sample records, each with its advantage: mean of A_it over the
+    sample's valid tokens (0 with none)."""
+    valid = batch.loss_mask > 0
+    records = []
+    for record in batch.samples:
+        i = int(record["index"])
+        count = int(valid[i].sum())
+        advantage = float(batch.advantages[i][valid[i]].double().sum()) / count if count else 0.0
+        records.append({**record, "advantage": advantage})
+    return records
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    return value
+
+
+def append_samples(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append ``records`` to samples.jsonl (opened per write: a resume may have replaced
+    the file)."""
+    if not records:
+        return
+    with path.open("a", encoding="utf-8") as out:
+        out.write("".join(json.dumps(_clean(r), ensure_ascii=False) + "\n" for r in records))
+
+
+def read_samples(path: Path, step: int | None = None, evaluation: bool | None = None
+                 ) -> list[dict[str, Any]]:
+    """The records of samples.jsonl (of rollout step ``step``; ``evaluation``: only the
+    evaluation's, or only training's); a torn last line is skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if step is not None and row.get("step") != step:
+            continue
+        if evaluation is not None and bool(row.get("eval")) != evaluation:
+            continue
+        rows.append(row)
+    return rows
