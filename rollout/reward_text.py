@@ -11,15 +11,15 @@ with nothing between them (what the tiny model's template does), then the respon
 template is the reward model's own tokenizer's (``apply_chat_template(...,
 tokenize=False)``, no generation prompt).
 
-    ids(prompt, response) = the last max_length tokens of
-                            tokenizer(text, add_special_tokens=True), then its trailing
-                            pad tokens dropped
+    ids(prompt, response) = tokenizer(text, add_special_tokens=True) without its
+                            trailing pad tokens, then its last max_length tokens
     r(prompt, response)   = the score head's output at the last token of ids
 
 which is what ``AutoModelForSequenceClassification`` (one label) computes on the text at
 its last token that is not ``pad_token_id`` (a causal model's earlier tokens never see
-the pads after them), so an actor that tokenizes the text, truncates on the left and
-pools the logit there scores exactly what ``tally train-rm`` trained.
+the pads after them), so an actor that right-pads these ids and pools the logit there
+scores exactly what ``tally train-rm`` trained. (A tokenizer's own left truncation would
+differ: it keeps the special tokens it adds, e.g. a ``<bos>``.)
 """
 
 from __future__ import annotations
@@ -55,9 +55,7 @@ def reward_input_ids(tokenizer: Any, prompt: str | Messages, response: str,
     """The token ids a reward model scores (module docstring); r is read at the last."""
     text = reward_text(tokenizer, prompt, response, chat_template)
     ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    if max_length is not None:
-        ids = ids[-max_length:]
     pad = tokenizer.pad_token_id
     while ids and pad is not None and ids[-1] == pad:
         ids.pop()
-    return ids
+    return ids[-max_length:] if max_length is not None else ids
