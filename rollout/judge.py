@@ -2,7 +2,8 @@
 each response, greedily, and its answer parsed into a score.
 
     template.format(prompt, response, label) ─► judge (a user message under its chat
-        template) ─► greedy answer ─► parse: ``0-10`` (first whole number 0…10, / 10)
+        template) ─► greedy answer ─► parse: ``0-10`` (first whole number 0…10, / 10),
+                                            ``yes-no`` (first word: yes 1, no 0)
                                             or a regex (its first group, a float)
 
 The judge runs in torch engine actors of the job's gang (:class:`JudgeEngine`: the
@@ -22,10 +23,11 @@ from typing import Any
 
 from rollout.config import SamplingConfig
 from rollout.engines.torch_engine import TorchEngine
-from rollout.reward_config import BUILT_IN_PARSE, JudgeConfig
+from rollout.reward_config import BUILT_IN_PARSE, YES_NO_PARSE, JudgeConfig
 from rollout.tokenizer import decode_responses, encode_prompts
 
 _ZERO_TO_TEN = re.compile(r"(?<![\d.])(10|[0-9])(?![\d.])")
+_FIRST_WORD = re.compile(r"\W*(\w+)")
 
 
 def judge_request(template: str, prompt: Any, response: str, label: str | None) -> str:
@@ -42,6 +44,10 @@ def parse_score(answer: str, parse: str) -> float | None:
     if parse == BUILT_IN_PARSE:
         found = _ZERO_TO_TEN.search(answer)
         return int(found.group(1)) / 10.0 if found else None
+    if parse == YES_NO_PARSE:
+        first = _FIRST_WORD.match(answer)
+        word = first.group(1).lower() if first else ""
+        return {"yes": 1.0, "no": 0.0}.get(word)
     found = re.search(parse, answer)
     if found is None or found.group(1) is None:
         return None

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from rollout.pretrained import TOKENIZER_FILES
 from rollout.reward_config import RewardModelConfig
 
 
@@ -34,13 +37,15 @@ def check_reward_model(config: RewardModelConfig, field: str) -> None:
                                f"{model_config.num_labels}; a reward model has one label "
                                "(its score)")
     where = config.tokenizer or config.path
+    name = "tokenizer" if config.tokenizer else "path"
+    missing = f"{field}.{name}: no tokenizer in {where}"
+    fix = f"save the RM's tokenizer there or set {field}.tokenizer"
+    if not any((Path(where) / file).is_file() for file in TOKENIZER_FILES):
+        raise RewardModelError(f"{missing} (no {' or '.join(TOKENIZER_FILES)}); {fix}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError, TypeError) as err:
-        name = "tokenizer" if config.tokenizer else "path"
-        raise RewardModelError(f"{field}.{name}: no tokenizer in {where} "
-                               f"({err.__class__.__name__}); save the RM's tokenizer "
-                               f"there or set {field}.tokenizer") from None
+        raise RewardModelError(f"{missing} ({err.__class__.__name__}); {fix}") from None
     if config.chat_template and tokenizer.chat_template is None:
         raise RewardModelError(f"{field}.chat_template: the tokenizer of {where} has no "
                                "chat template")

@@ -22,6 +22,8 @@ _FROZEN = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 BUILT_IN_PARSE = "0-10"
 """The judge's built-in parse: the first whole number 0…10 of its answer, divided by 10."""
+YES_NO_PARSE = "yes-no"
+"""The judge's other built-in parse: an answer whose first word is yes scores 1, no 0."""
 
 
 class _Part(BaseModel):
@@ -123,9 +125,9 @@ class JudgeConfig(_Part):
     """The judge's prompt; {prompt}, {response} and {label} are filled in (literal braces
     are doubled: {{ }}). Sent as a user message when the judge has a chat template."""
     parse: str = BUILT_IN_PARSE
-    """``0-10`` (the first whole number 0…10 of the answer, / 10), or a regex whose first
-    group is the score (a float). An answer that does not parse scores 0 and counts in
-    ``reward/<name>/unparsed``."""
+    """``0-10`` (the first whole number 0…10 of the answer, / 10), ``yes-no`` (the first
+    word: yes 1, no 0), or a regex whose first group is the score (a float). An answer
+    that does not parse scores 0 and counts in ``reward/<name>/unparsed``."""
     max_new_tokens: int = Field(default=16, gt=0)
     """Longest judge answer, greedy."""
     url: str | None = None
@@ -152,7 +154,7 @@ class JudgeConfig(_Part):
         except (KeyError, IndexError, ValueError) as err:
             raise ValueError(f"template: only {{prompt}}, {{response}} and {{label}} are "
                              f"filled in (double a literal brace): {err!r}") from None
-        if self.parse != BUILT_IN_PARSE:
+        if self.parse not in (BUILT_IN_PARSE, YES_NO_PARSE):
             try:
                 groups = re.compile(self.parse).groups
             except re.error as err:

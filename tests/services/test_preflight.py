@@ -333,3 +333,67 @@ def test_a_teacher_config_that_cannot_mean_one_thing_is_refused(
     with pytest.raises(ConfigError) as info:
         parse_job_config("", overrides)
     assert message in str(info.value)
+
+
+def _reward_problem(parts: list[dict]) -> str:
+    text = json.dumps({"rollout": {"reward": parts}})
+    with pytest.raises(ConfigError) as info:
+        preflight(parse_job_config(text))
+    assert len(info.value.problems) == 1, str(info.value)
+    return str(info.value)
+
+
+def test_reward_model_folders_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    """A reward model is a one-label sequence classifier with a tokenizer: a causal LM, a
+    classifier of two labels, a folder without tokenizer files are refused, naming the
+    part (rollout.reward[1].path)."""
+    from rollout.tiny import resolve_model_path
+    from tests.reward_model_folders import save_random_reward_model
+
+    tiny = resolve_model_path("tiny")
+    rule = {"type": "exact_match"}
+    message = _reward_problem([rule, {"type": "model", "path": tiny}])
+    assert message.startswith(f"rollout.reward[1].path: {tiny} has no sequence-"
+                              "classification head (architectures ['Qwen2ForCausalLM'])")
+    two = save_random_reward_model(tmp_path / "two", tiny, num_labels=2)
+    assert _reward_problem([rule, {"type": "model", "path": two}]) == (
+        f"rollout.reward[1].path: {two} has num_labels=2; a reward model has one label "
+        "(its score)")
+    bare = Path(save_random_reward_model(tmp_path / "bare", tiny))
+    for name in bare.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "vocab", "chat_template")):
+            name.unlink()
+    assert _reward_problem([{"type": "model", "path": str(bare)}]).startswith(
+        f"rollout.reward[0].path: no tokenizer in {bare}")
+    good = save_random_reward_model(tmp_path / "good", tiny)
+    plain = Path(save_random_reward_model(tmp_path / "plain", tiny))
+    (plain / "chat_template.jinja").unlink()
+    assert _reward_problem([{"type": "model", "path": str(plain), "chat_template": True}]) \
+        == f"rollout.reward[0].chat_template: the tokenizer of {plain} has no chat template"
+    preflight(parse_job_config(json.dumps({"rollout": {"reward": [
+        rule, {"type": "model", "path": good, "name": "rm"}]}})))  # passes
+
+
+def test_judge_and_list_refusals_name_the_part() -> None:
+    def refused(parts: list[dict]) -> str:
+        with pytest.raises(ConfigError) as info:
+            parse_job_config(json.dumps({"rollout": {"reward": parts}}))
+        return str(info.value)
+
+    rule = {"type": "exact_match"}
+    assert refused([rule, {"type": "judge", "template": "grade {prompt}"}]) == (
+        "<config>: rollout.reward[1]: template: has no {response}; the judge would not see "
+        "the answer it grades")
+    assert refused([rule, {"type": "judge", "parse": r"Score: \d+"}]) == (
+        "<config>: rollout.reward[1]: parse: 'Score: \\\\d+' has no group; its first group "
+        "is the score, e.g. 'Score: ([0-9.]+)'")
+    assert refused([rule, {"type": "judge", "template": "{response} {answer}"}]).startswith(
+        "<config>: rollout.reward[1]: template: only {prompt}, {response} and {label}")
+    assert refused([rule, {"type": "model"}]) == "<config>: rollout.reward[1].path: Field required"
+    assert refused([rule, rule]) == ("<config>: rollout: reward[1].name: 'exact_match' is "
+                                     "also reward[0]'s name; give each part its own")
+    assert refused([]) == "<config>: rollout: reward: an empty list; give at least one reward"
+    with pytest.raises(ConfigError) as info:
+        preflight(parse_job_config(json.dumps({"rollout": {"reward": [
+            rule, {"type": "judge", "model": "/no/such/judge"}]}})))
+    assert str(info.value).startswith("rollout.reward[1].model: '/no/such/judge' is neither")

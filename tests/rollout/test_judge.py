@@ -1,0 +1,138 @@
+"""LLM judges: the request each sample sends, the parse of an answer, a judge served by a
+torch engine actor in a rollout (its answers recomputed here with the same engine), and
+the SGLang server path over HTTP (a local server speaking the OpenAI chat protocol)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+import ray
+
+from rollout.config import RolloutConfig, TorchEngineConfig
+from rollout.judge import JudgeEngine, ask_server, judge_request, parse_score
+from rollout.manager import RolloutManagerActor
+from rollout.reward_config import JudgeConfig
+
+
+def test_built_in_parse_reads_the_first_whole_number_up_to_ten() -> None:
+    assert parse_score("I'd give it 7/10.", "0-10") == 0.7
+    assert parse_score("Score: 10", "0-10") == 1.0
+    assert parse_score("0", "0-10") == 0.0
+    assert parse_score("about 7.5", "0-10") is None  # not a whole number
+    assert parse_score("42 is wrong", "0-10") is None
+    assert parse_score("no idea", "0-10") is None
+
+
+def test_yes_no_parse_reads_the_first_word() -> None:
+    assert parse_score("Yes, the answer is correct.", "yes-no") == 1.0
+    assert parse_score(" No. It is 8.", "yes-no") == 0.0
+    assert parse_score("Maybe yes", "yes-no") is None
+    assert parse_score("", "yes-no") is None
+
+
+def test_regex_parse_reads_its_first_group() -> None:
+    assert parse_score("Verdict: 0.25 (fine)", r"Verdict: ([0-9.]+)") == 0.25
+    assert parse_score("Verdict: none", r"Verdict: ([0-9.]+)") is None
+    assert parse_score("Verdict: 1.2.3", r"Verdict: ([0-9.]+)") is None
+
+
+def test_request_fills_prompt_response_and_label() -> None:
+    template = "Q: {prompt}\nA: {response}\nRef: {label} {{braces}}"
+    assert judge_request(template, "2+2?", "4", "4") == "Q: 2+2?\nA: 4\nRef: 4 {braces}"
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert judge_request(template, messages, "yo", None) == "Q: be brief\nhi\nA: yo\nRef:  {braces}"
+
+
+PARSE = r"([0-9])"  # the tiny judge repeats the response's last character: some digits
+
+
+@pytest.fixture(scope="module")
+def judged(ray_cluster: None, tiny_model_path: str) -> Iterator[tuple]:
+    config = RolloutConfig.model_validate({
+        "dataset": {"type": "synthetic", "task": "copy", "num_prompts": 6, "seed": 1},
+        "sampling": {"max_new_tokens": 5},
+        "n_samples_per_prompt": 4, "global_batch_size": 16, "seed": 2,
+        "reward": [{"type": "exact_match"},
+                   {"type": "judge", "name": "judge", "model": tiny_model_path,
+                    "template": "{prompt}{response}", "parse": PARSE,
+                    "max_new_tokens": 6, "num_cpus": 0, "num_actors": 2, "weight": 0.5}]})
+    actor = RolloutManagerActor.remote(config, tiny_model_path, samples_per_step=16)
+    batch = ray.get(actor.generate_batch.remote(0))
+    yield config, batch
+    ray.get(actor.shutdown.remote())
+    ray.kill(actor)
+
+
+def test_a_judge_in_the_gang_scores_what_its_engine_answers(judged: tuple,
+                                                            tiny_model_path: str) -> None:
+    config, batch = judged
+    part = config.reward_parts[1]
+    engine = JudgeEngine(TorchEngineConfig(num_threads=1, prefix_cache_mb=0),
+                         tiny_model_path, tiny_model_path)
+    requests = [judge_request(part.template, s["record_prompt"], s["response"], s["label"])
+                for s in batch.samples]
+    answers, _ = engine.answer(requests, part.max_new_tokens)
+    expected = [parse_score(a, PARSE) for a in answers]
+    assert None in expected and any(e is not None for e in expected)  # both kinds seen
+    assert [s["rewards"]["judge"] for s in batch.samples] == [
+        0.0 if e is None else e for e in expected]
+    assert batch.metadata["reward/judge/unparsed"] == float(sum(
+        e is None for e in expected))
+    for sample in batch.samples:
+        assert sample["reward"] == sample["rewards"]["exact_match"] + \
+            0.5 * sample["rewards"]["judge"]
+
+
+class _ChatServer(BaseHTTPRequestHandler):
+    """The OpenAI chat endpoint as SGLang serves it: the answer grades the response by
+    its length, so the test sees which request each answer belongs to."""
+
+    seen: ClassVar[list[dict]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append({"path": self.path, **body})
+        content = body["messages"][0]["content"]
+        response = re.search(r"A: (.*)\n", content).group(1)
+        answer = f"Score: {len(response)}" if response != "unparsable" else "dunno"
+        data = json.dumps({"choices": [{"message": {"role": "assistant",
+                                                    "content": answer}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_server_path_sends_greedy_chat_requests_and_keeps_their_order() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ChatServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = JudgeConfig(url=f"http://127.0.0.1:{server.server_port}",
+                             template="Q: {prompt}\nA: {response}\n", parse=r"Score: (\d+)",
+                             max_new_tokens=9, timeout_s=10)
+        responses = ["x" * n for n in range(12)] + ["unparsable"]
+        requests = [judge_request(config.template, "p", r, None) for r in responses]
+        answers = ask_server(config, requests, workers=4)
+        assert [parse_score(a, config.parse) for a in answers] == [
+            float(n) for n in range(12)] + [None]
+        seen = _ChatServer.seen
+        assert {s["path"] for s in seen} == {"/v1/chat/completions"}
+        assert all(s["temperature"] == 0.0 and s["max_tokens"] == 9 for s in seen)
+    finally:
+        server.shutdown()
+
+
+def test_a_dead_server_is_an_error_within_the_timeout() -> None:
+    config = JudgeConfig(url="http://127.0.0.1:9", timeout_s=2)
+    with pytest.raises(OSError):
+        ask_server(config, ["hi {response}"])
