@@ -95,6 +95,25 @@ def train(config: ConfigArg, set_: SetOpt = None,
         raise typer.Exit(code)
 
 
+@app.command("train-rm")
+def train_rm(config: ConfigArg, set_: SetOpt = None,
+             output_dir: Annotated[Path | None, typer.Option(
+                 help="run folder (default: the config's output_dir, else "
+                      "<data dir>/jobs/<name>-<time>)")] = None,
+             address: AddressOpt = None) -> None:
+    """Train a Bradley–Terry reward model on preference pairs (JSONL {"prompt", "chosen",
+    "rejected"}); writes metrics.jsonl and final_model/, a folder
+    AutoModelForSequenceClassification loads (docs/reward-models.md). A bad config or
+    data file is one line naming the field or the line, exit code 2, nothing started."""
+    from services.train_rm.run import train_rm_from_cli
+
+    if address:
+        os.environ["RAY_ADDRESS"] = address
+    code = train_rm_from_cli(config, set_ or [], output_dir)
+    if code:
+        raise typer.Exit(code)
+
+
 def job_summary(job) -> str:
     """One line: what a job config runs."""
     rollout, trainer = job.rollout, job.trainer
@@ -525,6 +544,28 @@ def logs(job_id: str, url: UrlOpt = None,
     from services.controller.cli_support import stream_logs
 
     stream_logs(url, job_id, follow, tail)
+
+
+@app.command()
+def samples(job: Annotated[str, typer.Argument(
+                help="a job folder, or the id of a job on the controller (--url)")],
+            step: Annotated[int | None, typer.Option(
+                help="a rollout step (with --eval: a weight version) [default: the newest]")]
+            = None,
+            evaluation: Annotated[bool, typer.Option(
+                "--eval", help="evaluation samples instead of training ones")] = False,
+            as_json: Annotated[bool, typer.Option(
+                "--json", help="the records, one JSON object per line")] = False,
+            full: Annotated[bool, typer.Option(
+                "--full", help="whole prompts and responses, not shortened")] = False,
+            limit: Annotated[int, typer.Option(min=1, max=1000, help="at most this many")]
+            = 200,
+            url: UrlOpt = None) -> None:
+    """A job's samples as text (samples.jsonl): per sample its step, group, reward and each
+    part, advantage, tokens, prompt and response."""
+    from services.samples_cli import print_samples
+
+    print_samples(job, step, evaluation, as_json, full, limit, url)
 
 
 @app.command()

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_configs_are_valid() -> None:
-    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    configs = [path for path in sorted((ROOT / "configs").glob("*.yaml"))
+               if not path.name.startswith("rm-")]  # train-rm's: tests/services/test_train_rm.py
     assert configs, "configs/ ships example job configs"
     for path in configs:
         load_job_config(path)

@@ -1,0 +1,1 @@
+"""``tally train-rm``: a Bradley–Terry reward model trained on preference pairs."""

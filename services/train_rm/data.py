@@ -1,0 +1,84 @@
+"""Preference pairs on their way to the ranks: tokenized once by rollout/reward_text.py's
+definition, then cut into steps.
+
+Order: epoch e visits every train pair once in a shuffled order that depends only on
+(seed, e); step s takes positions s·P … s·P + P − 1 of the epochs laid end to end, so
+every step has exactly P pairs (the last of an epoch runs into the next) and a run is
+the same whatever else changes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.preference_pairs import PreferenceDataError, PreferencePair
+from rollout.reward_text import reward_input_ids
+from trainer.pair_batch import PairBatch
+
+
+@dataclass(frozen=True)
+class TokenizedPairs:
+    """Pairs as the token ids their scores are read from."""
+
+    sequences: list[tuple[list[int], list[int]]]
+    """(chosen ids, rejected ids) per pair, in file order."""
+    kinds: list[str | None]
+    """Each pair's ``kind`` (None when the file gives none)."""
+    num_truncated: int
+    """Texts longer than max_length, cut to their last max_length tokens."""
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def batch(self, indices: list[int], pad_id: int) -> PairBatch:
+        return PairBatch.from_sequences([self.sequences[i] for i in indices], pad_id)
+
+    def num_tokens(self, indices: list[int]) -> int:
+        return sum(len(ids) for i in indices for ids in self.sequences[i])
+
+
+def tokenize_pairs(pairs: list[PreferencePair], tokenizer: Any, chat_template: bool,
+                   max_length: int) -> TokenizedPairs:
+    """Both texts of every pair in the reward model's tokens (rollout/reward_text.py);
+    PreferenceDataError naming the record when a text has no token at all."""
+    sequences, truncated = [], 0
+    for pair in pairs:
+        sides = []
+        for field, response in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+            ids = reward_input_ids(tokenizer, pair.prompt, response, chat_template,
+                                   max_length)
+            if not ids:
+                raise PreferenceDataError(f'{pair.where}: "{field}": its text has no token '
+                                          "to score")
+            if len(ids) == max_length:  # cut, or exactly as long: tokenized again to say
+                truncated += len(reward_input_ids(tokenizer, pair.prompt, response,
+                                                  chat_template)) > max_length
+            sides.append(ids)
+        sequences.append((sides[0], sides[1]))
+    return TokenizedPairs(sequences, [pair.kind for pair in pairs], truncated)
+
+
+def step_indices(num_pairs: int, pairs_per_step: int, step: int, seed: int) -> list[int]:
+    """The train pairs of optimizer step ``step`` (module docstring)."""
+    indices = []
+    for position in range(step * pairs_per_step, (step + 1) * pairs_per_step):
+        epoch, within = divmod(position, num_pairs)
+        indices.append(epoch_order(num_pairs, epoch, seed)[within])
+    return indices
+
+
+_orders: dict[tuple[int, int, int], list[int]] = {}
+
+
+def epoch_order(num_pairs: int, epoch: int, seed: int) -> list[int]:
+    """A permutation of the pairs for ``epoch`` (a string-seeded ``random.Random``: the
+    same on every machine and Python)."""
+    key = (num_pairs, epoch, seed)
+    if key not in _orders:
+        order = list(range(num_pairs))
+        random.Random(f"train-rm:{seed}:{epoch}").shuffle(order)
+        _orders.clear()  # one epoch at a time is all a run asks for
+        _orders[key] = order
+    return _orders[key]
