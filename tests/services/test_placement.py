@@ -33,6 +33,22 @@ def test_distillation_teachers_have_bundles_of_their_own_after_the_engines() -> 
     assert job_bundles(free) == [{"CPU": 1.0}, {"CPU": 0.5}]
 
 
+def test_reward_actors_have_bundles_after_the_teachers_and_before_the_critic() -> None:
+    from services.placement import JobPlacement
+
+    config = demo("rollout.teacher={model: tiny, num_cpus: 0.25}", "rollout.reward=["
+                  "{type: exact_match}, {type: model, path: /rm, num_actors: 2, num_cpus: 0.5},"
+                  " {type: judge, name: free, num_cpus: 0},"
+                  " {type: judge, name: served, url: 'http://127.0.0.1:30000'},"
+                  " {type: judge, name: j, num_cpus: 2, num_gpus: 1}]")
+    assert job_bundles(config) == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.5},
+                                   {"CPU": 0.5}, {"CPU": 2.0, "GPU": 1.0}]
+    gang = JobPlacement(object(), 1, 1, False, True, 1, [True, True, False, True])
+    assert [o["scheduling_strategy"].placement_group_bundle_index if o else None
+            for o in gang.reward_options] == [3, 4, None, 5]
+    assert gang.critic_first_bundle == 6
+
+
 def test_threads_follow_the_phase_cores_and_set_values_win(tmp_path) -> None:
     from services.placement import phase_threads
 
