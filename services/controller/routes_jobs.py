@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from services.config import JobConfig, error_field
 from services.controller.auth import require_job_token, require_token
 from services.controller.ending import contradicted_end, stop_in_ray
+from services.controller.job_samples import DEFAULT_LIMIT, MAX_LIMIT, samples_out
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.schemas import (
     IngestResult,
@@ -29,6 +30,7 @@ from services.controller.schemas import (
     Message,
     MetricsIngest,
     MetricsOut,
+    SamplesOut,
     StatusReport,
     ValidationErrorOut,
 )
@@ -234,6 +236,23 @@ def job_metrics(job_id: str, ctl: Ctl,
     wanted = split_names(names)
     rows, total = ctl.store.sample_metrics(job_id, point_budget(wanted, max_points), start, end)
     return json_response(metrics_out(job_id, rows, total, wanted))
+
+
+@router.get("/{job_id}/samples", response_model=SamplesOut, responses=NOT_FOUND)
+def job_samples(job_id: str, ctl: Ctl,
+                step: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+                evaluation: Annotated[bool | None, Query(alias="eval")] = None,
+                limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT) -> Response:
+    """Samples as text from the job folder's samples.jsonl (prompt, response, reward and
+    its parts, advantage, tokens) and the steps that have some. ``step``: one rollout step
+    (of evaluation samples, the weight version); ``eval``: evaluation samples only (true)
+    or training ones only (false); at most ``limit``: a step's first, else the newest.
+    None yet: an empty list and a ``note``."""
+    job = get_or_404(ctl, job_id)
+    index = (ctl.samples.of(job.output_dir) if ctl.settings.inside_roots(job.output_dir)
+             else None)
+    out = samples_out(job_id, index, step, evaluation, limit)
+    return Response(out.model_dump_json(exclude_unset=True), media_type="application/json")
 
 
 @router.post("/{job_id}/metrics", response_model=IngestResult,

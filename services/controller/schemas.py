@@ -217,3 +217,49 @@ class Health(BaseModel):
     status: Literal["ok", "degraded"]
     database: bool
     ray: str
+
+
+class SampleOut(BaseModel):
+    """One sample as text, a line of the job folder's samples.jsonl (services/driver/
+    samples.py); a training sample has ``index`` and ``advantage``, an evaluation sample
+    ``eval`` and ``greedy``."""
+
+    step: int
+    """The rollout step; of an evaluation sample, the weight version evaluated."""
+    eval: bool = False
+    """An evaluation sample (held-out prompt), not a trained one."""
+    greedy: bool | None = None
+    """Of an evaluation sample: the greedy response, or one sampled for pass@k."""
+    index: int | None = None
+    """Of a training sample: its place in the rollout's batch."""
+    group: int | None = None
+    """The prompt group (training) or held-out prompt (evaluation) it answers."""
+    prompt: str = ""
+    """The prompt as the policy saw it (its chat template's text)."""
+    record_prompt: Any = None
+    """The prompt as the dataset holds it (text or chat messages)."""
+    response: str = ""
+    label: Any = None
+    reward: float | None = None
+    """The reward: the weighted sum of its parts."""
+    rewards: dict[str, float | None] = {}
+    """Each reward part's value, by the part's name."""
+    advantage: float | None = None
+    """Of a training sample: the mean advantage over its response tokens."""
+    response_tokens: int | None = None
+
+
+class SamplesOut(BaseModel):
+    """Samples of one job, in file order; unset fields of a sample are left out."""
+
+    job_id: str
+    steps: list[int]
+    """Rollout steps with training samples, ascending."""
+    eval_steps: list[int]
+    """Weight versions with evaluation samples, ascending."""
+    total: int
+    """Samples matching ``step`` and ``eval`` before ``limit``."""
+    samples: list[SampleOut]
+    note: str | None
+    """Why there are none to read (no samples.jsonl yet, a folder the controller may not
+    read)."""

@@ -8,6 +8,7 @@ from weakref import WeakSet
 
 from fastapi import Depends, HTTPException, Request
 
+from services.controller.job_samples import SampleIndexes
 from services.controller.observability import ControllerMetrics
 from services.controller.ray_head import LocalRayHead
 from services.controller.ray_jobs import JobBackend
@@ -29,6 +30,8 @@ class Controller:
     """Open SSE and log-follow streams per job (routes_stream caps them)."""
     readiness: Any = None
     """The last readiness check (services/controller/readiness.py ``Ready``)."""
+    samples: SampleIndexes = field(default_factory=SampleIndexes)
+    """Where each sample of the samples.jsonl files read lately is (job_samples.py)."""
 
     @property
     def backend(self) -> JobBackend:

@@ -1,0 +1,177 @@
+"""Reading a job's samples.jsonl (services/driver/samples.py writes it) for
+``GET /api/jobs/{id}/samples`` and ``tally samples``: which steps have samples, and the
+rows of one step, without parsing the whole file on every read.
+
+A :class:`SampleIndex` holds each complete line's byte offset, step and whether it is an
+evaluation sample. A refresh reads only what was appended since the last one (the driver
+appends whole lines); a torn last line waits for its end; a file that was replaced (a
+resume truncates it: services/driver/sinks.truncate_after), shrank, or no longer ends its
+indexed part with the bytes it did is indexed again from the start. A line that is not a
+JSON object with an integer ``step`` is skipped, as ``read_samples`` skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from array import array
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from services.controller.schemas import SampleOut, SamplesOut
+from services.driver.run_dir import SAMPLES_FILE
+
+DEFAULT_LIMIT = 200
+MAX_LIMIT = 1000
+"""Samples one read returns at most."""
+MAX_LINE_BYTES = 4 << 20
+"""A longer line is skipped, never parsed."""
+EDGE_BYTES = 256
+"""The last bytes of the indexed part, compared on each refresh: a file rewritten in place
+to at least its old size does not keep them."""
+
+
+class SampleIndex:
+    """Where each sample of one samples.jsonl is; thread-safe."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._reset(None)
+
+    def _reset(self, identity: tuple[int, int] | None) -> None:
+        self.identity = identity
+        self.size = 0
+        """Bytes indexed: up to the end of the last complete line."""
+        self.edge = b""
+        """The file's last EDGE_BYTES bytes before ``size``."""
+        self.offsets = array("q")
+        self.steps = array("q")
+        self.evals = array("b")
+
+    def refresh(self) -> bool:
+        """Index what was appended; False when there is no file."""
+        with self._lock:
+            try:
+                stat = self.path.stat()
+            except OSError:
+                self._reset(None)
+                return False
+            identity = (stat.st_dev, stat.st_ino)
+            if (identity != self.identity or stat.st_size < self.size
+                    or self._edge_at(self.size) != self.edge):
+                self._reset(identity)
+            if stat.st_size > self.size:
+                self._index_from(self.size, stat.st_size)
+                self.edge = self._edge_at(self.size)
+            return True
+
+    def _edge_at(self, size: int) -> bytes:
+        start = max(0, size - EDGE_BYTES)
+        with self.path.open("rb") as file:
+            file.seek(start)
+            return file.read(size - start)
+
+    def _index_from(self, start: int, end: int) -> None:
+        with self.path.open("rb") as file:
+            file.seek(start)
+            position = start
+            while position < end:
+                line = file.readline(MAX_LINE_BYTES + 1)
+                if not line.endswith(b"\n"):
+                    if len(line) <= MAX_LINE_BYTES:
+                        return  # torn: the writer has not finished it
+                    while line and not line.endswith(b"\n"):  # too long: skipped whole
+                        position += len(line)
+                        line = file.readline(MAX_LINE_BYTES)
+                    position += len(line)
+                    self.size = position
+                    continue
+                row = _parse(line)
+                if row is not None:
+                    self.offsets.append(position)
+                    self.steps.append(row["step"])
+                    self.evals.append(bool(row.get("eval")))
+                position += len(line)
+                self.size = position
+
+    def step_lists(self) -> tuple[list[int], list[int]]:
+        """(rollout steps with training samples, weight versions with evaluation
+        samples), each ascending."""
+        with self._lock:
+            pairs = set(zip(self.steps, self.evals, strict=True))
+        return (sorted(s for s, e in pairs if not e), sorted(s for s, e in pairs if e))
+
+    def select(self, step: int | None, evaluation: bool | None, limit: int
+               ) -> tuple[list[dict[str, Any]], int]:
+        """(the rows of ``step`` (all steps: None) that are evaluation samples or training
+        ones (``evaluation``; both: None), at most ``limit``: a step's first, else the
+        newest; how many matched). Rows in file order."""
+        with self._lock:
+            found = [offset for offset, s, e in zip(self.offsets, self.steps, self.evals,
+                                                      strict=True)
+                     if (step is None or s == step)
+                     and (evaluation is None or bool(e) == evaluation)]
+        chosen = found[:limit] if step is not None else found[max(0, len(found) - limit):]
+        rows = []
+        with self.path.open("rb") as file:
+            for offset in chosen:
+                file.seek(offset)
+                row = _parse(file.readline(MAX_LINE_BYTES + 1))
+                if row is not None:  # None: the file changed under the read
+                    rows.append(row)
+        return rows, len(found)
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or type(row.get("step")) is not int:
+        return None
+    return row
+
+
+class SampleIndexes:
+    """The indexes of the files read lately (at most ``size``), by path."""
+
+    def __init__(self, size: int = 32) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._indexes: OrderedDict[Path, SampleIndex] = OrderedDict()
+
+    def of(self, job_dir: str | Path) -> SampleIndex:
+        path = Path(job_dir) / SAMPLES_FILE
+        with self._lock:
+            index = self._indexes.pop(path, None) or SampleIndex(path)
+            self._indexes[path] = index
+            while len(self._indexes) > self.size:
+                self._indexes.popitem(last=False)
+        return index
+
+
+NO_FILE = "no samples yet: the job writes samples.jsonl from its first rollout step"
+OUTSIDE = "the job folder is outside the allowed roots (TALLY_ALLOWED_ROOTS)"
+
+
+def samples_out(job_id: str, index: SampleIndex | None, step: int | None,
+                evaluation: bool | None, limit: int = DEFAULT_LIMIT) -> SamplesOut:
+    """A read of ``index`` (None: a folder not to read) as the API answers it; a row
+    that is not a sample (SampleOut) is left out."""
+    from pydantic import ValidationError
+
+    if index is None or not index.refresh():
+        return SamplesOut(job_id=job_id, steps=[], eval_steps=[], total=0, samples=[],
+                          note=OUTSIDE if index is None else NO_FILE)
+    rows, total = index.select(step, evaluation, limit)
+    samples = []
+    for row in rows:
+        try:
+            samples.append(SampleOut.model_validate(row))
+        except ValidationError:
+            continue
+    steps, eval_steps = index.step_lists()
+    return SamplesOut(job_id=job_id, steps=steps, eval_steps=eval_steps, total=total,
+                      samples=samples, note=None)
