@@ -61,7 +61,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def eval_metrics(outcomes: Sequence[EvalOutcome], config: EvalConfig) -> dict[str, float]:
     """``eval/accuracy``, ``eval/pass@k`` (k in ``eval/k``), the greedy responses' mean
-    length, and the accuracy per difficulty level when the prompts have one."""
+    length, the accuracy per difficulty level when the prompts have one, and with several
+    reward parts each part's mean over the greedy responses (``eval/reward/<name>/mean``)."""
     if not outcomes:
         raise ValueError("eval.dataset: no held-out prompts to evaluate")
     correct = [o.greedy_reward >= config.correct_reward for o in outcomes]
@@ -76,6 +77,11 @@ def eval_metrics(outcomes: Sequence[EvalOutcome], config: EvalConfig) -> dict[st
                       sum(r >= config.correct_reward for r in o.sample_rewards), k)
             for o in outcomes) / len(outcomes)
         metrics["eval/k"] = float(k)
+    greedy_parts = [o.samples[0]["rewards"] for o in outcomes if o.samples]
+    if len(greedy_parts) == len(outcomes) and len(greedy_parts[0]) > 1:  # several parts
+        for name in greedy_parts[0]:  # e.g. a rule's correctness beside a reward model
+            metrics[f"eval/reward/{name}/mean"] = (sum(p[name] for p in greedy_parts)
+                                                   / len(outcomes))
     by_level: dict[str, list[bool]] = defaultdict(list)
     for outcome, ok in zip(outcomes, correct, strict=True):
         if "difficulty" in outcome.metadata:

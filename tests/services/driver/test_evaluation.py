@@ -52,6 +52,21 @@ def test_accuracy_pass_at_k_and_levels() -> None:
     assert metrics["eval/reward_mean"] == pytest.approx(0.375)
 
 
+def test_each_reward_part_is_averaged_over_the_greedy_responses() -> None:
+    def scored(correct: float, rm: float) -> EvalOutcome:
+        greedy = {"reward": 0.1 * rm, "rewards": {"correct": correct, "rm": rm}}
+        sampled = {"reward": 9.0, "rewards": {"correct": 9.0, "rm": 9.0}}
+        return EvalOutcome({}, 0.1 * rm, 3, [9.0], [greedy, sampled])
+
+    config = EvalConfig(enabled=True, num_samples=1, k=1)
+    metrics = eval_metrics([scored(1.0, 2.0), scored(0.0, 4.0)], config)
+    assert metrics["eval/reward/correct/mean"] == 0.5
+    assert metrics["eval/reward/rm/mean"] == 3.0
+    one_part = eval_metrics([EvalOutcome({}, 1.0, 3, [1.0], [{"rewards": {"boxed": 1.0}}])],
+                            config)
+    assert not [k for k in one_part if k.startswith("eval/reward/")]
+
+
 def test_schedule_evaluates_the_start_every_n_and_the_final_trained_weights() -> None:
     config = EvalConfig(enabled=True, every_steps=4)
     # Weight versions 0..10 (10: after the last of 10 rollout steps). Version 9, the start
