@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -101,6 +102,9 @@ def start_reward_actors(parts: list[Any], resolve: Callable[[str], str],
     actors: dict[str, list[Any]] = {}
     for part in parts:
         if isinstance(part, RewardModelConfig):
+            part = part.model_copy(update={  # a worker's cwd may not be the caller's
+                "path": str(Path(part.path).expanduser().resolve()),
+                "tokenizer": part.tokenizer and str(Path(part.tokenizer).expanduser().resolve())})
             actor = ray.remote(RewardModel)
             actors[part.part_name] = [
                 actor.options(num_cpus=part.num_cpus, num_gpus=part.num_gpus,
