@@ -154,6 +154,37 @@ def with_length_bias_and_eval(rows: list[dict], eval_every: int = 5, k: int = 4
     return rows
 
 
+def with_reward_parts(rows: list[dict], parts: tuple[str, ...] = ("exact_match", "num")
+                      ) -> list[dict]:
+    """``rows`` plus each reward part's mean and std (rollout/manager.py: _part_metrics)."""
+    for row in rows:
+        for i, part in enumerate(parts):
+            row["metrics"] |= {f"reward/{part}/mean": (1 - 1 / (2 + row["step"])) / (1 + i),
+                               f"reward/{part}/std": 0.1}
+    return rows
+
+
+def sample_records(step: int, count: int = 3, parts: tuple[str, ...] = ("exact_match", "num")
+                   ) -> list[dict]:
+    """samples.jsonl records of a rollout step as the driver writes them (rollout/manager.py,
+    then services/driver/samples.with_advantages); values exact in binary."""
+    return [{"step": step, "index": i, "group": i // 2, "prompt": f"<bos>copy {step}{i}=",
+             "record_prompt": f"copy {step}{i}=", "response": f"{step}{i}", "label": f"{step}{i}",
+             "reward": 1.0 - 0.5 * (i % 2), "rewards": {p: 1.0 - 0.25 * (i % 2) * (k + 1)
+                                                        for k, p in enumerate(parts)},
+             "response_tokens": 2 + i, "advantage": 0.25 - i} for i in range(count)]
+
+
+def eval_records(version: int, parts: tuple[str, ...] = ("exact_match", "num")) -> list[dict]:
+    """samples.jsonl records of an evaluation of weights ``version``: a greedy and a
+    sampled response to one held-out prompt."""
+    return [{"step": version, "eval": True, "greedy": greedy, "group": 0,
+             "prompt": "<bos>add 1 1=", "record_prompt": "add 1 1=", "response": "2" if greedy
+             else "3", "label": "2", "reward": float(greedy),
+             "rewards": dict.fromkeys(parts, float(greedy)), "response_tokens": 1}
+            for greedy in (True, False)]
+
+
 def loopback_socket(port: int = 0, rebindable: bool = False) -> socket.socket:
     """A TCP socket bound to 127.0.0.1 (on a port the OS picks by default), not listening
     yet: until it listens, connections to it are refused, and no other process can bind

@@ -2,10 +2,11 @@
 
 A job with metrics shows its charts with data points (the chosen mode highlighted; the
 length-bias charts one series per mode; evaluation, logged every few steps, drawn across
-the steps between; peak memory per phase, a checkpoint's only every few steps), a job
-without some metrics says "no data" for those charts, and the sweep page overlays one
-series per aggregation mode; the job list lists training sessions too. Screenshots land in
-tmp_path.
+the steps between; peak memory per phase, a checkpoint's only every few steps; one series
+per reward part) and its samples.jsonl as a table (as text, whatever the model wrote),
+a job without some metrics says "no data" for those charts, and the sweep page overlays
+one series per aggregation mode; the job list lists training sessions too. Screenshots
+land in tmp_path.
 """
 
 from __future__ import annotations
@@ -17,14 +18,20 @@ import httpx
 import pytest
 
 from services.controller.app import create_app
+from services.controller.job_samples import NO_FILE
 from services.controller.tables import TrainingSessionRow
+from services.driver.run_dir import SAMPLES_FILE
+from services.driver.samples import append_samples, read_samples
 from tests.services.controller_fakes import (
     DEMO_OVERRIDES,
     FakeBackend,
+    eval_records,
     make_settings,
+    sample_records,
     serve_in_thread,
     step_rows,
     with_length_bias_and_eval,
+    with_reward_parts,
 )
 
 CHROMIUM = Path(os.environ.get("TALLY_CHROMIUM", "/usr/bin/chromium"))
@@ -71,6 +78,11 @@ def with_critic_and_teacher(rows: list[dict]) -> list[dict]:
     return rows
 
 
+PLANTED = {"prompt": "<bos><i>copy</i> this=", "response":
+           '<script>window.pwned = 1</script><b>bold</b> & <img src=x onerror="window.pwned = 2">'}
+"""What a model may write: shown as text, never run or drawn."""
+
+
 @pytest.fixture(scope="module")
 def dashboard(tmp_path_factory: pytest.TempPathFactory):
     """A controller (Ray faked) holding a finished job and a four-mode sweep with metrics."""
@@ -83,8 +95,15 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory):
                                            "overrides": [*DEMO_OVERRIDES, "num_steps=40",
                                                          "aggregation.mode=token_mean"]}).json()
         http.post(f"/api/jobs/{job['id']}/metrics",
-                  json={"rows": with_critic_and_teacher(with_environment(with_peak_memory(
-                      with_length_bias_and_eval(step_rows(40), eval_every=5))))})
+                  json={"rows": with_reward_parts(with_critic_and_teacher(with_environment(
+                      with_peak_memory(with_length_bias_and_eval(step_rows(40),
+                                                                 eval_every=5)))))})
+        samples = Path(job["output_dir"]) / SAMPLES_FILE  # as the driver appends them
+        for step in (37, 38, 39):
+            append_samples(samples, sample_records(step, count=4))
+            if step == 37:
+                append_samples(samples, eval_records(35))
+        append_samples(samples, [{**sample_records(39, count=5)[4], **PLANTED}])
         sweep = http.post("/api/sweeps", json={"config_yaml": config, "modes": MODES,
                                                "overrides": [*DEMO_OVERRIDES, "num_steps=4"]}
                           ).json()
@@ -112,10 +131,11 @@ def page(dashboard):
         browser.close()
 
 
-JOB_CHARTS = ("pg_loss_modes", "length_bias_long", "length_bias_short", "reward", "eval", "kl",
-              "entropy", "clip_fraction", "grad_norm", "response_length", "tokens_per_s",
-              "padding_fraction", "env_turns", "env_tokens", "env_seconds", "critic_loss",
-              "critic_fit", "critic_values", "distill", "peak_mem")
+JOB_CHARTS = ("pg_loss_modes", "length_bias_long", "length_bias_short", "reward",
+              "reward_parts", "eval", "kl", "entropy", "clip_fraction", "grad_norm",
+              "response_length", "tokens_per_s", "padding_fraction", "env_turns",
+              "env_tokens", "env_seconds", "critic_loss", "critic_fit", "critic_values",
+              "distill", "peak_mem")
 """The job page's charts, in page order (charts.js: JOB_CHARTS)."""
 
 # Columns of a chart's canvas holding blue (the first series' colour, #4269d0), counted
@@ -181,6 +201,82 @@ def test_job_page_draws_every_chart_with_points(dashboard, page) -> None:
     assert not errors
 
 
+SAMPLE_CELLS = "rows => rows.map(r => [...r.cells].map(c => c.textContent))"
+OPTIONS = "options => options.map(o => o.textContent)"
+
+
+def sample_cells(record: dict) -> list[str]:
+    """A samples.jsonl record's row as the page shows it: every value as text."""
+    def num(value: float | None) -> str:
+        return "–" if value is None else f"{value:.3f}"
+
+    mark = ("eval · greedy" if record["greedy"] else "eval") if record.get("eval") else ""
+    return [f"{record['step']}{mark}", str(record["group"]), num(record["reward"]),
+            *(num(v) for v in record["rewards"].values()), num(record.get("advantage")),
+            str(record["response_tokens"]), record["prompt"], record["response"]]
+
+
+def test_job_page_charts_each_reward_part_and_shows_samples_as_text(dashboard, page) -> None:
+    url, job_id, _, tmp, _ = dashboard
+    tab, errors = page
+    path = Path(httpx.get(f"{url}/api/jobs/{job_id}").json()["output_dir"]) / SAMPLES_FILE
+    tab.goto(f"{url}/jobs/{job_id}")
+    chart = '[data-chart="reward_parts"]'
+    tab.wait_for_selector(f'{chart}[data-points="80"]', timeout=15_000)  # 2 parts × 40 steps
+    assert tab.get_attribute(chart, "data-series") == "2"
+    assert [p in tab.locator(f"{chart} .u-legend").inner_text() for p in ("exact_match", "num")
+            ] == [True, True]
+    tab.wait_for_selector('#samples tbody tr[data-step="39"]', timeout=15_000)
+    assert tab.eval_on_selector_all("#sample-step option", OPTIONS) == [
+        "step 39", "step 38", "step 37", "step 35 · evaluation"]
+    assert tab.eval_on_selector_all("#samples th", "hs => hs.map(h => h.textContent)") == [
+        "step", "group", "reward", "exact_match", "num", "advantage", "tokens", "prompt",
+        "response"]
+    newest = read_samples(path, step=39)
+    assert len(newest) == 5 and newest[-1]["response"] == PLANTED["response"]
+    assert tab.eval_on_selector_all("#samples tbody tr", SAMPLE_CELLS) == [
+        sample_cells(r) for r in newest]
+    assert tab.locator("#samples script, #samples b, #samples i, #samples img").count() == 0
+    assert tab.evaluate("window.pwned") is None
+    assert tab.locator("#samples-note").inner_text() == "5 of 5 samples of step 39"
+    tab.select_option("#sample-step", "eval:35")
+    tab.wait_for_selector('#samples tbody tr[data-eval="true"]', timeout=15_000)
+    assert tab.eval_on_selector_all("#samples tbody tr", SAMPLE_CELLS) == [
+        sample_cells(r) for r in read_samples(path, step=35, evaluation=True)]
+    tab.screenshot(path=str(tmp / "job-samples.png"), full_page=True)
+    assert not errors
+
+
+def test_samples_follow_new_steps_and_one_reward_part_says_so(page, tmp_path: Path) -> None:
+    """The driver writes a step's samples before its metrics row: each row that arrives
+    (server-sent events) brings the table to the newest step."""
+    tab, errors = page
+    app = create_app(make_settings(tmp_path), backend=FakeBackend())
+    one = ("exact_match",)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:
+        config = (ROOT / "configs" / "demo.yaml").read_text()
+        job = http.post("/api/jobs", json={"config_yaml": config, "overrides": [
+            *DEMO_OVERRIDES, "num_steps=4"]}).json()
+        path = Path(job["output_dir"]) / SAMPLES_FILE
+        for step in (0, 1):
+            append_samples(path, sample_records(step, parts=one))
+            rows = with_reward_parts(step_rows(1, start=step), one)
+            assert http.post(f"/api/jobs/{job['id']}/metrics", json={"rows": rows}).is_success
+            if step == 0:
+                tab.goto(f"{url}/jobs/{job['id']}")
+                tab.wait_for_selector('#samples tbody tr[data-step="0"]', timeout=15_000)
+                chart = '[data-chart="reward_parts"]'
+                assert (tab.get_attribute(chart, "data-series"), points_of(tab, "reward_parts"),
+                        tab.locator(f"{chart} h3").inner_text()) == (
+                    "1", 1, "reward parts (mean per step) (one part: exact_match)")
+        tab.wait_for_selector('#samples tbody tr[data-step="1"]', timeout=15_000)
+        assert tab.eval_on_selector_all("#sample-step option", OPTIONS) == ["step 1", "step 0"]
+        assert tab.eval_on_selector_all("#samples tbody tr", SAMPLE_CELLS) == [
+            sample_cells(r) for r in read_samples(path, step=1)]
+        assert points_of(tab, "reward_parts") == 2
+    assert not errors
+
+
 def test_charts_without_points_say_no_data(dashboard, page) -> None:
     url, _, sweep_id, tmp, _ = dashboard
     tab, errors = page
@@ -188,9 +284,13 @@ def test_charts_without_points_say_no_data(dashboard, page) -> None:
     tab.goto(f"{url}/jobs/{run}")
     tab.wait_for_selector('[data-chart="pg_loss_modes"][data-points="8"]', timeout=15_000)
     for chart in ("eval", "length_bias_long", "length_bias_short", "peak_mem", "env_turns",
-                  "env_tokens", "env_seconds", "critic_loss", "critic_fit", "distill"):
+                  "env_tokens", "env_seconds", "critic_loss", "critic_fit", "distill",
+                  "reward_parts"):
         assert points_of(tab, chart) == 0, chart
         assert tab.locator(f'[data-chart="{chart}"] .no-data').is_visible(), chart
+    tab.wait_for_selector("#samples-note:not(:empty)", timeout=15_000)
+    assert tab.locator("#samples-note").inner_text() == NO_FILE  # no samples.jsonl yet
+    assert tab.locator("#samples tr").count() == 0 and not tab.is_visible("#sample-step")
     assert tab.locator('[data-chart="env_turns"] .no-data').inner_text() == \
         "no environment (rollout.environment)"
     assert tab.locator('[data-chart="eval"] .no-data').inner_text() == "no evaluation logged"

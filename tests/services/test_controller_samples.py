@@ -15,7 +15,13 @@ from services.controller.job_samples import NO_FILE, OUTSIDE
 from services.driver.run_dir import SAMPLES_FILE
 from services.driver.samples import append_samples, read_samples
 from services.driver.sinks import truncate_after
-from tests.services.controller_fakes import DEMO, DEMO_OVERRIDES, api_client
+from tests.services.controller_fakes import (
+    DEMO,
+    DEMO_OVERRIDES,
+    api_client,
+    eval_records,
+    sample_records,
+)
 
 
 @pytest.fixture
@@ -27,22 +33,6 @@ def submit(api: TestClient) -> dict:
     response = api.post("/api/jobs", json={"config_yaml": DEMO, "overrides": DEMO_OVERRIDES})
     assert response.status_code == 201, response.text
     return response.json()
-
-
-def training(step: int, count: int = 3) -> list[dict]:
-    """Records as the driver writes a rollout step's (rollout/manager.py, then
-    services/driver/samples.with_advantages)."""
-    return [{"step": step, "index": i, "group": i // 2, "prompt": f"<bos>copy {step}{i}=",
-             "record_prompt": f"copy {step}{i}=", "response": f"{step}{i}", "label": f"{step}{i}",
-             "reward": 1.0, "rewards": {"exact_match": 1.0, "num": 0.5},
-             "response_tokens": 2, "advantage": 0.25 - i} for i in range(count)]
-
-
-def evaluation(version: int) -> list[dict]:
-    return [{"step": version, "eval": True, "greedy": g, "group": 0, "prompt": "<bos>add 1 1=",
-             "record_prompt": "add 1 1=", "response": "2", "label": "2", "reward": 1.0,
-             "rewards": {"exact_match": 1.0, "num": 1.0}, "response_tokens": 1}
-            for g in (True, False)]
 
 
 def samples(api: TestClient, job_id: str, **params: object) -> dict:
@@ -62,21 +52,21 @@ def test_samples_by_step_and_kind_as_the_driver_wrote_them(api: TestClient) -> N
     job = submit(api)
     path = Path(job["output_dir"]) / SAMPLES_FILE
     for step in range(3):
-        append_samples(path, training(step))
+        append_samples(path, sample_records(step))
         if step % 2 == 0:
-            append_samples(path, evaluation(step))
+            append_samples(path, eval_records(step))
     whole = samples(api, job["id"])
     assert (whole["steps"], whole["eval_steps"], whole["total"]) == ([0, 1, 2], [0, 2], 13)
     assert whole["samples"] == read_samples(path)  # every field, as written
     one = samples(api, job["id"], step=1)
     assert one["samples"] == read_samples(path, step=1) and one["total"] == 3
-    assert samples(api, job["id"], step=2, eval="false")["samples"] == training(2)
-    assert samples(api, job["id"], step=2, eval="true")["samples"] == evaluation(2)
-    assert samples(api, job["id"], eval="true")["samples"] == evaluation(0) + evaluation(2)
+    assert samples(api, job["id"], step=2, eval="false")["samples"] == sample_records(2)
+    assert samples(api, job["id"], step=2, eval="true")["samples"] == eval_records(2)
+    assert samples(api, job["id"], eval="true")["samples"] == eval_records(0) + eval_records(2)
     newest = samples(api, job["id"], limit=4)  # no step: the newest rows
     assert newest["samples"] == read_samples(path)[-4:] and newest["total"] == 13
     first = samples(api, job["id"], step=0, limit=2)  # a step: its first rows
-    assert first["samples"] == training(0)[:2] and first["total"] == 5
+    assert first["samples"] == sample_records(0)[:2] and first["total"] == 5
     absent = samples(api, job["id"], step=7)
     assert absent["samples"] == [] and absent["steps"] == [0, 1, 2]
 
@@ -92,7 +82,7 @@ def test_reads_are_bounded(api: TestClient, params: dict) -> None:
 
 def test_at_most_a_thousand_samples_come_back(api: TestClient) -> None:
     job = submit(api)
-    append_samples(Path(job["output_dir"]) / SAMPLES_FILE, training(0, count=1200))
+    append_samples(Path(job["output_dir"]) / SAMPLES_FILE, sample_records(0, count=1200))
     out = samples(api, job["id"], step=0, limit=1000)
     assert (len(out["samples"]), out["total"]) == (1000, 1200)
     assert len(samples(api, job["id"])["samples"]) == 200  # the default limit
@@ -101,30 +91,31 @@ def test_at_most_a_thousand_samples_come_back(api: TestClient) -> None:
 def test_a_growing_torn_and_truncated_file_is_followed(api: TestClient) -> None:
     job = submit(api)
     path = Path(job["output_dir"]) / SAMPLES_FILE
-    append_samples(path, training(0))
+    append_samples(path, sample_records(0))
     assert samples(api, job["id"])["steps"] == [0]
-    torn = json.dumps(training(1)[0])
+    torn = json.dumps(sample_records(1)[0])
     with path.open("a", encoding="utf-8") as out:  # a line the driver is still writing
         out.write(torn[:20])
     assert samples(api, job["id"])["steps"] == [0]
     with path.open("a", encoding="utf-8") as out:
         out.write(torn[20:] + "\n" + "not json\n")
-    assert samples(api, job["id"], step=1)["samples"] == training(1)[:1]
+    assert samples(api, job["id"], step=1)["samples"] == sample_records(1)[:1]
     # a resume from step 0's checkpoint keeps step 0's rows and writes step 1 again
     truncate_after(path, 0)
-    append_samples(path, training(1, count=4))
+    append_samples(path, sample_records(1, count=4))
     again = samples(api, job["id"])
-    assert (again["steps"], again["samples"]) == ([0, 1], training(0) + training(1, count=4))
-    rewritten = [*training(5, count=8), {"step": "x"}, [1]]  # in place, not a sample twice
+    assert again["steps"] == [0, 1]
+    assert again["samples"] == sample_records(0) + sample_records(1, count=4)
+    rewritten = [*sample_records(5, count=8), {"step": "x"}, [1]]  # in place, not a sample twice
     path.write_text("".join(json.dumps(r) + "\n" for r in rewritten))
-    assert samples(api, job["id"])["samples"] == training(5, count=8)
+    assert samples(api, job["id"])["samples"] == sample_records(5, count=8)
 
 
 def test_a_registered_jobs_folder_outside_the_roots_is_not_read(api: TestClient,
                                                                 tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    append_samples(outside / SAMPLES_FILE, training(0))
+    append_samples(outside / SAMPLES_FILE, sample_records(0))
     config = json.loads(api.get(f"/api/jobs/{submit(api)['id']}").text)["config_resolved"]
     job = api.post("/api/jobs/register", json={"config": config,
                                                "output_dir": str(outside)}).json()

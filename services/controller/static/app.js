@@ -146,27 +146,38 @@ async function jobPage(id) {
   try { job = await api(`/api/jobs/${id}`); } catch (err) { showError(err); return; }
   let header = jobHeader(job);
   const grid = el("div", { class: "grid" });
-  app.append(header, grid);
+  const samples = samplesPanel(id);
+  app.append(header, grid, samples.node);
   const charts = JOB_CHARTS.map((c) => new Chart(grid, c.id, c.title, c.series.map((s) => ({
     ...s, chosen: s.mode === job.mode, dash: s.mode && s.mode !== job.mode,
     color: s.mode ? MODE_COLOR[s.mode] : undefined })), c));
   const cols = new Columns();
   const lastValue = (name) => (cols.series[name] || []).findLast((v) => v !== null);
   const draw = () => charts.forEach((c, i) => {
+    if (JOB_CHARTS[i].parts) showParts(c, rewardPartSeries(Object.keys(cols.series)));
     c.setData(cols.table(c.series.map((s) => s.name)));
     const note = JOB_CHARTS[i].note;
     if (note) c.setNote(lastValue(note.name) === undefined ? "" : note.text(lastValue(note.name)));
   });
   const first = await api(`/api/jobs/${id}/metrics?names=${namesParam(JOB_METRICS)}&max_points=5000`);
+  const last = first.steps.length ? first.steps[first.steps.length - 1] : -1;
+  const parts = rewardPartSeries(first.names).map((s) => s.name);
+  if (parts.length) {  // the parts' names come with the first answer: their series next
+    const more = await api(`/api/jobs/${id}/metrics?names=${namesParam(parts)}&end=${last}&max_points=5000`);
+    const at = new Map(more.steps.map((step, i) => [step, i]));
+    for (const name of parts) {
+      first.series[name] = first.steps.map((step) => (more.series[name] || [])[at.get(step)] ?? null);
+    }
+  }
   cols.append(first.steps, first.series);
   draw();
-  const last = first.steps.length ? first.steps[first.steps.length - 1] : -1;
+  samples.refresh();
   const events = new EventSource(`/api/jobs/${id}/events?after=${last}`);
   cleanup.push(() => events.close());
   events.onopen = () => { conn.className = "conn live"; };
   events.onerror = () => { conn.className = "conn"; };
   events.addEventListener("metrics", (e) => { const d = JSON.parse(e.data);
-    cols.append(d.steps, d.series); draw(); });
+    cols.append(d.steps, d.series); draw(); samples.refresh(); });
   events.addEventListener("status", async (e) => {
     const state = JSON.parse(e.data);
     if (!state) return;
@@ -176,7 +187,20 @@ async function jobPage(id) {
     header.replaceWith(fresh);
     header = fresh;
   });
-  events.addEventListener("end", () => { events.close(); conn.className = "conn"; });
+  events.addEventListener("end", () => {
+    events.close();
+    conn.className = "conn";
+    samples.refresh();
+  });
+}
+
+// The reward-parts chart's series: one per part the job logged, drawn anew when a part
+// appears; a job with one part says so (its mean is the reward's, times its weight).
+function showParts(chart, series) {
+  if (series.map((s) => s.name).join() !== chart.series.map((s) => s.name).join()) {
+    chart.setSeries(series);
+  }
+  chart.setNote(series.length === 1 ? `one part: ${series[0].label}` : "");
 }
 
 // ---- one sweep -------------------------------------------------------------------------

@@ -50,6 +50,10 @@ const JOB_CHARTS = [
   lengthBias("short", "shortest"),
   { id: "reward", title: "reward (mean, std)",
     series: [{ name: "reward/mean", label: "mean" }, { name: "reward/std", label: "std" }] },
+  // rollout.reward's parts (rollout/manager.py: reward/<name>/mean); series come with the
+  // metrics, one per part the job logged (rewardPartSeries)
+  { id: "reward_parts", title: "reward parts (mean per step)", parts: true,
+    empty: "no reward parts logged", series: [] },
   { id: "eval", title: "evaluation on held-out prompts", yRange: [0, 1],
     empty: "no evaluation logged",
     note: { name: "eval/k", text: (k) => `k = ${k}` },
@@ -105,6 +109,13 @@ const JOB_CHARTS = [
 const JOB_METRICS = [...new Set(JOB_CHARTS.flatMap((c) => [...c.series.map((s) => s.name),
   ...(c.note ? [c.note.name] : [])]))];
 
+// A reward part's mean per step: reward/<name>/mean (not reward/mean, the weighted sum).
+const REWARD_PART = /^reward\/(.+)\/mean$/;
+const rewardPartSeries = (names) => names.flatMap((name) => {
+  const part = REWARD_PART.exec(name);
+  return part ? [{ name, label: part[1] }] : [];
+});
+
 // What a sweep page overlays, one chart per metric, one series per run.
 const SWEEP_METRICS = ["pg_loss", "reward/mean", "reward/std", "eval/accuracy", "kl", "entropy",
   "clip_fraction", "grad_norm", "response_length/mean", "perf/tokens_per_s",
@@ -134,19 +145,33 @@ function el(tag, attrs = {}, ...children) {
 // line under the title), empty (what it says without points).
 class Chart {
   constructor(parent, id, title, series, options = {}) {
-    this.series = series;
     this.yRange = options.yRange;
-    this.bounds = series.length && series.every((s) => FRACTION_METRICS.has(s.metric || s.name))
-      ? [0, 1] : undefined;
     this.note = el("span", { class: "note" });
     this.card = el("section", { class: "card chart empty", "data-chart": id,
-      "data-points": "0", "data-series": String(series.length) },
+      "data-points": "0" },
     el("h3", {}, title, this.note), options.hint ? el("p", { class: "hint" }, options.hint)
       : null, el("p", { class: "no-data" }, options.empty || "no data"));
     this.body = el("div", { class: "plot" });
     this.card.append(this.body);
     parent.append(this.card);
     this.plot = null;
+    this.setSeries(series);
+    new ResizeObserver(() => {
+      const w = Math.max(260, this.body.clientWidth);
+      if (this.plot && Math.abs(w - this.plot.width) > 2) {
+        this.plot.setSize({ width: w, height: 210 });
+      }
+    }).observe(this.body);
+  }
+
+  // New series (a job's reward parts, known from its metrics): the plot is drawn anew by
+  // the next setData.
+  setSeries(series) {
+    this.series = series;
+    this.bounds = series.length && series.every((s) => FRACTION_METRICS.has(s.metric || s.name))
+      ? [0, 1] : undefined;
+    this.card.dataset.series = String(series.length);
+    if (this.plot) { this.plot.destroy(); this.plot = null; }
   }
 
   options(width) {
@@ -184,12 +209,6 @@ class Chart {
     const width = Math.max(260, this.body.clientWidth || 400);
     if (!this.plot) {
       this.plot = new uPlot(this.options(width), data, this.body);
-      new ResizeObserver(() => {
-        const w = Math.max(260, this.body.clientWidth);
-        if (this.plot && Math.abs(w - this.plot.width) > 2) {
-          this.plot.setSize({ width: w, height: 210 });
-        }
-      }).observe(this.body);
     } else {
       this.plot.setData(data);
     }
