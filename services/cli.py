@@ -550,7 +550,7 @@ def logs(job_id: str, url: UrlOpt = None,
 def samples(job: Annotated[str, typer.Argument(
                 help="a job folder, or the id of a job on the controller (--url)")],
             step: Annotated[int | None, typer.Option(
-                help="a rollout step (with --eval: a weight version) [default: the newest]")]
+                help="a rollout step (with --eval: a weight version); default: the newest")]
             = None,
             evaluation: Annotated[bool, typer.Option(
                 "--eval", help="evaluation samples instead of training ones")] = False,
