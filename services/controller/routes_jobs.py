@@ -45,7 +45,7 @@ from services.controller.submission import (
 )
 from services.controller.tables import TERMINAL, Job
 from services.controller.views import job_detail, job_out, metrics_out, point_budget, split_names
-from services.driver.run_dir import JOB_CONFIG_FILE
+from services.driver.run_dir import JOB_CONFIG_FILE, SAMPLES_FILE
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
@@ -249,8 +249,8 @@ def job_samples(job_id: str, ctl: Ctl,
     or training ones only (false); at most ``limit``: a step's first, else the newest.
     None yet: an empty list and a ``note``."""
     job = get_or_404(ctl, job_id)
-    index = (ctl.samples.of(job.output_dir) if ctl.settings.inside_roots(job.output_dir)
-             else None)
+    inside = ctl.settings.inside_roots(Path(job.output_dir) / SAMPLES_FILE)  # links resolved
+    index = ctl.samples.of(job.output_dir) if inside else None
     out = samples_out(job_id, index, step, evaluation, limit)
     return Response(out.model_dump_json(exclude_unset=True), media_type="application/json")
 

@@ -111,8 +111,7 @@ def test_a_growing_torn_and_truncated_file_is_followed(api: TestClient) -> None:
     assert samples(api, job["id"])["samples"] == sample_records(5, count=8)
 
 
-def test_a_registered_jobs_folder_outside_the_roots_is_not_read(api: TestClient,
-                                                                tmp_path: Path) -> None:
+def test_a_file_outside_the_roots_is_not_read(api: TestClient, tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     append_samples(outside / SAMPLES_FILE, sample_records(0))
@@ -120,4 +119,8 @@ def test_a_registered_jobs_folder_outside_the_roots_is_not_read(api: TestClient,
     job = api.post("/api/jobs/register", json={"config": config,
                                                "output_dir": str(outside)}).json()
     out = samples(api, job["id"])
+    assert (out["samples"], out["note"]) == ([], OUTSIDE)
+    inside = submit(api)  # a link in a job folder to a file outside is not followed either
+    (Path(inside["output_dir"]) / SAMPLES_FILE).symlink_to(outside / SAMPLES_FILE)
+    out = samples(api, inside["id"])
     assert (out["samples"], out["note"]) == ([], OUTSIDE)
