@@ -113,13 +113,20 @@ def rank_threads(model_path: str, world_size: int) -> int:
 
 def train_rm_from_cli(config_path: str | Path, overrides: list[str] | None = None,
                       output_dir: Path | None = None) -> int:
-    """Prepare (a problem: one line on stderr, exit code 2), then run; 0 when done."""
+    """Prepare (a problem: one line on stderr, exit code 2), then run: 0 when done; a
+    rank that dies or a call past its timeout ends the run with one line, exit code 1."""
     try:
         prepared = prepare(config_path, overrides or [], output_dir)
     except (ConfigError, PreferenceDataError) as err:
         print(err, file=sys.stderr)
         return 2
-    run(prepared)
+    from trainer.group import TrainerRankDied  # only now Ray and torch
+
+    try:
+        run(prepared)
+    except (TrainerRankDied, TimeoutError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
