@@ -58,10 +58,11 @@ def _refused(source: str, field: str, message: str) -> ConfigError:
 def prepare(config_path: str | Path, overrides: list[str], output_dir: Path | None = None
             ) -> Prepared:
     """The run, ready (module docstring); ConfigError or PreferenceDataError otherwise."""
+    from transformers import AutoTokenizer
+
     from rollout.pretrained import ModelImportError
     from rollout.tiny import resolve_model_path
     from rollout.token_budget import model_context
-    from rollout.tokenizer import load_tokenizer
     from services.driver.run_dir import job_dir
 
     source = str(config_path)
@@ -78,7 +79,10 @@ def prepare(config_path: str | Path, overrides: list[str], output_dir: Path | No
     if (folder / METRICS_FILE).exists() or (folder / FINAL_MODEL_DIR).exists():
         raise _refused(source, "output_dir", f"{folder} already holds a train-rm run; "
                                              "choose another folder or remove it")
-    tokenizer = load_tokenizer(model_path)
+    # The tokenizer transformers itself loads from the folder: what the reward actors
+    # (rollout/reward_model.py) and a user's AutoTokenizer read back from final_model/.
+    # (For the tiny model's character tokenizer that is not rollout.tokenizer's loader.)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
         tokenizer.eos_token_id)
     if pad_id is None:
