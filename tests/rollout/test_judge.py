@@ -69,6 +69,7 @@ def judged(ray_cluster: None, tiny_model_path: str) -> Iterator[tuple]:
     ray.kill(actor)
 
 
+@pytest.mark.slow  # a manager, its engine and two judge engines on Ray
 def test_a_judge_in_the_gang_scores_what_its_engine_answers(judged: tuple,
                                                             tiny_model_path: str) -> None:
     config, batch = judged

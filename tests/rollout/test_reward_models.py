@@ -59,6 +59,7 @@ def _transformers_score(folder: str, text: str) -> float:
         return float(model(**tokenizer(text, return_tensors="pt")).logits[0, 0])
 
 
+@pytest.mark.slow  # a manager, its engine and four reward actors on Ray
 def test_logged_rewards_are_transformers_scores_of_the_logged_text(
         manager: ray.actor.ActorHandle, reward_models: tuple[str, str]) -> None:
     tiny_rm, chat_rm = reward_models
@@ -93,6 +94,7 @@ def test_logged_rewards_are_transformers_scores_of_the_logged_text(
     assert batch.metadata["perf/reward_busy_s"] > 0
 
 
+@pytest.mark.slow
 def test_running_normalisation_is_saved_and_restored(manager: ray.actor.ActorHandle
                                                      ) -> None:
     state = ray.get(manager.state_dict.remote())
