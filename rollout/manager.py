@@ -43,6 +43,7 @@ from rollout.prompts import PromptTooLong, fit_prompt
 from rollout.reward_config import RewardConfig
 from rollout.reward_parts import Rewarder, RewardScores, start_reward_actors
 from rollout.rewards import check_error_rate
+from rollout.shards import shard_bounds
 from rollout.teacher import Teacher
 from rollout.token_budget import model_context, prompt_budget
 from rollout.tokenizer import decode_responses, encode_prompt, encode_prompts, load_tokenizer
@@ -120,17 +121,6 @@ class _StepStats:
         for name, (count, first) in scores.errors.items():
             had, first_had = self.errors.get(name, (0, None))
             self.errors[name] = (had + count, first_had or first)
-
-
-def _shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
-    """Contiguous, balanced [start, end) slices (the first shards take the remainder)."""
-    base, extra = divmod(num_items, num_shards)
-    bounds, start = [], 0
-    for rank in range(num_shards):
-        end = start + base + (rank < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def start_engines(config: RolloutConfig, model_path: str,
@@ -533,7 +523,7 @@ class RolloutManager(EngineWeights):
             from rollout.tiny import resolve_model_path
 
             self.teachers = start_teachers(self.teacher, resolve_model_path(self.teacher.model))
-        shares = _shard_bounds(batch.num_samples, len(self.teachers))
+        shares = shard_bounds(batch.num_samples, len(self.teachers))
         temperature = self.config.sampling.temperature
         refs = [teacher.log_probs.remote(batch.input_ids[a:b], batch.prompt_lengths[a:b],
                                          batch.response_lengths[a:b], temperature)
@@ -625,7 +615,7 @@ class RolloutManager(EngineWeights):
         return {engine.generate.remote(prompts[start:end], sampling,
                                        self._seed(step, draw, rank), **extra): (start, end)
                 for rank, (engine, (start, end)) in enumerate(zip(
-                    self.engines, _shard_bounds(len(prompts), len(self.engines)), strict=True))
+                    self.engines, shard_bounds(len(prompts), len(self.engines)), strict=True))
                 if end > start}
 
     def _shards_as_done(self, prompts: list[list[int]], sampling: SamplingConfig,

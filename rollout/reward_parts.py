@@ -25,6 +25,7 @@ from rollout.judge import JudgeEngine, ask_server, judge_request, parse_score
 from rollout.reward_config import JudgeConfig, RewardConfig, RewardModelConfig
 from rollout.reward_model import RewardModel
 from rollout.rewards import RewardScorer
+from rollout.shards import shard_bounds
 
 
 @dataclass
@@ -81,13 +82,7 @@ class _Pending:
 
 
 def _shards(num_items: int, num_shards: int) -> list[tuple[int, int]]:
-    base, extra = divmod(num_items, num_shards)
-    bounds, start = [], 0
-    for rank in range(num_shards):
-        end = start + base + (rank < extra)
-        bounds.append((start, end))
-        start = end
-    return [(a, b) for a, b in bounds if b > a]
+    return [(a, b) for a, b in shard_bounds(num_items, num_shards) if b > a]
 
 
 def start_reward_actors(parts: list[Any], resolve: Callable[[str], str],

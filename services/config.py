@@ -502,9 +502,9 @@ def parse_job_config(text: str, overrides: list[str] | None = None,
         raise _validation_error(err, source) from None
 
 
-def load_job_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
-    """A config file plus ``--set`` overrides; an empty file (or comments only, or
-    ``null``) is refused rather than run as the defaults (``{}`` written out is valid)."""
+def read_config_text(path: str | Path) -> str:
+    """A config file's text; a missing file, one not UTF-8, or an empty one (comments
+    only, ``null``) is refused rather than run as the defaults (``{}`` is valid)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), [ConfigProblem("", "no such config file")])
@@ -514,7 +514,12 @@ def load_job_config(path: str | Path, overrides: list[str] | None = None) -> Job
         raise ConfigError(str(path), [ConfigProblem("", "not UTF-8 text")]) from None
     if not text.strip():
         job_mapping(None, str(path), "file")
-    return parse_job_config(text, overrides, source=str(path), what="file")
+    return text
+
+
+def load_job_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """A config file (:func:`read_config_text`) plus ``--set`` overrides."""
+    return parse_job_config(read_config_text(path), overrides, source=str(path), what="file")
 
 
 def job_json_schema() -> str:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.config import apply_override, job_mapping, load_yaml
-from services.config_errors import ConfigError, ConfigProblem, validation_error
+from services.config import apply_override, job_mapping, load_yaml, read_config_text
+from services.config_errors import validation_error
 from trainer.config import LossConfig, TrainerConfig
 
 
@@ -137,13 +137,4 @@ def parse_reward_model_config(text: str, overrides: list[str] | None = None,
 def load_reward_model_config(path: str | Path, overrides: list[str] | None = None
                              ) -> RewardModelConfig:
     """A config file plus overrides (``services.config.load_job_config``'s rules)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(str(path), [ConfigProblem("", "no such config file")])
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(str(path), [ConfigProblem("", "not UTF-8 text")]) from None
-    if not text.strip():
-        job_mapping(None, str(path), "file")
-    return parse_reward_model_config(text, overrides, source=str(path))
+    return parse_reward_model_config(read_config_text(path), overrides, source=str(path))
