@@ -37,6 +37,9 @@ def test_cancel_button_asks_for_the_token_then_cancels(tmp_path: Path) -> None:
             asked: list[str] = []
             tab.on("dialog", lambda d: (asked.append(d.message), d.accept("s3cret")))
             tab.goto(f"{url}/jobs/{job['id']}")
+            # the first page of a fresh browser on a loaded 2-core machine (the suite's
+            # other worker) may take longer than a click's 15 s to render
+            tab.wait_for_selector("button.cancel", timeout=60_000)
             tab.click("button.cancel", timeout=15_000)
             tab.wait_for_selector('#job-header [data-status="cancelled"]', timeout=15_000)
             assert len(asked) == 1 and "API token" in asked[0]
