@@ -34,6 +34,7 @@ def _config(reward_model: str):
          "num_cpus": 0, "batch_size": 8}]
     # synchronous: the step after the kill asks the dead actor for its rewards
     return parse_job_config(yaml.safe_dump(data), [*CLEAN, "rollout.async_steps=0",
+                                                   "trainer.dp_size=1",  # time: one rank
                                                    "logging.samples_per_step=6"])
 
 
