@@ -205,12 +205,18 @@ def check_reward_parts(reward: Any) -> None:
         seen[part.part_name] = k
 
 
+def served_in_gang(part: Any) -> bool:
+    """Whether a reward part has actors in the job's gang: a reward model, or a judge
+    without a url."""
+    return isinstance(part, RewardModelConfig) or (isinstance(part, JudgeConfig)
+                                                   and part.url is None)
+
+
 def reward_actor_bundles(parts: list[Any]) -> list[dict[str, float]]:
-    """One bundle per reward actor, in :func:`start_reward_actors`' order."""
+    """One bundle per reward actor, in rollout/reward_parts.start_reward_actors' order."""
     bundles = []
     for part in parts:
-        if isinstance(part, RewardModelConfig) or (isinstance(part, JudgeConfig)
-                                                   and part.url is None):
+        if served_in_gang(part):
             bundle = {"CPU": part.num_cpus, "GPU": part.num_gpus}
             bundles += [{k: v for k, v in bundle.items() if v}] * part.num_actors
     return bundles

@@ -22,7 +22,12 @@ from typing import Any
 import ray
 
 from rollout.judge import JudgeEngine, ask_server, judge_request, parse_score
-from rollout.reward_config import JudgeConfig, RewardConfig, RewardModelConfig
+from rollout.reward_config import (
+    JudgeConfig,
+    RewardConfig,
+    RewardModelConfig,
+    served_in_gang,
+)
 from rollout.reward_model import RewardModel
 from rollout.rewards import RewardScorer
 from rollout.shards import shard_bounds
@@ -90,7 +95,8 @@ def start_reward_actors(parts: list[Any], resolve: Callable[[str], str],
                         ) -> dict[str, list[Any]]:
     """The actors of every model part and every judge without a url, started (not waited
     for), in part order; ``placement``: per-actor Ray options in the same order
-    (:func:`num_reward_actors` of them); ``resolve``: a judge's model name to its folder."""
+    (rollout/reward_config.reward_actor_bundles'); ``resolve``: a judge's model name to
+    its folder."""
     from rollout.config import TorchEngineConfig
 
     options = iter(placement or [])
@@ -105,7 +111,7 @@ def start_reward_actors(parts: list[Any], resolve: Callable[[str], str],
                 actor.options(num_cpus=part.num_cpus, num_gpus=part.num_gpus,
                               **next(options, {}))
                 .remote(part, max(1, int(part.num_cpus))) for _ in range(part.num_actors)]
-        elif isinstance(part, JudgeConfig) and part.url is None:
+        elif served_in_gang(part):  # a judge without a url
             engine = TorchEngineConfig(
                 num_engines=part.num_actors, num_cpus=part.num_cpus, num_gpus=part.num_gpus,
                 device="cuda" if part.num_gpus > 0 else "cpu",
@@ -133,10 +139,6 @@ class Rewarder:
                         if isinstance(p, RewardModelConfig) and p.normalize}
         self._server = ThreadPoolExecutor(max_workers=2) if any(
             isinstance(p, JudgeConfig) and p.url for p in parts) else None
-
-    @property
-    def needs_actors(self) -> bool:
-        return any(not isinstance(p, RewardConfig) for p in self.parts)
 
     def submit(self, policy_prompts: list[str], raw_prompts: list[Any], responses: list[str],
                labels: list[str | None], metadata: list[dict[str, Any]]) -> _Pending:

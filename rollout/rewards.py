@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.config import RewardConfig
-from rollout.plugins import PluginError, check_object, load_object
+from rollout.plugins import PluginError, load_object
 
 RewardFn = Callable[[list[str], list[str | None], list[dict[str, Any]]], Any]
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -120,14 +120,6 @@ def load_custom_function(path: str) -> RewardFn:
         return load_object(path, "reward.custom_function")
     except PluginError as err:
         raise RewardError(str(err)) from err
-
-
-def check_reward_function(config: RewardConfig) -> None:
-    """Before anything starts: a custom function's module imports and has the function
-    (PluginError naming ``reward.custom_function`` otherwise); built-ins need nothing."""
-    if config.type == "custom":
-        assert config.custom_function is not None  # guaranteed by RewardConfig
-        check_object(config.custom_function, "reward.custom_function")
 
 
 def reward_function(config: RewardConfig) -> RewardFn:

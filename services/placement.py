@@ -64,16 +64,18 @@ def phase_threads(config: JobConfig, model_path: str, cores: int | None = None
     else:
         engine = cores / config.rollout.engine.num_engines
         rank = cores / config.trainer.world_size
-    if _hidden_size(model_path) < SMALL_HIDDEN_SIZE:
+    if narrow_model(model_path):
         engine = rank = 1
     engine_threads = getattr(config.rollout.engine, "num_threads", None)
     return (engine_threads or max(1, int(engine)),
             config.trainer.num_threads or max(1, int(rank)))
 
 
-def _hidden_size(model_path: str) -> int:
+def narrow_model(model_path: str) -> bool:
+    """Whether the model is narrower than SMALL_HIDDEN_SIZE (or names no width): its
+    ops are too small to split over threads, one runs faster."""
     config = json.loads((Path(model_path) / "config.json").read_text())
-    return int(config.get("hidden_size") or config.get("n_embd") or 0)
+    return int(config.get("hidden_size") or config.get("n_embd") or 0) < SMALL_HIDDEN_SIZE
 
 
 def trainer_bundle(config: JobConfig) -> dict[str, float]:

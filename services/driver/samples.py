@@ -25,12 +25,12 @@ from rollout.batch import RolloutBatch
 def with_advantages(batch: RolloutBatch) -> list[dict[str, Any]]:
     """The batch's sample records, each with its advantage: mean of A_it over the
     sample's valid tokens (0 with none)."""
-    valid = batch.loss_mask > 0
     records = []
-    for record in batch.samples:
+    for record in batch.samples:  # a few rows: their masks only, not the batch's
         i = int(record["index"])
-        count = int(valid[i].sum())
-        advantage = float(batch.advantages[i][valid[i]].double().sum()) / count if count else 0.0
+        valid = batch.loss_mask[i] > 0
+        count = int(valid.sum())
+        advantage = float(batch.advantages[i][valid].double().sum()) / count if count else 0.0
         records.append({**record, "advantage": advantage})
     return records
 

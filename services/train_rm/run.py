@@ -107,10 +107,9 @@ def prepare(config_path: str | Path, overrides: list[str], output_dir: Path | No
 def rank_threads(model_path: str, world_size: int) -> int:
     """Torch threads per rank: the cores split between the ranks, one for a model too
     narrow to split (services/placement.py's rule)."""
-    from services.placement import SMALL_HIDDEN_SIZE
+    from services.placement import narrow_model
 
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    if int(config.get("hidden_size", SMALL_HIDDEN_SIZE)) < SMALL_HIDDEN_SIZE:
+    if narrow_model(model_path):
         return 1
     return max(1, len(os.sched_getaffinity(0)) // world_size)
 
