@@ -36,6 +36,10 @@ def check_reward_model(config: RewardModelConfig, field: str) -> None:
         raise RewardModelError(f"{field}.path: {config.path} has num_labels="
                                f"{model_config.num_labels}; a reward model has one label "
                                "(its score)")
+    if not any(Path(config.path).glob("*.safetensors")):
+        raise RewardModelError(f"{field}.path: {config.path} has no *.safetensors weights; "
+                               "Tally reads weights as safetensors only, never a pickle "
+                               "(save_pretrained writes them)")
     where = config.tokenizer or config.path
     name = "tokenizer" if config.tokenizer else "path"
     missing = f"{field}.{name}: no tokenizer in {where}"

@@ -40,7 +40,8 @@ class RewardModel:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.path)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            config.path, dtype=_dtype(config, self.device)).to(self.device)
+            config.path, dtype=_dtype(config, self.device),
+            use_safetensors=True).to(self.device)  # data, never a pickle
         self.model.eval()
         self.model.requires_grad_(False)
         self.pad_id = self.model.config.pad_token_id

@@ -97,6 +97,7 @@ def test_logged_rewards_are_transformers_scores_of_the_logged_text(
 @pytest.mark.slow
 def test_running_normalisation_is_saved_and_restored(manager: ray.actor.ActorHandle
                                                      ) -> None:
+    ray.get(manager.generate_batch.remote(0))  # some scores seen, whatever ran before
     state = ray.get(manager.state_dict.remote())
     count, mean, _ = state["rewards"]["rm_norm"]
     assert count >= 8 and mean != 0.0

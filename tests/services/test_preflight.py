@@ -365,6 +365,11 @@ def test_reward_model_folders_are_checked_before_anything_starts(tmp_path: Path)
             name.unlink()
     assert _reward_problem([{"type": "model", "path": str(bare)}]).startswith(
         f"rollout.reward[0].path: no tokenizer in {bare}")
+    pickled = Path(save_random_reward_model(tmp_path / "pickled", tiny))
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    assert _reward_problem([rule, {"type": "model", "path": str(pickled)}]) == (
+        f"rollout.reward[1].path: {pickled} has no *.safetensors weights; Tally reads "
+        "weights as safetensors only, never a pickle (save_pretrained writes them)")
     good = save_random_reward_model(tmp_path / "good", tiny)
     plain = Path(save_random_reward_model(tmp_path / "plain", tiny))
     (plain / "chat_template.jinja").unlink()
