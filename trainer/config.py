@@ -380,7 +380,9 @@ class CriticConfig(BaseModel):
 
     enabled: bool = False
     """Train a critic beside the policy (needs rollout.advantage.type: gae)."""
-    model: str | None = None
+    # The path mark of rollout/config_paths.py, spelled out: the trainer does not import
+    # rollout (ARCHITECTURE.md), and the controller confines every field marked so.
+    model: str | None = Field(default=None, json_schema_extra={"x-tally-path": "model"})
     """As ``rollout.model`` (a local Hugging Face folder, ``tiny``, ``smollm2-135m-instruct``);
     None: the policy's model, its decoder with a fresh scalar value head. A folder saved
     from a critic keeps its head. Its tokenizer must be the policy's (the tokens are

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from rollout.config import DatasetConfig
+from rollout.config_paths import FILE
 
 
 def _path_or_block(value: Any) -> str:
@@ -35,7 +36,7 @@ class EvalConfig(BaseModel):
     """Evaluate during training."""
     every_steps: int = Field(default=10, gt=0)
     """Evaluate the weights every this many rollout steps (0, n, 2n, …) and the final ones."""
-    dataset: EvalDataset | None = None
+    dataset: EvalDataset | None = Field(default=None, json_schema_extra=FILE)
     """Held-out prompts: a JSONL path (read with rollout.dataset's prompt_key, label_key and
     metadata_keys) or a dataset block; None: the training dataset's held-out split
     (math_words, reasoning_gym, or a file with a split_fraction)."""

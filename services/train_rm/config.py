@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rollout.config_paths import FILE, MODEL, OUTPUT
 from services.config import apply_override, job_mapping, load_yaml, read_config_text
 from services.config_errors import validation_error
 from trainer.config import LossConfig, TrainerConfig
@@ -26,9 +27,9 @@ class PreferenceDataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    train: str = Field(min_length=1)
+    train: str = Field(min_length=1, json_schema_extra=FILE)
     """The pairs to train on."""
-    test: str | None = Field(default=None, min_length=1)
+    test: str | None = Field(default=None, min_length=1, json_schema_extra=FILE)
     """Held-out pairs: their accuracy and loss every eval_every steps and at the end
     (null: no evaluation)."""
 
@@ -41,7 +42,7 @@ class RewardModelConfig(BaseModel):
     name: str = Field(default="reward-model", min_length=1, max_length=100,
                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     """Run name: letters, digits, '-', '_' and '.' (the default output folder's)."""
-    model: str = "tiny"
+    model: str = Field(default="tiny", json_schema_extra=MODEL)
     """The base model, as ``rollout.model``: ``tiny``, ``smollm2-135m-instruct`` or a local
     Hugging Face folder; its decoder gets a fresh one-label score head."""
     chat_template: bool = False
@@ -64,7 +65,7 @@ class RewardModelConfig(BaseModel):
     """Evaluate the held-out pairs every this many steps (0: only at the end)."""
     seed: int = Field(default=0, ge=0)
     """Seed of the score head's initialisation and of the order of pairs in each epoch."""
-    output_dir: str | None = None
+    output_dir: str | None = Field(default=None, json_schema_extra=OUTPUT)
     """Run folder (metrics.jsonl, eval_scores.jsonl, final_model/); default
     <data dir>/jobs/<name>-<time>. A folder that holds a finished run is refused."""
     trainer: TrainerConfig = TrainerConfig()
