@@ -10,6 +10,10 @@ someone else; only the Ray Client server's port, which Ray refuses as 0, is chos
 one). Stopping kills that process tree, and any process still naming its temp folder,
 only: never ``ray stop``, which would end every Ray cluster of the machine.
 
+Its environment is the controller's scrubbed to an allowlist (services/controller/job_env):
+every job, actor and session inherits it, so the controller's API token, database URL and
+key file path never reach them.
+
 With a ``marker`` file (the controller's ``<data>/ray-head.json``) the head outlives a
 controller killed without its shutdown (``kill -9``): the next controller re-adopts it,
 and its jobs run on; a head that is gone (its ``ray start`` process dead or its job server
@@ -35,6 +39,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from services.controller.job_env import scrubbed_env
 from services.quiet import QUIET_ENV
 
 TEMP_PREFIX = "tally-ray-"
@@ -197,9 +202,9 @@ class LocalRayHead:
             f"--ray-client-server-port={free_port()}",  # Ray accepts no 0 here (1024-65535)
             f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
         ]
-        env = {**os.environ, **QUIET_ENV,
+        # scrubbed: every job, actor and session inherits this (services/controller/job_env)
+        env = {**scrubbed_env(os.environ), **QUIET_ENV,
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-        env.pop("RAY_ADDRESS", None)
         log = (self.log_path.open("ab") if self.log_path
                else open(os.devnull, "wb"))  # noqa: SIM115 - handed to the child
         with log:

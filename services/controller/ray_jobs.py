@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from services.controller.job_env import CONTROLLER_ONLY
+
 RAY_TO_TALLY = {"PENDING": "pending", "RUNNING": "running", "SUCCEEDED": "succeeded",
                 "FAILED": "failed", "STOPPED": "cancelled"}
 STATE_LIMIT = 10_000
@@ -92,6 +94,11 @@ class RayJobBackend:
 
     def submit(self, submission_id: str, entrypoint: str, env_vars: dict[str, str],
                metadata: dict[str, str]) -> str:
+        """``env_vars``: what this job adds to the head's scrubbed environment (its own
+        token, its folder); one of the controller's own credentials is a ValueError."""
+        leaked = sorted(CONTROLLER_ONLY.intersection(env_vars))
+        if leaked:  # a bug of the caller, never a job's to see
+            raise ValueError(f"a job's env_vars may not hold {', '.join(leaked)}")
         return str(self._call("submit_job", entrypoint=entrypoint, submission_id=submission_id,
                               runtime_env={"env_vars": env_vars}, metadata=metadata))
 

@@ -3,11 +3,14 @@
     secret = HMAC-SHA256(controller key, "session-server:" + session id)   (hex)
 
 The controller key is 32 random bytes in ``<data dir>/session-key`` (mode 0600, made on
-first use): the controller recomputes any session's secret after a restart, and neither
-the database nor Ray's job metadata (the dashboard's job list shows every job's
-``runtime_env``) holds it. The secret reaches the session's process as a file in its
-folder (``.secret``, mode 0600, written before the Ray job is submitted), which the server
-reads and removes as it starts (services/sessions/server.py ``take_secret``).
+first use), or in the file ``TALLY_CONTROLLER_KEY_FILE`` names: on KubeRay the data folder
+is the volume every Ray pod mounts, with the same uid, so the key lives in a Secret mounted
+into the controller pod only (docs/deploy.md). The controller recomputes any session's
+secret after a restart, and neither the database nor Ray's job metadata (the dashboard's
+job list shows every job's ``runtime_env``) holds it. The secret reaches the session's
+process as a file in its folder (``.secret``, mode 0600, written before the Ray job is
+submitted), which the server reads and removes as it starts (services/sessions/server.py
+``take_secret``).
 """
 
 from __future__ import annotations
@@ -22,12 +25,21 @@ from pathlib import Path
 from services.sessions.server import SECRET_FILE
 
 KEY_FILE = "session-key"
+KEY_FILE_ENV = "TALLY_CONTROLLER_KEY_FILE"
+"""Where the key is, when not in the data folder (never passed to a job: job_env.py)."""
+
+
+def key_path(data_dir: Path) -> Path:
+    """The controller key's file: ``TALLY_CONTROLLER_KEY_FILE``, else in ``data_dir``."""
+    named = os.environ.get(KEY_FILE_ENV)
+    return Path(named) if named else data_dir / KEY_FILE
 
 
 @lru_cache(maxsize=8)
 def controller_key(data_dir: Path) -> bytes:
-    """The key of ``data_dir``'s controller, created (0600) the first time."""
-    path = data_dir / KEY_FILE
+    """The key of ``data_dir``'s controller, created (0600) the first time (a mounted
+    Secret is read-only: it is read, never made)."""
+    path = key_path(data_dir)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
