@@ -1,8 +1,11 @@
 """Bearer-token auth of mutating endpoints (only when ``TALLY_API_TOKEN`` is set).
 
-Reads stay open (the dashboard). A job the controller submits gets its own token,
-HMAC(api token, job id): it may post metrics and status for that job and nothing else,
-and the controller can recompute it after a restart without storing it. A training
+Reads stay open (the dashboard), except what a job wrote in its folder (its logs, events
+and samples, which may hold held-out prompts and answers): open to a client on loopback,
+from elsewhere only with the API token or that job's own (:func:`require_reader`).
+A job the controller submits gets its own token, HMAC(api token, job id): it may post
+metrics and status for that job (and read it) and nothing else, and the controller can
+recompute it after a restart without storing it. A training
 session's token, HMAC(api token, "session:" + id), is made the same way and opens that
 session's calls only.
 """
@@ -15,6 +18,8 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from services.controller.settings import is_loopback
 
 bearer = HTTPBearer(auto_error=False, description="TALLY_API_TOKEN (or a job's own token)")
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
@@ -60,6 +65,27 @@ def _api_or_own_token(request: Request, credentials: Credentials, own: str) -> N
     if not (hmac.compare_digest(given, expected.encode())
             or hmac.compare_digest(given, mine.encode())):
         raise _unauthorized()
+
+
+def from_loopback(request: Request) -> bool:
+    """Whether the client connected from this machine (127.0.0.0/8, ::1). A reverse proxy
+    on the same machine is loopback too: it must ask for the token itself."""
+    return request.client is not None and is_loopback(request.client.host)
+
+
+def require_reader(request: Request, credentials: Credentials, own: str) -> None:
+    """Loopback: open; elsewhere the API token or the token of ``own`` (``job:<id>``)."""
+    if not from_loopback(request):
+        _api_or_own_token(request, credentials, own)
+
+
+def may_read(request: Request, credentials: Credentials, own: str) -> bool:
+    """:func:`require_reader` as a yes or no (a route that shows less instead of 401)."""
+    try:
+        require_reader(request, credentials, own)
+    except HTTPException:
+        return False
+    return True
 
 
 def require_job_token(job_id: str, request: Request, credentials: Credentials) -> None:

@@ -13,13 +13,17 @@ JSON object with an integer ``step`` is skipped, as ``read_samples`` skips it.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from array import array
 from collections import OrderedDict
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO
 
+from rollout.confined import Escapes, open_inside
+from services.controller.job_files import inside_root
 from services.controller.schemas import SampleOut, SamplesOut
+from services.controller.settings import Settings
 from services.driver.run_dir import SAMPLES_FILE
 
 DEFAULT_LIMIT = 200
@@ -35,10 +39,18 @@ to at least its old size does not keep them."""
 class SampleIndex:
     """Where each sample of one samples.jsonl is; thread-safe."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, root: Path | None = None) -> None:
+        """``path`` is read by the confinement rule from ``root`` (a job folder's allowed
+        root: no component below it may be a link), or from its own folder."""
         self.path = path
+        self.root = root if root is not None else path.parent
+        self.relative = PurePosixPath(path.relative_to(self.root).as_posix())
         self._lock = threading.Lock()
         self._reset(None)
+
+    def _open(self) -> BinaryIO:
+        """The file, never through a link (Escapes naming samples.jsonl for one)."""
+        return os.fdopen(open_inside(self.root, self.relative, SAMPLES_FILE), "rb")
 
     def _reset(self, identity: tuple[int, int] | None) -> None:
         self.identity = identity
@@ -54,47 +66,45 @@ class SampleIndex:
         """Index what was appended; False when there is no file."""
         with self._lock:
             try:
-                stat = self.path.stat()
+                file = self._open()
+            except Escapes:
+                self._reset(None)
+                raise
             except OSError:
                 self._reset(None)
                 return False
-            identity = (stat.st_dev, stat.st_ino)
-            if (identity != self.identity or stat.st_size < self.size
-                    or self._edge_at(self.size) != self.edge):
-                self._reset(identity)
-            if stat.st_size > self.size:
-                self._index_from(self.size, stat.st_size)
-                self.edge = self._edge_at(self.size)
+            with file:
+                stat = os.fstat(file.fileno())
+                identity = (stat.st_dev, stat.st_ino)
+                if (identity != self.identity or stat.st_size < self.size
+                        or _edge_at(file, self.size) != self.edge):
+                    self._reset(identity)
+                if stat.st_size > self.size:
+                    self._index_from(file, self.size, stat.st_size)
+                    self.edge = _edge_at(file, self.size)
             return True
 
-    def _edge_at(self, size: int) -> bytes:
-        start = max(0, size - EDGE_BYTES)
-        with self.path.open("rb") as file:
-            file.seek(start)
-            return file.read(size - start)
-
-    def _index_from(self, start: int, end: int) -> None:
-        with self.path.open("rb") as file:
-            file.seek(start)
-            position = start
-            while position < end:
-                line = file.readline(MAX_LINE_BYTES + 1)
-                if not line.endswith(b"\n"):
-                    if len(line) <= MAX_LINE_BYTES:
-                        return  # torn: the writer has not finished it
-                    while line and not line.endswith(b"\n"):  # too long: skipped whole
-                        position += len(line)
-                        line = file.readline(MAX_LINE_BYTES)
+    def _index_from(self, file: BinaryIO, start: int, end: int) -> None:
+        file.seek(start)
+        position = start
+        while position < end:
+            line = file.readline(MAX_LINE_BYTES + 1)
+            if not line.endswith(b"\n"):
+                if len(line) <= MAX_LINE_BYTES:
+                    return  # torn: the writer has not finished it
+                while line and not line.endswith(b"\n"):  # too long: skipped whole
                     position += len(line)
-                    self.size = position
-                    continue
-                row = _parse(line)
-                if row is not None:
-                    self.offsets.append(position)
-                    self.steps.append(row["step"])
-                    self.evals.append(bool(row.get("eval")))
+                    line = file.readline(MAX_LINE_BYTES)
                 position += len(line)
                 self.size = position
+                continue
+            row = _parse(line)
+            if row is not None:
+                self.offsets.append(position)
+                self.steps.append(row["step"])
+                self.evals.append(bool(row.get("eval")))
+            position += len(line)
+            self.size = position
 
     def step_lists(self) -> tuple[list[int], list[int]]:
         """(rollout steps with training samples, weight versions with evaluation
@@ -115,13 +125,19 @@ class SampleIndex:
                      and (evaluation is None or bool(e) == evaluation)]
         chosen = found[:limit] if step is not None else found[max(0, len(found) - limit):]
         rows = []
-        with self.path.open("rb") as file:
+        with self._open() as file:
             for offset in chosen:
                 file.seek(offset)
                 row = _parse(file.readline(MAX_LINE_BYTES + 1))
                 if row is not None:  # None: the file changed under the read
                     rows.append(row)
         return rows, len(found)
+
+
+def _edge_at(file: BinaryIO, size: int) -> bytes:
+    start = max(0, size - EDGE_BYTES)
+    file.seek(start)
+    return file.read(size - start)
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:
@@ -142,10 +158,15 @@ class SampleIndexes:
         self._lock = threading.Lock()
         self._indexes: OrderedDict[Path, SampleIndex] = OrderedDict()
 
-    def of(self, job_dir: str | Path) -> SampleIndex:
-        path = Path(job_dir) / SAMPLES_FILE
+    def of(self, settings: Settings, job_dir: str | None) -> SampleIndex | None:
+        """The index of ``<job_dir>/samples.jsonl``, read from the allowed root the folder
+        lies in; None for a folder outside every root (never read)."""
+        where = inside_root(settings, job_dir)
+        if where is None:
+            return None
+        path = where[0] / where[1] / SAMPLES_FILE
         with self._lock:
-            index = self._indexes.pop(path, None) or SampleIndex(path)
+            index = self._indexes.pop(path, None) or SampleIndex(path, where[0])
             self._indexes[path] = index
             while len(self._indexes) > self.size:
                 self._indexes.popitem(last=False)

@@ -3,7 +3,8 @@
 Each pass (every ``reconcile_interval_s``, or at once when woken by a submit):
 
 1. poll Ray for every pending/running job: new status, and on the end its logs are saved
-   to ``<job>/driver.log`` (a stopped driver's stack dumps left out) and, for a failure,
+   to ``<data>/logs/<job id>.log`` (services/controller/job_files.py: the controller's
+   own folder, never the job's; a stopped driver's stack dumps left out) and, for a failure,
    its cause (one line, services/controller/job_logs.py) and the last log lines stored;
 2. find the Ray submission of jobs that registered themselves (``ray job submit``);
 3. submit queued jobs while fewer than ``max_running_jobs`` run and the cluster has room
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import shlex
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ from pathlib import Path
 from services.config import JobConfig
 from services.controller.auth import job_token
 from services.controller.capacity import Capacity
+from services.controller.job_files import Escapes, append_job_file, open_job_file, save_own_log
 from services.controller.job_logs import failure_cause, without_stop_dumps
 from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobInfo
 from services.controller.session_rows import (
@@ -37,7 +40,7 @@ from services.controller.session_rows import (
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
 from services.controller.tables import ACTIVE, TERMINAL, Job
-from services.driver.run_dir import JOB_CONFIG_FILE, LOG_FILE, METRICS_FILE, write_event
+from services.driver.run_dir import EVENTS_FILE, JOB_CONFIG_FILE, METRICS_FILE
 from services.placement import job_needs
 
 log = logging.getLogger("tally.controller")
@@ -113,7 +116,7 @@ class Reconciler:
             self.store.update_job(job.id, log_tail="")
 
     def finalize(self, job: Job, info: RayJobInfo) -> None:
-        """Ray says the job ended: last metrics, logs saved to the job folder, status, and
+        """Ray says the job ended: last metrics, logs saved (the controller's copy), status, and
         for a failure the error and the last log lines."""
         self.backfill(job)
         logs = None
@@ -123,11 +126,10 @@ class Reconciler:
             self.errors += 1
             return  # the next pass tries again
         logs = without_stop_dumps(logs) if logs is not None else None
-        if logs is not None and self.settings.inside_roots(job.output_dir):
+        if logs is not None:  # never into the job folder: a link there would be followed
             try:
-                Path(job.output_dir).mkdir(parents=True, exist_ok=True)
-                (Path(job.output_dir) / LOG_FILE).write_text(logs, encoding="utf-8")
-            except OSError:
+                save_own_log(self.settings, job.id, logs)
+            except (OSError, ValueError):
                 log.warning("cannot save the logs of job %s", job.id)
         failed = info.status == "failed" or job.status == "failed"
         log_tail = tail(logs or "") if failed else ""
@@ -212,8 +214,9 @@ class Reconciler:
         if self.waiting.get(job.id) == message:
             return
         self.waiting[job.id] = message
-        with contextlib.suppress(OSError):
-            write_event(Path(job.output_dir), "waiting", message)
+        line = json.dumps({"time": time.time(), "kind": "waiting", "message": message})
+        with contextlib.suppress(OSError):  # as run_dir.write_event, but never via a link
+            append_job_file(self.settings, job.output_dir, EVENTS_FILE, line + "\n")
 
     def submit(self, job: Job) -> bool:
         """Submit one queued job to Ray; False when Ray is unreachable (retry later)."""
@@ -249,20 +252,20 @@ class Reconciler:
 
     def backfill(self, job: Job) -> int:
         """Insert the rows of ``metrics.jsonl`` the store does not hold yet."""
-        if not self.settings.inside_roots(job.output_dir):
-            return 0  # a registered job's folder outside the allowed roots: never read
-        folder = Path(job.output_dir).resolve()
-        path = folder / METRICS_FILE
-        try:
-            size = path.stat().st_size
-        except OSError:
+        try:  # outside the allowed roots (a registered job's folder): None, never read
+            descriptor = open_job_file(self.settings, job.output_dir, METRICS_FILE)
+        except Escapes as err:  # a link: never followed
+            log.warning("job %s: %s", job.id, err)
             return 0
-        offset = self.offsets.get(job.id, 0)
-        if size < offset:  # rewritten (a resume truncates it): read again
-            offset = 0
-        if size == offset:
+        if descriptor is None:
             return 0
-        with path.open("rb") as file:
+        with os.fdopen(descriptor, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            offset = self.offsets.get(job.id, 0)
+            if size < offset:  # rewritten (a resume truncates it): read again
+                offset = 0
+            if size == offset:
+                return 0
             file.seek(offset)
             data = file.read(size - offset)
         complete = data[:data.rfind(b"\n") + 1]

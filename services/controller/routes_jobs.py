@@ -16,8 +16,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from services.config import JobConfig, error_field
-from services.controller.auth import require_job_token, require_token
+from services.controller.auth import (
+    Credentials,
+    may_read,
+    require_job_token,
+    require_reader,
+    require_token,
+)
 from services.controller.ending import contradicted_end, stop_in_ray
+from services.controller.job_files import Escapes, refused
 from services.controller.job_samples import DEFAULT_LIMIT, MAX_LIMIT, samples_out
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.schemas import (
@@ -45,7 +52,7 @@ from services.controller.submission import (
 )
 from services.controller.tables import TERMINAL, Job
 from services.controller.views import job_detail, job_out, metrics_out, point_budget, split_names
-from services.driver.run_dir import JOB_CONFIG_FILE, SAMPLES_FILE
+from services.driver.run_dir import JOB_CONFIG_FILE
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
@@ -119,7 +126,7 @@ async def submit_job(request: Request, ctl: Ctl,
     if key is not None and not 0 < len(key) <= 200:
         raise HTTPException(422, "Idempotency-Key: 1 to 200 characters")
     if key is not None and (first := await run_in_threadpool(ctl.store.job_with_key, key)):
-        return JSONResponse(job_detail(first, ctl.settings.roots).model_dump(mode="json"))
+        return JSONResponse(job_detail(first, ctl.settings).model_dump(mode="json"))
     body = await request.body()
     try:
         payload = parse_submit(body, request.headers.get("content-type", ""), set_)
@@ -138,14 +145,14 @@ async def submit_job(request: Request, ctl: Ctl,
     job = new_job(resolved, job_id, idempotency_key=key)
     stored = await run_in_threadpool(ctl.store.add_job_once, job)
     if stored.id != job_id:  # the same key, submitted at the same moment: the first wins
-        return JSONResponse(job_detail(stored, ctl.settings.roots).model_dump(mode="json"))
+        return JSONResponse(job_detail(stored, ctl.settings).model_dump(mode="json"))
     try:
         await run_in_threadpool(write_config_file, resolved)
     except OSError as err:
         job = ctl.store.transition(job_id, "failed", error=f"cannot write the job folder: {err}")
     if ctl.reconciler is not None:
         ctl.reconciler.poke()
-    return job_detail(job, ctl.settings.roots)
+    return job_detail(job, ctl.settings)
 
 
 @router.get("", response_model=JobList)
@@ -179,9 +186,11 @@ def get_or_404(ctl: Controller, job_id: str) -> Job:
 
 
 @router.get("/{job_id}", response_model=JobDetail, responses=NOT_FOUND)
-def get_job(job_id: str, ctl: Ctl) -> JobDetail:
-    """One job: status, configs (as submitted and as resolved), error and last log lines."""
-    return job_detail(get_or_404(ctl, job_id), ctl.settings.roots)
+def get_job(job_id: str, ctl: Ctl, request: Request, credentials: Credentials) -> JobDetail:
+    """One job: status, configs (as submitted and as resolved), error and last log lines.
+    Off loopback without the API or the job's token: without its events and log lines."""
+    private = may_read(request, credentials, f"job:{job_id}")
+    return job_detail(get_or_404(ctl, job_id), ctl.settings, private)
 
 
 @router.post("/{job_id}/cancel", response_model=JobDetail,
@@ -197,7 +206,7 @@ def cancel_job(job_id: str, ctl: Ctl) -> JobDetail:
         raise HTTPException(503, f"cannot reach Ray to stop the job: {err}") from None
     if job.status in TERMINAL and not stopped:
         if job.status == "cancelled":
-            return job_detail(job, ctl.settings.roots)
+            return job_detail(job, ctl.settings)
         raise HTTPException(409, f"job {job_id} already {job.status}")
     job, changed = ctl.store.advance(job_id, "cancelled", error="cancelled by the user")
     if job is not None and not changed and stopped and job.status != "cancelled":
@@ -205,7 +214,7 @@ def cancel_job(job_id: str, ctl: Ctl) -> JobDetail:
                                      error="cancelled by the user")
     if job is not None and job.status != "cancelled":  # it ended meanwhile
         raise HTTPException(409, f"job {job_id} already {job.status}")
-    return job_detail(job, ctl.settings.roots)
+    return job_detail(job, ctl.settings)
 
 
 @router.delete("/{job_id}", status_code=204, response_class=Response,
@@ -238,7 +247,14 @@ def job_metrics(job_id: str, ctl: Ctl,
     return json_response(metrics_out(job_id, rows, total, wanted))
 
 
-@router.get("/{job_id}/samples", response_model=SamplesOut, responses=NOT_FOUND)
+def read_samples(job_id: str, request: Request, credentials: Credentials) -> None:
+    """Samples hold held-out prompts and answers: open to loopback, else a token."""
+    require_reader(request, credentials, f"job:{job_id}")
+
+
+@router.get("/{job_id}/samples", response_model=SamplesOut,
+            responses={**NOT_FOUND, **AUTH, 409: {"model": Message}},
+            dependencies=[Depends(read_samples)])
 def job_samples(job_id: str, ctl: Ctl,
                 step: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
                 evaluation: Annotated[bool | None, Query(alias="eval")] = None,
@@ -247,11 +263,14 @@ def job_samples(job_id: str, ctl: Ctl,
     its parts, advantage, tokens) and the steps that have some. ``step``: one rollout step
     (of evaluation samples, the weight version); ``eval``: evaluation samples only (true)
     or training ones only (false); at most ``limit``: a step's first, else the newest.
-    None yet: an empty list and a ``note``."""
+    None yet: an empty list and a ``note``. Read by the confinement rule: a linked
+    samples.jsonl is a 409 naming it; off loopback it needs the API or the job's token."""
     job = get_or_404(ctl, job_id)
-    inside = ctl.settings.inside_roots(Path(job.output_dir) / SAMPLES_FILE)  # links resolved
-    index = ctl.samples.of(job.output_dir) if inside else None
-    out = samples_out(job_id, index, step, evaluation, limit)
+    index = ctl.samples.of(ctl.settings, job.output_dir)  # None: outside the allowed roots
+    try:
+        out = samples_out(job_id, index, step, evaluation, limit)
+    except Escapes as err:
+        raise refused(err) from None
     return Response(out.model_dump_json(exclude_unset=True), media_type="application/json")
 
 
@@ -292,7 +311,7 @@ def report_status(job_id: str, report: StatusReport, ctl: Ctl) -> JobDetail:
             raise HTTPException(409, why)
     job = ctl.store.transition(job_id, report.status, **(
         {"error": report.error} if report.error else {}))
-    return job_detail(job, ctl.settings.roots)
+    return job_detail(job, ctl.settings)
 
 
 @router.post("/register", status_code=201, response_model=JobDetail,
@@ -313,4 +332,4 @@ def register_job(payload: JobRegister, ctl: Ctl) -> JobDetail | JSONResponse:
               output_dir=payload.output_dir, num_steps=config.num_steps, created_at=now,
               started_at=now, updated_at=now)
     ctl.store.add_jobs([job])
-    return job_detail(job, ctl.settings.roots)
+    return job_detail(job, ctl.settings)

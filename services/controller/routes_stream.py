@@ -1,4 +1,4 @@
-"""Streams of one job: its logs (proxied from Ray, with tail and follow) and live metrics
+"""Streams of one job: its logs (proxied from Ray, bounded, with tail and follow) and live metrics
 and status as server-sent events (what the dashboard's charts listen to)."""
 
 from __future__ import annotations
@@ -7,17 +7,25 @@ import asyncio
 import json
 import weakref
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from services.controller.auth import Credentials, require_reader
+from services.controller.job_files import (
+    DEFAULT_TAIL_BYTES,
+    Escapes,
+    read_job_file,
+    read_own_log,
+    refused,
+)
 from services.controller.job_logs import StopDumps
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.reconcile import tail
-from services.controller.routes_jobs import NOT_FOUND, get_or_404
+from services.controller.routes_jobs import AUTH, NOT_FOUND, get_or_404
+from services.controller.schemas import Message
 from services.controller.state import Controller, Ctl
 from services.controller.tables import ACTIVE, TERMINAL, Job
 from services.controller.views import columns, job_out
@@ -28,8 +36,6 @@ MAX_STREAMS, MAX_STREAMS_PER_JOB = 64, 8
 """Open SSE and log-follow connections, in all and per job (more: 429)."""
 SSE_CHUNK = 1000
 """Steps per ``metrics`` event: a long backlog goes out in bounded pieces."""
-TAIL_BYTES = 8 << 20
-"""``tail`` of a saved log reads at most this much from the end of the file."""
 POLL_S = 0.5
 KEEPALIVE_S = 15.0
 TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
@@ -51,53 +57,63 @@ def capped_stream(ctl: Controller, job_id: str, body: AsyncIterator[str]
     return body
 
 
-def read_tail(path: Path, lines: int | None) -> str:
-    """The last ``lines`` lines of a file, read backwards from its end (at most
-    TAIL_BYTES); the whole file when ``lines`` is None."""
-    with path.open("rb") as file:
-        if lines is None:
-            return file.read().decode("utf-8", errors="replace")
-        end = file.seek(0, 2)
-        start, data = end, b""
-        while start > 0 and data.count(b"\n") <= lines and end - start < TAIL_BYTES:
-            start = max(0, start - (64 << 10))
-            file.seek(start)
-            data = file.read(end - start)
-    return data.decode("utf-8", errors="replace")
+MAX_READ_BYTES = 64 << 20
+"""The most ``bytes`` one read of a log may ask for."""
 
 
-def saved_logs(ctl: Controller, job: Job, lines: int | None = None) -> str | None:
-    """The copy of the logs in the job folder (never outside the allowed roots)."""
-    if not ctl.settings.inside_roots(job.output_dir):
-        return None
+def last_bytes(text: str, size: int) -> str:
+    """The last ``size`` bytes of ``text`` (UTF-8; a character cut at the start replaced)."""
+    data = text.encode("utf-8", errors="replace")
+    return text if len(data) <= size else data[-size:].decode("utf-8", errors="replace")
+
+
+def saved_logs(ctl: Controller, job: Job, size: int = DEFAULT_TAIL_BYTES) -> str | None:
+    """The last ``size`` bytes of the controller's own copy of a finished job's output,
+    else of the job folder's driver.log (read by the confinement rule: a link is a 409
+    naming it, never followed; outside the allowed roots, never read)."""
     try:
-        return read_tail(Path(job.output_dir) / LOG_FILE, lines)
+        data = read_own_log(ctl.settings, job.id, size)
+        if data is None:
+            data = read_job_file(ctl.settings, job.output_dir, LOG_FILE, size)
+    except Escapes as err:
+        raise refused(err) from None
     except OSError:
         return None
+    return None if data is None else data.decode("utf-8", errors="replace")
 
 
-def current_logs(ctl: Controller, job: Job, lines: int | None = None) -> str | None:
-    """From Ray while it has them, else the copy saved in the job folder (only its last
-    ``lines`` read)."""
+def ray_logs(ctl: Controller, job: Job) -> str | None:
+    """The whole log from Ray while it has it (what follow skips: it was sent)."""
     if job.ray_submission_id and ctl.reconciler is not None:
         try:
-            text = ctl.backend.logs(job.ray_submission_id)
-            if text is not None:
-                return text
+            return ctl.backend.logs(job.ray_submission_id)
         except BackendUnavailable:
             pass
-    return saved_logs(ctl, job, lines)
+    return None
+
+
+def read_allowed(job_id: str, request: Request, credentials: Credentials) -> None:
+    """Logs and samples: open to loopback, else the API token or the job's own."""
+    require_reader(request, credentials, f"job:{job_id}")
 
 
 @router.get("/{job_id}/logs", response_class=PlainTextResponse, response_model=None,
-            responses={**TEXT, **NOT_FOUND})
+            responses={**TEXT, **NOT_FOUND, **AUTH, 409: {"model": Message}},
+            dependencies=[Depends(read_allowed)])
 async def job_logs(job_id: str, ctl: Ctl,
                    tail_lines: Annotated[int | None, Query(alias="tail", ge=1, le=100_000)]
-                   = None, follow: bool = False) -> PlainTextResponse | StreamingResponse:
-    """The driver's output (a stopped driver's stack dumps as one line). ``tail`` keeps
-    the last lines; ``follow`` streams new output until the job ends."""
+                   = None,
+                   size: Annotated[int, Query(alias="bytes", ge=1, le=MAX_READ_BYTES)]
+                   = DEFAULT_TAIL_BYTES,
+                   follow: bool = False) -> PlainTextResponse | StreamingResponse:
+    """The driver's output (a stopped driver's stack dumps as one line): from Ray while it
+    has it, else the controller's copy, else the job folder's driver.log. At most its last
+    ``bytes`` bytes (default 1 MiB); ``tail`` keeps the last lines of those; ``follow``
+    streams new output until the job ends. A linked driver.log: 409 naming it."""
     job = await run_in_threadpool(get_or_404, ctl, job_id)
-    text = await run_in_threadpool(current_logs, ctl, job, tail_lines)
+    from_ray = await run_in_threadpool(ray_logs, ctl, job)
+    text = last_bytes(from_ray, size) if from_ray is not None else \
+        await run_in_threadpool(saved_logs, ctl, job, size)
     if text is None:
         if job.status == "queued":
             text = ""
@@ -109,13 +125,14 @@ async def job_logs(job_id: str, ctl: Ctl,
     first = tail(shown, tail_lines) + "\n" if tail_lines and shown else shown
     if not following:
         return PlainTextResponse(first)
+    sent = len(from_ray or "")  # of Ray's log, in characters: follow repeats it
 
     async def stream() -> AsyncIterator[str]:
         yield first
         seen = 0
         try:
             async for chunk in ctl.backend.follow(job.ray_submission_id):
-                new = chunk[max(0, len(text) - seen):] if seen < len(text) else chunk
+                new = chunk[max(0, sent - seen):] if seen < sent else chunk
                 seen += len(chunk)
                 if new and (out := dumps.feed(new)):
                     yield out

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from fastapi import HTTPException
 
+from services.controller.job_files import Escapes, read_job_file
 from services.controller.job_logs import ANSI
 from services.controller.schemas import JobDetail, JobEvent, JobOut, JobStatus, MetricsOut
+from services.controller.settings import Settings
 from services.controller.store import MetricTriple
 from services.controller.tables import Job
 from services.driver.run_dir import EVENTS_FILE
@@ -32,20 +34,21 @@ def job_out(job: Job) -> JobOut:
     return JobOut.model_validate(job, from_attributes=True)
 
 
-def job_events(output_dir: str | None, roots: Sequence[Path], limit: int = 200
+def job_events(output_dir: str | None, settings: Settings, limit: int = 200
                ) -> list[JobEvent]:
-    """The last events the driver wrote to <job folder>/events.jsonl (torn lines skipped,
-    terminal colours of a copied Ray message left out); none from a folder outside the
-    allowed ``roots``."""
-    if not output_dir or not any(Path(output_dir).resolve().is_relative_to(root)
-                                 for root in roots):
-        return []
-    try:  # a registered job's folder may be anything: unreadable means no events
-        lines = (Path(output_dir) / EVENTS_FILE).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
+    """The last events the driver wrote to <job folder>/events.jsonl (its last MiB read by
+    the confinement rule; torn lines skipped, terminal colours of a copied Ray message left
+    out); none from a folder outside the allowed roots. A linked events.jsonl is never
+    read: one ``refused`` event says so, naming it."""
+    try:
+        data = read_job_file(settings, output_dir, EVENTS_FILE)
+    except Escapes as err:
+        return [JobEvent(time=time.time(), kind="refused",
+                         message=f"{err}; the controller never reads through it")]
+    if data is None:
         return []
     events = []
-    for line in lines[-limit:]:
+    for line in data.decode("utf-8", errors="replace").splitlines()[-limit:]:
         try:
             event = JobEvent.model_validate_json(line)
         except ValueError:
@@ -54,12 +57,15 @@ def job_events(output_dir: str | None, roots: Sequence[Path], limit: int = 200
     return events
 
 
-def job_detail(job: Job, roots: Sequence[Path]) -> JobDetail:
+def job_detail(job: Job, settings: Settings, private: bool = True) -> JobDetail:
+    """One job; ``private`` False (a client off loopback without a token, auth.may_read):
+    without what the job wrote (its events and last log lines)."""
     base = job_out(job).model_dump()
     return JobDetail(**base, config_submitted=job.config_submitted,
                      overrides=json.loads(job.overrides or "[]"),
                      config_resolved=json.loads(job.config_resolved or "{}"),
-                     log_tail=job.log_tail or None, events=job_events(job.output_dir, roots))
+                     log_tail=(job.log_tail or None) if private else None,
+                     events=job_events(job.output_dir, settings) if private else [])
 
 
 MAX_NAMES = 200

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from services.controller.app import create_app
 from services.controller.auth import job_token, session_token
+from services.controller.job_files import own_log
 from services.controller.settings import check_bind
 from tests.services.controller_fakes import (
     DEMO,
@@ -212,7 +213,8 @@ def test_a_failed_job_shows_its_error_and_last_log_lines(api: TestClient) -> Non
     failed = api.get(f"/api/jobs/{job['id']}").json()
     assert (failed["status"], failed["error"]) == ("failed", "ValueError: boom")  # the cause
     assert failed["log_tail"].endswith("ValueError: boom") and "line 60" not in failed["log_tail"]
-    assert (Path(job["output_dir"]) / "driver.log").read_text() == logs
+    assert own_log(api.ctl.settings, job["id"]).read_text() == logs  # never the job folder
+    assert not (Path(job["output_dir"]) / "driver.log").exists()
     tail = api.get(f"/api/jobs/{job['id']}/logs", params={"tail": 2}).text
     assert tail == "line 99\nValueError: boom\n"
 
@@ -223,13 +225,13 @@ def test_logs_are_saved_once_ray_confirms_a_driver_reported_end(api: TestClient)
     early = api.post(f"/api/jobs/{job['id']}/status", json={"status": "succeeded"})
     assert early.status_code == 409  # Ray still says pending: the end is Ray's to say
     api.ctl.reconciler.tick()
-    assert not (Path(job["output_dir"]) / "driver.log").exists()
+    assert not own_log(api.ctl.settings, job["id"]).exists()
     api.backend.finish(f"tally-{job['id']}", "succeeded", "step 2/2\n")
     api.post(f"/api/jobs/{job['id']}/status", json={"status": "succeeded"})  # Ray agrees
     assert api.get(f"/api/jobs/{job['id']}").json()["status"] == "succeeded"
-    assert not (Path(job["output_dir"]) / "driver.log").exists()
+    assert not own_log(api.ctl.settings, job["id"]).exists()
     api.ctl.reconciler.tick()
-    assert (Path(job["output_dir"]) / "driver.log").read_text() == "step 2/2\n"
+    assert own_log(api.ctl.settings, job["id"]).read_text() == "step 2/2\n"
     assert api.get(f"/api/jobs/{job['id']}").json()["log_tail"] is None
     assert api.ctl.store.jobs_to_poll() == []
 

@@ -122,5 +122,6 @@ def test_a_file_outside_the_roots_is_not_read(api: TestClient, tmp_path: Path) -
     assert (out["samples"], out["note"]) == ([], OUTSIDE)
     inside = submit(api)  # a link in a job folder to a file outside is not followed either
     (Path(inside["output_dir"]) / SAMPLES_FILE).symlink_to(outside / SAMPLES_FILE)
-    out = samples(api, inside["id"])
-    assert (out["samples"], out["note"]) == ([], OUTSIDE)
+    refused = api.get(f"/api/jobs/{inside['id']}/samples")  # a link: refused, naming it
+    assert refused.status_code == 409 and "samples.jsonl" in refused.json()["detail"]
+    assert "copy 00=" not in refused.text

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from services.cli import app as cli
 from services.controller import routes_stream
 from services.controller.app import create_app
+from services.controller.job_files import own_log
 from tests.services.controller_fakes import (
     DEMO,
     DEMO_OVERRIDES,
@@ -135,8 +136,11 @@ def test_a_saved_log_tail_is_read_from_the_end(tmp_path: Path) -> None:
         backend.jobs.clear()  # Ray forgot it: the saved copy is what is left
         assert http.get(f"/api/jobs/{job['id']}/logs", params={"tail": 3}).text == \
             "line 199997\nline 199998\nline 199999\n"
-        assert routes_stream.read_tail(log, 2).endswith("line 199999\n")
-        assert len(routes_stream.read_tail(log, 5)) < 200_000  # not the whole 2.3 MB
+        whole = http.get(f"/api/jobs/{job['id']}/logs").text  # bounded: its last MiB only
+        assert len(whole.encode()) == routes_stream.DEFAULT_TAIL_BYTES
+        assert whole.endswith("line 199999\n")
+        assert http.get(f"/api/jobs/{job['id']}/logs", params={"bytes": 12}).text == \
+            "line 199999\n"
 
 
 SIGTERM_DUMP = (  # what Ray's failure-signal handler prints when `ray job stop` stops a driver
@@ -169,7 +173,7 @@ def test_a_cancelled_jobs_log_ends_without_the_sigterm_dump(tmp_path: Path) -> N
             assert "".join(chunks) == STOPPED
         assert http.get(f"/api/jobs/{job_id}/logs").text == "step 1/2\n" + STOPPED
         deadline = time.monotonic() + 60  # the reconcile loop saves the log Ray confirms
-        saved = Path(http.get(f"/api/jobs/{job_id}").json()["output_dir"]) / "driver.log"
+        saved = own_log(app.state.controller.settings, job_id)  # the controller's own copy
         while not saved.exists():
             assert time.monotonic() < deadline, "the log was never saved"
             time.sleep(0.05)
