@@ -31,7 +31,10 @@ could load: ``checkpoints`` only sees committed folders, newest first (a resume 
 newest one is unreadable falls back to the one before). The trainer state loads with
 ``torch.load(weights_only=True)``, DCP's pickled ``shards/.metadata`` through a restricted
 unpickler (trainer/dcp_metadata.py: only the classes a DCP metadata holds): a checkpoint
-is data, never code.
+is data, never code. A checkpoint is also read confined (rollout/confined.py,
+:func:`confine`): no link anywhere in it, no stored path (a manifest's names, DCP's
+``relative_path``) that is absolute or climbs out; such a folder is refused, naming the
+file and the path, before anything else of it is read.
 """
 
 from __future__ import annotations
@@ -50,7 +53,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from trainer.dcp_metadata import SafeFileSystemReader
+from rollout.confined import (
+    Escapes,
+    open_inside,
+    read_inside,
+    regular_files,
+    stored_path,
+)
+from trainer.dcp_metadata import SafeFileSystemReader, UnsafeMetadata
 
 MODEL_DIR, TRAINER_STATE = "model", "trainer_state.pt"
 SHARDS_DIR, MANIFEST, MODEL_CONFIG_DIR = "shards", "manifest.json", "model_config"
@@ -88,11 +98,20 @@ def save_model_config(out: Path, model_path: str, config: object) -> None:
 
 
 def _digest(path: Path) -> dict[str, int]:
-    crc = 0
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return {"bytes": path.stat().st_size, "crc32": crc}
+    return _digest_inside(path.parent, path.name)
+
+
+def _digest_inside(folder: Path, name: str, crc: bool = True) -> dict[str, int]:
+    """``folder/name``'s size and (``crc``) CRC-32, opened without following a link
+    (Escapes for a link, a stored ``name`` that climbs out, or a special file)."""
+    with os.fdopen(open_inside(folder, name), "rb") as handle:
+        found = {"bytes": os.fstat(handle.fileno()).st_size}
+        if crc:
+            value = 0
+            while chunk := handle.read(1 << 24):
+                value = zlib.crc32(chunk, value)
+            found["crc32"] = value
+    return found
 
 
 def save_sharded(path: str | Path, state: dict[str, Any], trainer_state: dict,
@@ -342,26 +361,71 @@ def write_manifest(folder: Path) -> None:
 
 def check_manifest(folder: Path, full: bool = False) -> None:
     """Every file of the folder manifest present at its size, the listing at its digest,
-    the small files (``full``: every file) at their CRC-32. A checkpoint written before
-    the manifest existed has none: nothing to do here."""
+    the small files (``full``: every file) at their CRC-32; each name a relative path
+    inside the folder, opened without following a link (Escapes otherwise). A
+    checkpoint written before the manifest existed has none: nothing to do here."""
     if not (folder / FOLDER_MANIFEST).is_file():
         return
-    manifest = json.loads((folder / FOLDER_MANIFEST).read_text())
+    manifest = json.loads(read_inside(folder, FOLDER_MANIFEST))
     files = manifest["files"]
     if "digest" in manifest and manifest["digest"] != _listing_digest(files):
         raise ValueError(f"{FOLDER_MANIFEST}: its listing does not match its digest "
                          "(edited since it was written)")
+    for name in files:
+        stored_path(name, FOLDER_MANIFEST)  # every name, before any file is opened
     for name, want in files.items():
-        path = folder / name
-        if not path.is_file():
-            raise FileNotFoundError(f"{name}: missing (listed in {FOLDER_MANIFEST})")
-        if path.stat().st_size != want["bytes"]:
-            raise ValueError(f"{name}: {path.stat().st_size} bytes, {FOLDER_MANIFEST} says "
+        try:
+            found = _digest_inside(folder, name, crc=False)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{name}: missing (listed in {FOLDER_MANIFEST})"
+                                    ) from None
+        if found["bytes"] != want["bytes"]:
+            raise ValueError(f"{name}: {found['bytes']} bytes, {FOLDER_MANIFEST} says "
                              f"{want['bytes']}")
         if ("crc32" in want and (full or want["bytes"] < SMALL_FILE_BYTES)
-                and _digest(path)["crc32"] != want["crc32"]):
+                and _digest_inside(folder, name)["crc32"] != want["crc32"]):
             raise ValueError(f"{name}: its CRC-32 does not match {FOLDER_MANIFEST}'s "
                              f"({want['crc32']:08x}): changed since it was written")
+
+
+def confine(folder: str | Path) -> None:
+    """Refuse (Escapes, or UnsafeMetadata for a pickle that carries code) a checkpoint
+    that reaches outside its folder: a link or special file anywhere in it, a name in
+    manifest.json or shards/manifest.json, or a DCP ``relative_path``, that is absolute
+    or climbs out (..). A hostile folder, not a damaged one: a resume refuses it rather
+    than falling back to an older checkpoint. Missing or malformed files are left to
+    :func:`unreadable`."""
+    folder = Path(folder)
+    for _ in regular_files(folder, folder.name):
+        pass  # the walk raises at the first link
+    for manifest in (FOLDER_MANIFEST, f"{SHARDS_DIR}/{MANIFEST}",
+                     f"{CRITIC_DIR}/{SHARDS_DIR}/{MANIFEST}"):
+        if (folder / manifest).is_file():
+            for name in _manifest_names(folder, manifest):
+                stored_path(name, manifest)
+    for shards in (folder / SHARDS_DIR, folder / CRITIC_DIR / SHARDS_DIR):
+        if (shards / ".metadata").is_file():
+            SafeFileSystemReader(str(shards)).read_metadata()  # checks each relative_path
+
+
+def escapes(folder: str | Path) -> str | None:
+    """Why :func:`confine` refuses ``folder`` (one line naming the file and the path),
+    or None."""
+    try:
+        confine(folder)
+    except (Escapes, UnsafeMetadata) as err:
+        return str(err)
+    except (OSError, ValueError):
+        return None  # damaged, not hostile: unreadable() says so
+    return None
+
+
+def _manifest_names(folder: Path, manifest: str) -> list[str]:
+    try:
+        files = json.loads(read_inside(folder, manifest))["files"]
+        return [str(name) for name in files]
+    except (ValueError, KeyError, TypeError):
+        return []  # malformed: unreadable() names it
 
 
 def checkpoints(root: str | Path) -> list[Path]:
@@ -393,6 +457,7 @@ def unreadable(path: str | Path, full: bool = False) -> str | None:
     services/driver/checkpoint.py."""
     path = Path(path)
     try:
+        confine(path)  # before anything else is read
         check_manifest(path, full)
         if is_sharded(path):
             _check_shards(path / SHARDS_DIR, full)
@@ -412,18 +477,22 @@ def unreadable(path: str | Path, full: bool = False) -> str | None:
 
 
 def _check_shards(shards: Path, full: bool) -> None:
-    files = json.loads((shards / MANIFEST).read_text())["files"]
+    label = f"{shards.name}/{MANIFEST}"
+    files = json.loads(read_inside(shards, MANIFEST))["files"]
+    for name in files:
+        stored_path(name, label)
     for name, want in sorted(files.items()):
-        if not (shards / name).is_file():
-            raise FileNotFoundError(f"{name}: missing")
-        size = (shards / name).stat().st_size
+        try:
+            size = _digest_inside(shards, name, crc=False)["bytes"]
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{name}: missing") from None
         read = full or size < SMALL_FILE_BYTES  # as the folder manifest: cheap when small
-        if size != want["bytes"] or (read and _digest(shards / name) != want):
+        if size != want["bytes"] or (read and _digest_inside(shards, name) != want):
             raise ValueError(f"{name}: {size} bytes that do not match the manifest "
                              f"({want['bytes']} bytes, CRC-32 {want['crc32']:08x})")
-    metadata = SafeFileSystemReader(str(shards)).read_metadata()
+    metadata = SafeFileSystemReader(str(shards)).read_metadata()  # refuses a stored
     named = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    if missing := sorted(named - set(files)):
+    if missing := sorted(named - set(files)):  # path that leaves the folder
         raise FileNotFoundError(f"{missing[0]}: named by the DCP metadata, not written")
 
 

@@ -15,58 +15,108 @@ A LoRA checkpoint (``adapter/`` beside the shards, trainer/lora.py) holds the ad
 only: its export reads the base model folder its adapter config names, tensor by tensor,
 and writes each adapted weight merged, W + (alpha/r)·B·A (computed in float64);
 ``adapter=True`` copies peft's adapter folder instead.
+
+A checkpoint is read confined (rollout/confined.py, trainer/checkpoint.py ``confine``)
+before anything of it is: a link anywhere in it (``model_config/README.md ->
+~/.tally/session-key``, ``adapter/ssh -> ~/.ssh``), or a stored path that is absolute or
+climbs out (a manifest's names, DCP's ``relative_path``), is refused naming the file
+and the path; every file is then opened without following a link, and the export
+writes only files it creates itself (config and tokenizer files copied by content). The
+base model of a LoRA checkpoint is found and read by trainer/export_base.py.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rollout.adapters import PEFT_PREFIX, read_peft_folder
+from rollout.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, group_factors
+from rollout.confined import (
+    Escapes,
+    copy_regular_files,
+    create_owned,
+    read_inside,
+    regular_files,
+)
 from rollout.weight_bucket import DTYPES, plan_buckets
 from trainer.checkpoint import (
     ADAPTER_DIR,
     MODEL_CONFIG_DIR,
     MODEL_DIR,
     SHARDS_DIR,
+    checkpoints,
+    confine,
     is_sharded,
     load_planner,
 )
-from trainer.lora import merged
+from trainer.dcp_metadata import UnsafeMetadata
+from trainer.export_base import (
+    INDEX,
+    ExportError,
+    base_folder,
+    folder_shapes,
+    merged_groups,
+    open_weights,
+)
 
 MODEL_PREFIX = "model."
 """DCP flattens {"model": state_dict} into "model.<HF name>"."""
 DEFAULT_SHARD_BYTES = 2 << 30
-
-
-class ExportError(ValueError):
-    """The checkpoint cannot be exported (said in one line)."""
+__all__ = ["ExportError", "export_checkpoint"]  # ExportError lives in export_base
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "float32",
-                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, adapter: bool = False
-                      ) -> Path:
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, adapter: bool = False,
+                      base: str | Path | None = None) -> Path:
     """Write ``checkpoint``'s weights in ``dtype`` as a Hugging Face folder at ``out_dir``
     (replacing an earlier export there); returns ``out_dir``. A LoRA checkpoint is merged
     into its base model (W + (alpha/r)·B·A: a folder ``from_pretrained`` loads without
-    peft), or with ``adapter`` written as peft's adapter folder."""
+    peft; ``base``: that model folder instead of the one its adapter config names, see
+    trainer/export_base.py), or with ``adapter`` written as peft's adapter folder.
+    ExportError (one line) for a checkpoint that is missing, damaged or reaches outside
+    its folder."""
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if dtype not in DTYPES:
         raise ExportError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    config_dir = checkpoint / (MODEL_CONFIG_DIR if is_sharded(checkpoint) else MODEL_DIR)
-    if not (config_dir / "config.json").is_file():
-        raise ExportError(f"{checkpoint}: not a Tally checkpoint (no {config_dir.name}/"
+    if not checkpoint.is_dir():
+        raise ExportError(_not_there(checkpoint))
+    try:
+        confine(checkpoint)  # before any file of it is parsed
+    except (Escapes, UnsafeMetadata) as err:
+        raise ExportError(f"{checkpoint}: {err}; refused: a checkpoint is never read "
+                          "outside its folder") from None
+    except (ValueError, OSError) as err:  # damaged: a metadata that is no DCP metadata
+        raise ExportError(f"{checkpoint}: {err}") from None
+    try:
+        return _export(checkpoint, out, dtype, max_shard_bytes, adapter,
+                       None if base is None else Path(base))
+    except Escapes as err:  # swapped in since the check above
+        raise ExportError(f"{checkpoint}: {err}") from None
+
+
+def _not_there(checkpoint: Path) -> str:
+    found = [folder.name for folder in checkpoints(checkpoint.parent)]
+    return (f"{checkpoint}: no such checkpoint folder; {checkpoint.parent} holds "
+            + (f"the step folders {', '.join(sorted(found))}" if found else
+               "no step folders"))
+
+
+def _export(checkpoint: Path, out: Path, dtype: str, max_shard_bytes: int, adapter: bool,
+            base: Path | None) -> Path:
+    config_dir = MODEL_CONFIG_DIR if is_sharded(checkpoint) else MODEL_DIR
+    if not (checkpoint / config_dir / "config.json").is_file():
+        raise ExportError(f"{checkpoint}: not a Tally checkpoint (no {config_dir}/"
                           "config.json)")
     if is_sharded(checkpoint):  # before any weight is read: its metadata is a pickle
-        from trainer.dcp_metadata import SafeFileSystemReader, UnsafeMetadata
+        from trainer.dcp_metadata import SafeFileSystemReader
 
         try:
             SafeFileSystemReader(str(checkpoint / SHARDS_DIR)).read_metadata()
@@ -81,15 +131,15 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
                           "they are; drop --dtype")
     if adapter:
         staging = _staging(out)
-        shutil.copytree(adapters, staging, dirs_exist_ok=True)
+        copy_regular_files(adapters, staging, f"{checkpoint.name}/{ADAPTER_DIR}")
         return _publish(staging, out)
-    config = json.loads((config_dir / "config.json").read_text())
+    config = json.loads(read_inside(checkpoint, f"{config_dir}/config.json"))
     if adapters.is_dir():
-        lora_config, factors = read_peft_folder(adapters)
-        base = _base_folder(lora_config, checkpoint)
+        lora_config, factors = _read_adapters(checkpoint)
+        folder = base_folder(lora_config, checkpoint, base)
         scaling = float(lora_config["lora_alpha"]) / int(lora_config["r"])
-        shapes = _folder_shapes(base)
-        read = _merged_groups(base, factors, scaling)
+        shapes = folder_shapes(folder)
+        read = merged_groups(folder, factors, scaling)
     else:
         shapes = _stored_shapes(checkpoint)
         if any(name.startswith(PEFT_PREFIX) for name in shapes):
@@ -110,14 +160,33 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         del tensors
     if len(groups) > 1:
         total = sum(spec.num_bytes for group in groups for spec in group)
-        (staging / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    for file in config_dir.iterdir():
-        if file.is_file() and not file.name.endswith((".safetensors", ".index.json")):
-            shutil.copy(file, staging / file.name)
-    (staging / "config.json").write_text(json.dumps(
-        {**config, "torch_dtype": dtype, "dtype": dtype}, indent=2))
+        _write(staging / INDEX, json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
+    for file in regular_files(checkpoint / config_dir, f"{checkpoint.name}/{config_dir}"):
+        if len(file.parts) == 1 and file.name != "config.json" and \
+                not file.name.endswith((".safetensors", ".index.json")):
+            _write(staging / file.name, read_inside(checkpoint, f"{config_dir}/{file}"))
+    _write(staging / "config.json", json.dumps(
+        {**config, "torch_dtype": dtype, "dtype": dtype}, indent=2).encode())
     return _publish(staging, out)
+
+
+def _write(path: Path, data: bytes) -> None:
+    """A new regular file of the export (never through a link, never over a file)."""
+    with os.fdopen(create_owned(path, 0o644), "wb") as file:
+        file.write(data)
+
+
+def _read_adapters(checkpoint: Path
+                   ) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(adapter_config.json, module -> (A, B)) of the checkpoint's adapter folder, read
+    confined (rollout.adapters.read_peft_folder opens the names as given)."""
+    config = json.loads(read_inside(checkpoint, f"{ADAPTER_DIR}/{ADAPTER_CONFIG}"))
+    weights = f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"
+    with open_weights(checkpoint, weights) as f:
+        named = [(name.removeprefix(PEFT_PREFIX).removesuffix(".weight"), f.get_tensor(name))
+                 for name in f.keys()]  # noqa: SIM118
+    return config, group_factors(named, f"{checkpoint.name}/{weights}")
 
 
 def _staging(out: Path) -> Path:
@@ -133,67 +202,6 @@ def _publish(staging: Path, out: Path) -> Path:
     return out
 
 
-def _base_folder(lora_config: dict, checkpoint: Path) -> Path:
-    """The base model a LoRA checkpoint's adapters apply to (its job's model folder)."""
-    named = lora_config.get("base_model_name_or_path")
-    if not named:
-        raise ExportError(f"{checkpoint}: its {ADAPTER_DIR}/adapter_config.json names no "
-                          "base model (base_model_name_or_path); export it with --adapter")
-    base = Path(str(named))
-    if not _folder_files(base):
-        raise ExportError(f"{checkpoint}: the base model of its adapters, {base}, has no "
-                          "safetensors weights here; export the adapters with --adapter")
-    return base
-
-
-def _folder_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file of a Hugging Face folder that holds it."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        return {}
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
-def _folder_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    shapes = {}
-    for name, file in _folder_files(folder).items():
-        with safe_open(str(file), framework="pt") as f:
-            shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
-
-
-def _merged_groups(base: Path, factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                   scaling: float) -> Callable[[list], Iterator[dict[str, torch.Tensor]]]:
-    """Each group's base tensors, an adapted weight merged with its factors."""
-    files = _folder_files(base)
-    by_weight = {f"{module}.weight": pair for module, pair in factors.items()}
-    if missing := sorted(set(by_weight) - set(files)):
-        raise ExportError(f"{base}: has no weight {missing[0]} for the checkpoint's adapter")
-
-    def read(groups: list) -> Iterator[dict[str, torch.Tensor]]:
-        for group in groups:
-            tensors = {}
-            for spec in group:
-                with safe_open(str(files[spec.name]), framework="pt") as f:
-                    weight = f.get_tensor(spec.name)
-                if spec.name in by_weight:
-                    a, b = by_weight[spec.name]
-                    if (b.shape[0], a.shape[1]) != tuple(weight.shape):
-                        raise ExportError(f"{base}: {spec.name} is {tuple(weight.shape)}, "
-                                          f"its adapter is {tuple(b.shape)} × "
-                                          f"{tuple(a.shape)}: not this adapter's base")
-                    weight = merged(weight.float(), a, b, scaling)
-                tensors[spec.name] = weight
-            yield tensors
-
-    return read
-
-
 def _stored_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     """HF name -> full shape of every weight the checkpoint holds."""
     if is_sharded(checkpoint):
@@ -205,15 +213,14 @@ def _stored_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
         return {key.removeprefix(MODEL_PREFIX): tuple(item.size)
                 for key, item in metadata.state_dict_metadata.items()
                 if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata)}
-    with safe_open(str(checkpoint / MODEL_DIR / "model.safetensors"), framework="pt") as f:
+    with open_weights(checkpoint, f"{MODEL_DIR}/model.safetensors") as f:
         return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
 
 
 def _read_groups(checkpoint: Path, groups: list) -> Iterator[dict[str, torch.Tensor]]:
     """Each group's tensors whole, in the stored dtype, one group in memory at a time."""
     if not is_sharded(checkpoint):
-        with safe_open(str(checkpoint / MODEL_DIR / "model.safetensors"),
-                       framework="pt") as f:
+        with open_weights(checkpoint, f"{MODEL_DIR}/model.safetensors") as f:
             for group in groups:
                 yield {spec.name: f.get_tensor(spec.name) for spec in group}
         return

@@ -12,6 +12,10 @@ job resumes from.
 A checkpoint folder is staged and committed by trainer/checkpoint.py (written aside,
 renamed when complete). Loading reads JSON and safetensors only, so a checkpoint from
 anywhere cannot run code; :func:`unreadable` checks every file before a resume uses it.
+A checkpoint that reaches outside its folder (a link in it, a stored path that is
+absolute or climbs out, metadata that carries code: trainer/checkpoint.py ``confine``)
+is hostile, not damaged: a start refuses it, naming the file and the path, instead of
+falling back to an older one.
 
 A start resumes (:func:`plan_resume`, before Ray starts) from the newest readable
 checkpoint of the job folder (``resume: true``, ``--resume auto``), from a named one
@@ -38,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rollout.batch import RolloutBatch
+from rollout.confined import read_inside
 from services.config import ConfigError, ConfigProblem, JobConfig
 from services.driver.run_dir import CONFIG_FILE, LATEST_LINK, RunDir
 from services.driver.sinks import truncate_after
@@ -65,10 +70,15 @@ def due(step: int, config: JobConfig) -> bool:
         config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
 
 
-def newest_readable(run_dir: RunDir, log: Callable[[str], None]) -> Path | None:
+def newest_readable(run_dir: RunDir, log: Callable[[str], None],
+                   refuse_hostile: bool = False) -> Path | None:
     """The newest committed checkpoint every file of which reads; each unreadable one
-    newer than it is reported (an event and a log line) and passed over."""
+    newer than it is reported (an event and a log line) and passed over. With
+    ``refuse_hostile`` (a start) one that reaches outside its folder is a ConfigError
+    instead: someone planted it, and resuming from the one before would hide that."""
     for folder in trainer_checkpoint.checkpoints(run_dir.checkpoints_dir):
+        if refuse_hostile and (why := trainer_checkpoint.escapes(folder)):
+            raise _refused(folder, why)
         reason = unreadable(folder)
         if reason is None:
             return folder
@@ -76,6 +86,12 @@ def newest_readable(run_dir: RunDir, log: Callable[[str], None]) -> Path | None:
                             "the one before")
         log(f"checkpoint {folder.name} is unreadable ({reason})")
     return None
+
+
+def _refused(folder: Path, why: str) -> ConfigError:
+    return ConfigError("", [ConfigProblem("", (
+        f"--resume: {folder}: {why}; refused: a checkpoint is never read outside its "
+        "folder (move it aside, or start with --no-resume)"))])
 
 
 def link_latest(run_dir: RunDir) -> None:
@@ -167,7 +183,9 @@ def resume_changes(config: JobConfig, stored: Path, force: bool) -> tuple[str, .
         raise ConfigError("", [ConfigProblem("", (
             f"--resume: {stored} is missing, so this config cannot be checked against the "
             "one the checkpoint was trained with; pass --force to resume anyway"))])
-    old = {k.removesuffix("."): v for k, v in _flat(json.loads(stored.read_text())).items()}
+    # the checkpoint's job folder is someone else's too: its config.json is no link
+    saved = json.loads(read_inside(stored.parent, stored.name))
+    old = {k.removesuffix("."): v for k, v in _flat(saved).items()}
     new = {k.removesuffix("."): v for k, v in _flat(config.model_dump(mode="json")).items()}
     changed = sorted(field for field in old if new.get(field, "<unset>") != old[field]
                      and not _within(field, RESUME_FREE))
@@ -192,12 +210,15 @@ def plan_resume(config: JobConfig, run_dir: RunDir, named: Path | None, force: b
     (``force``: resume anyway)."""
     if named is not None:
         folder = Path(named).resolve()
+        if why := trainer_checkpoint.escapes(folder):
+            raise _refused(Path(named), why)
         reason = (unreadable(folder) if (folder / DRIVER_STATE).is_file()
                   else f"not a checkpoint folder (no {DRIVER_STATE})")
         if reason:
             raise ConfigError("", [ConfigProblem("", f"--resume: {named}: {reason}")])
     else:
-        folder = newest_readable(run_dir, log) if config.resume else None
+        folder = newest_readable(run_dir, log, refuse_hostile=True) if config.resume \
+            else None
     if folder is None:
         set_aside(run_dir, -1, log)
         return ResumePlan(None)
@@ -241,7 +262,8 @@ def unreadable(folder: str | Path, full: bool = False) -> str | None:
     (``full``: every byte of the shards against its CRC-32, `tally checkpoint verify`)."""
     folder = Path(folder)
     try:
-        trainer_checkpoint.check_manifest(folder, full)  # before any file is parsed
+        trainer_checkpoint.confine(folder)  # no link, no stored path out, before any
+        trainer_checkpoint.check_manifest(folder, full)  # file is parsed
         load_driver_state(folder)
     except Exception as err:  # any failure to read is the answer
         return f"{type(err).__name__}: {str(err).strip()[:300]}"
