@@ -55,7 +55,7 @@ def _load(config: Path, overrides: list[str] | None, check: bool = False):
         if check:
             from services.preflight import preflight
 
-            for note in preflight(job):
+            for note in preflight(job, load_user_code=True):  # the user's own machine
                 typer.echo(f"note: {note}")
         return job
     except ConfigError as err:
@@ -346,6 +346,9 @@ def export_command(
     adapter: Annotated[bool, typer.Option(
         "--adapter", help="a LoRA checkpoint: write peft's adapter folder instead of the "
                           "merged model")] = False,
+    base: Annotated[Path | None, typer.Option(
+        help="a LoRA checkpoint: the base model folder to merge into (default: the "
+             "absolute folder its adapter config names)")] = None,
 ) -> None:
     """Write a checkpoint's weights as a Hugging Face folder (safetensors, config,
     tokenizer, generation config) that from_pretrained loads, a few tensors at a time; a
@@ -354,7 +357,8 @@ def export_command(
     from trainer.export import ExportError, export_checkpoint
 
     try:
-        typer.echo(export_checkpoint(checkpoint, out_dir, dtype, adapter=adapter))
+        typer.echo(export_checkpoint(checkpoint, out_dir, dtype, adapter=adapter,
+                                     base=base))
     except ExportError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
