@@ -13,7 +13,9 @@ field (and the file:line for a dataset record) and how to fix it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 from rollout.config import DatasetConfig
 from rollout.datasets import check_prompt_dataset
@@ -33,6 +35,11 @@ from rollout.reward_config import JudgeConfig, RewardConfig, RewardModelConfig
 from services.config import ConfigError, ConfigProblem, JobConfig
 from services.driver.wandb_sink import check_wandb_available
 from services.placement import check_local_head
+
+# No hub call, ever: a name that is no local folder is refused by the checks below
+# before transformers sees it; this is the guard behind them. huggingface_hub reads it
+# once, at its import, which none of the imports above makes.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 CHECKED = (RuntimeError, ValueError)
 """What a check raises, its message ``field: …`` within its section: DatasetError and
@@ -114,12 +121,26 @@ def _check_rewards(config: JobConfig) -> None:
         elif isinstance(part, RewardModelConfig):
             from rollout.reward_checks import check_reward_model
 
+            _check_local_folder(part.path, f"{field}.path", "reward-model")
+            if part.tokenizer is not None:
+                _check_local_folder(part.tokenizer, f"{field}.tokenizer", "tokenizer")
             check_reward_model(part, field)
         elif isinstance(part, JudgeConfig) and part.url is None:
             try:
                 check_model(part.model)
             except ModelImportError as err:
                 raise ModelImportError(f"{field}.{err}") from None
+
+
+def _check_local_folder(value: str, field: str, what: str) -> None:
+    """``value`` is a folder here. Checked before transformers reads it: given a name that
+    is no folder (``org/name``, or a folder not made yet) transformers asks the Hugging
+    Face hub, retrying for most of a minute on an offline machine."""
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        state = "is a file" if folder.exists() else "does not exist"
+        raise ValueError(f"{field}: {value} {state}; name a local {what} folder (Tally does "
+                         "not download models)")
 
 
 def _check_teacher(config: JobConfig) -> None:
@@ -190,7 +211,6 @@ def _check_lora(config: JobConfig) -> None:
     module of the model (where its family is known)."""
     import importlib.util
     import json
-    from pathlib import Path
 
     if importlib.util.find_spec("peft") is None:
         raise ValueError("trainer.lora: needs the peft package (pip install 'tally[lora]')")

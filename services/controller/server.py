@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import socket
 import sys
 import threading
@@ -71,6 +72,10 @@ def serve(settings: Settings, log_level: str = "info", sock: socket.socket | Non
     """Serve until interrupted; refuses a non-loopback bind without a token. ``sock``: a
     socket bound already (``--fd``: handed down by whoever started the controller, e.g. a
     test holding its port); its address replaces the settings' host and port."""
+    # Offline by default: nothing the controller runs (preflight's reads of a model
+    # folder included) may take a name for a Hugging Face hub id and fetch it. Set before
+    # the app's imports: huggingface_hub reads it once, when first imported.
+    os.environ["HF_HUB_OFFLINE"] = "1"
     import uvicorn
 
     from services.controller.app import create_app

@@ -4,9 +4,10 @@ Bounded parsing, each step cheap before the next runs: a config over ``MAX_CONFI
 is refused (413) before any parser sees it; its nesting depth is measured by a linear scan
 (over ``MAX_DEPTH``: 422); anchors and aliases are refused (a few lines of aliases can
 expand to gigabytes); then PyYAML's C safe loader reads it, once per submission (a sweep
-validates each run from the same parsed data). Every path in the config must resolve
-inside the allowed roots (the data folder plus ``TALLY_ALLOWED_ROOTS``); relative paths
-are taken from the data folder and written back absolute.
+validates each run from the same parsed data). Every field the schema marks as a path
+(rollout/config_paths.py) must resolve inside the allowed roots (the data folder plus
+``TALLY_ALLOWED_ROOTS``), so a path field added later is confined without being listed
+here; relative paths are taken from the data folder and written back absolute.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rollout.config_paths import marked_paths
 from rollout.pretrained import BUILTIN_MODELS
 from services.config import (
     ConfigError,
@@ -29,7 +32,6 @@ from services.config import (
     apply_override,
     job_mapping,
     load_yaml,
-    set_dotted,
 )
 from services.controller.settings import Settings
 from services.preflight import preflight
@@ -181,36 +183,58 @@ def config_from_data(data: dict[str, Any], overrides: list[str],
         raise _config_problem(str(err)) from None
 
 
+def _refuse(field_path: str, message: str) -> SubmissionError:
+    return SubmissionError(f"{field_path}: {message}", [(field_path, message)])
+
+
 def _inside_roots(value: str, field_path: str, settings: Settings) -> Path:
+    """``value`` resolved (a relative one from the data folder); refused naming the
+    allowed roots only: what the folder holds is never said (it may be anyone's)."""
     path = Path(value).expanduser()
     path = (path if path.is_absolute() else settings.data_dir / path).resolve()
     if not any(path.is_relative_to(root) for root in settings.roots):
         roots = ", ".join(str(r) for r in settings.roots)
-        message = (f"{value} is outside the allowed roots ({roots}); move it into one, or "
-                   f"start the controller with its folder in TALLY_ALLOWED_ROOTS "
-                   f"('{os.pathsep}'-separated)")
-        raise SubmissionError(f"{field_path}: {message}", [(field_path, message)])
+        raise _refuse(field_path, f"{value} is outside the allowed roots ({roots}); move it "
+                      f"into one, or start the controller with its folder in "
+                      f"TALLY_ALLOWED_ROOTS ('{os.pathsep}'-separated)")
     return path
+
+
+def _not_local(field_path: str, kind: str, value: str) -> SubmissionError:
+    """A model or folder that is not there: refused here, since anything past this point
+    could take ``org/name`` for a Hugging Face hub id (the controller is offline)."""
+    if kind == "model":
+        return _refuse(field_path, f"{value!r} is neither a built-in model nor a local "
+                       f"folder; built-in models: {', '.join(BUILTIN_MODELS)}; or name a "
+                       "Hugging Face model folder inside the allowed roots (Tally does not "
+                       "download models)")
+    return _refuse(field_path, f"{value!r} is not a local folder inside the allowed roots "
+                   "(Tally does not download models or tokenizers)")
+
+
+def _set_field(data: dict[str, Any], field_path: str, value: str) -> None:
+    """``data`` at ``rollout.reward[1].path`` (marked_paths' spelling) = ``value``."""
+    node: Any = data
+    *parents, leaf = re.split(r"\.|(?=\[)", field_path)
+    for part in parents:
+        node = node[int(part[1:-1])] if part.startswith("[") else node.setdefault(part, {})
+    node[leaf] = value
 
 
 def resolve_paths(config: JobConfig, data: dict[str, Any], settings: Settings,
                   default_output: Path) -> Path:
-    """Check every path field is inside the allowed roots, write resolved ones into
-    ``data``; returns the job folder. Whether each exists and reads is the preflight's
-    (the same one-line messages as ``tally train``)."""
-    rollout, held_out = config.rollout, config.eval.dataset
-    checks: list[tuple[str, str | None]] = [
-        ("rollout.model", None if rollout.model in BUILTIN_MODELS else rollout.model),
-        ("rollout.tokenizer", rollout.tokenizer),
-        ("rollout.dataset.path", getattr(rollout.dataset, "path", None)),
-        ("rollout.engine.weight_sync_dir", getattr(rollout.engine, "weight_sync_dir", None)),
-        ("eval.dataset", held_out) if isinstance(held_out, str) else
-        ("eval.dataset.path", getattr(held_out, "path", None)),
-    ]
-    for field_path, value in checks:
-        if value is None:
+    """Every field the schema marks as a path (rollout/config_paths.py) must resolve
+    inside the allowed roots; resolved ones are written into ``data``. A model or folder
+    that is read must exist (a built-in model name aside): a name that is no folder here
+    is refused, never looked up. Returns the job folder. Whether each reads is the
+    preflight's (the same one-line messages as ``tally train``)."""
+    for field_path, kind, value in marked_paths(config):
+        if field_path == "output_dir" or (kind == "model" and value in BUILTIN_MODELS):
             continue
-        set_dotted(data, field_path, str(_inside_roots(value, field_path, settings)))
+        path = _inside_roots(value, field_path, settings)
+        if kind in ("model", "folder") and not path.is_dir():
+            raise _not_local(field_path, kind, value)
+        _set_field(data, field_path, str(path))
     output_dir = (_inside_roots(config.output_dir, "output_dir", settings)
                   if config.output_dir else default_output)
     data["output_dir"] = str(output_dir)
@@ -219,9 +243,10 @@ def resolve_paths(config: JobConfig, data: dict[str, Any], settings: Settings,
 
 def check_output_dir(path: Path, value: str, settings: Settings,
                      taken: Sequence[str]) -> None:
-    """A job's own folder: never the data folder (or one holding it), the model or
-    warm-up caches, the controller's job folders, nor a folder of another job (or one
-    inside or around it)."""
+    """A job's own folder: never the data folder or an allowed root (or one holding
+    them: deleting the job's folder would delete them), the model or warm-up caches, the
+    controller's job or session folders, nor a folder of another job (or one inside or
+    around it)."""
     data = settings.data_dir.expanduser().resolve()
 
     def refuse(why: str) -> None:
@@ -231,9 +256,13 @@ def check_output_dir(path: Path, value: str, settings: Settings,
 
     if data.is_relative_to(path):
         refuse("is the data folder, or holds it")
+    for root in settings.roots:
+        if root.is_relative_to(path):
+            refuse(f"is an allowed root ({root}), or holds one")
     for folder, what in ((data / "models", "the model cache"),
                          (data / "warmup", "the warm-up cache"),
-                         (data / "jobs", "the controller's job folders")):
+                         (data / "jobs", "the controller's job folders"),
+                         (data / "sessions", "the controller's session folders")):
         if path.is_relative_to(folder):
             refuse(f"is inside {what} ({folder})")
     for other in taken:

@@ -402,3 +402,41 @@ def test_judge_and_list_refusals_name_the_part() -> None:
         preflight(parse_job_config(json.dumps({"rollout": {"reward": [
             rule, {"type": "judge", "model": "/no/such/judge"}]}})))
     assert str(info.value).startswith("rollout.reward[1].model: '/no/such/judge' is neither")
+
+
+@pytest.mark.parametrize(("part", "field"), [
+    ({"type": "model", "path": "MISSING"}, "rollout.reward[1].path"),
+    ({"type": "model", "path": "someorg/some-rm"}, "rollout.reward[1].path"),
+    ({"type": "model", "path": "TMP", "tokenizer": "someorg/tok"},
+     "rollout.reward[1].tokenizer"),
+], ids=["missing-folder", "hub-style", "hub-style-tokenizer"])
+def test_a_reward_model_that_is_no_local_folder_is_refused_offline(
+        tmp_path: Path, part: dict, field: str) -> None:
+    """A folder not made yet (or ``org/name``) is never handed to transformers, which
+    would take it for a hub id and retry for most of a minute: refused at once, naming
+    the field, without transformers (or huggingface_hub) even imported. Run with the
+    hub allowed by the environment: preflight itself must not reach it."""
+    part = {k: v.replace("MISSING", str(tmp_path / "rm")).replace("TMP", str(tmp_path))
+            for k, v in part.items()}
+    config = json.dumps({"rollout": {"reward": [{"type": "exact_match"}, part]}})
+    code = (
+        "import sys\n"
+        "from services.config import ConfigError, parse_job_config\n"
+        "from services.preflight import preflight\n"
+        "try:\n"
+        f"    preflight(parse_job_config({config!r}))\n"
+        "except ConfigError as err:\n"
+        "    print(err)\n"
+        "print(sorted({'transformers', 'huggingface_hub'} & set(sys.modules)))\n")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, env={"PATH": "", "HF_HUB_OFFLINE": "0"}, timeout=60)
+    elapsed = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    message, imported = out.stdout.strip().splitlines()
+    value = part["tokenizer" if field.endswith("tokenizer") else "path"]
+    assert message == (f"{field}: {value} does not exist; name a local "
+                       f"{'tokenizer' if field.endswith('tokenizer') else 'reward-model'} "
+                       "folder (Tally does not download models)")
+    assert imported == "[]"
+    assert elapsed < 30, f"{elapsed:.0f} s"  # loose: a subprocess on a busy machine
