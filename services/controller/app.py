@@ -86,7 +86,8 @@ def create_app(settings: Settings | None = None, backend: JobBackend | None = No
     from services.controller import routes_jobs, routes_sessions, routes_stream, routes_sweeps
 
     settings = settings or Settings.from_env()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    settings.data_dir.chmod(0o700)  # the database, keys and job folders: the owner's only
     store = Store(settings.db_url)
     store.migrate()
     ctl = Controller(settings, store)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import time
@@ -96,9 +97,15 @@ def new_job(resolved: Resolved, job_id: str, **fields: object) -> Job:
 
 
 def write_config_file(resolved: Resolved) -> None:
-    resolved.output_dir.mkdir(parents=True, exist_ok=True)
-    (resolved.output_dir / JOB_CONFIG_FILE).write_text(
-        yaml.safe_dump(resolved.file_config, sort_keys=False), encoding="utf-8")
+    """The job's config in its new folder: folder 0700, file 0600 (the owner's only),
+    the file never written through a link."""
+    resolved.output_dir.parent.mkdir(parents=True, exist_ok=True)
+    resolved.output_dir.mkdir(mode=0o700, exist_ok=True)
+    text = yaml.safe_dump(resolved.file_config, sort_keys=False)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    with os.fdopen(os.open(resolved.output_dir / JOB_CONFIG_FILE, flags, 0o600), "w",
+                   encoding="utf-8") as out:
+        out.write(text)
 
 
 def parse_submit(body: bytes, content_type: str, query_overrides: list[str]) -> JobSubmit:

@@ -113,7 +113,8 @@ def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float
         job_needs(final))
     if shortfall is not None:
         raise HTTPException(503, f"the cluster cannot hold the session now ({shortfall})")
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)  # the owner's only
     (folder / CONFIG_FILE).write_text(final.model_dump_json(indent=2))
     now = time.time()
     row = TrainingSessionRow(
@@ -184,7 +185,7 @@ async def get_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
     row = await run_in_threadpool(row_of, ctl, session_id)
     live = None
     if row.status in SESSION_LIVE:
-        if (url := ready_url(row)) is not None:
+        if (url := ready_url(row, ctl.settings.sessions_advertise_host)) is not None:
             live = await refresh(ctl, row, url)
         if live is None:
             await run_in_threadpool(end_from_ray, ctl.store, ctl.backend, row)
@@ -199,7 +200,7 @@ async def delete_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
     first to keep the weights)."""
     row = await run_in_threadpool(row_of, ctl, session_id)
     if row.status in SESSION_LIVE:
-        url = ready_url(row)
+        url = ready_url(row, ctl.settings.sessions_advertise_host)
         if url is None or not await close(ctl, row, url):
             try:
                 await run_in_threadpool(ctl.backend.stop, row.ray_submission_id)

@@ -48,7 +48,7 @@ def _look(ctl: Controller, session_id: str, ask_ray: bool
     row = row_of(ctl, session_id)
     if row.status not in SESSION_LIVE:
         raise gone(row)
-    if (url := ready_url(row)) is not None:
+    if (url := ready_url(row, ctl.settings.sessions_advertise_host)) is not None:
         if row.status != "ready":
             ctl.store.update_session(row.id, status="ready")
         return row, url

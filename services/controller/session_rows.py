@@ -5,10 +5,14 @@ calls and the reconcile loop both ask)."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from rollout.confined import read_inside
 from services.config import JobConfig
 from services.controller.job_logs import failure_cause
 from services.controller.ray_jobs import BackendUnavailable, JobBackend
@@ -17,19 +21,56 @@ from services.controller.settings import Settings
 from services.controller.store import Store
 from services.controller.tables import TERMINAL, TrainingSessionRow
 from services.placement import job_needs
-from services.sessions.server import read_state
+from services.sessions.server import SESSION_FILE
 
 SAVE_TIMEOUT_S = 120.0
 
 
-def ready_url(row: TrainingSessionRow) -> str | None:
-    """Where the session's server listens (its node's address, or the advertised host),
-    once its ``session.json`` says ready."""
-    state = read_state(Path(row.output_dir)) or {}
+MAX_STATE_BYTES = 64 << 10
+"""A session.json is a few fields: a larger one is not read."""
+
+
+def session_state(folder: str | Path) -> dict[str, Any]:
+    """``<folder>/session.json`` read by the confinement rule (a link, or anything that
+    is not a JSON object: {}, as a session still starting)."""
+    try:
+        data = read_inside(folder, SESSION_FILE, limit=MAX_STATE_BYTES)
+        state = json.loads(data)
+    except (OSError, ValueError):  # Escapes is a ValueError: a link is never read
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def session_host(host: object, advertised: str | None) -> str | None:
+    """``host`` when it can be a Ray node's address: an IP of loopback or a private
+    network (never link-local: a cloud's metadata server), or the name the controller
+    itself advertises (``TALLY_SESSIONS_ADVERTISE_HOST``); None otherwise. Anyone who
+    can write the session's folder writes session.json: the controller sends the
+    session's secret and its callers' data to the address it names."""
+    if not isinstance(host, str) or not host:
+        return None
+    if advertised and host == advertised:
+        return host
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if address.is_link_local or address.is_multicast or address.is_unspecified:
+        return None
+    return host if address.is_loopback or address.is_private else None
+
+
+def ready_url(row: TrainingSessionRow, advertised: str | None = None) -> str | None:
+    """Where the session's server listens (its node's address, or the ``advertised``
+    host), once its ``session.json`` says ready with an address that can be a node's and
+    a port in 1..65535 (else: not ready, and never called)."""
+    state = session_state(row.output_dir)
     if state.get("state") != "ready":
         return None
-    host = str(state["host"])
-    return f"http://{f'[{host}]' if ':' in host else host}:{state['port']}"
+    host, port = session_host(state.get("host"), advertised), state.get("port")
+    if host is None or type(port) is not int or not 0 < port < 65536:
+        return None
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def controller_headers(settings: Settings, row: TrainingSessionRow) -> dict[str, str]:
@@ -52,7 +93,7 @@ def end_from_ray(store: Store, backend: JobBackend, row: TrainingSessionRow
                  ) -> TrainingSessionRow | None:
     """The session says it ended (idle or closed: its process is on its way out), or Ray
     says its job ended (or forgot it): the row says how; None while it runs."""
-    state = read_state(Path(row.output_dir)) or {}
+    state = session_state(row.output_dir)
     if state.get("state") == "ended" and state.get("reason") in ("idle", "closed"):
         return store.update_session(row.id, status="ended",
                                     saved_path=state.get("saved_path"))
@@ -85,7 +126,7 @@ def save_before_the_head_stops(store: Store, settings: Settings) -> None:
     failed, saying why."""
     for row in store.live_sessions():
         saved, why = None, "it was still starting"
-        if (url := ready_url(row)) is not None:
+        if (url := ready_url(row, settings.sessions_advertise_host)) is not None:
             try:
                 answer = httpx.post(f"{url}/save", json={"name": "shutdown"},
                                     timeout=SAVE_TIMEOUT_S,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config as AlembicConfig
+from alembic.runtime.migration import MigrationContext
 from sqlalchemy import and_, create_engine, delete, event, func, insert, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, defer, sessionmaker
@@ -33,6 +35,9 @@ from services.controller.tables import (
 )
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+PURGE_REVISION = "0005"
+"""A database older than this may hold dropped session secrets: purged once upgraded
+(migrations/versions/0005_purge_secret_residue.py)."""
 
 RANK = {"queued": 0, "pending": 1, "running": 2, "succeeded": 3, "failed": 3, "cancelled": 3}
 """Statuses only move forward: a late 'pending' never hides 'running'."""
@@ -45,7 +50,7 @@ MetricTriple = tuple[int, float, dict[str, float | None]]
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            private_file(Path(url.removeprefix("sqlite:///")))
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
@@ -58,6 +63,24 @@ def make_engine(url: str) -> Engine:
 
         return engine
     return create_engine(url, pool_pre_ping=True)
+
+
+def private_file(path: Path) -> None:
+    """``path`` (the database) made or kept 0600 in a folder it makes 0700, its WAL and
+    shared-memory files 0600 (SQLite gives them the database's mode when it makes them):
+    a database of tokens' metrics and configs, and once secrets, is its owner's alone."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:  # never through a link (chmod would follow one)
+            descriptor = os.open(name, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fchmod(descriptor, 0o600)
+        finally:
+            os.close(descriptor)
 
 
 def pick_indices(count: int, max_points: int) -> list[int]:
@@ -98,13 +121,29 @@ class Store:
             self.version += 1
 
     def migrate(self) -> None:
-        """Alembic ``upgrade head`` on this database."""
+        """Alembic ``upgrade head`` on this database; one that held session secrets
+        (revision before PURGE_REVISION) is then purged of their residue."""
         cfg = AlembicConfig()
         cfg.set_main_option("script_location", str(MIGRATIONS))
         cfg.set_main_option("sqlalchemy.url", self.url.replace("%", "%%"))
         with self.engine.begin() as connection:
+            before = MigrationContext.configure(connection).get_current_revision()
             cfg.attributes["connection"] = connection
             command.upgrade(cfg, "head")
+        if before is not None and before < PURGE_REVISION:  # revisions are 0001, 0002, …
+            self.purge()
+
+    def purge(self) -> None:
+        """Rewrite a SQLite database so that no deleted row survives in it or its WAL:
+        checkpoint the WAL into the file, ``VACUUM`` (the file rebuilt without free
+        pages), checkpoint again truncating the WAL to nothing. Outside a transaction
+        (VACUUM cannot run in one); other databases: nothing to do here."""
+        if self.engine.dialect.name != "sqlite":
+            return
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.exec_driver_sql("VACUUM")
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
         self.engine.dispose()
