@@ -45,7 +45,7 @@ from typing import Any
 
 from rollout.config import EnvironmentConfig
 from rollout.engines.base import Generation
-from rollout.plugins import load_object
+from rollout.environments import load_environment_class
 from rollout.token_budget import turn_tokens
 from rollout.turns import TurnFormat
 
@@ -135,7 +135,7 @@ def run_episodes(records: list[dict[str, Any]], config: EnvironmentConfig, turns
     the seconds spent waiting on the environment). ``fit_prompt(ids, i)``: the first
     observation's ids within the prompt budget (rollout.prompt_truncation; it raises for
     record i when that says error). ``context``: the model's C (None: unknown)."""
-    env_class = load_object(config.class_path, "rollout.environment.class_path")
+    env_class = load_environment_class(config.class_path)
     episodes = [Episode(record) for record in records]
     runner = _Calls(config.step_timeout_s, env_threads(), env_class.__name__)
     asyncio.run(_play(episodes, env_class, config, turns, generate, max_new_tokens,

@@ -37,8 +37,8 @@ from rollout.dynamic_sampling import split_by_spread
 from rollout.engine_weights import EngineWeights
 from rollout.engines import check_engine_available, engine_actor_options, engine_class
 from rollout.engines.base import EpisodeTurn, Generation
+from rollout.environments import load_environment_class
 from rollout.episodes import EnvironmentFailures, Episode, run_episodes
-from rollout.plugins import load_object
 from rollout.prompts import PromptTooLong, fit_prompt
 from rollout.reward_config import RewardConfig
 from rollout.reward_parts import Rewarder, RewardScores, start_reward_actors
@@ -193,7 +193,7 @@ class RolloutManager(EngineWeights):
         self.rewarder = Rewarder(config.reward_parts, reward_actors)
         self.turns: TurnFormat | None = None
         if config.environment is not None:  # its class imports here, or the job stops
-            load_object(config.environment.class_path, "rollout.environment.class_path")
+            load_environment_class(config.environment.class_path)
             self.turns = TurnFormat(self.tokenizer, self.apply_chat_template,
                                     config.environment.observation_role)
         self.next_group_index = 0

@@ -1,7 +1,8 @@
 """Checks a job needs before anything starts that pydantic cannot see: optional packages;
 local paths and what they hold (every record of a dataset file, bounded in time; the model
 folder); the user's own modules (``rollout.reward.custom_function``,
-``rollout.environment.class_path``, ``aggregation.custom_reducer``); the token budget
+``rollout.environment.class_path``, ``aggregation.custom_reducer``: located at submit,
+imported only in the job); the token budget
 within the model's context (rollout/token_budget.py); and, for a Ray head
 Tally starts itself, the machine's CPUs and GPUs. The controller runs them at submit
 time, ``tally train`` before Ray starts and the driver again at start.
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from rollout.config import DatasetConfig
 from rollout.datasets import check_prompt_dataset
 from rollout.engines import check_engine_available
-from rollout.plugins import check_object
+from rollout.environments import load_environment_class
+from rollout.plugins import check_object, locate_object
 from rollout.pretrained import (
     BUILTIN_MODELS,
     SMOLLM2_NAME,
@@ -46,7 +49,8 @@ CHECKED = (RuntimeError, ValueError)
 PluginError (ValueErrors), ModelImportError and EngineUnavailableError (RuntimeErrors)."""
 
 
-def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
+def preflight(config: JobConfig, local_head: bool = False,
+              load_user_code: bool = False) -> list[str]:
     """Raises ConfigError (source "": the config is already parsed) with one problem per
     failed check, each naming its field. Returns notes, one line each, on what was checked
     only in part (a dataset file too large to read whole in the time allowed).
@@ -55,6 +59,10 @@ def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
     ``--address`` / ``RAY_ADDRESS``; services.placement.starts_local_head), so a job that
     head could never place is refused instead of waiting forever. Never at submit: a
     cluster's nodes may still join.
+
+    ``load_user_code``: import the user's modules and check what they name (in the job:
+    services/train.py, the driver); else each is located without running any of its
+    code (the controller at submit): :func:`_user_code`.
     """
     problems: list[ConfigProblem] = []
     notes: list[str] = []
@@ -75,12 +83,8 @@ def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
         check("", lambda: _check_teacher(config))
     if config.critic.enabled and config.critic.model is not None:
         check("", lambda: _check_critic(config))
-    if config.rollout.environment is not None:
-        check("rollout", lambda: check_object(config.rollout.environment.class_path,
-                                              "environment.class_path"))
-    if config.aggregation.custom_reducer is not None:
-        check("aggregation", lambda: check_object(config.aggregation.custom_reducer,
-                                                  "custom_reducer"))
+    for user_check in _user_code(config, load_user_code):
+        check("", user_check)
     check("", lambda: check_wandb_available(config.logging.wandb))
     if config.trainer.backend == "megatron":
         check("", lambda: _check_megatron(config))
@@ -101,6 +105,29 @@ def preflight(config: JobConfig, local_head: bool = False) -> list[str]:
     return notes
 
 
+def _user_code(config: JobConfig, load: bool) -> list[Callable[[], object]]:
+    """One check per ``module:attr`` of the user's (a rule's ``custom_function``,
+    ``rollout.environment.class_path``, ``aggregation.custom_reducer``). ``load``: imported
+    and checked for what it must be (an environment a subclass of
+    rollout.environments.Environment, the rest callables): user code runs in the job only.
+    Else located and parsed, never run: the controller imports no user module."""
+    many = isinstance(config.rollout.reward, list)
+    named = [(part.custom_function, f"rollout.reward{f'[{k}]' if many else ''}"
+              ".custom_function", False)
+             for k, part in enumerate(config.rollout.reward_parts)
+             if isinstance(part, RewardConfig) and part.custom_function is not None]
+    if config.rollout.environment is not None:
+        named.append((config.rollout.environment.class_path,
+                      "rollout.environment.class_path", True))
+    if config.aggregation.custom_reducer is not None:
+        named.append((config.aggregation.custom_reducer, "aggregation.custom_reducer", False))
+    if load:
+        return [partial(load_environment_class if is_env else check_object, path, field)
+                for path, field, is_env in named]
+    return [partial(locate_object, path, field, want_class=is_env)
+            for path, field, is_env in named]
+
+
 def _check_model(config: JobConfig) -> None:
     if config.rollout.model == SMOLLM2_NAME:
         smollm2_gguf_path()  # imported into the data folder at start, once
@@ -115,10 +142,7 @@ def _check_rewards(config: JobConfig) -> None:
     many = isinstance(config.rollout.reward, list)
     for k, part in enumerate(config.rollout.reward_parts):
         field = f"rollout.reward[{k}]" if many else "rollout.reward"
-        if isinstance(part, RewardConfig):
-            if part.custom_function is not None:
-                check_object(part.custom_function, f"{field}.custom_function")
-        elif isinstance(part, RewardModelConfig):
+        if isinstance(part, RewardModelConfig):
             from rollout.reward_checks import check_reward_model
 
             _check_local_folder(part.path, f"{field}.path", "reward-model")

@@ -26,7 +26,7 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
     (exit code 1). ``force``: resume even with settings that break exactness."""
     try:
         config = load_job_config(config_path, overrides or [])
-        for note in preflight(config, local_head=starts_local_head()):
+        for note in preflight(config, local_head=starts_local_head(), load_user_code=True):
             print(f"note: {note}")
     except ConfigError as err:
         print(err, file=sys.stderr)

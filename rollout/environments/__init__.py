@@ -1,9 +1,9 @@
 """Multi-turn environments: what the policy acts in when ``rollout.environment`` is set.
 
-An environment is any class with this interface (``rollout.environment.class_path``
-names it as ``module:Class``)::
+An environment is a subclass of :class:`Environment` with this interface
+(``rollout.environment.class_path`` names it as ``module:Class``)::
 
-    class MyEnv:
+    class MyEnv(Environment):
         def __init__(self, **kwargs): ...   # rollout.environment.kwargs
         def reset(self, record: dict) -> str: ...
             # record {"prompt", "label", "metadata"} -> the first observation
@@ -29,3 +29,40 @@ Built-ins:
     rollout.environments.calculator:Calculator      math word problems with a <calc> tool
     rollout.environments.guess_number:GuessNumber   guess a secret number, told higher/lower
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.plugins import PluginError, load_object, locate_object
+
+CLASS_PATH_FIELD = "rollout.environment.class_path"
+
+
+class Environment:
+    """The base every environment subclasses (``class MyEnv(Environment)``): the interface
+    above. ``class_path`` must name a subclass, so a config can never make the job call
+    an arbitrary callable (``subprocess:Popen`` with ``kwargs``) in its place."""
+
+    def reset(self, record: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+    def step(self, action: str) -> tuple[str | None, float, bool]:
+        raise NotImplementedError
+
+
+def load_environment_class(path: str, field: str = CLASS_PATH_FIELD) -> type[Environment]:
+    """The class ``path`` names, imported (in the job only); a PluginError starting with
+    ``field`` unless it subclasses :class:`Environment`."""
+    env_class = load_object(path, field)
+    if not (isinstance(env_class, type) and issubclass(env_class, Environment)):
+        what = "a class" if isinstance(env_class, type) else type(env_class).__name__
+        raise PluginError(f"{field}: {path} is {what} that does not subclass "
+                          "rollout.environments.Environment; an environment must "
+                          "(class MyEnv(Environment), docs/environments.md)")
+    return env_class
+
+
+def locate_environment_class(path: str, field: str = CLASS_PATH_FIELD) -> None:
+    """The controller's check of ``path``, importing nothing (rollout.plugins)."""
+    locate_object(path, field, want_class=True)

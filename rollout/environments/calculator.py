@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from rollout.environments import Environment
 from rollout.math_words import ANSWER_INSTRUCTIONS
 from rollout.rewards import boxed_match, extract_boxed
 
@@ -68,7 +69,7 @@ class CalcError(ValueError):
     """An expression the calculator refuses or cannot evaluate; the message is shown."""
 
 
-class Calculator:
+class Calculator(Environment):
     """One episode of a math word problem with a calculator tool (see the module doc)."""
 
     def __init__(self, answer_reward: float = 1.0, tool_call_reward: float = 0.0,

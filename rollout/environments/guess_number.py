@@ -19,10 +19,12 @@ import json
 import re
 from typing import Any
 
+from rollout.environments import Environment
+
 _INTEGER = re.compile(r"-?\d+")
 
 
-class GuessNumber:
+class GuessNumber(Environment):
     """One game of guessing a secret number (see the module doc)."""
 
     def __init__(self, low: int = 1, high: int = 16) -> None:

@@ -282,7 +282,7 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
     the driver), so the dataset is not read and the modules not imported twice.
     """
     if not preflighted:
-        preflight(config)
+        preflight(config, load_user_code=True)  # the job: its user modules import here
     quiet_transformers()
     run_dir = RunDir(output_dir or job_dir(config.name, config.output_dir))
     plan = checkpoint.plan_resume(config, run_dir, resume_from, force, log)

@@ -7,8 +7,10 @@ import asyncio
 import threading
 import time
 
+from rollout.environments import Environment
 
-class Countdown:
+
+class Countdown(Environment):
     """Answers every action with ``obs<k>`` and is done after ``turns`` steps; each step
     rewards 0.25, so an episode's reward tells how many steps it took."""
 
@@ -102,7 +104,7 @@ class RaisesOnLabel(Countdown):
         return result
 
 
-class Chatty:
+class Chatty(Environment):
     """Answers with a long text, so the episode's token budget ends it."""
 
     def __init__(self, words: int = 50) -> None:
