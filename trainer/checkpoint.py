@@ -398,14 +398,14 @@ def confine(folder: str | Path) -> None:
     folder = Path(folder)
     for _ in regular_files(folder, folder.name):
         pass  # the walk raises at the first link
+    for shards in (folder / SHARDS_DIR, folder / CRITIC_DIR / SHARDS_DIR):
+        if (shards / ".metadata").is_file():
+            SafeFileSystemReader(str(shards)).read_metadata()  # checks each relative_path
     for manifest in (FOLDER_MANIFEST, f"{SHARDS_DIR}/{MANIFEST}",
                      f"{CRITIC_DIR}/{SHARDS_DIR}/{MANIFEST}"):
         if (folder / manifest).is_file():
             for name in _manifest_names(folder, manifest):
                 stored_path(name, manifest)
-    for shards in (folder / SHARDS_DIR, folder / CRITIC_DIR / SHARDS_DIR):
-        if (shards / ".metadata").is_file():
-            SafeFileSystemReader(str(shards)).read_metadata()  # checks each relative_path
 
 
 def escapes(folder: str | Path) -> str | None:
