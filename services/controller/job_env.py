@@ -52,7 +52,7 @@ KEPT_PREFIXES = ("LC_", "RAY_", "HF_HUB_DISABLE_", "TRANSFORMERS_", "CUDA_", "NV
 DROPPED = frozenset({"RAY_ADDRESS"})
 """Kept by a prefix, dropped all the same: a job of the embedded head joins that head."""
 CONTROLLER_ONLY = frozenset({"TALLY_API_TOKEN", "TALLY_DATABASE_URL",
-                             "TALLY_CONTROLLER_KEY_FILE"})
+                             "TALLY_CONTROLLER_DIR"})
 """The controller's own credentials: never in a job's environment, by any route."""
 
 

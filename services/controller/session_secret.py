@@ -3,14 +3,14 @@
     secret = HMAC-SHA256(controller key, "session-server:" + session id)   (hex)
 
 The controller key is 32 random bytes in ``<data dir>/session-key`` (mode 0600, made on
-first use), or in the file ``TALLY_CONTROLLER_KEY_FILE`` names: on KubeRay the data folder
-is the volume every Ray pod mounts, with the same uid, so the key lives in a Secret mounted
-into the controller pod only (docs/deploy.md). The controller recomputes any session's
-secret after a restart, and neither the database nor Ray's job metadata (the dashboard's
-job list shows every job's ``runtime_env``) holds it. The secret reaches the session's
-process as a file in its folder (``.secret``, mode 0600, written before the Ray job is
-submitted), which the server reads and removes as it starts (services/sessions/server.py
-``take_secret``).
+first use), or in ``$TALLY_CONTROLLER_DIR/session-key``: on KubeRay the data folder is the
+volume every Ray pod mounts, with the same uid, so the key lives in a Secret mounted into
+the controller pod only, at TALLY_CONTROLLER_DIR (docs/deploy.md). The controller
+recomputes any session's secret after a restart, and neither the database nor Ray's job
+metadata (the dashboard's job list shows every job's ``runtime_env``) holds it. The secret
+reaches the session's process as a file in its folder (``.secret``, mode 0600, written
+before the Ray job is submitted), which the server reads and removes as it starts
+(services/sessions/server.py ``take_secret``).
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ from pathlib import Path
 from services.sessions.server import SECRET_FILE
 
 KEY_FILE = "session-key"
-KEY_FILE_ENV = "TALLY_CONTROLLER_KEY_FILE"
-"""Where the key is, when not in the data folder (never passed to a job: job_env.py)."""
+CONTROLLER_DIR_ENV = "TALLY_CONTROLLER_DIR"
+"""A folder of the controller's own that no job can read, holding the key when set (never
+passed to a job: job_env.py)."""
 
 
 def key_path(data_dir: Path) -> Path:
-    """The controller key's file: ``TALLY_CONTROLLER_KEY_FILE``, else in ``data_dir``."""
-    named = os.environ.get(KEY_FILE_ENV)
-    return Path(named) if named else data_dir / KEY_FILE
+    """The controller key's file: in ``TALLY_CONTROLLER_DIR`` when set, else ``data_dir``."""
+    own = os.environ.get(CONTROLLER_DIR_ENV)
+    return (Path(own) if own else data_dir) / KEY_FILE
 
 
 @lru_cache(maxsize=8)

@@ -15,10 +15,11 @@ import pytest
 
 from services.controller.ray_head import LocalRayHead
 from services.controller.ray_jobs import RayJobBackend
+from services.controller.session_secret import KEY_FILE, controller_key
 
 MASTER = "master-token-0123456789abcdef"
 CONTROLLER_ONLY = {"TALLY_API_TOKEN": MASTER, "TALLY_DATABASE_URL": "sqlite:////tmp/c.db",
-                   "TALLY_CONTROLLER_KEY_FILE": "/run/secrets/tally/session-key",
+                   "TALLY_CONTROLLER_DIR": "/run/secrets/tally",
                    "TALLY_ALLOWED_ROOTS": "/data", "AWS_SECRET_ACCESS_KEY": "aws-secret"}
 """What the controller's environment holds and no job may see (the last two: anything not
 on the allowlist goes, not only what Tally names)."""
@@ -75,6 +76,19 @@ def test_a_job_and_its_tasks_hold_their_own_token_and_none_of_the_controllers(
 def test_the_controllers_credentials_cannot_be_handed_to_a_job() -> None:
     """Checked before any request: no Ray needed at this address."""
     backend = RayJobBackend("http://127.0.0.1:9")
-    for name in ("TALLY_API_TOKEN", "TALLY_DATABASE_URL", "TALLY_CONTROLLER_KEY_FILE"):
+    for name in ("TALLY_API_TOKEN", "TALLY_DATABASE_URL", "TALLY_CONTROLLER_DIR"):
         with pytest.raises(ValueError, match=name):
             backend.submit("tally-x", "true", {name: "x"}, {})
+
+
+def test_the_controller_key_can_live_where_no_job_reads_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On KubeRay the data folder is every Ray pod's: the key is read from the controller's
+    own folder (a Secret mounted there only) and never made in the data folder."""
+    own, data = tmp_path / "own", tmp_path / "data"
+    own.mkdir()
+    data.mkdir()
+    (own / KEY_FILE).write_text("ab" * 32 + "\n")  # as `openssl rand -hex 32` writes it
+    monkeypatch.setenv("TALLY_CONTROLLER_DIR", str(own))
+    assert controller_key(data) == bytes.fromhex("ab" * 32)
+    assert not (data / KEY_FILE).exists()
