@@ -7,7 +7,9 @@ packages' ``config`` modules, so the controller validates a job without torch or
 
 from __future__ import annotations
 
+import functools
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +152,13 @@ class JobConfig(BaseModel):
                 f"is {config.rollout.async_steps} (TIS corrects the samples' staleness); set "
                 "it yourself, or to null for none, to choose"),)
         return config
+
+    def with_notes(self, notes: list[ConfigProblem]) -> JobConfig:
+        """This config, with ``notes`` (what ``--set`` changed besides the field it set)
+        said by :meth:`warnings`."""
+        if notes:
+            self._implied = (*self._implied, *notes)
+        return self
 
     @model_validator(mode="after")
     def _trainable_temperature(self) -> JobConfig:
@@ -433,8 +442,12 @@ def _validation_error(err: ValidationError, source: str) -> ConfigError:
     return validation_error(err, source, JobConfig)
 
 
-def apply_override(data: dict[str, Any], override: str) -> None:
-    """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict in place."""
+def apply_override(data: dict[str, Any], override: str,
+                   model: type[BaseModel] | None = None) -> list[ConfigProblem]:
+    """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict in place. Setting a
+    variant's ``type`` (``rollout.engine.type=sglang``) drops the fields the old variant
+    had and the new one has not; returns one note per dropped field (``model``: the
+    schema the data is of, default JobConfig)."""
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {override!r}",
@@ -444,7 +457,44 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     except yaml.YAMLError as err:
         raise ConfigError(f"--set {key}", [ConfigProblem(
             key.strip(), f"value is not valid YAML: {err}")]) from err
-    set_dotted(data, key.strip(), value, source=f"--set {key}")
+    key = key.strip()
+    set_dotted(data, key, value, source=f"--set {key}")
+    if key.rpartition(".")[2] != "type":
+        return []
+    return drop_other_variant_fields(data, key, value, model or JobConfig)
+
+
+def _member_models(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation admits (through Annotated, unions, Optional)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _member_models(arg)]
+
+
+def drop_other_variant_fields(data: dict[str, Any], key: str, value: Any,
+                              model: type[BaseModel]) -> list[ConfigProblem]:
+    """After ``key`` (``a.b.type``) was set to ``value``: remove from section ``a.b`` the
+    keys the variant of that type does not have (they belonged to the old one), one
+    note each. Nothing is dropped when no variant has that type (validation says so)."""
+    *parents, _ = key.split(".")
+    models: list[type[BaseModel]] = [model]
+    for part in parents:
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        models = [m for f in fields for m in _member_models(f.annotation)]
+    variant = next((m for m in models if "type" in m.model_fields and value in
+                    typing.get_args(m.model_fields["type"].annotation)), None)
+    section = functools.reduce(lambda node, part: node[part], parents, data)
+    if variant is None or not isinstance(section, dict):
+        return []
+    known = set(variant.model_fields) | {f.alias for f in variant.model_fields.values()
+                                         if f.alias}
+    notes = []
+    for name in [name for name in section if name not in known]:
+        del section[name]
+        notes.append(ConfigProblem(f"{'.'.join(parents)}.{name}", (
+            f"dropped: a field of the previous {'.'.join(parents)} type, which "
+            f"type {value!r} (set by --set {key}) does not have")))
+    return notes
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any, source: str = "") -> None:
@@ -495,12 +545,12 @@ def parse_job_config(text: str, overrides: list[str] | None = None,
     text (the defaults and the overrides, as tests build configs); text that says nothing
     (comments only, ``null``) is refused as an empty ``what``."""
     data = job_mapping(load_yaml(text, source), source, what)
-    for override in overrides or []:
-        apply_override(data, override)
+    notes = [note for override in overrides or [] for note in apply_override(data, override)]
     try:
-        return JobConfig.model_validate(data)
+        config = JobConfig.model_validate(data)
     except ValidationError as err:
         raise _validation_error(err, source) from None
+    return config.with_notes(notes)
 
 
 def read_config_text(path: str | Path) -> str:

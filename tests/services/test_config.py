@@ -160,6 +160,26 @@ def test_overrides_apply_and_are_validated() -> None:
         parse_job_config("name: x\n", ["trainer.optimizer.lr=-1"])
 
 
+def test_switching_a_variant_type_by_set_drops_the_old_variants_fields() -> None:
+    """The README's GPU line: smollm2-math.yaml's torch-engine fields (num_threads, …)
+    do not make ``--set rollout.engine.type=sglang`` an unknown-key error; each dropped
+    field is said, and a field both variants have is kept."""
+    text = (ROOT / "configs" / "smollm2-math.yaml").read_text()
+    torch_only = {"num_threads", "device", "kv_cache"} & set(
+        parse_job_config(text).rollout.engine.model_fields_set)
+    assert torch_only, "the shipped config no longer sets a torch-only engine field"
+    config = parse_job_config(text, ["rollout.engine.type=sglang"])
+    assert config.rollout.engine.type == "sglang"
+    said = {p.field: p.message for p in config.warnings()}
+    for name in torch_only:
+        assert "dropped: a field of the previous rollout.engine type" in \
+            said[f"rollout.engine.{name}"]
+    assert config.rollout.engine.num_engines == parse_job_config(text).rollout.engine.num_engines
+    # an unknown type drops nothing: validation names the type instead
+    with pytest.raises(ConfigError, match=r"rollout\.engine"):
+        parse_job_config(text, ["rollout.engine.type=vllm"])
+
+
 def problems_of(text: str, overrides: list[str] | None = None) -> list[ConfigProblem]:
     with pytest.raises(ConfigError) as caught:
         parse_job_config(text, overrides)
