@@ -110,6 +110,10 @@ class JobConfig(BaseModel):
     exactness is refused unless --force)."""
     max_restarts: int = Field(default=1, ge=0)
     """Restart a dead actor group from the last checkpoint at most this many times."""
+    placement_timeout_s: float = Field(default=1800.0, gt=0)
+    """How long a job that fits the Ray cluster, but not what is free now, waits for its
+    resources (its ``waiting`` event says what is short) before it fails. A job larger
+    than the whole cluster fails at once, naming the fields to lower."""
     colocate: bool = False
     """Run the rollout engines inside the trainer ranks' bundles (same node and device)
     instead of bundles of their own; torch engines with the FSDP trainer run inside the

@@ -212,10 +212,76 @@ class JobPlacement:
         return {"scheduling_strategy": self.strategy(0)}
 
 
+AUTOSCALING_ENV = "TALLY_CLUSTER_AUTOSCALES"
+"""Set (to 1) where the Ray cluster grows on demand (the KubeRay manifests set it): its
+alive nodes are then not all it will have, so a job larger than them waits (up to
+``placement_timeout_s``) instead of being refused at once."""
+
+
+def fields_asking(config: JobConfig, resource: str) -> list[str]:
+    """The config fields whose bundles ask for ``resource`` (what a user lowers)."""
+    asks = {"trainer.num_cpus_per_rank / trainer.dp_size": trainer_bundle(config),
+            "rollout.engine.num_cpus / rollout.engine.num_engines": engine_bundle(config),
+            "rollout.distillation.num_cpus": teacher_bundle(config),
+            "critic (its trainer's num_cpus_per_rank)": (critic_bundles(config) or [{}])[0]}
+    for k, bundle in enumerate(reward_bundles(config)):
+        asks[f"rollout.reward[{k}].num_cpus"] = bundle
+    names = [name for name, bundle in asks.items() if bundle.get(resource)]
+    if resource == "GPU":
+        names = [name.replace("num_cpus_per_rank", "num_gpus_per_rank")
+                 .replace("num_cpus", "num_gpus") for name in names]
+    elif resource != "CPU":
+        names = [f"{name.split(' ')[0].rsplit('.', 1)[0]}.resources" for name in names]
+    return names
+
+
+def never_fits(config: JobConfig, nodes: list[dict[str, float]]) -> str | None:
+    """Why the job can never be placed on a cluster of these alive nodes (their total
+    resources, and one node for the trainer ranks unless ``trainer.allow_cross_node``),
+    in one line naming what it needs, what the cluster has and the fields to change; None
+    when it can fit once the cluster is free."""
+    needs, total = job_needs(config), {}
+    for node in nodes:
+        for name, amount in node.items():
+            total[name] = total.get(name, 0.0) + amount
+    short = [name for name in sorted(needs) if needs[name] > total.get(name, 0.0) + 1e-9]
+    if short:
+        need = ", ".join(f"{needs[n]:g} {n}" for n in short)
+        have = ", ".join(f"{total.get(n, 0.0):g} {n}" for n in short)
+        fields = ", ".join(f for n in short for f in fields_asking(config, n))
+        return (f"the job can never fit this Ray cluster: it needs {need}, the cluster has "
+                f"{have} in all; lower {fields}, or give the cluster more (e.g. ray start "
+                "--head --num-cpus=N)")
+    if not config.trainer.allow_cross_node:
+        ranks = _times(trainer_bundle(config), config.trainer.world_size)
+        if not any(all(amount <= node.get(name, 0.0) + 1e-9 for name, amount in ranks.items())
+                   for node in nodes):
+            need = ", ".join(f"{amount:g} {name}" for name, amount in sorted(ranks.items()))
+            return (f"the job can never fit this Ray cluster: its {config.trainer.world_size} "
+                    f"trainer ranks need {need} on one node and no node has that; lower "
+                    "trainer.dp_size or trainer.num_cpus_per_rank, or set "
+                    "trainer.allow_cross_node: true")
+    return None
+
+
+def _times(bundle: dict[str, float], count: int) -> dict[str, float]:
+    return {name: amount * count for name, amount in bundle.items()}
+
+
+class PlacementFailed(RuntimeError):
+    """The job's gang cannot be placed (said in one line): never a fault to retry."""
+
+
+class NeverFits(PlacementFailed):
+    """The job can never be placed on this cluster."""
+
+
 def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
                 timeout_s: float | None = None) -> JobPlacement:
     """Reserve every bundle of the job in one placement group; wait (holding nothing) up
-    to ``timeout_s`` (default ``trainer.call_timeout_s``), reporting through ``on_wait``."""
+    to ``timeout_s`` (default ``placement_timeout_s``), reporting through ``on_wait``. A
+    job larger than the whole cluster (:func:`never_fits`) is refused at once
+    (NeverFits), unless the cluster autoscales (:data:`AUTOSCALING_ENV`)."""
     import ray
     from ray.util.placement_group import (
         placement_group,
@@ -223,13 +289,18 @@ def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
         remove_placement_group,
     )
 
+    if not os.environ.get(AUTOSCALING_ENV):
+        nodes = [{name: float(amount) for name, amount in node["Resources"].items()}
+                 for node in ray.nodes() if node.get("Alive")]
+        if why := never_fits(config, nodes):
+            raise NeverFits(why)
     bundles = job_bundles(config)
     has_engines = bool(engine_bundle(config))
     teachers_placed = bool(teacher_bundle(config)) or any(reward_bundles(config))
     one_node = not config.trainer.allow_cross_node
     strategy = ("STRICT_PACK" if one_node and not (has_engines or teachers_placed)
                 else "PACK")
-    timeout_s = config.trainer.call_timeout_s if timeout_s is None else timeout_s
+    timeout_s = config.placement_timeout_s if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
     needs, said = job_needs(config), ""
     group = placement_group(bundles, strategy=strategy)
@@ -244,8 +315,9 @@ def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
             said = message
         if time.monotonic() > deadline:
             remove_placement_group(group)
-            raise RuntimeError(f"the cluster cannot place the job within {timeout_s:.0f} s "
-                               f"({message.removeprefix('waiting for resources: ')})")
+            raise PlacementFailed(f"the cluster cannot place the job within {timeout_s:.0f} s "
+                               f"(placement_timeout_s; "
+                               f"{message.removeprefix('waiting for resources: ')})")
     if one_node and (has_engines or teachers_placed):
         nodes = placement_group_table(group)["bundles_to_node_id"]
         if len({nodes[i] for i in range(config.trainer.world_size)}) > 1:

@@ -41,7 +41,7 @@ from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
 from services.controller.tables import ACTIVE, TERMINAL, Job
 from services.driver.run_dir import EVENTS_FILE, JOB_CONFIG_FILE, METRICS_FILE
-from services.placement import job_needs
+from services.placement import AUTOSCALING_ENV, job_needs, never_fits
 
 log = logging.getLogger("tally.controller")
 TAIL_LINES = 40
@@ -173,20 +173,36 @@ class Reconciler:
         except BackendUnavailable:
             self.errors += 1
             return
+        autoscales = bool(os.environ.get(AUTOSCALING_ENV))
         for job in queued:
             if slots <= 0:
                 return
             needs = self.needs(job)
             message = capacity.shortfall(needs)
+            if message is not None and capacity.never_fits(needs) and not autoscales:
+                self.refuse_never_fits(job, capacity.total)  # answered at once
+                continue
             if message is not None:
                 self.note_waiting(job, message)
                 if capacity.never_fits(needs):
-                    continue  # never blocks the queue
+                    continue  # never blocks the queue (an autoscaling cluster may grow)
                 return  # first come, first served: later jobs wait behind it
             if not self.submit(job):
                 return
             capacity.take(needs)
             slots -= 1
+
+    def refuse_never_fits(self, job: Job, total: dict[str, float]) -> None:
+        """Fail a queued job larger than the whole cluster, saying what it needs, what the
+        cluster has in all and the fields to lower (the driver's own rule, services/
+        placement.never_fits, over the cluster's total)."""
+        stored = self.store.get_job(job.id)
+        try:
+            config = JobConfig.model_validate_json(stored.config_resolved if stored else "")
+        except ValueError:
+            return
+        why = never_fits(config, [total]) or "the job can never fit this Ray cluster"
+        self.store.transition(job.id, "failed", log_tail="", error=why)
 
     def running_jobs(self) -> list[Job]:
         """The jobs this controller submitted that Ray runs (or is about to)."""

@@ -59,7 +59,7 @@ from services.driver.samples import append_samples, with_advantages
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 from services.driver.weight_sync import WeightSync, transport_for
-from services.placement import local_head_cpus
+from services.placement import PlacementFailed, local_head_cpus
 from services.preflight import preflight
 from services.quiet import quiet_transformers
 from trainer import checkpoint as trainer_checkpoint
@@ -348,6 +348,9 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
                     after_step(step, job)
             export_final_weights(run_dir, log)
             return list(history.values())
+        except PlacementFailed as err:  # a restart would wait or be refused again
+            run_dir.write_event("placement_failed", str(err))
+            raise JobFailed(f"job {config.name}: {err}") from err
         except (TrainerRankDied, ray.exceptions.RayError, TimeoutError) as err:
             reason, fault = failure(err)
             run_dir.write_event("actor_failed", reason)

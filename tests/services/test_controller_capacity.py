@@ -48,17 +48,20 @@ def waiting(api: TestClient, job_id: str) -> list[str]:
             if e["kind"] == "waiting"]
 
 
-def test_jobs_start_as_the_cluster_frees_up_and_a_job_too_big_never_blocks(
+def test_jobs_start_as_the_cluster_frees_up_and_a_job_too_big_fails_at_once(
         api: TestClient) -> None:
-    big = submit(api, "trainer.dp_size=2")  # 2 ranks + 1 engine: 2.5 CPU of 2
-    first, second = submit(api), submit(api)  # 1.5 CPU each
+    big = submit(api, "trainer.dp_size=3")  # 3 ranks + 1 engine: 2.75 CPU of 2
+    first, second = submit(api), submit(api)  # 1.25 CPU each
     api.ctl.reconciler.tick()
-    assert [status(api, j) for j in (big, first, second)] == ["queued", "pending", "queued"]
-    assert waiting(api, big) == ["waiting for resources: needs 2.5 CPU, cluster has 2 in all"]
-    assert waiting(api, second) == ["waiting for resources: needs 1.5 CPU, cluster has 0.5 free"]
+    assert [status(api, j) for j in (big, first, second)] == ["failed", "pending", "queued"]
+    error = api.get(f"/api/jobs/{big}").json()["error"]
+    assert error.startswith("the job can never fit this Ray cluster: it needs 2.75 CPU, the "
+                            "cluster has 2 CPU in all; lower trainer.num_cpus_per_rank")
+    assert waiting(api, second) == ["waiting for resources: needs 1.25 CPU, cluster has "
+                                    "0.75 free"]
     api.ctl.reconciler.tick()  # the same message is written once
     assert len(waiting(api, second)) == 1
-    api.backend.usage = {"CPU": (1.5, 2.0)}  # Ray now holds the first job's group
+    api.backend.usage = {"CPU": (1.25, 2.0)}  # Ray now holds the first job's group
     api.ctl.reconciler.tick()
     assert status(api, second) == "queued"
     api.backend.finish(f"tally-{first}", "succeeded")
@@ -66,15 +69,25 @@ def test_jobs_start_as_the_cluster_frees_up_and_a_job_too_big_never_blocks(
     api.ctl.reconciler.tick()
     assert status(api, first) == "succeeded"
     api.ctl.reconciler.tick()
-    assert status(api, second) == "pending" and status(api, big) == "queued"
+    assert status(api, second) == "pending"
+
+
+def test_on_an_autoscaling_cluster_a_job_too_big_waits_and_never_blocks(
+        api: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TALLY_CLUSTER_AUTOSCALES: the alive nodes are not all the cluster will have."""
+    monkeypatch.setenv("TALLY_CLUSTER_AUTOSCALES", "1")
+    big, small = submit(api, "trainer.dp_size=3"), submit(api)
+    api.ctl.reconciler.tick()
+    assert [status(api, j) for j in (big, small)] == ["queued", "pending"]
+    assert waiting(api, big) == ["waiting for resources: needs 2.75 CPU, cluster has 2 in all"]
 
 
 def test_the_first_waiting_job_holds_the_queue(api: TestClient) -> None:
     """First come, first served: a small job never overtakes a waiting one that fits an
     empty cluster (no starvation of big jobs)."""
-    api.backend.usage = {"CPU": (1.0, 3.0)}
-    medium = submit(api, "trainer.dp_size=2")  # 2.5 CPU: fits 3, not the 2 free
-    small = submit(api, "colocate=true")  # 1 CPU: would fit
+    api.backend.usage = {"CPU": (1.5, 3.0)}
+    medium = submit(api, "trainer.dp_size=2")  # 2 CPU: fits 3, not the 1.5 free
+    small = submit(api, "colocate=true")  # 0.75 CPU: would fit
     api.ctl.reconciler.tick()
     assert [status(api, j) for j in (medium, small)] == ["queued", "queued"]
     assert waiting(api, small) == []
@@ -88,12 +101,13 @@ def test_unknown_capacity_admits_by_max_running_jobs(api: TestClient) -> None:
 
 
 def test_cli_status_shows_what_a_job_waits_for(api: TestClient) -> None:
-    big = submit(api, "trainer.dp_size=2")
+    api.backend.usage = {"CPU": (1.0, 2.0)}
+    busy = submit(api)  # 1.25 CPU: fits the cluster, not the 1 free
     api.ctl.reconciler.tick()
     with serve_in_thread(api.app) as url:
-        result = CliRunner().invoke(cli_app, ["status", big, "--url", url])
+        result = CliRunner().invoke(cli_app, ["status", busy, "--url", url])
     assert result.exit_code == 0, result.output
-    assert "waiting:            resources: needs 2.5 CPU, cluster has 2 in all" in result.output
+    assert "waiting:            resources: needs 1.25 CPU, cluster has 1 free" in result.output
 
 
 HOLD = """import time

@@ -2,7 +2,7 @@
 suite's one sweep on real Ray): every job reserves its trainer rank and engine in one
 placement group, so the jobs take turns instead of each holding half of what another
 needs; all four succeed, and the sweep's metrics hold each mode's run. A job too big for
-the cluster waits, holding nothing, and says so."""
+the whole cluster fails at once, saying what it needs and what the cluster has."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def test_four_mode_sweep_on_two_cpus_and_a_job_that_cannot_fit(
         two_cpu_controller: ControllerProcess) -> None:
     url = two_cpu_controller.url
     sets = [arg for o in DEMO_OVERRIDES for arg in ("--set", o)]
-    big = tally(url, "submit", "configs/demo.yaml", *sets, "--set", "trainer.dp_size=2",
-                "--set", "name=too-big").split()[1]  # 2 ranks + 1 engine: 2.5 CPU of 2
+    big = tally(url, "submit", "configs/demo.yaml", *sets, "--set", "trainer.dp_size=3",
+                "--set", "name=too-big").split()[1]  # 3 ranks + 1 engine: 2.75 CPU of 2
     printed = tally(url, "submit", "configs/demo.yaml", "--sweep-modes", ",".join(MODES), *sets)
     job_ids = [line.split()[0] for line in printed.splitlines()[:4]]
     assert [line.split()[1] for line in printed.splitlines()[:4]] == MODES
@@ -65,9 +65,8 @@ def test_four_mode_sweep_on_two_cpus_and_a_job_that_cannot_fit(
     waited = [e["message"] for job_id in job_ids
               for e in httpx.get(f"{url}/api/jobs/{job_id}").json()["events"]
               if e["kind"] == "waiting"]
-    assert "waiting for resources: needs 1.5 CPU, cluster has 0.5 free" in waited
-    assert httpx.get(f"{url}/api/jobs/{big}").json()["status"] == "queued"
-    shown = tally(url, "status", big)
-    assert "waiting:            resources: needs 2.5 CPU, cluster has 2 in all" in shown
-    assert tally(url, "cancel", big).split()[-1] == "cancelled"
+    assert "waiting for resources: needs 1.25 CPU, cluster has 0.75 free" in waited
+    refused = httpx.get(f"{url}/api/jobs/{big}").json()
+    assert refused["status"] == "failed" and refused["error"].startswith(
+        "the job can never fit this Ray cluster: it needs 2.75 CPU, the cluster has 2 CPU")
 

@@ -18,19 +18,19 @@ def demo(*overrides: str):
 
 
 def test_bundles_cover_ranks_and_engines() -> None:
-    assert job_bundles(demo()) == [{"CPU": 1.0}, {"CPU": 0.5}]
-    assert job_needs(demo("trainer.dp_size=2")) == {"CPU": 2.5}
-    assert job_bundles(demo("trainer.dp_size=2", "colocate=true")) == [{"CPU": 1.0}] * 2
+    assert job_bundles(demo()) == [{"CPU": 0.75}, {"CPU": 0.5}]
+    assert job_needs(demo("trainer.dp_size=2")) == {"CPU": 2.0}
+    assert job_bundles(demo("trainer.dp_size=2", "colocate=true")) == [{"CPU": 0.75}] * 2
     assert describe_shortfall({"CPU": 2.5}, {"CPU": 2.0, "memory": 1e9}) == \
         "waiting for resources: needs 2.5 CPU, cluster has 2 free"
 
 
 def test_distillation_teachers_have_bundles_of_their_own_after_the_engines() -> None:
     teachers = demo("rollout.teacher={model: tiny, num_actors: 2, num_cpus: 0.5}")
-    assert job_bundles(teachers) == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.5}]
-    assert job_needs(demo("rollout.advantage={type: distill, teacher: tiny}")) == {"CPU": 2.5}
+    assert job_bundles(teachers) == [{"CPU": 0.75}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert job_needs(demo("rollout.advantage={type: distill, teacher: tiny}")) == {"CPU": 2.25}
     free = demo("rollout.teacher={model: tiny, num_cpus: 0}")  # needs nothing: no bundle
-    assert job_bundles(free) == [{"CPU": 1.0}, {"CPU": 0.5}]
+    assert job_bundles(free) == [{"CPU": 0.75}, {"CPU": 0.5}]
 
 
 def test_reward_actors_have_bundles_after_the_teachers_and_before_the_critic() -> None:
@@ -41,12 +41,33 @@ def test_reward_actors_have_bundles_after_the_teachers_and_before_the_critic() -
                   " {type: judge, name: free, num_cpus: 0},"
                   " {type: judge, name: served, url: 'http://127.0.0.1:30000'},"
                   " {type: judge, name: j, num_cpus: 2, num_gpus: 1}]")
-    assert job_bundles(config) == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.5},
+    assert job_bundles(config) == [{"CPU": 0.75}, {"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.5},
                                    {"CPU": 0.5}, {"CPU": 2.0, "GPU": 1.0}]
     gang = JobPlacement(object(), 1, 1, False, True, 1, [True, True, False, True])
     assert [o["scheduling_strategy"].placement_group_bundle_index if o else None
             for o in gang.reward_options] == [3, 4, None, 5]
     assert gang.critic_first_bundle == 6
+
+
+def test_the_demo_fits_a_default_two_cpu_head_and_a_job_too_big_is_named_at_once() -> None:
+    """``ray start --head`` on 2 cores offers 2 CPUs: the shipped demo fits it; a job
+    larger than the whole cluster is refused with what it needs, what the cluster has and
+    the fields to lower; ranks that fit the total but no one node are refused too."""
+    from services.placement import never_fits
+
+    two_cpus = [{"CPU": 2.0, "memory": 8e9}]
+    assert never_fits(load_job_config(ROOT / "configs" / "demo.yaml"), two_cpus) is None
+    why = never_fits(demo("trainer.dp_size=3"), two_cpus)
+    assert why is not None and why.startswith(
+        "the job can never fit this Ray cluster: it needs 2.75 CPU, the cluster has 2 CPU "
+        "in all; lower trainer.num_cpus_per_rank / trainer.dp_size, rollout.engine.num_cpus")
+    gpu = never_fits(demo("trainer.num_gpus_per_rank=1"), two_cpus)
+    assert gpu is not None and "needs 1 GPU, the cluster has 0 GPU" in gpu
+    assert "trainer.num_gpus_per_rank" in gpu
+    split = never_fits(demo("trainer.dp_size=2"), [{"CPU": 1.0}, {"CPU": 1.0}])
+    assert split is not None and "2 trainer ranks need 1.5 CPU on one node" in split
+    assert never_fits(demo("trainer.dp_size=2", "trainer.allow_cross_node=true"),
+                      [{"CPU": 1.0}, {"CPU": 1.0}]) is None
 
 
 def test_threads_follow_the_phase_cores_and_set_values_win(tmp_path) -> None:
