@@ -10,7 +10,7 @@ absolute by design: Tally writes its job's model folder there. The rule for it
 - either way the folder is read confined (rollout/confined.py): its index and weight
   files opened without following a link, the index's file names relative and inside
   the folder. A base folder of links (a Hugging Face cache snapshot) is refused, naming
-  the link: ``tally import-model`` copies one into a plain folder.
+  the link: copy one into a plain folder first.
 
 What the rule does not stop: a checkpoint from elsewhere may name another local model
 folder as its base, and the merged export then holds that model's weights. ``--base``
