@@ -276,12 +276,24 @@ class NeverFits(PlacementFailed):
     """The job can never be placed on this cluster."""
 
 
+def refuse_if_never_fits(config: JobConfig) -> None:
+    """NeverFits when the job is larger than the Ray cluster this process joined (its alive
+    nodes), unless the cluster autoscales (:data:`AUTOSCALING_ENV`)."""
+    import ray
+
+    if os.environ.get(AUTOSCALING_ENV):
+        return
+    nodes = [{name: float(amount) for name, amount in node["Resources"].items()}
+             for node in ray.nodes() if node.get("Alive")]
+    if why := never_fits(config, nodes):
+        raise NeverFits(why)
+
+
 def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
                 timeout_s: float | None = None) -> JobPlacement:
     """Reserve every bundle of the job in one placement group; wait (holding nothing) up
     to ``timeout_s`` (default ``placement_timeout_s``), reporting through ``on_wait``. A
-    job larger than the whole cluster (:func:`never_fits`) is refused at once
-    (NeverFits), unless the cluster autoscales (:data:`AUTOSCALING_ENV`)."""
+    job larger than the whole cluster is refused at once (:func:`refuse_if_never_fits`)."""
     import ray
     from ray.util.placement_group import (
         placement_group,
@@ -289,11 +301,7 @@ def reserve_job(config: JobConfig, on_wait: Callable[[str], None] = print,
         remove_placement_group,
     )
 
-    if not os.environ.get(AUTOSCALING_ENV):
-        nodes = [{name: float(amount) for name, amount in node["Resources"].items()}
-                 for node in ray.nodes() if node.get("Alive")]
-        if why := never_fits(config, nodes):
-            raise NeverFits(why)
+    refuse_if_never_fits(config)
     bundles = job_bundles(config)
     has_engines = bool(engine_bundle(config))
     teachers_placed = bool(teacher_bundle(config)) or any(reward_bundles(config))
