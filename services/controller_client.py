@@ -27,6 +27,9 @@ from typing import Any
 
 log = logging.getLogger("tally.controller_client")
 URL_ENV, JOB_ENV, TOKEN_ENV = "TALLY_CONTROLLER_URL", "TALLY_JOB_ID", "TALLY_JOB_TOKEN"
+REFUSED_REGISTRATION = ("controller %s refused to register this job (%s, with %s): pass a "
+                        "token it accepts as TALLY_JOB_TOKEN in the job's runtime env; "
+                        "metrics stay in metrics.jsonl")
 
 
 def _post(url: str, payload: dict[str, Any], token: str | None, timeout: float) -> Any:
@@ -70,6 +73,8 @@ class ControllerSink:
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._identity_sent = False
+        self.refused = False
+        """The controller refused the registration (401/403): nothing more is queued."""
         self._thread = threading.Thread(target=self._run, name="tally-controller-sink",
                                         daemon=True)
         self._thread.start()
@@ -77,6 +82,8 @@ class ControllerSink:
     # ---- MetricsSink ---------------------------------------------------------------------
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self.refused:
+            return
         try:
             clean = {k: (float(v) if math.isfinite(float(v)) else None)
                      for k, v in metrics.items()}
@@ -145,8 +152,19 @@ class ControllerSink:
     def _register(self) -> None:
         if self.job_id is not None or self.registration is None:
             return
-        answer = _post(f"{self.url}/api/jobs/register", self.registration, self.token,
-                       self.timeout_s)
+        try:
+            answer = _post(f"{self.url}/api/jobs/register", self.registration, self.token,
+                           self.timeout_s)
+        except urllib.error.HTTPError as err:
+            if err.code not in (401, 403):
+                raise
+            self.registration, self.refused = None, True  # not retried; the queue goes
+            with self._lock:
+                self.dropped += len(self.queue)
+                self.queue.clear()
+            log.warning(REFUSED_REGISTRATION, self.url, err.code,
+                        "the token in TALLY_JOB_TOKEN" if self.token else "no token")
+            return
         self.job_id = str(answer["id"])
         log.info("registered with the controller as job %s", self.job_id)
 
@@ -181,13 +199,18 @@ def error_text(err: BaseException) -> str:
 @contextlib.contextmanager
 def controller_sinks(config: Any, output_dir: Path) -> Iterator[list[Any]]:
     """``[ControllerSink]`` when ``TALLY_CONTROLLER_URL`` is set, else ``[]``; reports
-    succeeded / failed (with the error) when the block ends."""
+    succeeded / failed (with the error) when the block ends.
+
+    The job presents only ``TALLY_JOB_TOKEN`` (the controller puts the job's own token
+    there; a ``ray job submit`` user passes one), never ``TALLY_API_TOKEN`` from its
+    environment. Without it a registration goes without a token; a controller that needs
+    one refuses it, and the sink says so in one line and stops reporting."""
     url = os.environ.get(URL_ENV)
     if not url:
         yield []
         return
     job_id = os.environ.get(JOB_ENV) or None
-    token = os.environ.get(TOKEN_ENV) or os.environ.get("TALLY_API_TOKEN") or None
+    token = os.environ.get(TOKEN_ENV) or None  # a job presents only its own token
     registration = None if job_id else {
         "config": config.model_dump(mode="json", exclude_unset=True),
         "output_dir": str(Path(output_dir).resolve())}

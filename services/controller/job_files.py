@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
+import stat
 from pathlib import Path, PurePosixPath
 
 from fastapi import HTTPException
@@ -31,7 +33,7 @@ OWN_LOGS = "logs"
 JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 __all__ = ["DEFAULT_TAIL_BYTES", "Escapes", "append_job_file", "inside_root", "open_job_file",
            "own_log", "read_job_file", "read_own_log",
-           "refused", "save_own_log"]
+           "refused", "remove_job_folder", "save_own_log"]
 
 
 def refused(err: Escapes) -> HTTPException:
@@ -127,3 +129,68 @@ def append_job_file(settings: Settings, output_dir: str | None, name: str, line:
     with os.fdopen(descriptor, "a", encoding="utf-8") as out:
         out.write(line)
     return True
+
+
+def _below_root(settings: Settings, output_dir: str) -> tuple[Path, tuple[str, ...]] | None:
+    """(the allowed root, the components of the job folder below it) of ``output_dir`` as
+    stored, not resolved: the first folder above it that is an allowed root, then the names
+    under it as written (a link among them is met by the walk, not resolved away). None
+    outside every root, or for a root itself."""
+    folder = Path(os.path.abspath(Path(output_dir).expanduser()))
+    roots = set(settings.roots)
+    for above in reversed(folder.parents):  # from / down: the most names to check
+        if above.resolve() in roots:
+            parts = folder.relative_to(above).parts
+            return (above.resolve(), parts) if parts else None
+    return None
+
+
+def remove_job_folder(settings: Settings, output_dir: str | None, remove: bool = True
+                      ) -> bool:
+    """Remove a job folder below an allowed root, never through a link: each folder from
+    the root down is opened with O_NOFOLLOW, the job folder itself must be a real folder
+    (lstat), and ``shutil.rmtree`` runs on it from its parent's descriptor (which refuses a
+    link swapped in meanwhile and follows none inside). Escapes naming the link (nothing
+    removed); False when outside the roots, a root itself, or missing. ``remove=False``
+    only checks."""
+    where = _below_root(settings, output_dir) if output_dir else None
+    if where is None:
+        return False
+    root, parts = where
+    label = str(Path(output_dir or ""))
+    directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
+                                dir_fd=directory)
+            except OSError:
+                _refuse_entry(directory, part, label)
+                return False  # missing or unreadable: nothing to remove here
+            os.close(directory)
+            directory = inner
+        try:
+            mode = os.lstat(parts[-1], dir_fd=directory).st_mode
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISDIR(mode):
+            _refuse_entry(directory, parts[-1], label)
+            raise Escapes(f"{label}: not a folder; refused")
+        if remove:
+            shutil.rmtree(parts[-1], ignore_errors=True, dir_fd=directory)
+        return True
+    finally:
+        os.close(directory)
+
+
+def _refuse_entry(directory: int, part: str, label: str) -> None:
+    """Escapes when ``part`` (in ``directory``) is a link or not a folder."""
+    try:
+        mode = os.lstat(part, dir_fd=directory).st_mode
+    except OSError:
+        return
+    if stat.S_ISLNK(mode):
+        raise Escapes(f"{label}: {part} is a symbolic link; a job folder is never removed "
+                      "through a link")
+    if not stat.S_ISDIR(mode):
+        raise Escapes(f"{label}: {part} is not a folder; refused")

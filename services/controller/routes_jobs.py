@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import time
-from pathlib import Path
 from typing import Annotated
 
 import yaml
@@ -25,7 +23,7 @@ from services.controller.auth import (
     require_token,
 )
 from services.controller.ending import contradicted_end, stop_in_ray
-from services.controller.job_files import Escapes, refused
+from services.controller.job_files import Escapes, refused, remove_job_folder
 from services.controller.job_samples import DEFAULT_LIMIT, MAX_LIMIT, samples_out
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.schemas import (
@@ -229,15 +227,29 @@ def cancel_job(job_id: str, ctl: Ctl) -> JobDetail:
                dependencies=[Depends(require_token)])
 def delete_job(job_id: str, ctl: Ctl, folder: bool = False) -> Response:
     """Forget an ended job: its row and metrics; with ``folder=true`` also the folder of a
-    job this controller ran (never a registered job's, never outside the allowed roots)."""
+    job this controller ran (never a registered job's, never outside the allowed roots,
+    never through a link: a job folder that is a link, or below a link under its root, is
+    a 409 naming it, and nothing is deleted)."""
     job = get_or_404(ctl, job_id)
+    remove = folder and job.source == "controller"
+    try:
+        if remove:  # checked before the row goes: a refusal deletes nothing
+            remove_job_folder(ctl.settings, job.output_dir, remove=False)
+    except Escapes as err:
+        raise refused_removal(err) from None
     if not ctl.store.delete_job(job_id):
         raise HTTPException(409, f"job {job_id} has not ended ({job.status}): cancel it first")
-    path = Path(job.output_dir).resolve()
-    if (folder and job.source == "controller" and ctl.settings.inside_roots(path)
-            and path != ctl.settings.data_dir.resolve()):
-        shutil.rmtree(path, ignore_errors=True)
+    try:
+        if remove:
+            remove_job_folder(ctl.settings, job.output_dir)
+    except Escapes as err:  # a link swapped in meanwhile: the row is gone, the folder kept
+        raise refused_removal(err) from None
     return Response(status_code=204)
+
+
+def refused_removal(err: Escapes) -> HTTPException:
+    return HTTPException(409, f"{err}; the controller never removes through it (delete "
+                         "without folder=true to forget the job and keep what is there)")
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsOut, responses=NOT_FOUND)

@@ -8,7 +8,10 @@
                               step, every evaluation sample (``"eval": true``)
     <job>/events.jsonl        placement, waiting, warnings, failures, restarts
     <job>/job_config.yaml     the config as submitted, when the controller started it
-    <job>/driver.log          the driver's output, when the controller started it
+    <job>/driver.log          the driver's output as an older controller saved it: read
+                              (never written) as a last resort; the controller now keeps
+                              a finished job's output in <data>/logs/<id>.log, outside
+                              the job folder (services/controller/job_files.py)
     <job>/tensorboard/        TensorBoard event files
     <job>/wandb/              W&B run files (offline runs sync from here)
     <job>/checkpoints/step_N  trainer state + driver state after rollout step N, N in 8
@@ -25,12 +28,18 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
+import stat
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TextIO
+
+from rollout.confined import Escapes, create_owned
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -167,7 +176,45 @@ class RunDir:
         write_event(self.path, kind, message)
 
 
+def open_append(path: Path) -> TextIO:
+    """``path`` opened to append (made 0644 when missing), never through a link.
+
+    The job folder is the driver's own, but on a shared volume anyone of the same uid may
+    plant a link in it (``events.jsonl -> ~/.bashrc``): the file itself is opened with
+    O_APPEND|O_CREAT|O_NOFOLLOW, and refused (Escapes, naming it) when it is a link or not
+    a regular file (a FIFO is opened non-blocking, then refused)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        descriptor = os.open(path, flags, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise Escapes(f"{path}: is a symbolic link; a job file is never written "
+                          "through a link") from None
+        if err.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise Escapes(f"{path}: not a regular file; refused") from None
+        raise
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise Escapes(f"{path}: not a regular file; refused")
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "a", encoding="utf-8")
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``path`` whole: a new sibling file (O_EXCL|O_NOFOLLOW, a fresh name) renamed
+    over it, so a link planted at ``path`` is replaced, never written through."""
+    staged = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with os.fdopen(create_owned(staged, 0o644), "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(staged, path)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+
+
 def write_event(job_dir: Path, kind: str, message: str) -> None:
-    """Append one event to ``<job_dir>/events.jsonl``: the one writer of that file."""
-    with (job_dir / EVENTS_FILE).open("a", encoding="utf-8") as events:
+    """Append one event to ``<job_dir>/events.jsonl``: the one writer of that file (never
+    through a link: :func:`open_append`)."""
+    with open_append(job_dir / EVENTS_FILE) as events:
         events.write(json.dumps({"time": time.time(), "kind": kind, "message": message}) + "\n")

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.batch import RolloutBatch
+from rollout.confined import read_inside
+from services.driver.run_dir import open_append
 
 
 def with_advantages(batch: RolloutBatch) -> list[dict[str, Any]]:
@@ -45,21 +47,22 @@ def _clean(value: Any) -> Any:
 
 def append_samples(path: Path, records: list[dict[str, Any]]) -> None:
     """Append ``records`` to samples.jsonl (opened per write: a resume may have replaced
-    the file)."""
+    the file), never through a link (run_dir.open_append)."""
     if not records:
         return
-    with path.open("a", encoding="utf-8") as out:
+    with open_append(path) as out:
         out.write("".join(json.dumps(_clean(r), ensure_ascii=False) + "\n" for r in records))
 
 
 def read_samples(path: Path, step: int | None = None, evaluation: bool | None = None
                  ) -> list[dict[str, Any]]:
     """The records of samples.jsonl (of rollout step ``step``; ``evaluation``: only the
-    evaluation's, or only training's); a torn last line is skipped."""
-    if not path.exists():
+    evaluation's, or only training's); a torn last line is skipped. Read without
+    following a link (Escapes for one)."""
+    if not path.exists() and not path.is_symlink():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in read_inside(path.parent, path.name, str(path)).decode("utf-8").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:

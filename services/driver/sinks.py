@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from services.driver.run_dir import METRICS_FILE, TENSORBOARD_DIR
+from rollout.confined import create_owned, read_inside
+from services.driver.run_dir import METRICS_FILE, TENSORBOARD_DIR, open_append
 
 
 class MetricsSink(Protocol):
@@ -25,20 +26,21 @@ class JsonlSink:
     """One JSON object per step: {"step", "time", "metrics"}; appended and flushed.
 
     A file replaced under it (``truncate_after`` on resume) is reopened before the next
-    write, so no row goes to the old, unlinked file."""
+    write, so no row goes to the old, unlinked file. Never opened through a link (a link
+    planted in the job folder is refused: run_dir.open_append)."""
 
     def __init__(self, output_dir: Path, filename: str = METRICS_FILE) -> None:
         self.path = output_dir / filename
-        self.file = self.path.open("a", encoding="utf-8")
+        self.file = open_append(self.path)
 
     def _reopen_if_replaced(self) -> None:
         try:
-            replaced = os.stat(self.path).st_ino != os.fstat(self.file.fileno()).st_ino
+            replaced = os.lstat(self.path).st_ino != os.fstat(self.file.fileno()).st_ino
         except FileNotFoundError:
             replaced = True
         if replaced:
             self.file.close()
-            self.file = self.path.open("a", encoding="utf-8")
+            self.file = open_append(self.path)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self._reopen_if_replaced()
@@ -73,10 +75,12 @@ class TensorBoardSink:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl file; a torn last line (crash mid-write) is skipped."""
+    """The rows of a metrics.jsonl file; a torn last line (crash mid-write) is skipped.
+    Read without following a link (Escapes for one: rollout/confined.py)."""
     rows = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
+    if path.exists() or path.is_symlink():
+        text = read_inside(path.parent, path.name, str(path)).decode("utf-8")
+        for line in text.splitlines():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
@@ -87,12 +91,14 @@ def read_metrics(path: Path) -> list[dict]:
 def truncate_after(path: Path, step: int) -> None:
     """Drop rows of steps > step (a resume repeats them from the checkpoint), atomically:
     the kept rows go to a sibling file, fsynced, renamed over the original, so a crash
-    leaves either the old file or the new one, never a half-written one."""
-    if not path.exists():
+    leaves either the old file or the new one, never a half-written one. The sibling is a
+    new file (O_EXCL|O_NOFOLLOW), so a link planted at its name is never written through."""
+    if not path.exists() and not path.is_symlink():
         return
     rows = [r for r in read_metrics(path) if r["step"] <= step]
     staging = path.with_name(path.name + ".truncating")
-    with staging.open("w", encoding="utf-8") as out:
+    staging.unlink(missing_ok=True)  # a crash's leftover, or a planted link: removed
+    with os.fdopen(create_owned(staging, 0o644), "w", encoding="utf-8") as out:
         out.write("".join(json.dumps(r) + "\n" for r in rows))
         out.flush()
         os.fsync(out.fileno())

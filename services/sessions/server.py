@@ -23,6 +23,7 @@ import hmac
 import ipaddress
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -35,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from rollout.confined import Escapes, create_owned, read_inside
 from services.sessions.replay import ReplayConflict, call_digest
 from services.sessions.requests import ForwardBackward, OptimStep, Problem, Sample, Save
 from services.sessions.runtime import SessionError, TrainingSession
@@ -47,26 +49,35 @@ IDLE_ENV = "TALLY_SESSION_IDLE_TIMEOUT_S"
 
 
 def write_state(folder: Path, state: dict[str, Any]) -> None:
-    """``session.json``, replaced whole (a reader never sees half of it)."""
-    staged = folder / f".{SESSION_FILE}.tmp"
-    staged.write_text(json.dumps(state))
-    staged.replace(folder / SESSION_FILE)
+    """``session.json``, replaced whole (a reader never sees half of it): staged in a new
+    file (O_EXCL|O_NOFOLLOW, a fresh name) and renamed over it, so a link planted at either
+    name is replaced, never written through (rollout/confined.py)."""
+    staged = folder / f".{SESSION_FILE}.{secrets.token_hex(4)}.tmp"
+    try:
+        with os.fdopen(create_owned(staged, 0o644), "w", encoding="utf-8") as out:
+            out.write(json.dumps(state))
+        os.replace(staged, folder / SESSION_FILE)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
 
 
 def read_state(folder: Path) -> dict[str, Any] | None:
+    """``session.json`` read without following a link (None for a link, a missing or an
+    unreadable file)."""
     try:
-        return json.loads((folder / SESSION_FILE).read_text())
-    except (OSError, ValueError):
+        return json.loads(read_inside(folder, SESSION_FILE))
+    except (OSError, ValueError):  # Escapes (a link) is a ValueError
         return None
 
 
 def take_secret(folder: Path) -> str:
     """The controller's secret for this session, from ``<folder>/.secret`` (removed once
-    read: the folder may be listed by others later)."""
+    read: the folder may be listed by others later), never read through a link."""
     path = folder / SECRET_FILE
     try:
-        secret = path.read_text().strip()
-    except OSError as err:
+        secret = read_inside(folder, SECRET_FILE).decode("utf-8", errors="replace").strip()
+    except (OSError, Escapes) as err:
         raise SystemExit(f"session: no secret from the controller ({path}: {err})") from None
     path.unlink(missing_ok=True)
     if not secret:
@@ -226,7 +237,7 @@ def serve(folder: Path) -> int:
     from services.config import JobConfig
     from services.driver.job import ensure_ray, job_model_path, with_threads
 
-    config = JobConfig.model_validate_json((folder / CONFIG_FILE).read_text())
+    config = JobConfig.model_validate_json(read_inside(folder, CONFIG_FILE))
     secret = take_secret(folder)
     idle_timeout_s = float(os.environ.get(IDLE_ENV, "1800"))
     ensure_ray(num_cpus=os.cpu_count() or 1)

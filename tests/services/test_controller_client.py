@@ -155,3 +155,32 @@ def test_a_reported_error_is_its_cause_in_one_line() -> None:
                           "job.yaml: invalid job config\n  a: x\n  b: y")
     assert error_text(several) == ("services.config_errors.ConfigError: job.yaml: invalid job "
                                    "config; a: x; b: y")
+
+
+def test_a_registered_job_presents_only_its_own_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``TALLY_API_TOKEN`` in a job's environment is never sent: without
+    ``TALLY_JOB_TOKEN`` a controller that needs a token refuses the registration, said in
+    one line naming TALLY_JOB_TOKEN, and the sink stops; with it the job registers."""
+    caplog.set_level(logging.WARNING, logger="tally.controller_client")
+    config = parse_job_config("name: outside\nnum_steps: 3\n")
+    app = create_app(make_settings(tmp_path, api_token="k3y"), backend=FakeBackend())
+    with serve_in_thread(app) as url:
+        monkeypatch.setenv("TALLY_CONTROLLER_URL", url)
+        monkeypatch.delenv("TALLY_JOB_ID", raising=False)
+        monkeypatch.delenv("TALLY_JOB_TOKEN", raising=False)
+        monkeypatch.setenv("TALLY_API_TOKEN", "k3y")  # e.g. inherited from a Ray head
+        with controller_sinks(config, tmp_path / "a") as sinks:
+            sinks[0].write(0, METRICS)
+            wait_for(lambda: sinks[0].refused)
+            sinks[0].write(1, METRICS)
+        assert sinks[0].job_id is None and sinks[0].sent == 0 and not sinks[0].queue
+        [warning] = [r.getMessage() for r in caplog.records if "register" in r.getMessage()]
+        assert "401" in warning and "TALLY_JOB_TOKEN" in warning and "\n" not in warning
+        assert httpx.get(f"{url}/api/jobs").json()["items"] == []
+        monkeypatch.setenv("TALLY_JOB_TOKEN", "k3y")
+        with controller_sinks(config, tmp_path / "b") as sinks:
+            sinks[0].write(0, METRICS)
+        [job] = httpx.get(f"{url}/api/jobs").json()["items"]
+        assert job["id"] == sinks[0].job_id and job["status"] == "succeeded"
