@@ -793,3 +793,21 @@ def test_gpu_lock_agrees_with_cpu_pins() -> None:
     drift = {name: (version, gpu[name]) for name, version in cpu.items()
              if name in gpu and gpu[name] != version and name not in own}
     assert drift == {}, f"cpu.txt vs GPU lock (run bash deploy/lock-gpu.sh): {drift}"
+
+
+def test_an_autoscaling_cluster_says_so_to_jobs_and_the_controller() -> None:
+    """A cluster that grows on demand sets TALLY_CLUSTER_AUTOSCALES on its head (the job
+    drivers run there and inherit it) and on the controller: a job larger than the alive
+    nodes then waits for the autoscaler instead of being refused (services/placement.py)."""
+    from services.placement import AUTOSCALING_ENV
+
+    cluster = one("RayCluster")
+    assert cluster["spec"]["enableInTreeAutoscaling"]
+    assert any(g["minReplicas"] < g["maxReplicas"] for g in cluster["spec"]["workerGroupSpecs"])
+    assert env_of(head_of(cluster)["containers"][0])[AUTOSCALING_ENV]["value"] == "1"
+    (controller,) = one("Deployment")["spec"]["template"]["spec"]["containers"]
+    assert env_of(controller)[AUTOSCALING_ENV]["value"] == "1"
+    launcher = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    head = "\n".join(launcher["head_start_ray_commands"])
+    assert "--autoscaling-config" in head
+    assert head.index(f"export {AUTOSCALING_ENV}=1;") < head.index("ray start --head")
