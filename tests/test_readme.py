@@ -118,3 +118,44 @@ def test_readme_gpu_line_verbatim_is_refused_only_for_what_this_machine_lacks() 
                                "this machine has no GPU") for line in lines), lines
     assert all(line.split(":")[0] in ("trainer.num_gpus_per_rank", "rollout.engine.type")
                for line in lines), lines
+
+
+def run_in_venv(script: str, home: Path, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """``script`` (bash, -e) from the repository root with the venv activated, HOME
+    ``home`` (a fresh ~/.tally)."""
+    return subprocess.run(["bash", "-c", f"set -e\nsource .venv/bin/activate\n{script}"],
+                          cwd=ROOT, env={**fresh_env(), "HOME": str(home)},
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.slow
+def test_readme_first_commands_with_num_steps_cut_to_2_then_ppo_epochs_and_export(
+        tmp_path: Path) -> None:
+    """The README's first CLI block (validate, a train cut to 2 steps, schema, version,
+    help), then its 3-rollout PPO-epochs run verbatim, then its export block on the
+    checkpoint that run wrote (the README names ``step_00000002``: steps count from 0),
+    with ``<job>`` the job folder's name."""
+    first = block_with("tally validate configs/demo.yaml")
+    assert "--set num_steps=50" in first
+    schema = ROOT / "my-editor-schema.json"
+    try:
+        result = run_in_venv(first.replace("num_steps=50", "num_steps=2"), tmp_path)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "(2/2 done)" in result.stdout, result.stdout[-3000:]
+        assert '"title": "JobConfig"' in schema.read_text()
+        assert "usage: tally train" in result.stdout.lower()
+    finally:
+        schema.unlink(missing_ok=True)
+    epochs = run_in_venv(block_with("--set trainer.ppo_epochs=2"), tmp_path)
+    assert epochs.returncode == 0, epochs.stdout[-3000:] + epochs.stderr[-3000:]
+    assert "(3/3 done)" in epochs.stdout and "8 updates" in epochs.stdout
+    job = re.search(r"^output: .*/\.tally/jobs/(\S+)$", epochs.stdout, flags=re.M)
+    assert job is not None, epochs.stdout[-2000:]
+    export = block_with("tally export ~/.tally/jobs/<job>/checkpoints/")
+    exported = run_in_venv(f"cd {tmp_path}\n" + export.replace("<job>", job.group(1)),
+                           tmp_path)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    for folder, dtype in (("my-model", "float32"), ("my-model-bf16", "bfloat16")):
+        config = (tmp_path / folder / "config.json").read_text()
+        assert f'"torch_dtype": "{dtype}"' in config
+        assert (tmp_path / folder / "model.safetensors").is_file()
