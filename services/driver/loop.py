@@ -54,12 +54,12 @@ from services.driver.metrics import (
 )
 from services.driver.pipeline import RolloutPipeline
 from services.driver.retention import best_eval_step, retire_checkpoints
-from services.driver.run_dir import EVAL_FILE, UPDATES_FILE, RunDir, job_dir
+from services.driver.run_dir import EVAL_FILE, UPDATES_FILE, RunDir, job_dir, replace_file
 from services.driver.samples import append_samples, with_advantages
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 from services.driver.weight_sync import WeightSync, transport_for
-from services.placement import PlacementFailed, local_head_cpus
+from services.placement import PlacementFailed, local_head_cpus, refuse_if_never_fits
 from services.preflight import preflight
 from services.quiet import quiet_transformers
 from trainer import checkpoint as trainer_checkpoint
@@ -292,9 +292,14 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
     started_ray = ensure_ray(local_head_cpus(config))  # the head preflight judged
     sinks: list[MetricsSink] = []
     try:
+        try:  # before the warm start: a job that can never be placed is told in seconds
+            refuse_if_never_fits(config)
+        except PlacementFailed as err:
+            run_dir.write_event("placement_failed", str(err))
+            raise JobFailed(f"job {config.name}: {err}") from err
         model_path = job_model_path(config, log)
         config = with_threads(config, model_path)
-        run_dir.config_file.write_text(config.model_dump_json(indent=2))
+        replace_file(run_dir.config_file, config.model_dump_json(indent=2))
         for change in plan.changes:
             log(f"config changed since {plan.checkpoint}: {change}")
             run_dir.write_event("config_changed", change)
