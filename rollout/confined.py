@@ -78,7 +78,7 @@ def open_inside(folder: str | os.PathLike[str], relative: str | os.PathLike[str]
             directory = inner
         try:
             descriptor = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK,
-                                 dir_fd=directory)
+                                 0o600, dir_fd=directory)  # a file it creates: owner's only
         except OSError as err:
             _refuse_link(directory, parts[-1], label, err)
             raise

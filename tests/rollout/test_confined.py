@@ -82,3 +82,10 @@ def test_an_owned_file_is_never_written_through_a_link(tmp_path: Path) -> None:
     assert target.read_text() == "unchanged"
     os.close(create_owned(tmp_path / "fresh.log"))
     assert (tmp_path / "fresh.log").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_file_created_inside_is_the_owners_only(tmp_path: Path) -> None:
+    from rollout.confined import open_inside
+
+    os.close(open_inside(tmp_path, "events.jsonl", flags=os.O_WRONLY | os.O_CREAT))
+    assert (tmp_path / "events.jsonl").stat().st_mode & 0o777 == 0o600
