@@ -4,7 +4,7 @@ run verbatim by bash from the repository root, with only the venv the README's
 name); nothing else is changed.
 
 A block that starts Ray (``ray start --head`` … ``ray stop``) runs in new PID, mount and
-network namespaces with its own /tmp and HOME: a fresh machine, whose default ports
+network namespaces with its own /tmp/ray and HOME: a fresh machine, whose default ports
 (6379, 8265) and ``ray stop`` reach no other Ray of this machine (the suite runs two
 workers, each with heads of its own)."""
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -47,14 +48,17 @@ def fresh_env() -> dict[str, str]:
     return {"PATH": FRESH_PATH, "LANG": "C.UTF-8", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def run_on_fresh_machine(script: str, timeout_s: float) -> subprocess.CompletedProcess:
-    """``script`` (bash, -e) in namespaces of its own, from the repository root, HOME a
-    new empty folder; what it printed, the last line ``raylets left: N``."""
+def run_on_fresh_machine(script: str, home: Path, timeout_s: float
+                         ) -> subprocess.CompletedProcess:
+    """``script`` (bash, -e) in namespaces of its own (Ray's /tmp/ray a new tmpfs there),
+    from the repository root, HOME ``home`` (new, empty); what it printed, the last line
+    ``raylets left: N``."""
     if shutil.which("unshare") is None:
         pytest.fail("unshare (util-linux) is needed to give the README's Ray head a machine "
                     "of its own")
-    setup = ("ip link set lo up && mount -t tmpfs tmpfs /tmp && mkdir /tmp/home && "
-             "export HOME=/tmp/home && cd " + str(ROOT))
+    Path("/tmp/ray").mkdir(exist_ok=True)  # the mount point; this machine's Ray uses it
+    setup = ("ip link set lo up && mount -t tmpfs tmpfs /tmp/ray && "
+             f"export HOME={shlex.quote(str(home))} && cd {shlex.quote(str(ROOT))}")
     check = "echo \"raylets left: $(pgrep -c raylet || true)\""
     command = f"{setup}\nset -e\n{script}\nset +e\n{check}\n"
     return subprocess.run(
@@ -63,13 +67,13 @@ def run_on_fresh_machine(script: str, timeout_s: float) -> subprocess.CompletedP
 
 
 @pytest.mark.slow
-def test_readme_ray_job_submit_block_verbatim_with_num_steps_cut_to_2() -> None:
+def test_readme_ray_job_submit_block_verbatim_with_num_steps_cut_to_2(tmp_path: Path) -> None:
     """On a fresh machine, the README's block — venv, token auth, a default ``ray start
     --head`` (2 CPUs on two cores), ``ray job submit --working-dir .``, ``ray stop`` —
     runs the demo to its end with exit 0 and leaves no Ray process."""
     block = block_with("ray job submit")
     assert "--set num_steps=50" in block
-    result = run_on_fresh_machine(block.replace("num_steps=50", "num_steps=2"), 600)
+    result = run_on_fresh_machine(block.replace("num_steps=50", "num_steps=2"), tmp_path, 600)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert "(2/2 done)" in out and re.search(r"Job '\w+' succeeded", out), out[-4000:]
@@ -78,7 +82,8 @@ def test_readme_ray_job_submit_block_verbatim_with_num_steps_cut_to_2() -> None:
 
 
 @pytest.mark.slow
-def test_a_job_larger_than_a_default_head_fails_within_30_s_naming_the_fields() -> None:
+def test_a_job_larger_than_a_default_head_fails_within_30_s_naming_the_fields(
+        tmp_path: Path) -> None:
     """The README's head (default resources) and its submit command, with trainer ranks
     asking for more CPUs than the machine has: Ray's CLI returns within 30 s, the job
     failed, its last line says what it needs, what the cluster has and what to lower."""
@@ -89,7 +94,7 @@ def test_a_job_larger_than_a_default_head_fails_within_30_s_naming_the_fields() 
     submit = too_big[too_big.index("ray job submit"):too_big.index("ray stop")]
     timed = too_big.replace(submit, f"start=$SECONDS\n{submit.rstrip()} || true\n"
                                     "echo \"submit took $((SECONDS - start)) s\"\n")
-    result = run_on_fresh_machine(timed, 300)
+    result = run_on_fresh_machine(timed, tmp_path, 300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     took = int(re.search(r"submit took (\d+) s", out).group(1))  # type: ignore[union-attr]
