@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,6 +17,8 @@ AGGREGATION_MODES: tuple[AggregationMode, ...] = (
     "constant",
 )
 MAX_RESPONSE_LEN = "max_response_len"
+CUSTOM_POLICY_LOSS = "custom"
+"""`trainer.loss.policy_loss` of a user's own class (`trainer.loss.class_path`)."""
 _REDUCER_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -110,10 +112,16 @@ class LossConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    policy_loss: Literal["ppo", "importance_sampling", "cross_entropy"] = "ppo"
-    """The pg term's per-token loss (trainer/losses.py): ppo (the clipped surrogate),
-    importance_sampling (REINFORCE weighted by π/π_rollout, truncated at tis_cap when
-    set) or cross_entropy (−log π of the target: SFT, advantages unused)."""
+    policy_loss: Literal["ppo", "importance_sampling", "cross_entropy", "custom"] = "ppo"
+    """The pg term's per-token loss (trainer/losses/, one file each): ppo (the clipped
+    surrogate), importance_sampling (REINFORCE weighted by π/π_rollout, truncated at
+    tis_cap when set), cross_entropy (−log π of the target: SFT, advantages unused) or
+    custom (your own class, `class_path`)."""
+    class_path: str | None = None
+    """With policy_loss: custom, `module:Class` of your policy loss, a subclass of
+    trainer.losses.PolicyLoss (docs/extending.md); imported in the job only."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the custom policy loss's constructor (policy_loss: custom)."""
     eps_clip: float = Field(default=0.2, gt=0)
     """PPO lower clip: the ratio is kept ≥ 1 − eps_clip."""
     eps_clip_high: float | None = Field(default=None, gt=0)
@@ -136,6 +144,22 @@ class LossConfig(BaseModel):
     entropy_aggregation: TermAggregationConfig | None = None
     """Aggregation of the entropy term; defaults to the pg term's built-in mode and
     divisor."""
+
+    @model_validator(mode="after")
+    def _custom_policy_loss(self) -> LossConfig:
+        custom = self.policy_loss == CUSTOM_POLICY_LOSS
+        if custom and self.class_path is None:
+            raise ValueError("class_path: policy_loss: custom needs class_path "
+                             "('module:Class', a subclass of trainer.losses.PolicyLoss)")
+        if not custom and self.class_path is not None:
+            raise ValueError(f"class_path: names a custom policy loss, but policy_loss="
+                             f"{self.policy_loss}; set policy_loss: custom or remove it")
+        if not custom and self.kwargs:
+            raise ValueError(f"kwargs: only a custom policy loss takes kwargs, but "
+                             f"policy_loss={self.policy_loss}")
+        if self.class_path is not None and not _REDUCER_PATH.match(self.class_path):
+            raise ValueError(f"class_path: expected 'module:Class', got {self.class_path!r}")
+        return self
 
 
 class OptimizerConfig(BaseModel):
