@@ -294,16 +294,22 @@ EngineConfig = Annotated[
 
 
 class AdvantageConfig(BaseModel):
-    """How rewards become advantages (see rollout/advantages.py)."""
+    """How rewards become advantages (rollout/advantages/: one file per type)."""
 
     model_config = _FROZEN
 
-    type: Literal["grpo", "reinforce_pp", "reward", "distill", "gae"] = "grpo"
+    type: Literal["grpo", "reinforce_pp", "reward", "distill", "gae", "custom"] = "grpo"
     """grpo (group baseline), reinforce_pp (group baseline + batch whitening), reward,
     distill (on-policy distillation: each token's advantage is coef · (log π_teacher −
     log π_old) of the sampled token, the reverse KL to ``teacher``; rewards are still
-    scored and logged, but do not train), or gae (PPO with a learned critic: per-token
-    GAE over the critic's values; needs ``critic.enabled``)."""
+    scored and logged, but do not train), gae (PPO with a learned critic: per-token
+    GAE over the critic's values; needs ``critic.enabled``), or custom (your own
+    AdvantageEstimator subclass, ``class_path``; docs/extending.md)."""
+    class_path: str | None = None
+    """custom only: `module:Class` of your estimator (importable on the job's path, as for
+    reward.custom_function), a subclass of rollout.advantages.AdvantageEstimator."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """custom only: keyword arguments the class is constructed with."""
     normalize_std: bool = True
     """grpo only: divide by the group's reward std; False is Dr. GRPO."""
     eps: float = Field(default=1e-6, gt=0.0)
@@ -338,6 +344,19 @@ class AdvantageConfig(BaseModel):
         # By value: a dumped config holds the default (True) and is validated again.
         if not self.normalize_std and self.type != "grpo":
             raise ValueError(f"normalize_std: only applies to type=grpo, not type={self.type}")
+        return self
+
+    @model_validator(mode="after")
+    def _class_path_is_custom(self) -> AdvantageConfig:
+        if self.type == "custom" and self.class_path is None:
+            raise ValueError("class_path: type custom needs 'module:Class' of an "
+                             "AdvantageEstimator subclass")
+        if self.class_path is not None and not _FUNCTION_PATH.match(self.class_path):
+            raise ValueError(f"class_path: expected 'module:Class', got {self.class_path!r}")
+        # By value: a dumped config holds the defaults (None, {}) and is validated again.
+        for name, unused in (("class_path", None), ("kwargs", {})):
+            if getattr(self, name) != unused and self.type != "custom":
+                raise ValueError(f"{name}: only applies to type=custom, not type={self.type}")
         return self
 
     @model_validator(mode="after")

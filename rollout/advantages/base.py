@@ -1,0 +1,114 @@
+"""The contract every advantage estimator keeps, built-in or a user's own.
+
+An estimator is constructed with its config's settings (a user's: ``advantage.kwargs``)
+and called with :class:`AdvantageInputs` of one whole rollout; it returns A [N, S], the
+advantage of each token, aligned with the batch's ``input_ids`` (entries where
+``loss_mask`` is 0 are ignored and stored as 0). What it reads beyond rewards, groups and
+the mask it declares as class attributes, and the manager and driver hand it exactly
+that: they ask the estimator, never its name.
+
+    needs_critic         .values: the critic's V [N, S] (the driver calls it then)
+    needs_teacher        .teacher_log_probs [N, S] (the manager's teacher scores first)
+    needs_token_rewards  .token_rewards [N, S]: each turn's reward on its last token
+    needs_reward_spread  a group whose rewards are all equal gets advantage 0
+    uses_rewards         False: rewards are logged, but do not train (distillation)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from rollout.batch import RolloutBatch
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """One rollout as an estimator sees it; the optional fields are None unless the
+    estimator declared it needs them."""
+
+    rewards: torch.Tensor
+    """[N] float32: each sample's reward."""
+    group_index: torch.Tensor
+    """[N] int64: samples of one prompt share it."""
+    loss_mask: torch.Tensor
+    """[N, S] float32: m_it > 0 on the policy's own response tokens."""
+    log_probs: torch.Tensor
+    """[N, S] float32: the sampling policy's log π_old of each response token."""
+    values: torch.Tensor | None = None
+    """[N, S]: the critic's V at each response token (``needs_critic``)."""
+    teacher_log_probs: torch.Tensor | None = None
+    """[N, S]: the teacher's log-prob of each sampled token (``needs_teacher``)."""
+    token_rewards: torch.Tensor | None = None
+    """[N, S] float64: rewards placed on tokens (``needs_token_rewards``)."""
+
+
+class AdvantageEstimator:
+    """Subclass it, declare what you need, implement ``__call__`` (docs/extending.md)."""
+
+    needs_critic: ClassVar[bool] = False
+    needs_teacher: ClassVar[bool] = False
+    needs_token_rewards: ClassVar[bool] = False
+    needs_reward_spread: ClassVar[bool] = False
+    uses_rewards: ClassVar[bool] = True
+
+    def __call__(self, inputs: AdvantageInputs) -> torch.Tensor:
+        """A [N, S] of ``inputs`` (module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement __call__")
+
+    def inputs(self, batch: RolloutBatch, values: torch.Tensor | None = None,
+               teacher_log_probs: torch.Tensor | None = None) -> AdvantageInputs:
+        """What this estimator declared it reads, from ``batch`` and what was scored."""
+        for name, needed, given in (("values", self.needs_critic, values),
+                                    ("teacher_log_probs", self.needs_teacher,
+                                     teacher_log_probs)):
+            if needed and given is None:
+                raise ValueError(f"{type(self).__name__} needs {name}; none were given")
+        return AdvantageInputs(
+            rewards=batch.rewards, group_index=batch.group_index, loss_mask=batch.loss_mask,
+            log_probs=batch.rollout_log_probs,
+            values=values if self.needs_critic else None,
+            teacher_log_probs=teacher_log_probs if self.needs_teacher else None,
+            token_rewards=batch.placed_rewards() if self.needs_token_rewards else None)
+
+    def apply(self, batch: RolloutBatch, **scored: Any) -> RolloutBatch:
+        """``batch`` with this estimator's A added to its advantages (a rollout.teacher's
+        term may already be there); ``scored``: values, teacher_log_probs."""
+        advantages = self.checked(self(self.inputs(batch, **scored)), batch.loss_mask)
+        return dataclasses.replace(batch, advantages=batch.advantages + advantages)
+
+    def checked(self, advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """``advantages`` as float32 [N, S], 0 where the mask is; a wrong shape or a NaN
+        is refused naming the estimator (a user's class may return either)."""
+        name = type(self).__name__
+        if not isinstance(advantages, torch.Tensor) or advantages.shape != loss_mask.shape:
+            got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else \
+                type(advantages).__name__
+            raise ValueError(f"{name} returned {got}, not advantages of shape "
+                             f"{tuple(loss_mask.shape)} (one per token of input_ids)")
+        kept = torch.where(loss_mask > 0, advantages.to(torch.float32), 0.0)
+        if not torch.isfinite(kept).all():
+            raise ValueError(f"{name} returned a NaN or infinite advantage")
+        return kept
+
+
+def per_token(advantages_N: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """A per-sample advantage [N] as a row of equal values over each sample's tokens."""
+    return torch.where(loss_mask > 0, advantages_N.to(torch.float32)[:, None], 0.0)
+
+
+def group_stats(rewards: torch.Tensor, group_index: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample (μ_g, σ_g) of the sample's group: σ Bessel-corrected (TRL, verl)."""
+    _, dense, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
+    counts_f = counts.to(rewards.dtype)
+    sums = torch.zeros_like(counts_f).index_add_(0, dense, rewards)
+    means = sums / counts_f
+    squares = torch.zeros_like(counts_f).index_add_(0, dense, (rewards - means[dense]) ** 2)
+    # Bessel's correction; a singleton group has no spread (and must not divide by 0).
+    stds = torch.where(counts > 1, (squares / (counts_f - 1).clamp(min=1)).sqrt(), 0.0)
+    return means[dense], stds[dense]
