@@ -53,10 +53,10 @@ from trainer.checkpoint import (
     MODEL_DIR,
     SHARDS_DIR,
     checkpoints,
-    confine,
     is_sharded,
     load_planner,
 )
+from trainer.checkpoint_check import confine
 from trainer.dcp_metadata import UnsafeMetadata
 from trainer.export_base import (
     INDEX,

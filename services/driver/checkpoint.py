@@ -47,6 +47,7 @@ from services.config import ConfigError, ConfigProblem, JobConfig
 from services.driver.run_dir import CONFIG_FILE, LATEST_LINK, RunDir
 from services.driver.sinks import truncate_after
 from trainer import checkpoint as trainer_checkpoint
+from trainer import checkpoint_check
 
 DRIVER_STATE = "driver_state.json"
 ROLLOUTS_IN_FLIGHT = "rollouts_in_flight.safetensors"
@@ -77,7 +78,7 @@ def newest_readable(run_dir: RunDir, log: Callable[[str], None],
     ``refuse_hostile`` (a start) one that reaches outside its folder is a ConfigError
     instead: someone planted it, and resuming from the one before would hide that."""
     for folder in trainer_checkpoint.checkpoints(run_dir.checkpoints_dir):
-        if refuse_hostile and (why := trainer_checkpoint.escapes(folder)):
+        if refuse_hostile and (why := checkpoint_check.escapes(folder)):
             raise _refused(folder, why)
         reason = unreadable(folder)
         if reason is None:
@@ -210,7 +211,7 @@ def plan_resume(config: JobConfig, run_dir: RunDir, named: Path | None, force: b
     (``force``: resume anyway)."""
     if named is not None:
         folder = Path(named).resolve()
-        if why := trainer_checkpoint.escapes(folder):
+        if why := checkpoint_check.escapes(folder):
             raise _refused(Path(named), why)
         reason = (unreadable(folder) if (folder / DRIVER_STATE).is_file()
                   else f"not a checkpoint folder (no {DRIVER_STATE})")
@@ -262,12 +263,12 @@ def unreadable(folder: str | Path, full: bool = False) -> str | None:
     (``full``: every byte of the shards against its CRC-32, `tally checkpoint verify`)."""
     folder = Path(folder)
     try:
-        trainer_checkpoint.confine(folder)  # no link, no stored path out, before any
-        trainer_checkpoint.check_manifest(folder, full)  # file is parsed
+        checkpoint_check.confine(folder)  # no link, no stored path out, before any
+        checkpoint_check.check_manifest(folder, full)  # file is parsed
         load_driver_state(folder)
     except Exception as err:  # any failure to read is the answer
         return f"{type(err).__name__}: {str(err).strip()[:300]}"
-    return trainer_checkpoint.unreadable(folder, full)
+    return checkpoint_check.unreadable(folder, full)
 
 
 def _rollouts_as_data(batches: dict[int, RolloutBatch]

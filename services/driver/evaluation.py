@@ -144,7 +144,8 @@ def evaluate_checkpoint(config: JobConfig, checkpoint: str | Path,
     from rollout.manager import RolloutManagerActor
     from services.driver.job import ensure_ray
     from services.quiet import QUIET_ENV, quiet_transformers
-    from trainer.checkpoint import checkpoint_step, unreadable
+    from trainer.checkpoint import checkpoint_step
+    from trainer.checkpoint_check import unreadable
     from trainer.export import ExportError, export_checkpoint
 
     folder = Path(checkpoint).resolve()  # a `latest` link names its target

@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from rollout.adapters import write_peft_folder
 from services.cli import app
 from tests.trainer.test_checkpoint_metadata import sharded_checkpoint
-from trainer.checkpoint import FOLDER_MANIFEST, MANIFEST, SHARDS_DIR, _digest, escapes
+from trainer.checkpoint import MANIFEST, SHARDS_DIR
+from trainer.checkpoint_check import FOLDER_MANIFEST, _digest, escapes
 from trainer.dcp_metadata import SafeFileSystemReader
 from trainer.export import export_checkpoint
 

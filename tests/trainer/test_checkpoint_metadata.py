@@ -24,9 +24,9 @@ from trainer.checkpoint import (
     MODEL_CONFIG_DIR,
     SHARDS_DIR,
     TRAINER_STATE,
-    _digest,
     read_sharded_whole,
 )
+from trainer.checkpoint_check import _digest
 from trainer.dcp_metadata import UnsafeMetadata, load_metadata
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,8 +23,8 @@ from trainer.checkpoint import (
     save_trainer_checkpoint,
     staging_path,
     trainer_state,
-    unreadable,
 )
+from trainer.checkpoint_check import unreadable
 
 
 def test_trainer_state_round_trips_with_weights_only(tmp_path: Path) -> None:

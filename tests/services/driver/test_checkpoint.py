@@ -24,12 +24,8 @@ from services.driver.checkpoint import (
 )
 from services.driver.run_dir import RunDir
 from tests.trainer.test_checkpoint_safe import Payload  # unpickling it runs os.mkdir
-from trainer.checkpoint import (
-    FOLDER_MANIFEST,
-    commit_checkpoint,
-    save_trainer_checkpoint,
-    staging_path,
-)
+from trainer.checkpoint import commit_checkpoint, save_trainer_checkpoint, staging_path
+from trainer.checkpoint_check import FOLDER_MANIFEST
 
 
 def rollout(first_group: int) -> RolloutBatch:
@@ -124,7 +120,7 @@ def test_a_start_checks_sizes_and_checkpoint_verify_reads_every_byte(
 
     from services.cli import app
     from tests.trainer.test_checkpoint_metadata import sharded_checkpoint
-    from trainer import checkpoint
+    from trainer import checkpoint_check
     from trainer.checkpoint import SHARDS_DIR
 
     job = tmp_path / "job"
@@ -138,7 +134,7 @@ def test_a_start_checks_sizes_and_checkpoint_verify_reads_every_byte(
     shard.write_bytes(bytes(data))
     assert shard.name in (unreadable(newer) or "")  # a small shard's CRC is read at a start
     # as at 7 B, where a shard is GBs: the start reads no shard byte
-    monkeypatch.setattr(checkpoint, "SMALL_FILE_BYTES", len(data))
+    monkeypatch.setattr(checkpoint_check, "SMALL_FILE_BYTES", len(data))
     assert unreadable(newer) is None  # sizes only: no shard byte read at a start
     assert shard.name in (unreadable(newer, full=True) or "")
 

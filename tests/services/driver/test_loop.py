@@ -25,7 +25,7 @@ from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.driver.clean_run import CleanRun, assert_same_training, clean_config
 from tests.services.driver.test_wandb_sink import finished_run_records, history_of
 from tests.services.test_train import ROOT, SMALL
-from trainer.checkpoint import unreadable
+from trainer.checkpoint_check import unreadable
 from trainer.group import TrainerGroup
 
 

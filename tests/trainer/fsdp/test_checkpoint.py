@@ -12,7 +12,8 @@ import torch
 from rollout.tiny import create_tiny_checkpoint
 from tests.distributed import run_ranks
 from tests.trainer.helpers import sampled_train_batch
-from trainer.checkpoint import MANIFEST, SHARDS_DIR, unreadable
+from trainer.checkpoint import MANIFEST, SHARDS_DIR
+from trainer.checkpoint_check import unreadable
 from trainer.config import (
     AggregationConfig,
     LossConfig,
