@@ -193,7 +193,14 @@ class TrainerGroup:
 
     def _call(self, verb: Verb, *args: Any) -> list[Any]:
         """Run ``verb`` with ``args`` on every rank at once; every rank's answer."""
-        refs = [_remote(worker, verb, *args) for worker in self.workers]
+        return self.call_each(verb, [args] * len(self.workers))
+
+    def call_each(self, verb: Verb, args: list[tuple[Any, ...]]) -> list[Any]:
+        """Run ``verb`` on every rank at once, rank r with ``args[r]``, bounded and failing
+        fast like every verb; every rank's answer. For a group composed elsewhere (a
+        colocated engine, services/driver/colocated.py) that adds verbs of its own."""
+        refs = [_remote(worker, verb, *rank_args)
+                for worker, rank_args in zip(self.workers, args, strict=True)]
         self._wait(verb, refs)
         return ray.get(refs)
 
@@ -316,24 +323,6 @@ class TrainerGroup:
                                   for worker in self.workers), strict=True)
         self._wait(verb, list(receipts))
         return buckets[0], most(ray.get(list(receipts)))
-
-    # The colocated fast path (trainer/colocated_engine.py).
-
-    def start_engines(self, engine: Any, tokenizer_path: str | None, num_engines: int,
-                      synchronous: bool) -> list[ray.actor.ActorHandle]:
-        """Ranks 0 … num_engines − 1 become torch engines serving their own weights; their
-        actors, to hand to the rollout manager as its engines."""
-        verb = TrainerWorker.start_engine
-        refs = [_remote(worker, verb, engine, tokenizer_path,
-                        rank if rank < num_engines else None, synchronous)
-                for rank, worker in enumerate(self.workers)]
-        self._wait(verb, refs)
-        return self.workers[:num_engines]
-
-    def stage_engine_weights(self, version: int) -> dict[str, float]:
-        """Every rank gathers the weights for its engine as ``version`` (collective); the
-        time, bytes copied and peak memory, the most of any rank."""
-        return most(self._call(TrainerWorker.stage_engine_weights, version))
 
     # The GPU weight transports (services/driver/weight_sync.py).
 

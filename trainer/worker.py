@@ -40,10 +40,7 @@ from trainer.session_calls import SessionCalls
 
 if TYPE_CHECKING:
     from rollout.batch import RolloutBatch
-    from rollout.config import SamplingConfig, TorchEngineConfig
-    from rollout.engines.base import EpisodeTurn, Generation
     from rollout.weight_bucket import TensorSpec
-    from trainer.colocated_engine import ColocatedEngine
     from trainer.step_plan import StepPlan
 
 
@@ -272,78 +269,6 @@ class TrainerWorker(SessionCalls, abc.ABC):
     def release_shared_bucket(self) -> None:
         """Rank 0: the last shared bucket is loaded; free it."""
         self._shared = None
-
-    # The colocated fast path (trainer/colocated_engine.py): generation in this process.
-
-    engine: ColocatedEngine | None = None
-
-    def start_engine(self, config: TorchEngineConfig, tokenizer_path: str | None,
-                     engine_rank: int | None, synchronous: bool) -> None:
-        """Collective: this rank becomes engine ``engine_rank`` (None: it only takes part
-        in the gathers), serving the weights it holds now as version 0. When
-        ``synchronous`` (rollout.async_steps 0) it aliases them (trainer/colocated_engine.py)
-        if the trainer has one rank and the engine's dtype is the master weights', else
-        stages each version in place; the async pipeline copies into reused sets."""
-        from trainer.colocated_engine import ColocatedEngine, StageMode
-        from trainer.rank import master_dtype
-
-        masters = master_dtype(self.compute_dtype)
-        mode: StageMode = "copy"
-        if synchronous:
-            mode = ("alias" if self.config.world_size == 1
-                    and getattr(torch, config.dtype) == masters else "in_place")
-        if engine_rank is not None:
-            self.engine = ColocatedEngine(config, self.model_path, tokenizer_path,
-                                          engine_rank, self.device, mode)
-        names = [name for name, _ in self.engine_tensors(alias=False, gather=False)]
-        if self.engine is not None:
-            self.engine.check_names(names)
-        self.stage_engine_weights(0)
-        if self.engine is not None:
-            self.engine.serve(0)
-
-    def stage_engine_weights(self, version: int) -> dict[str, float]:
-        """Collective: every rank gathers each weight once (none when aliased); an engine
-        rank keeps them as ``version``, served when the manager's queue reaches
-        :meth:`serve_engine_weights`. This rank's time and bytes copied."""
-        started = time.perf_counter()
-        with PeakMemory(self.device) as peak:
-            alias = self.engine is not None and self.engine.alias
-            tensors = self.engine_tensors(alias=alias, gather=not alias)
-            if self.engine is not None:
-                copied = self.engine.stage(version, tensors)
-                if self.config.world_size == 1:  # it read the parameters the next step writes
-                    self.engine.fence()
-            else:  # no engine here: only this rank's part of each gather
-                copied = 0
-                for _ in tensors:
-                    pass
-        return {"perf/export_s": time.perf_counter() - started,
-                "perf/sync_bytes": float(copied), **phase_metrics("sync", peak)}
-
-    def serve_engine_weights(self, version: int) -> int:
-        """This rank's engine serves the weights staged as ``version`` from now on."""
-        assert self.engine is not None, "serve_engine_weights: this rank has no engine"
-        self.engine.serve(version)
-        return version
-
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int,
-                 turn: EpisodeTurn | None = None) -> list[Generation]:
-        """The engine verb: one response per prompt from the weights served."""
-        assert self.engine is not None, "generate: this rank has no engine"
-        return self.engine.generate(prompt_ids, sampling, seed, turn)
-
-    def ping(self) -> int:
-        return self.engine.weight_version if self.engine is not None else -1
-
-    def engine_tensors(self, alias: bool, gather: bool = True
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective when ``gather``: every parameter (a tied one once) and buffer by
-        name, full; ``alias``: this rank's own storage (one rank only). The backend
-        implements it; only FSDP does."""
-        raise NotImplementedError(f"the colocated fast path (colocate: true with a torch "
-                                  f"engine) needs trainer.backend: fsdp, not "
-                                  f"{self.config.backend}")
 
     # The training API's verbs (services/sessions): gradients accumulated over calls.
 

@@ -27,6 +27,7 @@ from rollout.manager import RolloutManagerActor, start_engines, start_teachers
 from rollout.reward_parts import start_reward_actors
 from rollout.tiny import resolve_model_path
 from services.config import JobConfig
+from services.driver.colocated import ColocatedTrainerGroup
 from services.driver.run_dir import RunDir, data_dir
 from services.placement import JobPlacement, phase_threads, reserve_job
 from services.quiet import QUIET_ENV
@@ -169,12 +170,14 @@ class JobActors:
                 self.manager = manager.remote(config.rollout, model_path, None, None,
                                               engines, True, teachers, **extra)
                 started.callback(self._stop_manager)
-            self.trainer = TrainerGroup(config.trainer, config.objective_config(), model_path,
-                                        config.num_optimizer_steps, env_vars=QUIET_ENV,
-                                        placement=gang.group)
+            # the colocated fast path: the ranks are the engines, composed here
+            group = ColocatedTrainerGroup if in_process else TrainerGroup
+            self.trainer = group(config.trainer, config.objective_config(), model_path,
+                                 config.num_optimizer_steps, env_vars=QUIET_ENV,
+                                 placement=gang.group)
             started.callback(self.trainer.shutdown)
             self.critic = self._start_critic(config, model_path, gang, started)
-            if in_process:  # the colocated fast path: the ranks are the engines
+            if isinstance(self.trainer, ColocatedTrainerGroup):
                 engines = self.trainer.start_engines(
                     config.rollout.engine, config.rollout.tokenizer,
                     config.rollout.engine.num_engines, not config.rollout.async_steps)

@@ -1,4 +1,4 @@
-"""The colocated engine's staging on one CUDA GPU (trainer/weight_staging.py), no Ray:
+"""The colocated engine's staging on one CUDA GPU (services/driver/weight_staging.py), no Ray:
 
 - copied on the side stream, a version served after its event decodes what an in-place
   stage of it decodes, bf16 from fp32 masters, and a one-rank trainer's step queued right
@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from rollout.config import SamplingConfig, TorchEngineConfig
 from rollout.tiny import create_tiny_checkpoint
+from services.driver.colocated_engine import ColocatedEngine, StageMode
+from services.driver.weight_staging import BufferSets, StreamCopy
 from tests.gpu.needs import DEVICE, needs
-from trainer.colocated_engine import ColocatedEngine, StageMode
-from trainer.weight_staging import BufferSets, StreamCopy
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[1, 70, 84, 4, 69, 70, 33], [1, 86, 73, 90, 4, 69, 33], [1, 69, 33]] * 3

@@ -5,7 +5,7 @@ process that generates from the rank's own parameters.
     colocated:        stage(v): every rank gathers each tensor once ──► a set for v
                       serve(v): in the manager's order, the serving model takes v
 
-Three ways to hold the weights, chosen by the driver (trainer/worker.py, start_engine):
+Three ways to hold the weights, chosen when the engine starts (services/driver/colocated.py):
 
 - **alias** (one rank, the engine's dtype is the trainer's, ``rollout.async_steps: 0``):
   the serving model's tensors *are* the rank's parameters, so nothing is copied, ever.
@@ -17,7 +17,7 @@ Three ways to hold the weights, chosen by the driver (trainer/worker.py, start_e
   synchronous stage and its serve. A stage that fails part way leaves parts of two
   versions there, so the engine refuses to generate until a later stage is whole.
 - **copy** (the async pipeline, where rollout s + 1 may run while step s trains):
-  ``stage`` fills a reused buffer set (trainer/weight_staging.py: the model's own tensors
+  ``stage`` fills a reused buffer set (services/driver/weight_staging.py: the model's own tensors
   first, then one spare, a third only while two versions wait) and ``serve`` swaps its
   storage in (no second copy); the set it replaces is the next spare. A stage that fails
   leaves the served set untouched.
@@ -45,7 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from rollout.config import SamplingConfig, TorchEngineConfig
 from rollout.engines.base import EpisodeTurn, Generation
 from rollout.engines.torch_engine import TorchEngine
-from trainer.weight_staging import BufferSets, StreamCopy, TensorSet
+from services.driver.weight_staging import BufferSets, StreamCopy, TensorSet
 
 StageMode = Literal["alias", "in_place", "copy"]
 

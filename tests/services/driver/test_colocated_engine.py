@@ -1,4 +1,4 @@
-"""The colocated engine (trainer/colocated_engine.py) in one process, no Ray: it decodes
+"""The colocated engine (services/driver/colocated_engine.py) in one process, no Ray: it decodes
 what an engine loaded from the folder decodes, aliases, copies or stages in place the
 trainer's tensors as told, serves only whole staged versions, reuses its buffer sets and
 keeps (or, in place, refuses to serve) its weights after a failed stage."""
@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from rollout.config import SamplingConfig, TorchEngineConfig
 from rollout.engines.torch_engine import TorchEngine
 from rollout.tiny import create_tiny_checkpoint
-from trainer.colocated_engine import ColocatedEngine, StageMode
+from services.driver.colocated_engine import ColocatedEngine, StageMode
 
 PROMPTS = [[1, 70, 84, 4, 69, 70, 33], [1, 86, 73, 90, 4, 69, 33], [1, 69, 33]] * 3
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=10, stop=["e", "t"])
