@@ -1,5 +1,6 @@
-"""What is wrong with a job config, said once per field: ConfigProblem, ConfigError, and the
-rewriting of pydantic's errors into them.
+"""What is wrong with a job config, said once per field: ConfigError of ConfigProblems (the
+one ``Problem`` type of rollout/problems.py), and the rewriting of pydantic's errors into
+them.
 
 Pydantic's error locations hold steps that are no YAML key: a validator
 (``function-after[...]``), the variant of a discriminated union (``rollout.dataset.jsonl``)
@@ -14,7 +15,7 @@ that exists. Two of pydantic's messages are rewritten to say what to write inste
   ``type`` field and lists the values that exist (``rollout.dataset.type: missing; one of
   synthetic, jsonl, parquet, math_words, reasoning_gym``).
 
-Imports only pydantic.
+Imports only pydantic (and rollout/problems.py, standard library only).
 """
 
 from __future__ import annotations
@@ -22,33 +23,14 @@ from __future__ import annotations
 import re
 import types
 import typing
-from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, Tag, ValidationError
 
-RULE_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): (.+)$", re.DOTALL)
-"""How every rule here names its field: ``field.path: message``."""
+from rollout.problems import Problem
 
-
-@dataclass(frozen=True)
-class ConfigProblem:
-    """One thing wrong with a job config."""
-
-    field: str
-    """Full dotted path of the field at fault (``aggregation.divisor``); "" when it is the
-    whole input (YAML syntax with its line and column, not a mapping, no such file)."""
-    message: str
-    """What is wrong, without the field."""
-
-    @classmethod
-    def from_rule(cls, text: str, section: str = "") -> ConfigProblem:
-        """A rule's ``field.path: message`` raised inside ``section`` (a dotted path, ""
-        for the job); a text naming no field is about the section itself."""
-        named = RULE_FIELD.match(text)
-        if not named:
-            return cls(section, text)
-        return cls(f"{section}.{named[1]}" if section else named[1], named[2])
+ConfigProblem = Problem
+"""One thing wrong with a job config: the one Problem type (rollout/problems.py)."""
 
 
 class ConfigError(ValueError):

@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.config import error_field
 from services.controller import readiness
 from services.controller.guard import RequestGuard
 from services.controller.observability import (
@@ -37,6 +36,7 @@ from services.controller.observability import (
     ControllerMetrics,
     TimingMiddleware,
 )
+from services.controller.problems import Unprocessable, answer_unprocessable
 from services.controller.ray_head import LocalRayHead
 from services.controller.ray_jobs import JobBackend, RayJobBackend
 from services.controller.reconcile import Reconciler
@@ -52,14 +52,6 @@ HEAD_MARKER = "ray-head.json"
 THREADS = 16
 SUBMIT_BODY_BYTES = 2 * MAX_CONFIG_BYTES + 16 * 1024
 """A submit body: the config (JSON escaping may double it) and its overrides."""
-
-
-async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
-    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-    items = [{"field": error_field(e.get("loc", ())) or "<body>",
-              "message": str(e.get("msg", ""))} for e in errors]
-    detail = "; ".join(f"{i['field']}: {i['message']}" for i in items) or "invalid request"
-    return JSONResponse(ValidationErrorOut(detail=detail, errors=items).model_dump(), 422)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -132,7 +124,8 @@ def create_app(settings: Settings | None = None, backend: JobBackend | None = No
                   docs_url=None, redoc_url=None,  # both load from a CDN; see /openapi.json
                   description="Jobs, sweeps and metrics of Tally RL post-training runs.")
     app.state.controller = ctl
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestValidationError, answer_unprocessable)
+    app.add_exception_handler(Unprocessable, answer_unprocessable)  # the one 422 body
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes,
                        paths=dict.fromkeys(("/api/jobs", "/api/sweeps"), SUBMIT_BODY_BYTES))
     app.add_middleware(RequestGuard, settings=settings)  # before any body is read

@@ -14,7 +14,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from services.config import JobConfig, error_field
+from rollout.problems import Problem
+from services.config import JobConfig
 from services.controller.auth import (
     Credentials,
     may_read,
@@ -25,6 +26,7 @@ from services.controller.auth import (
 from services.controller.ending import contradicted_end, stop_in_ray
 from services.controller.job_files import Escapes, refused, remove_job_folder
 from services.controller.job_samples import DEFAULT_LIMIT, MAX_LIMIT, samples_out
+from services.controller.problems import Unprocessable, request_problems, unprocessable
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.schemas import (
     IngestResult,
@@ -73,17 +75,6 @@ def new_id() -> str:
     return secrets.token_hex(6)
 
 
-def invalid(err: SubmissionError | ValidationError, prefix: str = "") -> JSONResponse:
-    if isinstance(err, ValidationError):
-        pairs = [(error_field(e["loc"]) or "<body>", e["msg"]) for e in err.errors()]
-        detail = "; ".join(f"{f}: {m}" for f, m in pairs)
-    else:
-        pairs, detail = err.errors, err.detail
-    body = ValidationErrorOut(detail=prefix + detail,
-                              errors=[{"field": f, "message": m} for f, m in pairs])
-    return JSONResponse(body.model_dump(), 422)
-
-
 def new_job(resolved: Resolved, job_id: str, **fields: object) -> Job:
     now = time.time()
     config = resolved.config
@@ -129,14 +120,14 @@ async def submit_job(request: Request, ctl: Ctl,
     submit repeating an earlier key returns that job (200) instead of a new one."""
     key = request.headers.get("idempotency-key")
     if key is not None and not 0 < len(key) <= 200:
-        raise HTTPException(422, "Idempotency-Key: 1 to 200 characters")
+        return unprocessable([Problem("Idempotency-Key", "1 to 200 characters")])
     if key is not None and (first := await run_in_threadpool(ctl.store.job_with_key, key)):
         return JSONResponse(job_detail(first, ctl.settings).model_dump(mode="json"))
     body = await request.body()
     try:
         payload = parse_submit(body, request.headers.get("content-type", ""), set_)
     except ValidationError as err:
-        return invalid(err)
+        return unprocessable(request_problems(err.errors()))
     job_id = new_id()
     try:
         data, stored_text = submitted_config(payload.config, payload.config_yaml)
@@ -146,7 +137,7 @@ async def submit_job(request: Request, ctl: Ctl,
     except ConfigTooLarge as err:
         raise HTTPException(413, err.detail) from None
     except SubmissionError as err:
-        return invalid(err)
+        return unprocessable(err.problems, err.detail)
     job = new_job(resolved, job_id, idempotency_key=key)
     stored = await run_in_threadpool(ctl.store.add_job_once, job)
     if stored.id != job_id:  # the same key, submitted at the same moment: the first wins
@@ -300,8 +291,8 @@ def ingest_metrics(job_id: str, batch: MetricsIngest, ctl: Ctl) -> IngestResult:
     job = get_or_404(ctl, job_id)
     beyond = [i for i, r in enumerate(batch.rows) if r.step >= job.num_steps]
     if beyond:  # a step the job cannot have: refused whole, nothing stored
-        raise HTTPException(422, f"rows[{beyond[0]}].step: {batch.rows[beyond[0]].step} is "
-                            f"beyond the job's steps 0..{job.num_steps - 1}")
+        raise Unprocessable([Problem(f"rows[{beyond[0]}].step", (
+            f"{batch.rows[beyond[0]].step} is beyond the job's steps 0..{job.num_steps - 1}"))])
     rows = [(r.step, r.time if r.time is not None else time.time(), clean_metrics(r.metrics))
             for r in batch.rows]
     accepted = ctl.store.add_metrics(job_id, rows)
@@ -341,9 +332,9 @@ def register_job(payload: JobRegister, ctl: Ctl) -> JobDetail | JSONResponse:
     try:
         config = JobConfig.model_validate(payload.config)
     except ValidationError as err:
-        return invalid(err, "config: ")
+        return unprocessable(request_problems(err.errors()), prefix="config: ")
     except (ValueError, TypeError) as err:
-        return invalid(SubmissionError(str(err), [("config", str(err))]))
+        return unprocessable([Problem("config", str(err))], str(err))
     now = time.time()
     job = Job(id=new_id(), name=config.name, status="running", mode=config.aggregation.mode,
               source="registered", config_submitted=json.dumps(payload.config, indent=2),

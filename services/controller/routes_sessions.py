@@ -22,11 +22,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.problems import Problem
 from services.config import JobConfig
 from services.controller.auth import require_session_token, require_token, session_token
 from services.controller.capacity import Capacity
+from services.controller.problems import unprocessable
 from services.controller.ray_jobs import BackendUnavailable
-from services.controller.routes_jobs import invalid, new_id
+from services.controller.routes_jobs import new_id
 from services.controller.session_calls import close, forward, refresh, row_of
 from services.controller.session_rows import end_from_ray, ready_url
 from services.controller.session_secret import hand_over, session_secret
@@ -72,7 +74,7 @@ def session_data(config: dict[str, Any]) -> dict[str, Any]:
         trainer = data.setdefault("trainer", {})
         if not isinstance(trainer, dict) or "lora" in trainer:
             raise SubmissionError("lora: give it once, at the top or as trainer.lora",
-                                  [("lora", "given twice (top level and trainer.lora)")])
+                                  [Problem("lora", "given twice (top level and trainer.lora)")])
         trainer["lora"] = data.pop("lora")
     rollout = data.setdefault("rollout", {})
     if isinstance(rollout, dict) and isinstance(rollout.get("engine", {}), dict):
@@ -81,15 +83,15 @@ def session_data(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_session_config(config: JobConfig) -> None:
-    problems = []
+    problems: list[Problem] = []
     if config.trainer.backend != "fsdp":
-        problems.append(("trainer.backend", f"sessions run the fsdp backend, not "
-                         f"{config.trainer.backend}"))
+        problems.append(Problem("trainer.backend", f"sessions run the fsdp backend, not "
+                                f"{config.trainer.backend}"))
     if config.rollout.engine.type != "torch":
-        problems.append(("rollout.engine.type", f"sessions sample with the torch engine, not "
-                         f"{config.rollout.engine.type}"))
+        problems.append(Problem("rollout.engine.type", "sessions sample with the torch "
+                                f"engine, not {config.rollout.engine.type}"))
     if problems:
-        raise SubmissionError("; ".join(f"{f}: {m}" for f, m in problems), problems)
+        raise SubmissionError.of(*problems)
 
 
 def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float | None = None
@@ -152,7 +154,7 @@ async def create_session(body: SessionCreate, ctl: Ctl) -> Response:
     except ConfigTooLarge as err:
         raise HTTPException(413, err.detail) from None
     except SubmissionError as err:
-        return invalid(err, "config: ")
+        return unprocessable(err.problems, err.detail, "config: ")
     token = session_token(ctl.settings.api_token, row.id) if ctl.settings.api_token else None
     return JSONResponse(session_out(row, token=token), 201)
 

@@ -11,12 +11,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import JSONResponse
 
+from rollout.problems import Problem
 from services.controller.auth import require_token
+from services.controller.problems import Unprocessable, unprocessable
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.routes_jobs import (
     AUTH,
     INVALID,
-    invalid,
     new_id,
     new_job,
     write_config_file,
@@ -78,7 +79,7 @@ def submit_sweep(payload: SweepSubmit, ctl: Ctl) -> SweepOut | JSONResponse:
     except ConfigTooLarge as err:
         raise HTTPException(413, err.detail) from None
     except SubmissionError as err:
-        return invalid(err)
+        return unprocessable(err.problems, err.detail)
     sweep_id, resolved, taken = new_id(), [], ctl.store.output_dirs()
     for label, extra in variants(base, payload.modes, payload.override_sets):
         job_id = new_id()
@@ -87,7 +88,7 @@ def submit_sweep(payload: SweepSubmit, ctl: Ctl) -> SweepOut | JSONResponse:
                 data, [*payload.overrides, *extra], ctl.settings, job_id, stored_text,
                 output_suffix=job_id, taken=taken)))
         except SubmissionError as err:
-            return invalid(err, f"sweep run {label!r}: ")
+            return unprocessable(err.problems, err.detail, f"sweep run {label!r}: ")
     spec = {"axis": "modes" if payload.modes else "override_sets", "config": stored_text,
             "overrides": payload.overrides, "modes": payload.modes,
             "override_sets": payload.override_sets}
@@ -126,7 +127,7 @@ def parse_after(after: Sequence[str]) -> dict[str, int]:
     for item in after:
         job_id, _, step = item.rpartition(":")
         if not job_id or not step.lstrip("-").isdigit():
-            raise HTTPException(422, f"after: {item[:80]!r} is not <job id>:<step>")
+            raise Unprocessable([Problem("after", f"{item[:80]!r} is not <job id>:<step>")])
         seen[job_id] = int(step)
     return seen
 

@@ -25,14 +25,9 @@ from pydantic import ValidationError
 
 from rollout.config_paths import marked_paths
 from rollout.pretrained import BUILTIN_MODELS
-from services.config import (
-    ConfigError,
-    JobConfig,
-    _validation_error,
-    apply_override,
-    job_mapping,
-    load_yaml,
-)
+from rollout.problems import Problem
+from services.config import ConfigError, JobConfig, apply_override, job_mapping, load_yaml
+from services.config_errors import validation_error
 from services.controller.settings import Settings
 from services.preflight import preflight
 
@@ -42,13 +37,23 @@ MAX_DEPTH = 32
 """Deepest nesting of sections, lists and flow brackets a config may have."""
 
 
-class SubmissionError(ValueError):
-    """An invalid submission; ``errors`` holds (field path, message) pairs."""
+WHOLE_CONFIG = "<config>"
+"""The ``field`` of a problem with the whole config (YAML syntax, not a mapping, empty)."""
 
-    def __init__(self, detail: str, errors: list[tuple[str, str]] | None = None) -> None:
+
+class SubmissionError(ValueError):
+    """An invalid submission (422): ``problems`` name each field; ``detail`` says them in
+    a line (``field: message`` for one)."""
+
+    def __init__(self, detail: str, problems: list[Problem] | None = None) -> None:
         super().__init__(detail)
         self.detail = detail
-        self.errors = errors or []
+        self.problems = problems or []
+
+    @classmethod
+    def of(cls, *problems: Problem) -> SubmissionError:
+        """Refused for ``problems``, said on one line (``a: x; b: y``)."""
+        return cls("; ".join(str(p) for p in problems), list(problems))
 
 
 class ConfigTooLarge(SubmissionError):
@@ -67,16 +72,20 @@ class Resolved:
 
 
 def from_config_error(err: ConfigError) -> SubmissionError:
-    """ConfigError's problems -> (field path, message) pairs; a problem of the whole input
-    (YAML syntax, not a mapping, empty) is ``<config>``'s. One problem is one line of
-    detail, as ``tally train`` says it: ``field: message``."""
-    pairs = [(p.field or "<config>", p.message) for p in err.problems]
-    detail = f"{pairs[0][0]}: {pairs[0][1]}" if len(pairs) == 1 else str(err)
-    return SubmissionError(detail, pairs)
+    """ConfigError's problems, a problem of the whole input (YAML syntax, not a mapping,
+    empty) named ``<config>``. One problem is one line of detail, as ``tally train`` says
+    it: ``field: message``."""
+    problems = [Problem(p.field or WHOLE_CONFIG, p.message) for p in err.problems]
+    return SubmissionError(str(problems[0]) if len(problems) == 1 else str(err), problems)
+
+
+def job_config_error(err: ValidationError, source: str) -> SubmissionError:
+    """Pydantic's errors of a job config, each on the field a user writes."""
+    return from_config_error(validation_error(err, source, JobConfig))
 
 
 def _config_problem(message: str) -> SubmissionError:
-    return SubmissionError(f"<config>: {message}", [("<config>", message)])
+    return SubmissionError.of(Problem(WHOLE_CONFIG, message))
 
 
 def text_depth(text: str) -> int:
@@ -178,13 +187,13 @@ def config_from_data(data: dict[str, Any], overrides: list[str],
     except ConfigError as err:
         raise from_config_error(err) from None
     except ValidationError as err:
-        raise from_config_error(_validation_error(err, source)) from None
+        raise job_config_error(err, source) from None
     except (ValueError, TypeError, RecursionError) as err:
         raise _config_problem(str(err)) from None
 
 
 def _refuse(field_path: str, message: str) -> SubmissionError:
-    return SubmissionError(f"{field_path}: {message}", [(field_path, message)])
+    return SubmissionError.of(Problem(field_path, message))
 
 
 def _inside_roots(value: str, field_path: str, settings: Settings) -> Path:
@@ -252,7 +261,7 @@ def check_output_dir(path: Path, value: str, settings: Settings,
     def refuse(why: str) -> None:
         message = f"{value} {why}; leave output_dir unset and the job writes to its own " \
                   f"{settings.jobs_dir}/<id>"
-        raise SubmissionError(f"output_dir: {message}", [("output_dir", message)])
+        raise SubmissionError.of(Problem("output_dir", message))
 
     if data.is_relative_to(path):
         refuse("is the data folder, or holds it")
@@ -297,6 +306,6 @@ def resolve(data: dict[str, Any], overrides: list[str], settings: Settings, job_
     try:
         final = JobConfig.model_validate(data)
     except ValidationError as err:  # a resolved path broke a rule: report, never 500
-        raise from_config_error(_validation_error(err, source)) from None
+        raise job_config_error(err, source) from None
     check_runnable(final)  # after path resolution: paths are checked where they will be read
     return Resolved(final, data, output_dir, stored_text, list(overrides))
