@@ -127,6 +127,7 @@ def test_output_dir_is_never_a_root_or_a_controller_folder(api: TestClient,
 PATH_LIKE = re.compile(r"model|path|tokenizer|dir|file|dataset")
 NOT_PATHS = {
     "EnvironmentConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",
+    "AdvantageConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",
 }
 """Fields whose names look like paths but are not: each says what it is instead."""
 
