@@ -27,6 +27,7 @@ from pathlib import Path
 
 from rollout.config import RolloutConfig
 from rollout.pretrained import SMOLLM2_NAME
+from rollout.problems import Problem
 
 BUILTIN_CONTEXTS = {"tiny": 256, SMOLLM2_NAME: 8192}
 """The built-in models' contexts, so a config is checked before either is built (and
@@ -102,14 +103,14 @@ def turn_tokens(max_new_tokens: int, max_total_tokens: int, used: int) -> int:
 
 
 def sample_problem(prompt_field: str, num_prompt_tokens: int, max_new_tokens: int,
-                   context: int | None) -> tuple[str, str] | None:
-    """(field, message) when a session's prompt plus sampling.max_new_tokens passes C."""
+                   context: int | None) -> Problem | None:
+    """The problem when a session's prompt plus sampling.max_new_tokens passes C."""
     if context is None or num_prompt_tokens + max_new_tokens <= context:
         return None
     if max_new_tokens >= context:
-        return ("sampling.max_new_tokens", f"{max_new_tokens} leaves no room for a prompt in "
-                                           f"the model's context {context}")
-    return (prompt_field, f"{num_prompt_tokens} tokens + sampling.max_new_tokens "
-                          f"{max_new_tokens} = {num_prompt_tokens + max_new_tokens} > the "
-                          f"model's context {context}; shorten it to "
-                          f"{context - max_new_tokens} tokens or lower max_new_tokens")
+        return Problem("sampling.max_new_tokens", f"{max_new_tokens} leaves no room for a "
+                       f"prompt in the model's context {context}")
+    return Problem(prompt_field, f"{num_prompt_tokens} tokens + sampling.max_new_tokens "
+                   f"{max_new_tokens} = {num_prompt_tokens + max_new_tokens} > the "
+                   f"model's context {context}; shorten it to "
+                   f"{context - max_new_tokens} tokens or lower max_new_tokens")

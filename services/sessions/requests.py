@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.batch import RolloutBatch
 from rollout.config import SamplingConfig
+from rollout.problems import Problem
 from trainer.config import AGGREGATION_MODES, AggregationMode
 
 LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
@@ -126,13 +127,9 @@ class Save(BaseModel):
     request_id: str | None = _request_id()
 
 
-Problem = tuple[str, str]
-"""(field, message)."""
-
-
 def _length_problems(i: int, datum: Datum) -> list[Problem]:
     size = len(datum.tokens)
-    return [(f"data[{i}].{name}", f"has {len(values)} values; tokens has {size}")
+    return [Problem(f"data[{i}].{name}", f"has {len(values)} values; tokens has {size}")
             for name, values in (("targets", datum.targets), ("weights", datum.weights),
                                  ("advantages", datum.advantages),
                                  ("logprobs", datum.logprobs))
@@ -144,8 +141,8 @@ def vocabulary_problem(field: str, ids: list[int], vocab_size: int) -> Problem |
     bad = next((t for t, token in enumerate(ids) if not 0 <= token < vocab_size), None)
     if bad is None:
         return None
-    return (f"{field}[{bad}]", f"token id {ids[bad]} is outside the vocabulary "
-                               f"(0..{vocab_size - 1})")
+    return Problem(f"{field}[{bad}]",
+                   f"token id {ids[bad]} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 def _datum_problems(i: int, datum: Datum, vocab_size: int, loss_fn: LossFn) -> list[Problem]:
@@ -158,25 +155,26 @@ def _datum_problems(i: int, datum: Datum, vocab_size: int, loss_fn: LossFn) -> l
     bad = next((t for t, w in enumerate(datum.weights)
                 if not (math.isfinite(w) and 0.0 <= w <= 1.0)), None)
     if bad is not None:
-        problems.append((f"data[{i}].weights[{bad}]", f"is {datum.weights[bad]}; a weight is "
-                         "the token's share of the loss, in [0, 1] (scale a token's loss "
-                         "with its advantage)"))
+        problems.append(Problem(f"data[{i}].weights[{bad}]", (
+            f"is {datum.weights[bad]}; a weight is the token's share of the loss, in [0, 1] "
+            "(scale a token's loss with its advantage)")))
     bad = next((t for t in range(len(datum.tokens) - 1)
                 if datum.targets[t] != datum.tokens[t + 1]), None)
     if bad is not None:
-        problems.append((f"data[{i}].targets[{bad}]",
-                         f"is {datum.targets[bad]} but tokens[{bad + 1}] is "
-                         f"{datum.tokens[bad + 1]}: targets are the sequence's next tokens"))
+        problems.append(Problem(f"data[{i}].targets[{bad}]", (
+            f"is {datum.targets[bad]} but tokens[{bad + 1}] is {datum.tokens[bad + 1]}: "
+            "targets are the sequence's next tokens")))
     for name in ("advantages", "logprobs"):
         values = getattr(datum, name) or []
         bad = next((t for t, v in enumerate(values) if not math.isfinite(v)), None)
         if bad is not None:
-            problems.append((f"data[{i}].{name}[{bad}]", f"is {values[bad]}; must be finite"))
+            problems.append(Problem(f"data[{i}].{name}[{bad}]",
+                                    f"is {values[bad]}; must be finite"))
     if loss_fn in NEEDS_ADVANTAGES and datum.advantages is None:
-        problems.append((f"data[{i}].advantages", f"required by loss_fn {loss_fn}"))
+        problems.append(Problem(f"data[{i}].advantages", f"required by loss_fn {loss_fn}"))
     if loss_fn in NEEDS_LOGPROBS and datum.logprobs is None:
-        problems.append((f"data[{i}].logprobs",
-                         f"required by loss_fn {loss_fn} (the sampling log-probs)"))
+        problems.append(Problem(f"data[{i}].logprobs",
+                                f"required by loss_fn {loss_fn} (the sampling log-probs)"))
     return problems
 
 
@@ -186,9 +184,10 @@ def temperature_problem(i: int, datum: Datum, temperature: float | None) -> Prob
     if datum.temperature is None or temperature is None or \
             abs(datum.temperature - temperature) <= 1e-6:
         return None
-    return (f"data[{i}].temperature", f"is {datum.temperature:g} but the session's loss "
-            f"temperature is {temperature:g} (rollout.sampling.temperature): sample at "
-            f"{temperature:g}, or start a session with that temperature")
+    return Problem(f"data[{i}].temperature", (
+        f"is {datum.temperature:g} but the session's loss temperature is {temperature:g} "
+        f"(rollout.sampling.temperature): sample at {temperature:g}, or start a session "
+        "with that temperature"))
 
 
 def check_data(request: ForwardBackward, vocab_size: int,
@@ -209,8 +208,8 @@ def check_data(request: ForwardBackward, vocab_size: int,
 def _group_problems(data: list[Datum], earlier_groups: set[int]) -> list[Problem]:
     missing = next((i for i, d in enumerate(data) if d.group is None), None)
     if missing is not None:
-        return [(f"data[{missing}].group", "required by aggregation mode prompt_mean (the "
-                 "prompt group each sample belongs to)")]
+        return [Problem(f"data[{missing}].group", "required by aggregation mode prompt_mean "
+                        "(the prompt group each sample belongs to)")]
     first: dict[int, int] = {}
     sizes: dict[int, int] = {}
     for i, datum in enumerate(data):
@@ -218,15 +217,15 @@ def _group_problems(data: list[Datum], earlier_groups: set[int]) -> list[Problem
         sizes[datum.group] = sizes.get(datum.group, 0) + 1
     for group, i in first.items():
         if group in earlier_groups:
-            return [(f"data[{i}].group", f"group {group} was in an earlier forward_backward "
-                     "call of this step; under prompt_mean every group is whole within one "
-                     "call")]
+            return [Problem(f"data[{i}].group", (
+                f"group {group} was in an earlier forward_backward call of this step; under "
+                "prompt_mean every group is whole within one call"))]
     size = max(sizes.values())
     short = next((g for g in first if sizes[g] != size), None)
     if short is not None:
-        return [(f"data[{first[short]}].group", f"group {short} has {sizes[short]} samples in "
-                 f"this call, other groups have {size}; under prompt_mean every group is "
-                 "whole within one call")]
+        return [Problem(f"data[{first[short]}].group", (
+            f"group {short} has {sizes[short]} samples in this call, other groups have "
+            f"{size}; under prompt_mean every group is whole within one call"))]
     return []
 
 

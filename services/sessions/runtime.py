@@ -25,14 +25,15 @@ import ray
 import torch
 
 from rollout.engines import engine_actor_options, engine_class
+from rollout.problems import Problem, problems_detail
 from services.config import JobConfig
 from services.placement import reserve_job
+from services.sessions.group import CallUndone, GradientsLost, SessionGroup
 from services.sessions.replay import RecentCalls
 from services.sessions.requests import (
     Datum,
     ForwardBackward,
     OptimStep,
-    Problem,
     Sample,
     call_batch,
     check_data,
@@ -43,17 +44,16 @@ from trainer.aggregation import call_coefficients
 from trainer.checkpoint import ADAPTER_DIR
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
 from trainer.export import export_checkpoint
-from trainer.group import CallUndone, GradientsLost, TrainerGroup
 
 
 class SessionError(ValueError):
     """A call the session refuses or could not do: ``status`` (409, 422, 500) and the
-    (field, message) problems; ``retriable``: the call changed nothing, so sending it
+    Problems (field, message); ``retriable``: the call changed nothing, so sending it
     again (same ``request_id``) is safe."""
 
     def __init__(self, status: int, problems: list[Problem], retriable: bool = False
                  ) -> None:
-        super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
+        super().__init__(problems_detail(problems))
         self.status, self.problems, self.retriable = status, problems, retriable
 
 
@@ -96,11 +96,11 @@ class TrainingSession:
         self.gang = reserve_job(config, on_wait=print)
         engine = config.rollout.engine
         actor = ray.remote(engine_class(engine))
-        # the engine loads while the trainer ranks do (TrainerGroup waits for its setup)
+        # the engine loads while the trainer ranks do (the group waits for its setup)
         self.engine = actor.options(**{**engine_actor_options(engine),
                                        **self.gang.engine_options[0]}
                                     ).remote(engine, model_path, config.rollout.tokenizer, 0)
-        self.trainer = TrainerGroup(config.trainer, self.objective, model_path,
+        self.trainer = SessionGroup(config.trainer, self.objective, model_path,
                                     total_steps=1, placement=self.gang.group,
                                     name=f"tally-session-{folder.name}")
         ray.get(self.engine.ping.remote())
@@ -134,7 +134,7 @@ class TrainingSession:
         mode, divisor = request.aggregation.mode, request.aggregation.divisor
         if for_step and self.pending.calls and (mode, divisor) != (self.pending.mode,
                                                                     self.pending.divisor):
-            raise SessionError(409, [("aggregation.mode", (
+            raise SessionError(409, [Problem("aggregation.mode", (
                 f"{_mode_text(mode, divisor)} differs from "
                 f"{_mode_text(self.pending.mode, self.pending.divisor)} of the "
                 f"{self.pending.calls} forward_backward call(s) pending; the calls of one "
@@ -174,12 +174,12 @@ class TrainingSession:
         try:
             sums = self.trainer.accumulate(batch, plan)
         except CallUndone as err:
-            raise SessionError(500, [("forward_backward", f"{err}; nothing of it is "
-                                      "applied: send it again")], retriable=True) from err
+            raise SessionError(500, [Problem("forward_backward", f"{err}; nothing of it is "
+                                             "applied: send it again")], retriable=True) from err
         except GradientsLost as err:
             dropped, self.pending = self.pending.calls, PendingStep()
             self.gradients_unknown = True
-            raise SessionError(500, [("forward_backward", (
+            raise SessionError(500, [Problem("forward_backward", (
                 f"{err}: the {dropped} earlier forward_backward call(s) of this step are "
                 "dropped too; start the step again"))]) from err
         pending = self.pending
@@ -214,19 +214,20 @@ class TrainingSession:
     def optim_step(self, request: OptimStep) -> dict[str, Any]:
         pending = self.pending
         if not pending.calls:
-            raise SessionError(409, [("optim_step", "no forward_backward call since the last "
-                                      "optim_step: there is no gradient to step with")])
+            raise SessionError(409, [Problem("optim_step", (
+                "no forward_backward call since the last optim_step: there is no gradient "
+                "to step with"))])
         if pending.denominator <= 0:  # token_mean over calls without a weighted token
             self.drop_pending()
-            raise SessionError(409, [("optim_step", "the pending calls hold no weighted "
-                                      "token (every weight is 0); they are dropped")])
+            raise SessionError(409, [Problem("optim_step", "the pending calls hold no weighted "
+                                             "token (every weight is 0); they are dropped")])
         if pending.sums.get("valid_tokens", 0.0) <= 0:  # a zero gradient would still move
             calls = pending.calls                       # Adam's moments and step count
             self.drop_pending()
-            raise SessionError(409, [("optim_step", f"the {calls} pending forward_backward "
-                                      "call(s) hold no weighted token (every weight is 0): "
-                                      "there is no gradient to step with; they are dropped "
-                                      "and the optimizer is untouched")])
+            raise SessionError(409, [Problem("optim_step", f"the {calls} pending forward_backward "
+                                             "call(s) hold no weighted token (every weight is 0): "
+                                             "there is no gradient to step with; they are dropped "
+                                             "and the optimizer is untouched")])
         scale = 1.0 / pending.denominator
         result = self.trainer.apply_gradients(scale, request.adam.model_dump(mode="python"),
                                               request.grad_clip)
@@ -250,7 +251,7 @@ class TrainingSession:
                                               self.vocab_size)) is not None:
                 raise SessionError(422, [problem])
             if not prompt:
-                raise SessionError(422, [(f"prompt_tokens[{i}]", "is empty")])
+                raise SessionError(422, [Problem(f"prompt_tokens[{i}]", "is empty")])
             if (problem := sample_problem(f"prompt_tokens[{i}]", len(prompt),
                                           max_new_tokens, context)) is not None:
                 raise SessionError(422, [problem])
@@ -286,8 +287,9 @@ class TrainingSession:
         ``saved/<name>``, and the whole trainer state (optimizer included) under
         ``checkpoints/<name>`` for :meth:`load`."""
         if self.pending.calls:
-            raise SessionError(409, [("save", f"{self.pending.calls} forward_backward call(s) "
-                                      "are pending; call optim_step first")])
+            raise SessionError(409, [Problem("save", (
+                f"{self.pending.calls} forward_backward call(s) are pending; call optim_step "
+                "first"))])
         checkpoint = self.folder / "checkpoints" / name
         shutil.rmtree(checkpoint, ignore_errors=True)
         checkpoint.parent.mkdir(parents=True, exist_ok=True)
@@ -306,7 +308,7 @@ class TrainingSession:
         """Back to a save of this session: weights, optimizer state and step."""
         checkpoint = self.folder / "checkpoints" / name
         if not checkpoint.is_dir():
-            raise SessionError(404, [("name", f"no save named {name!r} in this session")])
+            raise SessionError(404, [Problem("name", f"no save named {name!r} in this session")])
         self.drop_pending()
         self.trainer.load_checkpoint(str(checkpoint))
         self.step = int((checkpoint / "session_step").read_text())

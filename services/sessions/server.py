@@ -37,8 +37,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from rollout.confined import Escapes, create_owned, read_inside
+from rollout.problems import Problem, problems_body
 from services.sessions.replay import ReplayConflict, call_digest
-from services.sessions.requests import ForwardBackward, OptimStep, Problem, Sample, Save
+from services.sessions.requests import ForwardBackward, OptimStep, Sample, Save
 from services.sessions.runtime import SessionError, TrainingSession
 
 SESSION_FILE = "session.json"
@@ -140,9 +141,7 @@ def problems_response(status: int, problems: list[Problem], retriable: bool = Fa
                       ) -> JSONResponse:
     """``{"detail", "errors": [{"field", "message"}], "retriable"}``; ``retriable``: the
     call changed nothing, so the client may send it again with the same request_id."""
-    detail = "; ".join(f"{f}: {m}" for f, m in problems)
-    return JSONResponse({"detail": detail, "retriable": retriable,
-                         "errors": [{"field": f, "message": m} for f, m in problems]}, status)
+    return JSONResponse({**problems_body(problems), "retriable": retriable}, status)
 
 
 def create_app(session: TrainingSession, secret: str, on_close: Any) -> FastAPI:
@@ -157,8 +156,8 @@ def create_app(session: TrainingSession, secret: str, on_close: Any) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return problems_response(422, [(field_of(tuple(e.get("loc", ()))),
-                                        str(e.get("msg", ""))) for e in exc.errors()])
+        return problems_response(422, [Problem(field_of(tuple(e.get("loc", ()))),
+                                               str(e.get("msg", ""))) for e in exc.errors()])
 
     @app.exception_handler(SessionError)
     async def refused(_request: Request, exc: SessionError) -> JSONResponse:

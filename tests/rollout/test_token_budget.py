@@ -12,6 +12,7 @@ import pytest
 
 from rollout.config import RolloutConfig
 from rollout.episodes import turn_calls
+from rollout.problems import Problem
 from rollout.tiny import TINY_ARCHITECTURE
 from rollout.token_budget import (
     TokenBudgetError,
@@ -99,10 +100,10 @@ def test_a_want_past_its_cap_is_cut_to_it() -> None:
 
 def test_a_session_sample_must_fit_the_context() -> None:
     assert sample_problem("prompt_tokens[0]", 200, 56, 256) is None
-    assert sample_problem("prompt_tokens[1]", 200, 64, 256) == (
+    assert sample_problem("prompt_tokens[1]", 200, 64, 256) == Problem(
         "prompt_tokens[1]", "200 tokens + sampling.max_new_tokens 64 = 264 > the model's "
                             "context 256; shorten it to 192 tokens or lower max_new_tokens")
-    assert sample_problem("prompt_tokens[0]", 1, 256, 256) == (
+    assert sample_problem("prompt_tokens[0]", 1, 256, 256) == Problem(
         "sampling.max_new_tokens", "256 leaves no room for a prompt in the model's "
                                    "context 256")
     assert sample_problem("prompt_tokens[0]", 10**6, 10**6, None) is None

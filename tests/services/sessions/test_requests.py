@@ -7,6 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from rollout.problems import Problem
 from services.sessions.requests import (
     Aggregation,
     Datum,
@@ -36,7 +37,7 @@ def request(*data: dict, loss_fn: str = "ppo", mode: str = "sample_mean") -> For
 
 
 def fields_of(req: ForwardBackward, earlier_groups: set[int] = frozenset()) -> list[str]:
-    return [field for field, _ in check_data(req, VOCAB, earlier_groups)]
+    return [p.field for p in check_data(req, VOCAB, earlier_groups)]
 
 
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo"])
@@ -53,7 +54,7 @@ def test_a_length_other_than_the_tokens_names_the_field(field: str) -> None:
     short = make_datum()
     short[field] = short[field][:-1]
     problems = check_data(request(make_datum(), short), VOCAB)
-    assert problems == [(f"data[1].{field}", "has 4 values; tokens has 5")]
+    assert problems == [Problem(f"data[1].{field}", "has 4 values; tokens has 5")]
 
 
 def test_token_ids_outside_the_vocabulary_name_their_position() -> None:
@@ -72,14 +73,14 @@ def test_a_weight_outside_0_to_1_names_its_position_and_a_fraction_is_accepted()
     assert check_data(request(make_datum(weights=[0.0, 1.0, 0.5, 0.0, 0.25])), VOCAB) == []
     for bad in (1.5, -0.25, float("nan"), float("inf")):
         problems = check_data(request(make_datum(weights=[0.0, 1.0, bad, 0.0, 1.0])), VOCAB)
-        assert [f for f, _ in problems] == ["data[0].weights[2]"]
-        assert "in [0, 1]" in problems[0][1]
+        assert [p.field for p in problems] == ["data[0].weights[2]"]
+        assert "in [0, 1]" in problems[0].message
 
 
 def test_targets_that_are_not_the_next_tokens_name_the_first_wrong_one() -> None:
     problems = check_data(request(make_datum(targets=[12, 13, 7, 8, 16])), VOCAB)
-    assert problems == [("data[0].targets[2]", "is 7 but tokens[3] is 14: targets are the "
-                         "sequence's next tokens")]
+    assert problems == [Problem("data[0].targets[2]", "is 7 but tokens[3] is 14: targets are "
+                                "the sequence's next tokens")]
 
 
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
@@ -96,7 +97,7 @@ def test_advantages_may_differ_per_token_and_a_wrong_count_names_the_field() -> 
     assert check_data(request(make_datum(), per_token), VOCAB) == []
     short = make_datum(advantages=[0.75, 0.5])
     assert check_data(request(make_datum(), short), VOCAB) == [
-        ("data[1].advantages", "has 2 values; tokens has 5")]
+        Problem("data[1].advantages", "has 2 values; tokens has 5")]
 
 
 def grouped(*groups: int | None) -> list[dict]:
@@ -109,11 +110,12 @@ def test_prompt_mean_groups_are_named_by_their_first_datum() -> None:
         "data[2].group"]
     assert fields_of(request(*grouped(3, None), mode="token_mean")) == []  # only prompt_mean
     earlier = check_data(request(*grouped(3, 3, 1, 1), mode="prompt_mean"), VOCAB, {1, 8})
-    assert [f for f, _ in earlier] == ["data[2].group"]
-    assert "group 1 was in an earlier forward_backward call" in earlier[0][1]
+    assert [p.field for p in earlier] == ["data[2].group"]
+    assert "group 1 was in an earlier forward_backward call" in earlier[0].message
     uneven = check_data(request(*grouped(4, 4, 6, 9, 9), mode="prompt_mean"), VOCAB)
-    assert uneven == [("data[2].group", "group 6 has 1 samples in this call, other groups "
-                       "have 2; under prompt_mean every group is whole within one call")]
+    assert uneven == [Problem("data[2].group", "group 6 has 1 samples in this call, other "
+                              "groups have 2; under prompt_mean every group is whole within "
+                              "one call")]
 
 
 @pytest.mark.parametrize("field", ["advantages", "logprobs"])
