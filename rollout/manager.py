@@ -40,9 +40,7 @@ from rollout.engines.base import EpisodeTurn, Generation
 from rollout.environments import load_environment_class
 from rollout.episodes import EnvironmentFailures, Episode, run_episodes
 from rollout.prompts import PromptTooLong, fit_prompt
-from rollout.reward_config import RewardConfig
 from rollout.reward_parts import Rewarder, RewardScores, start_reward_actors
-from rollout.rewards import check_error_rate
 from rollout.shards import shard_bounds
 from rollout.teacher import Teacher
 from rollout.token_budget import model_context, prompt_budget
@@ -111,13 +109,14 @@ class _StepStats:
     reward_s: float = 0.0
     """Seconds the rollout waited for rewards after its last response was generated."""
     reward_busy_s: float = 0.0
-    unparsed: dict[str, int] = field(default_factory=dict)
+    reward_counts: dict[str, int] = field(default_factory=dict)
+    """``reward/<name>/<key>`` -> count over the rollout's draws (a judge's unparsed)."""
     errors: dict[str, tuple[int, str | None]] = field(default_factory=dict)
 
     def add_scores(self, scores: RewardScores) -> None:
         self.reward_busy_s += scores.busy_s
-        for name, count in scores.unparsed.items():
-            self.unparsed[name] = self.unparsed.get(name, 0) + count
+        for name, count in scores.counts.items():
+            self.reward_counts[name] = self.reward_counts.get(name, 0) + count
         for name, (count, first) in scores.errors.items():
             had, first_had = self.errors.get(name, (0, None))
             self.errors[name] = (had + count, first_had or first)
@@ -237,10 +236,8 @@ class RolloutManager(EngineWeights):
                 kept += groups
         num_filled = num_prompts - len(kept)
         kept += zero_spread[:num_filled]  # max_draws hit: see rollout/dynamic_sampling.py
-        for part in self.config.reward_parts:
-            if isinstance(part, RewardConfig) and self.turns is None:
-                errors, first = stats.errors.get(part.part_name, (0, None))
-                check_error_rate(errors, stats.num_samples, part, step, first)
+        if self.turns is None:  # an environment's episodes are scored by it, not the parts
+            self.rewarder.check_errors(stats.errors, stats.num_samples, step)
         events = self._environment_events(stats, step)
         metadata = {
             **self._environment_metrics(stats),
@@ -255,8 +252,7 @@ class RolloutManager(EngineWeights):
             "rollout/reward_errors": float(sum(n for n, _ in stats.errors.values())),
             "perf/reward_s": stats.reward_s,
             "perf/reward_busy_s": stats.reward_busy_s,
-            **{f"reward/{name}/unparsed": float(count)
-               for name, count in stats.unparsed.items()},
+            **{name: float(count) for name, count in stats.reward_counts.items()},
             "rollout/prompts_truncated": float(stats.prompts_truncated),
             "rollout/prompts_dropped": float(stats.prompts_dropped),
             "rollout/weight_version": float(self.weight_version),

@@ -9,6 +9,17 @@ from rollout.pretrained import TOKENIZER_FILES
 from rollout.reward_config import RewardModelConfig
 
 
+def check_local_folder(value: str, field: str, what: str) -> None:
+    """``value`` is a folder here. Checked before transformers reads it: given a name that
+    is no folder (``org/name``, or a folder not made yet) transformers asks the Hugging
+    Face hub, retrying for most of a minute on an offline machine."""
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        state = "is a file" if folder.exists() else "does not exist"
+        raise ValueError(f"{field}: {value} {state}; name a local {what} folder (Tally does "
+                         "not download models)")
+
+
 class RewardModelError(ValueError):
     """A reward-model folder that cannot score: no classification head, not one label,
     no tokenizer, no chat template where one is asked for."""

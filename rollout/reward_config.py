@@ -3,7 +3,8 @@ list of them (``rollout.reward``). Imports only pydantic and the stdlib.
 
     rollout.reward: {type: boxed}                       one part, weight 1
     rollout.reward: [{type: boxed, weight: 1.0},        r = Σ_k weight_k · r_k
-                     {type: model, name: rm, path: …, weight: 0.5}]
+                     {type: model, name: rm, path: …, weight: 0.5},
+                     {type: custom, class_path: "mymod:MyReward", kwargs: {…}}]
 
 Each part has a ``name`` (its ``type`` when unset; names are unique) under which its
 mean and std are logged (``reward/<name>/mean``).
@@ -69,7 +70,8 @@ class RewardConfig(_Part):
     def _custom_function_iff_custom(self) -> RewardConfig:
         if self.type == "custom":
             if self.custom_function is None:
-                raise ValueError("custom_function: type=custom needs 'module:function'")
+                raise ValueError("custom_function: type=custom needs 'module:function' "
+                                 "(or class_path: 'module:Class', a CustomReward)")
             if not _FUNCTION_PATH.match(self.custom_function):
                 raise ValueError(
                     f"custom_function: expected 'module:function', got {self.custom_function!r}"
@@ -78,6 +80,26 @@ class RewardConfig(_Part):
             raise ValueError(
                 f"custom_function: only type=custom takes a function, but type={self.type}"
             )
+        return self
+
+
+class CustomPartConfig(_Part):
+    """A user's own reward part: a class subclassing rollout.reward_parts.CustomReward,
+    named by ``class_path`` and built in the job with ``kwargs`` (rollout/reward_parts/
+    custom.py). ``type: custom`` with ``custom_function`` is a function rule instead."""
+
+    type: Literal["custom"] = "custom"
+    """A custom part (with ``class_path``)."""
+    class_path: str
+    """``module:Class`` of a CustomReward subclass; located at submit, imported only in
+    the job."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the class's constructor (JSON values)."""
+
+    @model_validator(mode="after")
+    def _class_path_form(self) -> CustomPartConfig:
+        if not _FUNCTION_PATH.match(self.class_path):
+            raise ValueError(f"class_path: expected 'module:Class', got {self.class_path!r}")
         return self
 
 
@@ -169,21 +191,31 @@ class JudgeConfig(_Part):
         return self
 
 
-def _part_tag(value: Any) -> str:
-    kind = value.get("type", "exact_match") if isinstance(value, dict) \
-        else getattr(value, "type", "exact_match")
+def part_kind(value: Any) -> str:
+    """A part's kind (a dict or a config): rule, model, judge or class; its registry key
+    (rollout/reward_parts). ``type: custom`` is a class part when it names a
+    ``class_path`` (else the function rule it has always been: that key keeps its
+    meaning)."""
+    get = value.get if isinstance(value, dict) else lambda key, default=None: getattr(
+        value, key, default)
+    kind = get("type", "exact_match")
+    if kind == "custom" and get("class_path") is not None:
+        return "class"
     return kind if kind in ("model", "judge") else "rule"
 
 
-RewardPart = Annotated[
+RewardPartConfig = Annotated[
     Annotated[RewardConfig, Tag("rule")] | Annotated[RewardModelConfig, Tag("model")]
-    | Annotated[JudgeConfig, Tag("judge")],
-    Discriminator(_part_tag),
+    | Annotated[JudgeConfig, Tag("judge")] | Annotated[CustomPartConfig, Tag("class")],
+    Discriminator(part_kind),
 ]
-"""One reward part: a rule, a reward model or a judge."""
+"""One reward part's config: a rule, a reward model, a judge or a user's class."""
+RewardPart = RewardPartConfig
+"""The config union's former name (rollout/config.py imports it); the scoring interface
+of that name is rollout.reward_parts.RewardPart."""
 
 RewardSpec = Annotated[
-    Annotated[RewardPart, Tag("one")] | Annotated[list[RewardPart], Tag("list")],
+    Annotated[RewardPartConfig, Tag("one")] | Annotated[list[RewardPartConfig], Tag("list")],
     Discriminator(lambda value: "list" if isinstance(value, list | tuple) else "one"),
 ]
 """``rollout.reward``: one part, or a list of them."""
@@ -205,20 +237,3 @@ def check_reward_parts(reward: Any) -> None:
             raise ValueError(f"reward[{k}].name: {part.part_name!r} is also reward"
                              f"[{seen[part.part_name]}]'s name; give each part its own")
         seen[part.part_name] = k
-
-
-def served_in_gang(part: Any) -> bool:
-    """Whether a reward part has actors in the job's gang: a reward model, or a judge
-    without a url."""
-    return isinstance(part, RewardModelConfig) or (isinstance(part, JudgeConfig)
-                                                   and part.url is None)
-
-
-def reward_actor_bundles(parts: list[Any]) -> list[dict[str, float]]:
-    """One bundle per reward actor, in rollout/reward_parts.start_reward_actors' order."""
-    bundles = []
-    for part in parts:
-        if served_in_gang(part):
-            bundle = {"CPU": part.num_cpus, "GPU": part.num_gpus}
-            bundles += [{k: v for k, v in bundle.items() if v}] * part.num_actors
-    return bundles

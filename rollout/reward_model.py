@@ -9,7 +9,7 @@ The score is transformers' own: the model pools the logit at the last token that
 right padding leaves every real token's position and attention as they are for the text
 alone. An RM whose config has no pad token scores one text per forward (transformers
 reads the last token then). The manager splits a rollout's texts
-between the actors and combines the parts (rollout/reward_parts.py).
+between the actors and combines the parts (rollout/reward_parts/).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def reward_bundles(config: JobConfig) -> list[dict[str, float]]:
     """One bundle per reward actor (reward models, judges without a url), in the order
     they start (rollout/reward_parts.start_reward_actors); empty for an actor that needs
     nothing (it gets no bundle)."""
-    from rollout.reward_config import reward_actor_bundles
+    from rollout.reward_parts import reward_actor_bundles  # each part says its own
 
     return reward_actor_bundles(config.rollout.reward_parts)
 

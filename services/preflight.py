@@ -27,14 +27,13 @@ from rollout.plugins import check_object, locate_object
 from rollout.pretrained import (
     BUILTIN_MODELS,
     SMOLLM2_NAME,
-    ModelImportError,
     check_model,
     require_gguf,
     same_vocabulary,
     smollm2_gguf_path,
     tokenizer_vocabulary,
 )
-from rollout.reward_config import JudgeConfig, RewardConfig, RewardModelConfig
+from rollout.reward_parts import RewardPart, build_parts
 from services.config import ConfigError, ConfigProblem, JobConfig
 from services.driver.wandb_sink import check_wandb_available
 from services.placement import check_local_head
@@ -83,7 +82,8 @@ def preflight(config: JobConfig, local_head: bool = False,
         check("", lambda: _check_teacher(config))
     if config.critic.enabled and config.critic.model is not None:
         check("", lambda: _check_critic(config))
-    for user_check in _user_code(config, load_user_code):
+    for user_check in [*_user_code(config, load_user_code),
+                       *_reward_code(config, load_user_code)]:
         check("", user_check)
     check("", lambda: check_wandb_available(config.logging.wandb))
     if config.trainer.backend == "megatron":
@@ -106,16 +106,12 @@ def preflight(config: JobConfig, local_head: bool = False,
 
 
 def _user_code(config: JobConfig, load: bool) -> list[Callable[[], object]]:
-    """One check per ``module:attr`` of the user's (a rule's ``custom_function``,
-    ``rollout.environment.class_path``, ``aggregation.custom_reducer``). ``load``: imported
+    """One check per ``module:attr`` of the user's (``rollout.environment.class_path``,
+    ``aggregation.custom_reducer``; the reward parts': :func:`_reward_code`). ``load``: imported
     and checked for what it must be (an environment a subclass of
     rollout.environments.Environment, the rest callables): user code runs in the job only.
     Else located and parsed, never run: the controller imports no user module."""
-    many = isinstance(config.rollout.reward, list)
-    named = [(part.custom_function, f"rollout.reward{f'[{k}]' if many else ''}"
-              ".custom_function", False)
-             for k, part in enumerate(config.rollout.reward_parts)
-             if isinstance(part, RewardConfig) and part.custom_function is not None]
+    named: list[tuple[str, str, bool]] = []  # the reward parts': _reward_code
     if config.rollout.environment is not None:
         named.append((config.rollout.environment.class_path,
                       "rollout.environment.class_path", True))
@@ -135,36 +131,34 @@ def _check_model(config: JobConfig) -> None:
     check_model(config.rollout.model, config.rollout.tokenizer)
 
 
-def _check_rewards(config: JobConfig) -> None:
-    """Each part of ``rollout.reward``: a custom rule's module imports; a reward model
-    is a one-label sequence classifier with a tokenizer; a judge's model loads. The
-    first problem, naming the part (``rollout.reward[1].path``)."""
+def _reward_fields(config: JobConfig) -> list[tuple[str, RewardPart]]:
+    """Each part of ``rollout.reward`` and its field (``rollout.reward[1]``)."""
     many = isinstance(config.rollout.reward, list)
-    for k, part in enumerate(config.rollout.reward_parts):
-        field = f"rollout.reward[{k}]" if many else "rollout.reward"
-        if isinstance(part, RewardModelConfig):
-            from rollout.reward_checks import check_reward_model
-
-            _check_local_folder(part.path, f"{field}.path", "reward-model")
-            if part.tokenizer is not None:
-                _check_local_folder(part.tokenizer, f"{field}.tokenizer", "tokenizer")
-            check_reward_model(part, field)
-        elif isinstance(part, JudgeConfig) and part.url is None:
-            try:
-                check_model(part.model)
-            except ModelImportError as err:
-                raise ModelImportError(f"{field}.{err}") from None
+    return [(f"rollout.reward[{k}]" if many else "rollout.reward", part)
+            for k, part in enumerate(build_parts(config.rollout.reward_parts))]
 
 
-def _check_local_folder(value: str, field: str, what: str) -> None:
-    """``value`` is a folder here. Checked before transformers reads it: given a name that
-    is no folder (``org/name``, or a folder not made yet) transformers asks the Hugging
-    Face hub, retrying for most of a minute on an offline machine."""
-    folder = Path(value).expanduser()
-    if not folder.is_dir():
-        state = "is a file" if folder.exists() else "does not exist"
-        raise ValueError(f"{field}: {value} {state}; name a local {what} folder (Tally does "
-                         "not download models)")
+def _reward_code(config: JobConfig, load: bool) -> list[Callable[[], object]]:
+    """One check per reward part that runs the user's code (a function rule's
+    ``custom_function``, a custom part's ``class_path``): ``load``, in the job, imports it
+    and the part checks it is what it needs (a CustomReward subclass, a callable); else
+    located, never run (the controller)."""
+    checks: list[Callable[[], object]] = []
+    for field, part in _reward_fields(config):
+        code = part.user_code()
+        if code is not None:
+            path, key = code
+            checks.append(partial(part.check_user_code, f"{field}.{key}") if load
+                          else partial(locate_object, path, f"{field}.{key}"))
+    return checks
+
+
+def _check_rewards(config: JobConfig) -> None:
+    """Each part of ``rollout.reward`` checks what it reads (a reward model's folder is
+    a one-label sequence classifier with a tokenizer; a judge's model loads). The first
+    problem, naming the part (``rollout.reward[1].path``)."""
+    for field, part in _reward_fields(config):
+        part.check(field)
 
 
 def _check_teacher(config: JobConfig) -> None:

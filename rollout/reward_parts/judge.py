@@ -1,0 +1,93 @@
+"""An LLM judge (``type: judge``, rollout/judge.py): torch engine actors in the gang, or
+an SGLang server at ``url`` asked from a thread here. An answer that does not parse is
+an unscorable sample (None), counted as ``reward/<name>/unparsed``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+from rollout.reward_config import JudgeConfig
+from rollout.reward_parts.base import PartScores, RewardPart, RewardShard
+from rollout.reward_parts.model import actor_shards, gather
+
+
+class JudgePart(RewardPart):
+    """A language model grading each response by ``template``; its answer parsed."""
+
+    config: JudgeConfig
+    count_names: ClassVar[tuple[str, ...]] = ("unparsed",)
+
+    def __init__(self, config: JudgeConfig) -> None:
+        super().__init__(config)
+        self.actors: list[Any] = []
+        self._server: ThreadPoolExecutor | None = None
+
+    def actor_bundles(self) -> list[dict[str, float]]:
+        if self.config.url is not None:
+            return []  # the server is someone else's
+        bundle = {"CPU": self.config.num_cpus, "GPU": self.config.num_gpus}
+        return [{k: v for k, v in bundle.items() if v}] * self.config.num_actors
+
+    def check(self, field: str) -> None:
+        if self.config.url is not None:
+            return
+        from rollout.pretrained import ModelImportError, check_model
+
+        try:
+            check_model(self.config.model)
+        except ModelImportError as err:
+            raise ModelImportError(f"{field}.{err}") from None
+
+    def start_actors(self, resolve: Callable[[str], str],
+                     options: list[dict[str, Any]]) -> list[Any]:
+        import ray
+
+        from rollout.config import TorchEngineConfig
+        from rollout.judge import JudgeEngine
+
+        part = self.config
+        engine = TorchEngineConfig(
+            num_engines=part.num_actors, num_cpus=part.num_cpus, num_gpus=part.num_gpus,
+            device="cuda" if part.num_gpus > 0 else "cpu",
+            dtype=("bfloat16" if part.num_gpus > 0 else "float32") if part.dtype == "auto"
+            else part.dtype, num_threads=max(1, int(part.num_cpus)), prefix_cache_mb=0)
+        path = resolve(part.model)
+        actor = ray.remote(JudgeEngine)
+        return [actor.options(num_cpus=part.num_cpus, num_gpus=part.num_gpus, **option)
+                .remote(engine, path, path, rank) for rank, option in enumerate(options)]
+
+    def bind(self, actors: list[Any]) -> None:
+        self.actors = actors
+        if self.config.url is not None and self._server is None:
+            self._server = ThreadPoolExecutor(max_workers=2)
+
+    def submit(self, shard: RewardShard) -> Callable[[], tuple[list[str], float]]:
+        """A call that waits for (the answers, the seconds the actors spent)."""
+        from rollout.judge import ask_server, judge_request
+
+        requests = [judge_request(self.config.template, p, r, label) for p, r, label in
+                    zip(shard.raw_prompts, shard.responses, shard.labels, strict=True)]
+        if self._server is not None:  # a server's time is not the job's
+            future = self._server.submit(ask_server, self.config, requests)
+            return lambda: (future.result(), 0.0)
+        refs = [actor.answer.remote(requests[a:b], self.config.max_new_tokens)
+                for actor, (a, b) in zip(self.actors, actor_shards(len(requests),
+                                                                   len(self.actors)),
+                                         strict=False)]
+        return lambda: gather(refs)
+
+    def collect(self, handles: list[Callable[[], tuple[list[str], float]]],
+                update_stats: bool = True) -> PartScores:
+        from rollout.judge import parse_score
+
+        answers: list[str] = []
+        busy_s = 0.0
+        for wait in handles:
+            shard, seconds = wait()
+            answers += shard
+            busy_s += seconds
+        values = [parse_score(answer, self.config.parse) for answer in answers]
+        return PartScores(values, busy_s,
+                          counts={"unparsed": sum(v is None for v in values)})

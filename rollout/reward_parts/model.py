@@ -1,0 +1,129 @@
+"""A learned reward model (``type: model``): actors in the job's gang serve
+rollout/reward_model.py; a shard's texts are split between them.
+
+A score may be normalised, r = (s − μ) / σ, with μ, σ the running mean and std of every
+raw score so far (this rollout's included; Chan's merge of (n, mean, M2), saved in the
+manager's state so a resume continues them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout.reward_config import RewardModelConfig
+from rollout.reward_parts.base import PartScores, RewardPart, RewardShard
+from rollout.shards import shard_bounds
+
+
+@dataclass
+class RunningMoments:
+    """Count, mean and M2 (Σ (x − mean)²) of every score seen."""
+
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def update(self, values: list[float]) -> None:
+        if not values:
+            return
+        n = len(values)
+        mean = sum(values) / n
+        m2 = sum((v - mean) ** 2 for v in values)
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
+
+    def normalize(self, values: list[float]) -> list[float]:
+        scale = max(self.std, 1e-6)
+        return [(v - self.mean) / scale for v in values]
+
+
+def actor_shards(num_items: int, num_actors: int) -> list[tuple[int, int]]:
+    """Each actor's slice of a shard (rollout/shards.py), empty ones left out."""
+    return [(a, b) for a, b in shard_bounds(num_items, num_actors) if b > a]
+
+
+def gather(refs: list[Any]) -> tuple[list[Any], float]:
+    """The actors' answers to ``refs`` in order, and the seconds they spent."""
+    import ray
+
+    answers: list[Any] = []
+    seconds = 0.0
+    for shard, busy in ray.get(refs):
+        answers += shard
+        seconds += busy
+    return answers, seconds
+
+
+class ModelPart(RewardPart):
+    """Reward actors (AutoModelForSequenceClassification, one label) in the gang."""
+
+    config: RewardModelConfig
+
+    def __init__(self, config: RewardModelConfig) -> None:
+        super().__init__(config)
+        self.actors: list[Any] = []
+        self.moments = RunningMoments() if config.normalize else None
+
+    def actor_bundles(self) -> list[dict[str, float]]:
+        bundle = {"CPU": self.config.num_cpus, "GPU": self.config.num_gpus}
+        return [{k: v for k, v in bundle.items() if v}] * self.config.num_actors
+
+    def check(self, field: str) -> None:
+        from rollout.reward_checks import check_local_folder, check_reward_model
+
+        check_local_folder(self.config.path, f"{field}.path", "reward-model")
+        if self.config.tokenizer is not None:
+            check_local_folder(self.config.tokenizer, f"{field}.tokenizer", "tokenizer")
+        check_reward_model(self.config, field)
+
+    def start_actors(self, resolve: Callable[[str], str],
+                     options: list[dict[str, Any]]) -> list[Any]:
+        import ray
+
+        from rollout.reward_model import RewardModel
+
+        config = self.config.model_copy(update={  # a worker's cwd may not be the caller's
+            "path": str(Path(self.config.path).expanduser().resolve()),
+            "tokenizer": self.config.tokenizer
+            and str(Path(self.config.tokenizer).expanduser().resolve())})
+        actor = ray.remote(RewardModel)
+        return [actor.options(num_cpus=config.num_cpus, num_gpus=config.num_gpus, **option)
+                .remote(config, max(1, int(config.num_cpus))) for option in options]
+
+    def bind(self, actors: list[Any]) -> None:
+        self.actors = actors
+
+    def submit(self, shard: RewardShard) -> list[Any]:
+        prompts = shard.raw_prompts if self.config.chat_template else shard.policy_prompts
+        return [actor.score.remote(prompts[a:b], shard.responses[a:b]) for actor, (a, b)
+                in zip(self.actors, actor_shards(len(shard), len(self.actors)),
+                       strict=False)]
+
+    def collect(self, handles: list[list[Any]], update_stats: bool = True) -> PartScores:
+        values, busy_s = gather([ref for refs in handles for ref in refs])
+        values = [float(v) for v in values]
+        if self.moments is not None:
+            if update_stats:
+                self.moments.update(values)
+            values = self.moments.normalize(values)
+        return PartScores(list(values), busy_s)
+
+    def state_dict(self) -> Any:
+        m = self.moments
+        return None if m is None else [m.count, m.mean, m.m2]
+
+    def load_state_dict(self, state: Any) -> None:
+        if self.moments is not None:
+            count, mean, m2 = state
+            self.moments = RunningMoments(int(count), float(mean), float(m2))

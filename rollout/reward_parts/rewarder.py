@@ -1,0 +1,89 @@
+"""The reward of a sample from its parts, each asked through rollout/reward_parts/base.py.
+
+    r = Σ_k weight_k · r_k        (one part: r = weight · r_1)
+
+A part's None (a sample it could not score: a judge's unparsed answer, a custom part's
+None) adds nothing to the sum and is 0 in the part's values, counted in its
+``reward/<name>/<count>``. The manager asks for a shard's scores as soon as its responses
+are generated (:meth:`Rewarder.submit`: actors work while other engines still generate)
+and combines them once all shards are in (:meth:`Rewarder.collect`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.reward_parts.base import RewardPart, RewardShard
+from rollout.reward_parts.registry import build_parts
+
+
+@dataclass
+class RewardScores:
+    """A batch's rewards: the weighted total, each part's values, what went wrong."""
+
+    total: list[float]
+    parts: dict[str, list[float]]
+    errors: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+    """Part -> (samples whose scoring raised and fell back on its default, the first
+    error)."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """``reward/<name>/<key>`` -> count (a judge's unparsed answers)."""
+    busy_s: float = 0.0
+    """Seconds the reward actors spent on this batch."""
+
+
+class Rewarder:
+    """Every part of ``rollout.reward``, bound to its actors (by part name)."""
+
+    def __init__(self, configs: list[Any], actors: dict[str, list[Any]]) -> None:
+        self.parts: list[RewardPart] = build_parts(configs)
+        for part in self.parts:
+            part.bind(actors.get(part.name, []))
+
+    def submit(self, policy_prompts: list[str], raw_prompts: list[Any], responses: list[str],
+               labels: list[str | None], metadata: list[dict[str, Any]]) -> list[Any]:
+        """Ask every part for one shard's scores: actors start now, the parts scored in
+        this process score meanwhile. One handle per part."""
+        shard = RewardShard(policy_prompts, raw_prompts, responses, labels, metadata)
+        return [part.submit(shard) for part in self.parts]
+
+    def collect(self, pendings: list[list[Any]], update_stats: bool = True) -> RewardScores:
+        """The shards' scores in shard order, combined; ``update_stats``: a training
+        rollout (an evaluation leaves running statistics as they are)."""
+        scores = RewardScores([], {})
+        size = None
+        for k, part in enumerate(self.parts):
+            result = part.collect([handles[k] for handles in pendings], update_stats)
+            scores.parts[part.name] = [0.0 if v is None else v for v in result.values]
+            scores.errors[part.name] = (result.num_errors, result.first_error)
+            scores.counts.update({f"reward/{part.name}/{key}": count
+                                  for key, count in result.counts.items()})
+            scores.busy_s += result.busy_s
+            size = len(result.values)
+        scores.total = [sum(p.weight * scores.parts[p.name][i] for p in self.parts)
+                        for i in range(size or 0)]
+        return scores
+
+    def score(self, policy_prompts: list[str], raw_prompts: list[Any], responses: list[str],
+              labels: list[str | None], metadata: list[dict[str, Any]],
+              update_stats: bool = True) -> RewardScores:
+        """:meth:`submit` then :meth:`collect`, for one batch."""
+        return self.collect([self.submit(policy_prompts, raw_prompts, responses, labels,
+                                         metadata)], update_stats)
+
+    def check_errors(self, errors: dict[str, tuple[int, str | None]], num_samples: int,
+                     step: int) -> None:
+        """Each part's errors of a rollout against what it allows (RewardError)."""
+        for part in self.parts:
+            count, first = errors.get(part.name, (0, None))
+            part.check_errors(count, first, num_samples, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {part.name: state for part in self.parts
+                if (state := part.state_dict()) is not None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part in self.parts:
+            if part.name in state and part.state_dict() is not None:
+                part.load_state_dict(state[part.name])
