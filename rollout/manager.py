@@ -3,11 +3,13 @@
     dataset ─► PromptCursor ─► P prompts × G ─► shards ─► engine actors (torch | sglang)
                                                                │ token ids + log-probs
     RolloutBatch ◄─ advantages ◄─ [dynamic sampling] ◄─ rewards ◄┘ (decoded, in prompt order)
-         ▲  per token: + coef · (log π_teacher − log π_old)  ◄─ teacher actors (distillation)
+         ▲  the estimator (rollout/advantages/) ◄─ teacher log-probs, when it or
+            rollout.teacher needs them (distillation)
 
 One step draws P = N / G prompts, samples G responses for each (a group), scores them
-and computes advantages over the final batch (and, with a teacher, adds its per-token
-reverse-KL advantage, rollout/teacher.py). Group indices are contiguous and keep
+and calls the advantage estimator over the final batch, unless it needs the critic's
+values (the driver calls it then); a ``rollout.teacher`` beside it adds its per-token
+reverse-KL advantage (rollout/teacher.py). Group indices are contiguous and keep
 increasing across steps. Sampling seeds are a hash of (seed, step, round, engine rank):
 the only mutable state is the data cursor, the next group index and the weight version,
 which is what :meth:`state_dict` saves, so a resumed run continues exactly.
@@ -28,7 +30,7 @@ from typing import Any
 import ray
 import torch
 
-from rollout.advantages import compute_advantages, distill_advantages, reverse_kl
+from rollout.advantages import Distill, build_estimator, reverse_kl
 from rollout.batch import RolloutBatch, from_wire
 from rollout.config import DatasetConfig, RolloutConfig, SamplingConfig, TeacherConfig
 from rollout.cursor import PromptCursor
@@ -205,6 +207,7 @@ class RolloutManager(EngineWeights):
             engines = start_engines(config, model_path, engine_placement)
         self.engines = engines
         self.teacher = config.distillation
+        self.estimator = build_estimator(config.advantage)  # a user's class imports here
         self.teachers: list[Any] = list(teachers or [])
         """The driver's, or the manager's own started with its first rollout (an
         evaluation or ``tally eval`` needs none)."""
@@ -453,9 +456,6 @@ class RolloutManager(EngineWeights):
         ]
         generations = [gen for g in groups for gen in g.generations]
         rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-        advantages = compute_advantages(
-            rewards, torch.tensor(group_index, dtype=torch.int64), self.config.advantage
-        )
         lengths = [len(gen.token_ids) for gen in generations]
         metadata = {
             **metadata,
@@ -477,7 +477,7 @@ class RolloutManager(EngineWeights):
             response_ids=[gen.token_ids for gen in generations],
             response_log_probs=[gen.log_probs for gen in generations],
             rewards=rewards.tolist(),
-            advantages=advantages.tolist(),
+            advantages=[0.0] * len(generations),  # the estimator's, added below
             group_index=group_index,
             samples_per_prompt=group_size,
             pad_token_id=self.pad_token_id,
@@ -488,7 +488,7 @@ class RolloutManager(EngineWeights):
             samples=self._sample_records(groups, group_index, step),
         )
         self.next_group_index += len(groups)
-        return self._distilled(batch) if self.teacher is not None else batch
+        return self._with_advantages(batch)
 
     def _sample_records(self, groups: list[_Group], group_index: list[int], step: int
                         ) -> list[dict[str, Any]]:
@@ -510,9 +510,22 @@ class RolloutManager(EngineWeights):
                     "response_tokens": len(gen.token_ids)})
         return records
 
-    def _distilled(self, batch: RolloutBatch) -> RolloutBatch:
-        """The batch with the teacher's per-token reverse-KL advantage added to the task's
-        (0 under type distill); the teachers score their shares at once."""
+    def _with_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        """The estimator's advantages (none yet when it needs the critic's values: the
+        driver's), and a rollout.teacher's reverse-KL term on top of them."""
+        if self.teacher is None:
+            return batch if self.estimator.needs_critic else self.estimator.apply(batch)
+        teacher, metadata = self._teacher_log_probs(batch)
+        batch = dataclasses.replace(batch, metadata={**batch.metadata, **metadata})
+        if self.estimator.needs_teacher:  # the teacher's term is the estimator's own
+            return self.estimator.apply(batch, teacher_log_probs=teacher)
+        if not self.estimator.needs_critic:
+            batch = self.estimator.apply(batch)
+        return Distill(self.teacher.coef).apply(batch, teacher_log_probs=teacher)
+
+    def _teacher_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The teachers' log-probs [N, S] of the sampled tokens (they score their shares
+        at once), with ``distill/reverse_kl`` and ``perf/teacher_s``."""
         assert self.teacher is not None
         started = time.perf_counter()
         if not self.teachers:
@@ -525,11 +538,9 @@ class RolloutManager(EngineWeights):
                                          batch.response_lengths[a:b], temperature)
                 for teacher, (a, b) in zip(self.teachers, shares, strict=True) if b > a]
         teacher = torch.cat([from_wire(part) for part in ray.get(refs)])
-        old = batch.rollout_log_probs
-        distill = distill_advantages(teacher, old, batch.loss_mask, self.teacher.coef)
-        return dataclasses.replace(batch, advantages=batch.advantages + distill, metadata={
-            **batch.metadata, "distill/reverse_kl": reverse_kl(teacher, old, batch.loss_mask),
-            "perf/teacher_s": time.perf_counter() - started})
+        return teacher, {
+            "distill/reverse_kl": reverse_kl(teacher, batch.rollout_log_probs, batch.loss_mask),
+            "perf/teacher_s": time.perf_counter() - started}
 
     # -- evaluation -------------------------------------------------------------------
 

@@ -85,6 +85,10 @@ def preflight(config: JobConfig, local_head: bool = False,
     for user_check in [*_user_code(config, load_user_code),
                        *_reward_code(config, load_user_code)]:
         check("", user_check)
+    if config.rollout.advantage.class_path is not None:
+        check("", partial(_check_advantage_class, config, load_user_code))
+    if config.trainer.loss.class_path is not None:
+        check("", partial(_check_policy_loss_class, config.trainer.loss, load_user_code))
     check("", lambda: check_wandb_available(config.logging.wandb))
     if config.trainer.backend == "megatron":
         check("", lambda: _check_megatron(config))
@@ -122,6 +126,40 @@ def _user_code(config: JobConfig, load: bool) -> list[Callable[[], object]]:
                 for path, field, is_env in named]
     return [partial(locate_object, path, field, want_class=is_env)
             for path, field, is_env in named]
+
+
+def _check_advantage_class(config: JobConfig, load: bool) -> None:
+    """``rollout.advantage.class_path``: located at submit; in the job imported, a
+    subclass of AdvantageEstimator, constructed with ``kwargs``, and what it declares it
+    needs is in the job (torch is imported only here, in the job)."""
+    path, field = config.rollout.advantage.class_path, "rollout.advantage.class_path"
+    assert path is not None
+    if not load:
+        locate_object(path, field)
+        return
+    from rollout.advantages import GAE, build_estimator
+
+    estimator = build_estimator(config.rollout.advantage)
+    if estimator.needs_critic and not (config.critic.enabled and isinstance(estimator, GAE)):
+        raise ValueError(f"{field}: {path} needs the critic's values: set critic.enabled "
+                         "and subclass rollout.advantages.GAE (the critic trains on its "
+                         "targets)")
+    if estimator.needs_teacher and config.rollout.teacher is None:
+        raise ValueError(f"{field}: {path} needs a teacher's log-probs: set "
+                         "rollout.teacher.model")
+
+
+def _check_policy_loss_class(loss: LossConfig, load: bool) -> None:
+    """``trainer.loss.class_path`` (policy_loss: custom): located at submit; in the job
+    imported, a subclass of trainer.losses.PolicyLoss, and built with ``kwargs`` (torch
+    is imported only here, in the job)."""
+    assert loss.class_path is not None
+    if not load:
+        locate_object(loss.class_path, POLICY_LOSS_CLASS_PATH_FIELD)
+        return
+    from trainer.losses import build_policy_loss
+
+    build_policy_loss(loss)
 
 
 def _check_model(config: JobConfig) -> None:

@@ -80,10 +80,10 @@ class GAE(AdvantageEstimator):
         its advantages, the critic's targets R (``returns``) and the rollout's
         ``critic/explained_variance`` (of V before this step's updates),
         ``critic/returns_mean`` and ``critic/advantages_{mean,std}`` (before whitening)."""
+        inputs = self.inputs(batch, **scored)  # refuses a call without the values
+        assert inputs.values is not None and inputs.token_rewards is not None
         mask = batch.loss_mask
-        values = torch.where(mask > 0, scored["values"].to(torch.float32), 0.0)
-        inputs = self.inputs(batch, values=values)
-        assert inputs.token_rewards is not None
+        values = torch.where(mask > 0, inputs.values.to(torch.float32), 0.0)
         raw = gae(inputs.token_rewards, values, mask, self.gamma, self.lam)  # __call__'s
         raw_mean, raw_std = moments_mean_std(token_moments(raw, mask))
         returns = gae(inputs.token_rewards, values, mask, self.gamma, self.critic_lam)

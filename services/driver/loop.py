@@ -33,7 +33,7 @@ from pathlib import Path
 
 import ray
 
-from rollout.advantages import with_gae
+from rollout.advantages import AdvantageEstimator, build_estimator
 from rollout.batch import RolloutBatch
 from services.config import JobConfig
 from services.driver import checkpoint
@@ -54,7 +54,7 @@ from services.driver.metrics import (
 )
 from services.driver.pipeline import RolloutPipeline
 from services.driver.retention import best_eval_step, retire_checkpoints
-from services.driver.run_dir import EVAL_FILE, UPDATES_FILE, RunDir, job_dir, replace_file
+from services.driver.run_dir import ANSI, EVAL_FILE, UPDATES_FILE, RunDir, job_dir, replace_file
 from services.driver.samples import append_samples, with_advantages
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
@@ -84,6 +84,8 @@ class RunningJob:
     evaluation: Evaluation
     updates: JsonlSink
     """updates.jsonl: one row per optimizer step."""
+    estimator: AdvantageEstimator
+    """rollout.advantage's: the manager calls it, unless it needs the critic's values."""
     checkpointed: dict[str, float] = field(default_factory=dict)
     """The last checkpoint's time and peak memory, for the next row (a checkpoint is
     written after its step's row)."""
@@ -108,7 +110,7 @@ class RunningJob:
                 lambda ref: call(ref, "evaluate"),
                 lambda ref: bool(ray.wait([ref], timeout=0)[0]), evals.write,
                 lambda samples: append_samples(run_dir.samples_file, samples)),
-            JsonlSink(run_dir.path, UPDATES_FILE))
+            JsonlSink(run_dir.path, UPDATES_FILE), build_estimator(config.rollout.advantage))
 
     def close(self) -> None:
         self.updates.close()
@@ -128,9 +130,10 @@ def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
     job.evaluation.start(version=step)  # queued after the load of weights `step`
     evaluated = job.evaluation.collect(wait=not config.rollout.async_steps)
     batch, batch_ref = job.pipeline.take(step, lookahead)
-    if job.actors.critic is not None:  # PPO: the critic's values, then GAE over them
-        batch, batch_ref = with_gae(batch, job.actors.critic.values(batch),
-                                    config.rollout.advantage), None
+    if job.estimator.needs_critic:  # PPO: the critic's values, then the estimator (GAE)
+        assert job.actors.critic is not None  # preflight: it needs critic.enabled
+        batch, batch_ref = job.estimator.apply(batch, values=job.actors.critic.values(batch)
+                                               ), None
     for kind, message in batch.events:  # e.g. an environment that failed in an episode
         job.run_dir.write_event(kind, message)
     append_samples(job.run_dir.samples_file, with_advantages(batch))
@@ -343,7 +346,7 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
                     sink.write(step, row)
                 history = {k: v for k, v in history.items() if k < step} | {step: row}
                 log(progress.line(step, list(history.values())))
-                if config.rollout.advantage.type != "distill" and (
+                if job.estimator.uses_rewards and (
                         warning := signal.check(row)):  # a teacher's signal needs no spread
                     log(f"warning: {warning}")
                     run_dir.write_event("no_learning_signal", warning)
@@ -376,7 +379,6 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
                 job.close()
 
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 ACTOR = re.compile(r"ray::(\w+)\.(\w+)\(\)")
 FAULT_WORDS = ("The actor died unexpectedly", "ActorUnavailableError", "Worker exit type",
                "NodeDiedError", "OutOfMemoryError", "ObjectLostError")
