@@ -37,6 +37,7 @@ from rollout.reward_parts import RewardPart, build_parts
 from services.config import ConfigError, ConfigProblem, JobConfig
 from services.driver.wandb_sink import check_wandb_available
 from services.placement import check_local_head
+from trainer.config import POLICY_LOSS_CLASS_PATH_FIELD, LossConfig
 
 # No hub call, ever: a name that is no local folder is refused by the checks below
 # before transformers sees it; this is the guard behind them. huggingface_hub reads it

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainer.terms import POLICY_TERM_NAMES  # the term registry: standard library only
+
 AggregationMode = Literal["sample_mean", "token_mean", "prompt_mean", "constant"]
 AGGREGATION_MODES: tuple[AggregationMode, ...] = (
     "sample_mean",
@@ -17,8 +19,12 @@ AGGREGATION_MODES: tuple[AggregationMode, ...] = (
     "constant",
 )
 MAX_RESPONSE_LEN = "max_response_len"
+GradientOf = Literal[("all", *POLICY_TERM_NAMES)]  # type: ignore[valid-type]
+"""``all``, or one policy term (trainer/terms.py) the verifier isolates."""
 CUSTOM_POLICY_LOSS = "custom"
 """`trainer.loss.policy_loss` of a user's own class (`trainer.loss.class_path`)."""
+POLICY_LOSS_CLASS_PATH_FIELD = "trainer.loss.class_path"
+POLICY_LOSS_KWARGS_FIELD = "trainer.loss.kwargs"
 _REDUCER_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -361,7 +367,7 @@ class ObjectiveConfig(BaseModel):
     """L of the logged `pg_loss/constant` when the pg term is not constant (the budget)."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature T: log-probs and entropy are taken of softmax(logits / T)."""
-    gradient_of: Literal["all", "pg", "kl", "entropy"] = "all"
+    gradient_of: GradientOf = "all"
     """Terms the backward takes: all (training), or one term with coefficient 1 (the
     verifier compares each term's gradient on its own)."""
 
@@ -373,7 +379,7 @@ class ObjectiveConfig(BaseModel):
 
     @model_validator(mode="after")
     def _divisors_are_numbers(self) -> ObjectiveConfig:
-        for name in ("pg", "kl", "entropy"):
+        for name in POLICY_TERM_NAMES:
             if getattr(self, name).divisor == MAX_RESPONSE_LEN:
                 raise ValueError(f"{name}.divisor: resolve 'max_response_len' to a number "
                                  "before building the objective")

@@ -21,8 +21,9 @@ import torch
 from rollout.batch import RolloutBatch
 from services.driver.pipeline import WALL_CLOCK_METADATA
 from trainer.aggregation import LENGTH_BUCKETS, length_bias
+from trainer.terms import KL, PG, POLICY_TERMS, VALUE
 
-SPREAD_METRICS = ("pg_loss", "clip_fraction", "kl", "grad_norm", "ratio/mean_abs_dev")
+SPREAD_METRICS = (PG.logged, "clip_fraction", KL.logged, "grad_norm", "ratio/mean_abs_dev")
 """Trainer metrics that also get their min and max over a rollout's optimizer steps."""
 
 
@@ -153,15 +154,15 @@ def progress_line(step: int, num_steps: int, history: list[dict[str, float]]) ->
     if metrics.get("skipped") or not metrics.get("updates", 1):
         return f"{head} | skipped: no valid token in the batch" + evaluated
     recent = [m["reward/mean"] for m in history[-10:]]
-    terms = "".join(f" | {name} {metrics[name]:{spec}}"
-                    for name, spec in (("kl", ".4f"), ("entropy", ".3f"),
-                                       ("distill/reverse_kl", ".4f"), ("lr", ".2e"))
-                    if name in metrics)
-    policy = (f"| pg_loss {metrics['pg_loss']:+.4f}{terms} " if "pg_loss" in metrics
-              else "| critic warm-up (policy waits) ")
-    critic = (f"| value_loss {metrics['critic/value_loss']:.4f} "
+    shown = [(term.logged, term.progress_format) for term in POLICY_TERMS]
+    terms = " | ".join(f"{name} {metrics[name]:{spec}}"
+                       for name, spec in (*shown, ("distill/reverse_kl", ".4f"), ("lr", ".2e"))
+                       if name in metrics)
+    policy = f"| {terms} " if PG.logged in metrics else "| critic warm-up (policy waits) "
+    value = f"critic/{VALUE.logged}"
+    critic = (f"| {VALUE.logged} {metrics[value]:{VALUE.progress_format}} "
               f"ev {metrics['critic/explained_variance']:+.3f} "
-              if "critic/value_loss" in metrics else "")
+              if value in metrics else "")
     return (f"{head} | reward {metrics['reward/mean']:.3f} "
             f"(last 10: {sum(recent) / len(recent):.3f}) "
             f"{policy}{critic}"

@@ -10,7 +10,12 @@ never make the ranks call an arbitrary callable (``subprocess:Popen`` with ``kwa
 from __future__ import annotations
 
 from rollout.plugins import PluginError, load_object
-from trainer.config import CUSTOM_POLICY_LOSS, LossConfig
+from trainer.config import (
+    CUSTOM_POLICY_LOSS,
+    POLICY_LOSS_CLASS_PATH_FIELD,
+    POLICY_LOSS_KWARGS_FIELD,
+    LossConfig,
+)
 from trainer.losses.base import PolicyLoss
 from trainer.losses.cross_entropy import CrossEntropy
 from trainer.losses.importance_sampling import ImportanceSampling
@@ -22,11 +27,10 @@ POLICY_LOSSES: dict[str, type[PolicyLoss]] = {
     "cross_entropy": CrossEntropy,
 }
 """Built-in policy losses, one file each in trainer/losses/, by ``policy_loss`` name."""
-CLASS_PATH_FIELD = "trainer.loss.class_path"
-KWARGS_FIELD = "trainer.loss.kwargs"
 
 
-def load_policy_loss_class(path: str, field: str = CLASS_PATH_FIELD) -> type[PolicyLoss]:
+def load_policy_loss_class(path: str, field: str = POLICY_LOSS_CLASS_PATH_FIELD
+                           ) -> type[PolicyLoss]:
     """The class ``path`` names, imported; a PluginError starting with ``field`` unless it
     subclasses :class:`PolicyLoss`."""
     loss_class = load_object(path, field)
@@ -53,5 +57,5 @@ def build_policy_loss(config: LossConfig) -> PolicyLoss:
     try:
         return loss_class(config, **config.kwargs)
     except TypeError as err:
-        raise PluginError(f"{KWARGS_FIELD}: {loss_class.__name__}(config, **kwargs) "
+        raise PluginError(f"{POLICY_LOSS_KWARGS_FIELD}: {loss_class.__name__}(config, **kwargs) "
                           f"failed: {err}") from err
