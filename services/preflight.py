@@ -205,8 +205,8 @@ def _check_teacher(config: JobConfig) -> None:
     policy's token ids, so another vocabulary would score other text."""
     teacher = config.rollout.distillation
     assert teacher is not None
-    field = ("rollout.advantage.teacher" if config.rollout.advantage.type == "distill"
-             else "rollout.teacher.model")
+    field = ("rollout.advantage.teacher" if config.rollout.advantage.teacher is not None
+             else "rollout.teacher.model")  # the field that named it
     _check_policys_vocabulary(config, teacher.model, field, (
         "the teacher scores the policy's token ids, so both need one vocabulary (distil "
         "from a teacher of the same family)"))
