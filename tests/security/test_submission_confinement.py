@@ -128,6 +128,7 @@ PATH_LIKE = re.compile(r"model|path|tokenizer|dir|file|dataset")
 NOT_PATHS = {
     "EnvironmentConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",
     "AdvantageConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",
+    "LossConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",
 }
 """Fields whose names look like paths but are not: each says what it is instead."""
 
