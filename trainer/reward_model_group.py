@@ -1,7 +1,8 @@
-"""The reward model's trainer group: ``TrainerGroup``'s rank actors (placement, rendezvous,
-fail-fast bounded calls, shutdown) running ``FSDPRewardModelWorker``, with the verbs of
-``tally train-rm``. The group plans each step (trainer/pair_batch.py) and hands the plan
-to every rank inside the call, as the policy's group does."""
+"""The reward model's trainer group: ``RankGroup``'s rank actors (placement, rendezvous,
+fail-fast bounded calls, checkpoints, shutdown) running ``FSDPRewardModelWorker``, with
+the score role's verbs only (those of ``tally train-rm``). The group plans each step
+(trainer/pair_batch.py) and hands the plan to every rank inside the call, as the policy's
+group does."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import torch
 
 from trainer.backends.fsdp.reward_model import FSDPRewardModelWorker
 from trainer.config import ObjectiveConfig, TrainerConfig
-from trainer.group import MEMORY_PREFIXES, TrainerGroup, most
 from trainer.pair_batch import PairBatch, PairPlan, plan_pairs
+from trainer.rank_group import MEMORY_PREFIXES, RankGroup, most
 
 REWARD_MODEL_WORKER = "trainer.backends.fsdp.reward_model:FSDPRewardModelWorker"
 """The reward model's rank actor."""
 
 
-class RewardModelGroup(TrainerGroup):
+class RewardModelGroup(RankGroup):
     """One actor per DP rank training a one-label sequence classifier on pairs."""
 
     def __init__(self, config: TrainerConfig, model_path: str, total_steps: int,

@@ -32,7 +32,7 @@ from services.driver.run_dir import RunDir, data_dir
 from services.placement import JobPlacement, phase_threads, reserve_job
 from services.quiet import QUIET_ENV
 from services.warmup import warm_start
-from trainer.group import CRITIC_WORKER, TrainerGroup
+from trainer.group import CriticGroup, TrainerGroup
 
 
 def ensure_ray(num_cpus: int) -> bool:
@@ -214,17 +214,16 @@ class JobActors:
 
     @staticmethod
     def _start_critic(config: JobConfig, model_path: str, gang: JobPlacement,
-                      started: contextlib.ExitStack) -> TrainerGroup | None:
+                      started: contextlib.ExitStack) -> CriticGroup | None:
         """PPO's critic (trainer/backends/fsdp/critic.py): its ranks in their bundles after
         the teachers'; its model ``critic.model`` or the policy's; None without one."""
         if not config.critic.enabled:
             return None
-        critic = TrainerGroup(config.critic_trainer_config(), config.critic_objective_config(),
-                              critic_model_path(config, model_path),
-                              config.num_optimizer_steps, env_vars=QUIET_ENV,
-                              placement=gang.group, first_bundle=gang.critic_first_bundle,
-                              worker=CRITIC_WORKER,
-                              worker_kwargs={"value_clip": config.critic.value_clip})
+        critic = CriticGroup(config.critic_trainer_config(), config.critic_objective_config(),
+                             critic_model_path(config, model_path),
+                             config.num_optimizer_steps, config.critic.value_clip,
+                             env_vars=QUIET_ENV, placement=gang.group,
+                             first_bundle=gang.critic_first_bundle)
         started.callback(critic.shutdown)
         return critic
 

@@ -1,5 +1,5 @@
-"""One FSDP2 rank of the critic (a Ray actor): the policy rank's machinery around a value
-model.
+"""One FSDP2 rank of the critic (a Ray actor): the value head on ``FSDPRank`` (the
+machinery every role's rank shares, backends/fsdp/rank.py).
 
 The critic is a trainer group of its own in the job's gang, built from ``critic:``: its
 own ranks (DP × CP), optimizer, schedule and checkpoint shards. Its model is
@@ -15,7 +15,6 @@ packing, shared prefixes and CP shards are the policy's (``trainer/micro_batch.p
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from rollout.batch import RolloutBatch
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
-from trainer.backends.fsdp.worker import FSDPWorker
+from trainer.backends.fsdp.rank import FSDPRank
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
 from trainer.objective import planted_error_terms
@@ -34,7 +33,7 @@ from trainer.value_loss import (
     micro_batch_value_objective,
     value_step_metrics,
 )
-from trainer.worker import in_eval_mode
+from trainer.worker import BatchRank, in_eval_mode
 
 # FSDP2 warns when a wrapped root returns a view (the token classifier's output); the
 # warning is about in-place ops on that view skipping its pre-backward hook, and the
@@ -42,8 +41,9 @@ from trainer.worker import in_eval_mode
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-class FSDPCriticWorker(FSDPWorker):
-    """The critic's rank: ``FSDPWorker`` with a value model and the value loss."""
+class FSDPCriticWorker(BatchRank, FSDPRank):
+    """The critic's rank: ``FSDPRank`` with a value model, its values and the value
+    loss; it has no log-probs and takes no session calls (those are the policy's)."""
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                  rank: int, total_steps: int, value_clip: float | None = 0.2) -> None:
@@ -95,8 +95,10 @@ class FSDPCriticWorker(FSDPWorker):
         dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
         return out if self.rank == 0 else None
 
-    def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> Any:
-        raise NotImplementedError("the critic has values, not log-probs")
-
-    def forward_only(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
-        raise NotImplementedError("the critic takes no training-session calls")
+    def _gradients(self, batch: RolloutBatch, plan: StepPlan, objective: ObjectiveConfig
+                   ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
+        """Collective, no update: the value loss's sums under ``objective`` and, on rank
+        0, every parameter's gradient summed over DP × CP (the verifier's check)."""
+        with self.objective_for_call(objective):
+            sums = self.forward_backward(batch, plan)
+        return sums, self._summed_gradients()

@@ -1,5 +1,6 @@
-"""One FSDP2 rank of a reward model being trained (``tally train-rm``): the policy rank's
-machinery (process group, sharding, attention, optimizer, schedule) around an
+"""One FSDP2 rank of a reward model being trained (``tally train-rm``): the score head on
+``FSDPRank`` (backends/fsdp/rank.py: process group, sharding, attention, optimizer,
+schedule) around an
 ``AutoModelForSequenceClassification`` with one label, trained on preference pairs.
 
 The model is the base causal LM's decoder and a fresh ``score`` head (bias-free Linear,
@@ -29,7 +30,7 @@ from safetensors.torch import save_file
 
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
-from trainer.backends.fsdp.worker import FSDPWorker
+from trainer.backends.fsdp.rank import FSDPRank
 from trainer.bradley_terry import PAIR_SUMS, pair_metrics, pair_objective
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.memory import PeakMemory, phase_metrics
@@ -68,9 +69,9 @@ def token_scores(self: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
     return self.score(hidden.last_hidden_state)
 
 
-class FSDPRewardModelWorker(FSDPWorker):
-    """A reward-model rank: ``FSDPWorker`` with a one-label sequence classifier and the
-    Bradley–Terry loss on whole pairs."""
+class FSDPRewardModelWorker(FSDPRank):
+    """A reward-model rank: ``FSDPRank`` with a one-label sequence classifier and the
+    Bradley–Terry loss on whole pairs; its verbs are the pair verbs only."""
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                  rank: int, total_steps: int, pad_token_id: int = 0) -> None:
@@ -144,13 +145,7 @@ class FSDPRewardModelWorker(FSDPWorker):
         gradient summed over DP (float64, by Hugging Face name); gradients zeroed after."""
         self.model.train()
         sums = self._pair_sums(batch, plan, backward=True)
-        grads = {}
-        for name, p in self.model.named_parameters():
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-            grads[name] = full.detach().cpu().double()
-        self.optimizer.zero_grad(set_to_none=True)
-        return pair_metrics(sums, plan.num_pairs), grads if self.rank == 0 else None
+        return pair_metrics(sums, plan.num_pairs), self._summed_gradients()
 
     def save_reward_model(self, path: str) -> None:
         """Collective: rank 0 writes the weights (float32 safetensors, Hugging Face names)
@@ -169,12 +164,3 @@ class FSDPRewardModelWorker(FSDPWorker):
             config.use_cache, config.dtype = True, "float32"
             config.save_pretrained(str(folder))
         dist.barrier()
-
-    def forward_backward(self, batch: Any, plan: Any) -> dict[str, float]:
-        raise NotImplementedError("a reward model trains on pairs: pair_train_step")
-
-    def forward_only(self, batch: Any, plan: Any) -> dict[str, float]:
-        raise NotImplementedError("a reward model takes no training-session calls")
-
-    def log_probs(self, batch: Any, plan: Any) -> Any:
-        raise NotImplementedError("a reward model has scores, not log-probs")

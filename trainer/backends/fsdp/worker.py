@@ -1,9 +1,10 @@
-"""One FSDP2 trainer rank (a Ray actor): a few small verbs the driver calls in lock step.
+"""The policy's FSDP2 rank (a Ray actor): the policy head on ``FSDPRank``
+(backends/fsdp/rank.py: process group, sharding, optimizer, checkpoints).
 
-Rank layout: rank = dp_rank · cp_size + cp_rank. Every rank of a DP group sees the same
-samples (``plan.micro_batches[dp_rank]``); its CP rank keeps the zigzag shard of each
-sequence (``trainer/micro_batch.py``). The backend only produces log-probs and entropy
-of π_T; ``trainer/objective.py`` turns them into the loss and the logged sums.
+Every rank of a DP group sees the same samples (``plan.micro_batches[dp_rank]``); its CP
+rank keeps the zigzag shard of each sequence (``trainer/micro_batch.py``). The head only
+produces log-probs and entropy of π_T; ``trainer/objective.py`` turns them into the loss
+and the logged sums.
 """
 
 from __future__ import annotations
@@ -12,12 +13,9 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from rollout.batch import RolloutBatch
 from rollout.weight_bucket import DTYPES, TensorSpec, pack_flat, plan_buckets
@@ -25,15 +23,7 @@ from trainer import lora
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import bucket_gather
 from trainer.backends.fsdp import model as fsdp
-from trainer.checkpoint import (
-    ADAPTER_DIR,
-    is_sharded,
-    load_sharded,
-    load_trainer_checkpoint,
-    restore_schedule_and_rng,
-    save_sharded,
-    trainer_state,
-)
+from trainer.backends.fsdp.rank import FSDPRank
 from trainer.config import ObjectiveConfig
 from trainer.losses import log_probs_and_entropy, loss_positions, spread, token_log_probs
 from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
@@ -45,36 +35,26 @@ from trainer.objective import (
     step_metrics,
     term_coefficients,
 )
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.rank import compute_dtype
+from trainer.policy_rank import PolicyRank
 from trainer.step_plan import StepPlan
-from trainer.worker import TrainerWorker, in_eval_mode
+from trainer.worker import in_eval_mode
 
 
-class FSDPWorker(TrainerWorker):
-    """The FSDP2 backend's verbs (``TrainerWorker``): the model sharded over the whole
-    world, gradients summed over DP×CP by FSDP's reduce-scatter."""
+class FSDPWorker(PolicyRank, FSDPRank):
+    """The policy's head on the FSDP2 rank (``FSDPRank``): log π_T and entropy at the
+    loss mask's positions, the objective's pg/KL/entropy terms, the weight sync's
+    buckets, and (a ``WeightSource``, trainer/weight_source.py) its full tensors by name
+    for a colocated engine."""
 
-    def setup(self, master_addr: str, master_port: int) -> None:
-        config = self.config
-        self.device = self._join_process_group(master_addr, master_port)
-        # rank = dp_rank · cp_size + cp_rank: the mesh's row-major layout.
-        self.dp_rank, self.cp_rank = divmod(self.rank, config.cp_size)
-        self.mesh = init_device_mesh(self.device.type, (config.dp_size, config.cp_size),
-                                     mesh_dim_names=("dp", "cp"))
-        self.dp_group, self.cp_group = self.mesh["dp"].get_group(), self.mesh["cp"].get_group()
-        torch.manual_seed(config.seed)
-        self.compute_dtype = compute_dtype(config, self.device)
+    def _build_models(self) -> None:
         self.planted_terms = planted_error_terms() if self.rank == 0 else frozenset()
         self.model = self._build()
         # Under LoRA the reference is the same base with its adapters disabled.
-        self.ref_model = (self._build() if config.loss.kl_coef > 0 and config.lora is None
+        self.ref_model = (self._build() if self.config.loss.kl_coef > 0
+                          and self.config.lora is None
                           else None)
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
-        self.trained = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.trained, config.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, config.optimizer, self.total_steps)
 
     def _build(self) -> torch.nn.Module:
         model = fsdp.load_model(self.model_path, self.compute_dtype, self.device)
@@ -88,18 +68,6 @@ class FSDPWorker(TrainerWorker):
         """Logits [n, V] at the n positions ``keep`` [b, s] marks: the LM head, and the
         log-softmax after it, never see a prompt or padding position."""
         return self._forward(model, micro, logits_to_keep=keep).logits
-
-    def _forward(self, model: torch.nn.Module, micro: MicroBatch, **kwargs: Any) -> Any:
-        """``model``'s output on the micro-batch's rows under this rank's attention: the
-        row layout's mask and the CP ring, or the model's own (padded rows) and varlen
-        flash, which finds the samples from position_ids."""
-        kwargs |= {"input_ids": micro.input_ids, "position_ids": micro.position_ids}
-        if self.attention.implementation in ("flash_attention_2", "model"):
-            return model(**kwargs)
-        from trainer.cp_attention import context_parallel
-
-        with context_parallel(self.cp_group, micro.position_ids, micro.layout):
-            return model(**kwargs)
 
     def _token_log_probs(self, micro: MicroBatch) -> TokenLogProbs:
         """log π_T(target) and H(π_T) of the policy (and π_ref,T) at fp32 or better, at
@@ -130,10 +98,6 @@ class FSDPWorker(TrainerWorker):
     def forward_backward(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         """Σ w·ℓ over this rank's tokens, backpropagated; returns the step's exact terms."""
         return self._objective_sums(batch, plan, backward=True)
-
-    @torch.no_grad()
-    def forward_only(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
-        return self._objective_sums(batch, plan, backward=False)
 
     def _objective_sums(self, batch: RolloutBatch, plan: StepPlan, backward: bool
                         ) -> dict[str, float]:
@@ -179,48 +143,7 @@ class FSDPWorker(TrainerWorker):
                    ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
         with self.objective_for_call(objective):
             sums = self.forward_backward(batch, plan)
-        grads = {}
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:  # LoRA's frozen base
-                continue
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-            grads[name] = full.detach().cpu().double()
-        self.optimizer.zero_grad(set_to_none=True)
-        return sums, grads if self.rank == 0 else None
-
-    def optimizer_step(self) -> dict[str, float]:
-        lr = self.optimizer.param_groups[0]["lr"]
-        grad_norm = self._clip_and_step(self.config.optimizer.grad_clip)
-        self.scheduler.step()
-        return {"grad_norm": grad_norm, "lr": lr}
-
-    def apply_gradients(self, scale: float, adam: dict[str, Any], grad_clip: float | None
-                        ) -> dict[str, float]:
-        for p in self.trained:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-        for group in self.optimizer.param_groups:
-            group.update(adam)
-        return {"grad_norm": self._clip_and_step(grad_clip), "lr": float(adam["lr"])}
-
-    def _clip_and_step(self, clip: float | None) -> float:
-        """Clip the gradients to ``clip`` (None: not at all), step, zero them; the
-        global grad norm before clipping."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.trained, clip if clip is not None else float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
-
-    def discard_gradients(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """Collective; rank 0 returns the full Hugging Face state dict, others None."""
-        state = fsdp.export_full_state_dict(self.model)
-        return state if self.rank == 0 else None
+        return sums, self._summed_gradients()
 
     def weight_buckets(self, dtype: str, bucket_mb: float, device: str = "cpu"
                        ) -> Iterator[torch.Tensor | None]:
@@ -293,42 +216,4 @@ class FSDPWorker(TrainerWorker):
             if alias:
                 assert self.config.world_size == 1, "only one rank's shard is the whole"
             yield name, tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor] | None) -> None:
-        """Collective; rank 0 passes the full state dict, the others None."""
-        fsdp.load_full_state_dict(self.model, state_dict or {})
-
-    def save_checkpoint(self, path: str) -> None:
-        """Collective; each rank writes its shards of the trained weights (all, or the
-        adapters) and their AdamW state, rank 0 the schedule, RNG and model config
-        (trainer/checkpoint.py) and, under LoRA, peft's adapter folder."""
-        trainable_only = self.config.lora is not None
-        save_sharded(path, fsdp.sharded_state(self.model, self.optimizer, trainable_only),
-                     trainer_state(None, self.scheduler), self.model_path,
-                     self.model.config)
-        if trainable_only:  # small: gathered one at a time, kept on rank 0's CPU only
-            factors = {}
-            for module, (a, b, _) in lora.adapter_params(self.model).items():
-                whole_a, whole_b = fsdp.unsharded(a), fsdp.unsharded(b)  # every rank
-                if self.rank == 0:
-                    factors[module] = (whole_a.cpu(), whole_b.cpu())
-            if self.rank == 0:
-                lora.save_adapter_folder(Path(path) / ADAPTER_DIR, factors, self.config.lora,
-                                         self.model_path)
-            dist.barrier()
-
-    def load_checkpoint(self, path: str) -> None:
-        """Collective; each rank reads the shards it owns under this layout (DCP
-        reshards a checkpoint written at another DP or CP size)."""
-        if not is_sharded(path):  # the Megatron backend's (gathered) format, from rank 0
-            model_state, saved = load_trainer_checkpoint(path) if self.rank == 0 else ({}, {})
-            fsdp.load_full_state_dict(self.model, model_state)
-            fsdp.load_full_optimizer_state(self.model, self.optimizer,
-                                           saved.get("optimizer", {}))
-        else:
-            trainable_only = self.config.lora is not None
-            state = fsdp.sharded_state(self.model, self.optimizer, trainable_only)
-            saved = load_sharded(path, state)
-            fsdp.set_sharded_state(self.model, self.optimizer, state, trainable_only)
-        restore_schedule_and_rng(saved, self.scheduler)
 

@@ -1,4 +1,4 @@
-"""One Megatron trainer rank (a Ray actor): the verbs and metrics of ``TrainerWorker``.
+"""One Megatron policy rank (a Ray actor): the verbs and metrics of ``PolicyRank``.
 
 Rank layout (Megatron's order tp-cp-dp): rank = (dp_rank · cp + cp_rank) · tp + tp_rank.
 TP ranks of one DP×CP rank see the same tokens; DP ranks take ``plan.micro_batches
@@ -45,13 +45,14 @@ from trainer.micro_batch import (
 )
 from trainer.objective import planted_error_terms, step_metrics
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.policy_rank import PolicyRank
 from trainer.rank import compute_dtype
 from trainer.step_plan import StepPlan
-from trainer.worker import TrainerWorker, in_eval_mode
+from trainer.worker import in_eval_mode
 
 
-class MegatronWorker(TrainerWorker):
-    """The Megatron-core backend's verbs (``TrainerWorker``); its rank layout (tp-cp-dp)
+class MegatronWorker(PolicyRank):
+    """The Megatron-core backend's policy verbs (``PolicyRank``); its rank layout (tp-cp-dp)
     comes from Megatron's ``parallel_state``."""
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
