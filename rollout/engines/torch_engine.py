@@ -61,7 +61,7 @@ class TorchEngine(Engine):
     ) -> None:
         """``model``: decode this module (already on its device) instead of loading one
         from ``model_path``, leaving the process's threads alone: the colocated fast path
-        (trainer/colocated_engine.py) serves a trainer rank's own weights through it."""
+        (services/driver/colocated_engine.py) serves a trainer rank's own weights through it."""
         if model is None:
             torch.set_num_threads(config.num_threads or 1)  # the driver resolves None
             model = AutoModelForCausalLM.from_pretrained(

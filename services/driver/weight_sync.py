@@ -13,7 +13,7 @@
 Weights version v = the rollout steps trained into them. Transports
 (``trainer.weight_sync.transport``; JobConfig.weight_transport resolves ``auto``):
 
-    in_process    the colocated fast path (trainer/colocated_engine.py): every rank
+    in_process    the colocated fast path (services/driver/colocated.py): every rank
                   stages the weights for the torch engine in its own process (one rank,
                   synchronous: aliased, nothing copied; else synchronous: in place into
                   the served tensors; async: into reused buffer sets), served in the

@@ -203,7 +203,7 @@ def test_bad_input_is_a_4xx_naming_the_field(shared, controller: ControllerProce
 
 def arm_fault(controller: ControllerProcess, session_id: str, rank: int) -> None:
     """Rank ``rank`` of the session fails its next forward_backward after its collectives
-    (the test-only ``arm_fault`` verb of trainer/session_calls.py), armed from a Ray job on
+    (the test-only ``arm_fault`` verb of services/sessions/calls.py), armed from a Ray job on
     the session's cluster: the ranks are named actors there (trainer/group.py)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
