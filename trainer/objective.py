@@ -14,7 +14,6 @@ micro-batches and ranks they are each term's exact J (:func:`step_metrics`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,53 +22,16 @@ from trainer.aggregation import local_weighted_sum
 from trainer.config import LossConfig
 from trainer.losses import kl_penalty, policy_gradient_loss
 from trainer.micro_batch import MicroBatch
+from trainer.planted import (
+    NOTHING_PLANTED,
+    PLANTED_COEFFICIENT_ERROR,
+    PLANTED_FACTOR_TERMS,
+)
 
 LOGGED_SUMS = ("pg_loss", "kl", "entropy", "clipped_tokens", "valid_tokens",
                "log_prob_abs_diff", "ratio_abs_dev", "magnitude/pg_loss", "magnitude/kl",
                "magnitude/entropy")
 """``magnitude/<term>`` = Σ|w·ℓ|: the scale a difference in that term is judged against."""
-PLANTED_ERROR_ENV = "TALLY_TEST_PLANTED_ERROR"
-"""Test hook (not a user option): ``<error>[,<error>]``, errors planted in the ranks that
-have it in their environment, so tests can show ``verify-aggregation`` catching each
-(``services/cli.py``'s PLANT_ENV sets it for one layout's ranks):
-
-    pg, kl, entropy       rank 0's share of that term's gradient doubled
-    value                 the critic's rank 0: its share of the value loss's gradient
-                          doubled (trainer/value_loss.py)
-    local_whitening       GAE's advantages whitened with each DP rank's own statistics
-                          (mean and std of its samples' tokens) instead of the rollout's
-                          (services/driver/critic.py: the classic silent error)
-    local_tokens          every rank normalises by its own tokens (the bug Tally exists to
-                          prevent): a term's weights become w·S/(R·s), s = Σ w over the
-                          rank's tokens of the call, S = Σ s over the R ranks; for
-                          token_mean that is 1/(R·ΣM_j over the rank's samples): a
-                          per-rank mean averaged over ranks, exact only when every rank
-                          holds the same share (s = S/R). A call is one micro-batch: the
-                          rank's whole share when it has one (as in the tests)
-    shard_coefficient     rank 0's shard (one CP shard in a CP layout): the coefficient of
-                          its sample with the most valid tokens ×(1 + 1e-3), every term
-    entropy_coefficient   the same sample's coefficient ×(1 + 1e-3) in the entropy term only
-    prefix_mask           shared prefix (trainer/row_layout.py): a response also sees its
-                          head's last prompt token, a copy of its own first token (the
-                          off-by-one a prefix mask invites), every rank
-    observation_tokens    multi-turn: a response's observation tokens (mask 0 between two
-                          of its valid tokens) trained as actions, each with the weight of
-                          its sample's valid token before it, in every term, every rank
-                          (M_i, T_g unchanged; a CP shard finds those between the valid
-                          tokens it holds); the FSDP backend, which computes log-probs
-                          at the loss mask's positions only, computes them there too
-                          (:func:`planted_loss_mask`)
-
-Rank 0 is the one that owns the first DP×CP shard (every TP rank of it on Megatron)."""
-PLANTED_FACTOR_TERMS = ("pg", "kl", "entropy")
-"""Planted errors that double rank 0's share of a term."""
-PLANTED_ON_EVERY_RANK = frozenset({"local_tokens", "prefix_mask", "observation_tokens"})
-"""Planted errors each rank of the layout makes (read here, not passed by the backend)."""
-PLANTED_ERRORS = frozenset({*PLANTED_FACTOR_TERMS, *PLANTED_ON_EVERY_RANK,
-                            "shard_coefficient", "entropy_coefficient", "value",
-                            "local_whitening"})
-PLANTED_COEFFICIENT_ERROR = 1e-3
-"""Relative error of the one wrong per-sample coefficient (shard_ / entropy_coefficient)."""
 
 
 @dataclass
@@ -82,21 +44,6 @@ class TokenLogProbs:
     """H(π_T) per position; differentiable only when the entropy term is on."""
     ref_log_probs: torch.Tensor | None = None
     """log π_ref,T(target) without a graph, when the KL term is on."""
-
-
-def parse_planted_errors(text: str) -> frozenset[str]:
-    """The planted errors of a ``PLANTED_ERROR_ENV`` value; an unknown name raises."""
-    errors = frozenset(e.strip() for e in text.split(",") if e.strip())
-    unknown = sorted(errors - PLANTED_ERRORS)
-    if unknown:
-        raise ValueError(f"{PLANTED_ERROR_ENV}: unknown planted error(s) {unknown}; "
-                         f"expected some of {sorted(PLANTED_ERRORS)}")
-    return errors
-
-
-def planted_error_terms() -> frozenset[str]:
-    """The errors a test planted in this process (a backend passes them on rank 0 only)."""
-    return parse_planted_errors(os.environ.get(PLANTED_ERROR_ENV, ""))
 
 
 def _sample_slots(micro: MicroBatch) -> torch.Tensor:
@@ -124,11 +71,13 @@ def observation_tokens(micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return hole, torch.where(hole, before, index)
 
 
-def planted_loss_mask(micro: MicroBatch) -> torch.Tensor:
+def planted_loss_mask(micro: MicroBatch, planted: frozenset[str] = NOTHING_PLANTED
+                      ) -> torch.Tensor:
     """Where a backend that computes log-probs at the loss mask's positions only must
     compute them: the loss mask, and the observation tokens when ``observation_tokens``
-    is planted (test hook), so that error reaches the gradient."""
-    if "observation_tokens" not in planted_error_terms():
+    is among this rank's ``planted`` errors (trainer/planted.py), so it reaches the
+    gradient."""
+    if "observation_tokens" not in planted:
         return micro.loss_mask
     hole, _ = observation_tokens(micro)
     return torch.where(hole, torch.ones_like(micro.loss_mask), micro.loss_mask)
@@ -171,16 +120,16 @@ def term_coefficients(loss: LossConfig, gradient_of: str = "all") -> dict[str, f
 
 def micro_batch_objective(
     token: TokenLogProbs, micro: MicroBatch, loss: LossConfig, mode_names: list[str],
-    planted_terms: frozenset[str] = frozenset(), gradient_of: str = "all",
+    planted_terms: frozenset[str] = NOTHING_PLANTED, gradient_of: str = "all",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ w·ℓ of the terms for backward, the logged sums [len(LOGGED_SUMS) + modes]).
 
     A KL or entropy sum is always logged (entropy needs no reference model); it enters
-    the backward only with a coefficient > 0."""
+    the backward only with a coefficient > 0. ``planted_terms``: the errors this rank
+    makes (a test's, trainer/planted.py's ``rank_planted``), handed in by the backend."""
     mask = micro.loss_mask
-    planted = planted_terms | (PLANTED_ON_EVERY_RANK & planted_error_terms())
-    weights = _planted_weights(micro, planted) if planted else micro.weights
-    if "observation_tokens" in planted:  # a planted error (tests): holes trained too
+    weights = _planted_weights(micro, planted_terms) if planted_terms else micro.weights
+    if "observation_tokens" in planted_terms:  # a planted error (tests): holes trained too
         mask = torch.where(observation_tokens(micro)[0], torch.ones_like(mask), mask)
     if loss.old_log_probs == "rollout":
         old = micro.rollout_log_probs

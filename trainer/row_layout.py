@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-PLANTED_ERROR_ENV = "TALLY_TEST_PLANTED_ERROR"
-"""trainer/objective.py's PLANTED_ERROR_ENV: ``prefix_mask`` is planted here, in the
-layout every kernel reads (a follower also sees its head's key at position start_s)."""
+from trainer.planted import PlantedError, rank_planted
 
 
 def planted_prefix_error() -> bool:
-    """Whether this process plants ``prefix_mask`` (test hook; read once per row built)."""
-    return "prefix_mask" in os.environ.get(PLANTED_ERROR_ENV, "")
+    """Whether this rank plants ``prefix_mask`` (trainer/planted.py: it is planted here, in
+    the layout every kernel reads: a follower also sees its head's key at position
+    start_s; read once per row built)."""
+    return PlantedError.PREFIX_MASK in rank_planted(first_shard=False)
 
 
 def visible(q_slot: torch.Tensor, q_pos: torch.Tensor, k_slot: torch.Tensor,

@@ -27,7 +27,7 @@ VALUE_SUMS = ("value_loss", "clipped_tokens", "valid_tokens", "values", "magnitu
 branch is the larger, Σ m, Σ m·V, Σ |w·ℓ| (what a difference in J_value is judged
 against)."""
 PLANTED_VALUE_ERROR = "value"
-"""The planted error (``trainer/objective.PLANTED_ERROR_ENV``) that doubles rank 0's share
+"""The planted error (trainer/planted.py) that doubles rank 0's share
 of the value loss's gradient, so a test shows the verifier catching it."""
 
 

@@ -40,7 +40,7 @@ update, on its own ranks (trainer/backends/fsdp/critic.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -50,6 +50,7 @@ from rollout.batch import RolloutBatch
 from trainer.config import AGGREGATION_MODES, AggregationConfig, ObjectiveConfig, TrainerConfig
 from trainer.micro_batch import slice_for_plan
 from trainer.mini_batches import Update, mini_batch
+from trainer.planted import NOTHING_PLANTED, Planted, rank_env
 from trainer.step_plan import StepPlan
 
 TERMS = {"pg": "pg_loss", "kl": "kl", "entropy": "entropy"}
@@ -227,19 +228,20 @@ def layout_config(config: TrainerConfig, layout: Layout) -> TrainerConfig:
 def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                batch: RolloutBatch, layout: Layout, modes: tuple[str, ...],
                updates: list[Update], policy_state: dict[str, torch.Tensor] | None = None,
-               env_vars: dict[str, str] | None = None, critic: CriticCheck | None = None,
+               planted: Planted = NOTHING_PLANTED, critic: CriticCheck | None = None,
                ) -> tuple[dict[tuple[str, int, str], TermResult], dict[str, torch.Tensor]]:
     """Every (mode, update, term) gradient and J under one layout, from ``policy_state``
     (the perturbed policy; made from the first layout's weights when None). ``critic``:
     the critic's group instead, its ``value`` term (its fresh head needs no
-    perturbation: its values are not the returns)."""
+    perturbation: its values are not the returns). ``planted``: the errors this layout's
+    ranks make (a test's; trainer/planted.py), handed to them in their environment."""
     import ray
 
     from trainer.group import CRITIC_WORKER, TrainerGroup
 
     config = layout_config(config, layout)
     group = TrainerGroup(config, objective, model_path, total_steps=len(updates),
-                         env_vars=env_vars, **({} if critic is None else {
+                         env_vars=rank_env(planted), **({} if critic is None else {
                              "worker": CRITIC_WORKER,
                              "worker_kwargs": {"value_clip": critic.value_clip}}))
     terms = CRITIC_TERMS if critic is not None else TERMS
@@ -290,19 +292,22 @@ def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path
                    batch: RolloutBatch, layouts: list[Layout],
                    modes: tuple[str, ...] | None = None,
                    tolerance: tuple[float, float] | None = None,
-                   env_for_layout: dict[str, dict[str, str]] | None = None,
+                   planted: Mapping[str, Planted] | None = None,
                    updates: list[Update] | None = None, critic: CriticCheck | None = None
                    ) -> list[Row]:
     """Rows of (layout, mode, update, term) against the first layout. ``modes``: default
     :func:`checked_modes`; ``updates`` splits the rollout (default: one update on the
-    whole batch); ``env_for_layout`` is a test hook (environment of one layout's ranks,
-    e.g. a planted reduction error). ``critic`` (PPO with a critic): the reference
+    whole batch); ``planted``: {layout name: the errors its ranks make}, a test's
+    (trainer/planted.py). ``critic`` (PPO with a critic): the reference
     critic's values make each layout's batch (GAE, its own whitening reduction), and the
     critic's ``value`` term is compared too, after the policy's."""
     config = verification_config(config)
     modes = modes or checked_modes(objective)
     rtol, atol = tolerance or default_tolerance(config)
-    env_for_layout = env_for_layout or {}
+    planted = planted or {}
+    unknown = sorted(set(planted) - {str(layout) for layout in layouts})
+    if unknown:  # errors planted where nothing runs would let the check pass
+        raise ValueError(f"planted: layout(s) {unknown} not among the layouts compared")
     updates = updates or [Update(0, 0, list(range(batch.num_samples)))]
     batches = {str(layout): batch for layout in layouts}
     critic_config = None
@@ -321,7 +326,7 @@ def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path
         def run(layout: Layout, state: dict[str, torch.Tensor] | None = None
                 ) -> tuple[dict[tuple[str, int, str], TermResult], dict[str, torch.Tensor]]:
             return run_layout(config, objective, model_path, batch_of(layout), layout, modes,
-                              updates, state, env_vars=env_for_layout.get(str(layout)),
+                              updates, state, planted.get(str(layout), NOTHING_PLANTED),
                               critic=critic)
 
         reference, state = run(layouts[0])

@@ -26,15 +26,16 @@ from trainer.micro_batch import MicroBatch, slice_for_plan
 from trainer.mini_batches import mini_batch, rollout_updates
 from trainer.objective import (
     LOGGED_SUMS,
-    PLANTED_ERROR_ENV,
     TokenLogProbs,
     _planted_weights,
     micro_batch_objective,
     observation_tokens,
 )
+from trainer.planted import NOTHING_PLANTED, Planted, PlantedError
 from trainer.step_plan import MODE_METRIC_PREFIX, plan_step
 
 MAX_RESPONSE_LEN = 16
+OBSERVATION_TOKENS: Planted = frozenset({PlantedError.OBSERVATION_TOKENS})
 LOSS = LossConfig(kl_coef=0.1, entropy_coef=0.01, old_log_probs="rollout",
                   kl_aggregation=TermAggregationConfig(mode="prompt_mean"),
                   entropy_aggregation=TermAggregationConfig(mode="token_mean"))
@@ -159,15 +160,17 @@ def _oracle(batch: RolloutBatch, objective: ObjectiveConfig) -> dict[str, float]
 
 
 def _layout_sums(batch: RolloutBatch, objective: ObjectiveConfig, dp: int, cp: int,
-                 packed: bool) -> dict[str, float]:
-    """The logged sums of every micro-batch of every DP × CP rank, added up."""
+                 packed: bool, planted: Planted = NOTHING_PLANTED) -> dict[str, float]:
+    """The logged sums of every micro-batch of every DP × CP rank, added up; ``planted``:
+    the every-rank errors each rank makes."""
     plan = plan_step(batch, objective, dp, cp, max_tokens_per_micro_batch=20, packed=packed)
     total = torch.zeros(len(LOGGED_SUMS) + len(MODE_NAMES), dtype=torch.float64)
     for rank_micro_batches in plan.micro_batches:
         for samples in rank_micro_batches:
             for cp_rank in range(cp):
                 micro = slice_for_plan(batch, plan, samples, cp, cp_rank)
-                _, sums = micro_batch_objective(_token_values(micro), micro, LOSS, MODE_NAMES)
+                _, sums = micro_batch_objective(_token_values(micro), micro, LOSS, MODE_NAMES,
+                                                planted)
                 total += sums
     return dict(zip([*LOGGED_SUMS, *MODE_NAMES], total.tolist(), strict=True))
 
@@ -178,7 +181,7 @@ LAYOUTS = [(dp, cp, packed) for dp in (1, 2, 3) for cp in (1, 2) for packed in (
 @pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_every_layout_and_update_gives_the_float64_oracle_with_holes(
-        mode: str, per_token: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        mode: str, per_token: bool) -> None:
     """Every pg mode (KL under prompt_mean, entropy under token_mean), every update of a
     2-step × 2-epoch rollout and DP 1–3 × CP 1–2, packed and padded: the objective's
     logged J of each term, summed over micro-batches and shards, is the formulas' on the
@@ -186,7 +189,6 @@ def test_every_layout_and_update_gives_the_float64_oracle_with_holes(
     that computes every position gives), for one advantage per sample and for advantages
     that differ per token with fractional weights m_it (M_i = Σ_t m_it); planting
     ``observation_tokens`` moves them."""
-    monkeypatch.delenv(PLANTED_ERROR_ENV, raising=False)
     objective = ObjectiveConfig.compose(
         AggregationConfig(mode=mode, divisor=5.0 if mode == "constant" else None), LOSS,
         MAX_RESPONSE_LEN, 0.7)
@@ -204,8 +206,7 @@ def test_every_layout_and_update_gives_the_float64_oracle_with_holes(
             for name, value in oracle.items():
                 assert got[name] == pytest.approx(value, rel=1e-12, abs=1e-15), (
                     update.index, dp, cp, packed, name)
-    monkeypatch.setenv(PLANTED_ERROR_ENV, "observation_tokens")
-    planted = _layout_sums(mini, objective, 2, 1, True)
+    planted = _layout_sums(mini, objective, 2, 1, True, OBSERVATION_TOKENS)
     for name in ("pg_loss", "kl", "entropy"):
         assert planted[name] != pytest.approx(oracle[name], rel=1e-6), name
     assert planted["valid_tokens"] == oracle["valid_tokens"] + int(hole_table(mini).sum())
@@ -213,13 +214,12 @@ def test_every_layout_and_update_gives_the_float64_oracle_with_holes(
 
 @pytest.mark.parametrize(("packed", "cp"), [(True, 1), (False, 1), (True, 2), (False, 2)])
 def test_observation_tokens_get_no_gradient_and_the_planted_error_gives_them_some(
-        packed: bool, cp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        packed: bool, cp: int) -> None:
     """Clean: ∂J/∂log π and ∂J/∂H are exactly 0 at every mask-0 position (observation,
     prompt, padding) and the sums finite, even with log-probs at the holes far off the
     rollout's 0 (TIS and the dual clip on). Planted: the holes (found in the shard as
     the dataset says they are, CP 1; a subset of them in a CP shard) get the weight of
     their sample's actions in every term, and a gradient."""
-    monkeypatch.delenv(PLANTED_ERROR_ENV, raising=False)
     loss = LOSS.model_copy(update={"tis_cap": 2.0, "dual_clip_c": 3.0})
     batch, _ = multi_turn_batch(vocab_size=50, seed=4)
     holes = hole_table(batch)
@@ -245,13 +245,13 @@ def test_observation_tokens_get_no_gradient_and_the_planted_error_gives_them_som
                 assert (planted_weights[term][found] > 0).all(), term
             off = micro.loss_mask == 0
             for planted in (False, True):
-                if planted:
-                    monkeypatch.setenv(PLANTED_ERROR_ENV, "observation_tokens")
                 token = _token_values(micro)
                 if not planted:  # far off: exp(log π − 0) underflows, a ratio clamps
                     with torch.no_grad():
                         token.log_probs[off] = -1e4
-                objective, sums = micro_batch_objective(token, micro, loss, MODE_NAMES)
+                objective, sums = micro_batch_objective(
+                    token, micro, loss, MODE_NAMES,
+                    OBSERVATION_TOKENS if planted else NOTHING_PLANTED)
                 objective.backward()
                 assert torch.isfinite(sums).all() and torch.isfinite(objective)
                 grads = (token.log_probs.grad, token.entropy.grad)
@@ -263,7 +263,6 @@ def test_observation_tokens_get_no_gradient_and_the_planted_error_gives_them_som
                     continue
                 assert (grads[0][found] != 0).all() and (grads[1][found] != 0).all()
                 assert (grads[1][off & ~found] == 0).all()
-                monkeypatch.delenv(PLANTED_ERROR_ENV)
     assert (num_found == int(holes.sum())) if cp == 1 else (num_found > 0)
 
 
@@ -301,7 +300,7 @@ def verified_rows(ray_cluster: None, tiny_model: str) -> list:
     layouts = [Layout.parse(name) for name in ("dp1cp1-padded", *CLEAN, PLANTED)]
     rows = verify_layouts(config, objective, tiny_model, batch, layouts,
                           modes=tuple(AGGREGATION_MODES), updates=updates,
-                          env_for_layout={PLANTED: {PLANTED_ERROR_ENV: "observation_tokens"}})
+                          planted={PLANTED: OBSERVATION_TOKENS})
     print("\n".join(format_rows(rows)))  # the figures, for -s
     return rows
 

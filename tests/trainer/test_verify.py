@@ -1,8 +1,9 @@
 """The layout verifier on real Ray actors and process groups: packed DP=2 and CP=2 give
 the gradients and terms of padded DP=1 for every update of a rollout, mode and term, and
 for a custom reducer's dense weights; its tolerance judges a term against its own scale;
-``tally verify-aggregation`` exits 1 on a ×2 and on each subtle planted error (the README
-command passing: tests/services/test_cli.py)."""
+the ``verify-aggregation`` program fails (exit code 1) on a ×2 and on each subtle error
+planted in it (injected as ``{layout: Planted}``, trainer/planted.py; the README command
+passing: tests/services/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from rollout.tiny import create_tiny_checkpoint
+from services.config import load_job_config
+from services.verify.aggregation import parse_layouts, planted_by_layout, verify_aggregation
+from services.verify.critic import whitened_for_layout
 from tests.trainer.helpers import random_train_batch
 from trainer.config import (
     AggregationConfig,
@@ -21,6 +24,7 @@ from trainer.config import (
     OptimizerConfig,
     TrainerConfig,
 )
+from trainer.planted import Planted, PlantedError, parse_planted
 from trainer.verify import (
     CUSTOM_MODE,
     Layout,
@@ -164,8 +168,7 @@ def test_custom_reducer_is_exact_under_every_layout_and_a_planted_error_fails(
     planted = Layout(1, 1, packed=True)
     rows = verify_layouts(CONFIG, objective, tiny_model, batch,
                           [Layout(1, 1, packed=False), *clean, planted], modes=(CUSTOM_MODE,),
-                          env_for_layout={str(planted): {
-                              "TALLY_TEST_PLANTED_ERROR": "shard_coefficient"}})
+                          planted={str(planted): frozenset({PlantedError.SHARD_COEFFICIENT})})
     assert {(r.layout, r.term) for r in rows} == {
         (str(layout), term) for layout in (*clean, planted) for term in ("pg", "kl", "entropy")}
     assert {r.mode for r in rows} == {CUSTOM_MODE}
@@ -178,14 +181,27 @@ def test_custom_reducer_is_exact_under_every_layout_and_a_planted_error_fails(
     assert all(1e-7 < r.grad_rel < 1e-2 for r in bad), bad  # small, and still caught
 
 
-PLANTS = {"dp2cp1-packed": "pg,kl,entropy_coefficient", "dp3cp1": "local_tokens",
-          "dp1cp2": "shard_coefficient", "dp2cp1-prefix": "prefix_mask"}
-"""Layout -> the planted error its ranks make (trainer/objective.py, PLANTED_ERROR_ENV)."""
+PLANTS: dict[str, Planted] = {
+    "dp2cp1-packed": parse_planted("pg,kl,entropy_coefficient"),
+    "dp3cp1": parse_planted("local_tokens"), "dp1cp2": parse_planted("shard_coefficient"),
+    "dp2cp1-prefix": parse_planted("prefix_mask")}
+"""Layout -> the planted errors its ranks make (trainer/planted.py)."""
+
+
+def _verified(config: str, layouts: str, overrides: list[str],
+              planted: dict[str, Planted]) -> tuple[int, str]:
+    """(exit code, output) of the verify-aggregation program, ``planted`` injected."""
+    lines: list[str] = []
+    code = verify_aggregation(load_job_config(ROOT / "configs" / config, overrides),
+                              parse_layouts(layouts), planted=planted, echo=lines.append)
+    output = "\n".join(lines)
+    print(output)  # the figures, for -s
+    return code, output
 
 
 @pytest.mark.slow  # the demo's warm start and four layouts on Ray actors
 def test_verify_aggregation_exits_1_on_each_planted_error(
-        ray_cluster: None, shared_data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        ray_cluster: None, shared_data_dir: Path) -> None:
     """One run of the README's command (demo.yaml, a 16-sample rollout, one micro-batch per
     rank), each planted error in a layout of its own against padded DP=1; the command
     exits 1 on any failed row, and each layout's rows fail where its error is:
@@ -208,20 +224,13 @@ def test_verify_aggregation_exits_1_on_each_planted_error(
     over the ranks, and a rank holding only groups with equal rewards has no pg gradient
     to double.
     """
-    from services.cli import app
-
-    monkeypatch.setenv("TALLY_TEST_PLANT", ";".join(f"{lay}:{err}"
-                                                    for lay, err in PLANTS.items()))
-    result = CliRunner().invoke(app, [
-        "verify-aggregation", str(ROOT / "configs" / "demo.yaml"),
-        "--layouts", ",".join(["dp1cp1-padded", *PLANTS]),
-        "--set", "rollout.global_batch_size=16"])
-    print(result.output)  # the figures, for -s
-    assert result.exit_code == 1, result.output
-    header = next(line for line in result.output.splitlines() if line.startswith("layout"))
+    code, output = _verified("demo.yaml", ",".join(["dp1cp1-padded", *PLANTS]),
+                             ["rollout.global_batch_size=16"], PLANTS)
+    assert code == 1, output
+    header = next(line for line in output.splitlines() if line.startswith("layout"))
     assert header.split() == ["layout", "mode", "update", "term", "|Δgrad|", "rel", "|ΔJ|",
                               "rel", "result"]
-    rows = [line.split() for line in result.output.splitlines() if line.startswith("dp")]
+    rows = [line.split() for line in output.splitlines() if line.startswith("dp")]
     assert {(r[0], r[1], r[3]) for r in rows} == {
         (layout, mode, term) for layout in PLANTS for mode in MODES
         for term in ("pg", "kl", "entropy")}
@@ -239,27 +248,25 @@ def test_verify_aggregation_exits_1_on_each_planted_error(
         small = r[0] == "dp1cp2" or (r[0] == "dp2cp1-packed" and r[3] == "entropy")
         if small and r[-1] == "FAIL":  # one coefficient off by 1e-3
             assert 1e-7 < float(r[5]) < 1e-2, r
-    assert f"{len(rows) - len(failed)}/{len(rows)} comparisons within tolerance" in (
-        result.output)
+    assert f"{len(rows) - len(failed)}/{len(rows)} comparisons within tolerance" in output
 
 
-def test_planted_error_hook_refuses_what_would_plant_nothing(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The test hook (not a user option) names its layout as --layouts does and refuses
-    an unknown error or a layout that is not run: a planted nothing would pass."""
-    from services.cli import PLANT_ENV, _planted_env
-    from trainer.objective import PLANTED_ERROR_ENV
-
-    layouts = [Layout.parse("dp1cp1-padded"), Layout.parse("dp2cp1"), Layout.parse("dp1cp2")]
-    monkeypatch.setenv(PLANT_ENV, "DP2CP1:local_tokens,kl; dp1cp2:entropy_coefficient")
-    assert _planted_env(layouts) == {"dp2cp1": {PLANTED_ERROR_ENV: "kl,local_tokens"},
-                                     "dp1cp2": {PLANTED_ERROR_ENV: "entropy_coefficient"}}
-    monkeypatch.setenv(PLANT_ENV, "dp2cp1:local_token")
+def test_planted_errors_are_refused_where_they_would_plant_nothing() -> None:
+    """Planted errors (a test's, not a user option) name their layout as --layouts does;
+    an unknown error, or a layout that is not compared, is refused before anything
+    starts: a planted nothing would pass."""
+    layouts = parse_layouts("dp1cp1-padded,dp2cp1,dp1cp2")
+    assert planted_by_layout({"DP2CP1": parse_planted("local_tokens, kl"),
+                              "dp1cp2": parse_planted("entropy_coefficient")}, layouts) == {
+        "dp2cp1": {PlantedError.LOCAL_TOKENS, PlantedError.KL},
+        "dp1cp2": {PlantedError.ENTROPY_COEFFICIENT}}
     with pytest.raises(ValueError, match=r"unknown planted error.*local_token"):
-        _planted_env(layouts)
-    monkeypatch.setenv(PLANT_ENV, "dp2cp2:kl")
+        parse_planted("local_token")
     with pytest.raises(ValueError, match="dp2cp2 is not among --layouts"):
-        _planted_env(layouts)
+        planted_by_layout({"dp2cp2": parse_planted("kl")}, layouts)
+    with pytest.raises(ValueError, match=r"dp2cp2.*not among the layouts"):  # no Ray
+        verify_layouts(CONFIG, OBJECTIVE, "unused", random_train_batch(50, 2, 2, seed=0),
+                       layouts, planted={"dp2cp2": parse_planted("kl")})
 
 
 @pytest.mark.parametrize(("error", "terms"), [("shard_coefficient", ("pg", "kl", "entropy")),
@@ -314,26 +321,54 @@ def test_whitening_statistics_reduced_over_every_rank_are_the_global_ones(
         assert any(abs(mean - moments_mean_std(whole)[0]) > 1e-3 for mean, _ in own)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_verifier_whitens_a_layout_as_its_ranks_reduce(packed: bool) -> None:
+    """The verifier's GAE whitening (production's ``whiten`` over the statistics every
+    DP rank holds) against the formula written here: (A − μ) / (σ + ε) on the valid tokens
+    with the whole rollout's μ and σ (Bessel); with ``local_whitening`` planted each DP
+    rank's samples by their own μ and σ instead, which moves them."""
+    from trainer.step_plan import plan_step
+    from trainer.verify import rank_token_moments
+
+    batch = random_train_batch(vocab_size=40, num_prompts=6, group_size=2, seed=1,
+                               per_token=True)
+    advantages, mask, eps = batch.advantages, batch.loss_mask, 0.1
+    plan = plan_step(batch, OBJECTIVE, 2, 1, max_tokens_per_micro_batch=20, packed=packed)
+    moments = rank_token_moments(batch, plan, 1)
+
+    def reference(samples: list[int]) -> torch.Tensor:
+        valid = mask[samples] > 0
+        values = advantages[samples].double()
+        mean, std = values[valid].mean(), values[valid].std()
+        return torch.where(valid, (values - mean) / (std + eps), 0.0)
+
+    clean = whitened_for_layout(advantages, mask, moments, plan.micro_batches, eps)
+    assert torch.allclose(clean, reference(list(range(batch.num_samples))), rtol=1e-12,
+                          atol=1e-12)
+    local = whitened_for_layout(advantages, mask, moments, plan.micro_batches, eps,
+                                frozenset({PlantedError.LOCAL_WHITENING}))
+    for rank_micro_batches in plan.micro_batches:
+        samples = [i for micro in rank_micro_batches for i in micro]
+        assert torch.allclose(local[samples], reference(samples), rtol=1e-12, atol=1e-12)
+    assert (local - clean).abs().max() > 1e-3
+
+
 @pytest.mark.slow  # the demo's warm start, a critic and three layouts on Ray actors
 def test_verify_aggregation_checks_the_critic_and_exits_1_on_its_planted_errors(
-        ray_cluster: None, shared_data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        ray_cluster: None, shared_data_dir: Path) -> None:
     """demo-ppo.yaml (critic, GAE, whitening): the policy's per-token advantages and the
     critic's ``value`` term under every mode, DP 2 against padded DP 1 (CP 2 and the
     shared prefix: tests/trainer/fsdp/test_critic.py, docs/ppo.md's run). Planted in DP 2:
     ``local_whitening`` (each rank whitens its samples by its own statistics) fails the pg
     rows, and only them of the policy's; ``value`` (the critic's rank 0 doubles its share)
     fails the value rows; KL and entropy stay within tolerance."""
-    from services.cli import app
-
-    monkeypatch.setenv("TALLY_TEST_PLANT", "dp2cp1-packed:local_whitening,value")
-    result = CliRunner().invoke(app, [
-        "verify-aggregation", str(ROOT / "configs" / "demo-ppo.yaml"),
-        "--layouts", "dp1cp1-padded,dp2cp1-packed",
-        "--set", "rollout.global_batch_size=16", "--set", "rollout.rollout_batch_size=4",
-        "--set", "rollout.n_samples_per_prompt=4"])
-    print(result.output)
-    assert result.exit_code == 1, result.output
-    rows = [line.split() for line in result.output.splitlines() if line.startswith("dp")]
+    code, output = _verified(
+        "demo-ppo.yaml", "dp1cp1-padded,dp2cp1-packed",
+        ["rollout.global_batch_size=16", "rollout.rollout_batch_size=4",
+         "rollout.n_samples_per_prompt=4"],
+        {"dp2cp1-packed": parse_planted("local_whitening,value")})
+    assert code == 1, output
+    rows = [line.split() for line in output.splitlines() if line.startswith("dp")]
     assert {(r[0], r[1], r[3]) for r in rows} == {
         ("dp2cp1-packed", mode, term) for mode in MODES
         for term in ("pg", "kl", "entropy", "value")}

@@ -16,7 +16,7 @@ from tests.distributed import run_ranks
 from tests.trainer.helpers import random_train_batch
 from trainer.aggregation import AGGREGATION_MODES, aggregate
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig, TrainerConfig
-from trainer.objective import PLANTED_ERROR_ENV
+from trainer.planted import RANK_ENV
 from trainer.step_plan import plan_step
 
 VALUE_CLIP = 0.2
@@ -105,7 +105,7 @@ def _critic_rank(rank: int, port: int, model_path: str, batch: RolloutBatch, dp:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_value_loss_gradient_equals_the_float64_reference(
         tiny_model: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(PLANTED_ERROR_ENV, raising=False)
+    monkeypatch.delenv(RANK_ENV, raising=False)
     batch = critic_batch()
     reference = _reference(tiny_model, batch)
     dp, cp, packed, prefix = LAYOUTS[layout]
@@ -128,7 +128,7 @@ def test_planted_value_error_moves_the_gradient(tiny_model: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0's share doubled (``value`` planted) under DP 2: the gradient is off the
     reference — what the verifier's ``value`` term must catch."""
-    monkeypatch.setenv(PLANTED_ERROR_ENV, "value")
+    monkeypatch.setenv(RANK_ENV, "value")  # the ranks' environment, as the verifier sets it
     batch = critic_batch()
     reference = _reference(tiny_model, batch)
     result = run_ranks(_critic_rank, 2, tiny_model, batch, 2, 1, True, False)[0]

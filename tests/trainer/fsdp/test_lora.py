@@ -46,6 +46,7 @@ def test_adapter_gradients_match_the_float64_reference_under_every_layout(
     pg and KL weights of one layout fails exactly its rows."""
     from transformers import AutoConfig
 
+    from trainer.planted import parse_planted
     from trainer.verify import Layout, verify_layouts
 
     batch = random_train_batch(AutoConfig.from_pretrained(tiny_model).vocab_size,
@@ -56,8 +57,7 @@ def test_adapter_gradients_match_the_float64_reference_under_every_layout(
     rows = verify_layouts(config, objective, tiny_model, batch,
                           [Layout(1, 1, packed=False), Layout(2, 1, packed=True),
                            Layout(1, 2), planted],
-                          modes=MODES, env_for_layout={str(planted): {
-                              "TALLY_TEST_PLANTED_ERROR": "pg,kl"}})
+                          modes=MODES, planted={str(planted): parse_planted("pg,kl")})
     assert len(rows) == 3 * 4 * 3
     good = [r for r in rows if r.layout != str(planted)]
     assert all(r.ok for r in good), [r for r in good if not r.ok][:3]

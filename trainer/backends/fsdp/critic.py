@@ -25,7 +25,7 @@ from trainer.backends.fsdp import model as fsdp
 from trainer.backends.fsdp.rank import FSDPRank
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
-from trainer.objective import planted_error_terms
+from trainer.planted import rank_planted
 from trainer.step_plan import StepPlan
 from trainer.value_loss import (
     PLANTED_VALUE_ERROR,
@@ -67,7 +67,7 @@ class FSDPCriticWorker(BatchRank, FSDPRank):
         """Σ w·ℓ of the value loss over this rank's tokens, backpropagated (gradients
         summed over DP × CP); the step's exact sums."""
         scale = sum_reduction_factor(self.config.world_size)  # FSDP averages; we SUM
-        planted = self.rank == 0 and PLANTED_VALUE_ERROR in planted_error_terms()
+        planted = PLANTED_VALUE_ERROR in rank_planted(first_shard=self.rank == 0)
         totals = torch.zeros(len(VALUE_SUMS), dtype=torch.float64)
         self.model.train()
         for samples in plan.micro_batches[self.dp_rank]:

@@ -30,11 +30,11 @@ from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
 from trainer.objective import (
     TokenLogProbs,
     micro_batch_objective,
-    planted_error_terms,
     planted_loss_mask,
     step_metrics,
     term_coefficients,
 )
+from trainer.planted import rank_planted
 from trainer.policy_rank import PolicyRank
 from trainer.step_plan import StepPlan
 from trainer.worker import in_eval_mode
@@ -47,7 +47,7 @@ class FSDPWorker(PolicyRank, FSDPRank):
     for a colocated engine."""
 
     def _build_models(self) -> None:
-        self.planted_terms = planted_error_terms() if self.rank == 0 else frozenset()
+        self.planted_terms = rank_planted(first_shard=self.rank == 0)  # a test's errors
         self.model = self._build()
         # Under LoRA the reference is the same base with its adapters disabled.
         self.ref_model = (self._build() if self.config.loss.kl_coef > 0
@@ -73,7 +73,8 @@ class FSDPWorker(PolicyRank, FSDPRank):
         """log π_T(target) and H(π_T) of the policy (and π_ref,T) at fp32 or better, at
         the loss mask's positions (0 elsewhere)."""
         temperature = self.objective.temperature
-        keep = loss_positions(planted_loss_mask(micro))  # the loss mask, but in a test
+        # the loss mask, but in a test that plants observation_tokens
+        keep = loss_positions(planted_loss_mask(micro, self.planted_terms))
         targets = micro.targets[keep]
         log_probs, entropy = log_probs_and_entropy(
             self._logits(self.model, micro, keep), targets, temperature,

@@ -43,8 +43,9 @@ from trainer.micro_batch import (
     slice_micro_batch,
     slice_packed_row,
 )
-from trainer.objective import planted_error_terms, step_metrics
+from trainer.objective import step_metrics
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.planted import rank_planted
 from trainer.policy_rank import PolicyRank
 from trainer.rank import compute_dtype
 from trainer.step_plan import StepPlan
@@ -79,8 +80,7 @@ class MegatronWorker(PolicyRank):
         install_rng_tracker(config.seed, self.device)
         # Every TP rank of DP×CP rank 0 computes that replica's loss, so all of them carry
         # the planted factor (FSDP plants it on rank 0, which owns its tokens alone).
-        self.planted_terms = (planted_error_terms() if self.dp_rank == 0 and self.cp_rank == 0
-                              else frozenset())
+        self.planted_terms = rank_planted(first_shard=self.dp_rank == 0 and self.cp_rank == 0)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.shape = model_shape(self.hf_config, config.tp_size)
         self.compute_dtype = compute_dtype(config, self.device)

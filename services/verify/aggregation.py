@@ -1,0 +1,113 @@
+"""``tally verify-aggregation`` as a program: one rollout drawn by the job's own rollout
+manager, then every optimizer step of it under each layout against the first layout
+(trainer/verify.py), for every aggregation mode; 0 when every comparison is within
+tolerance, 1 otherwise. A test hands in the errors it plants (``planted``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from trainer.planted import Planted
+from trainer.verify import Layout
+
+if TYPE_CHECKING:
+    from rollout.config import AdvantageConfig, RolloutConfig
+    from services.config import JobConfig
+
+Echo = Callable[[str], None]
+
+
+def needs_reward_spread(advantage: AdvantageConfig) -> bool:
+    """Whether a group whose rewards are all equal gets advantage 0 (a group baseline:
+    grpo, reinforce_pp, …), so the verifier wants spread in its rollout. The one place the
+    verifier asks an estimator by name: switch it to the estimator's own
+    ``needs_reward_spread`` once rollout/advantages declares it for every type."""
+    return advantage.type != "reward"
+
+
+def spread_rollout(rollout: RolloutConfig) -> RolloutConfig:
+    """The rollout config the verifier draws its batch with: DAPO's dynamic sampling on (8
+    draws), since under a group baseline (grpo, reinforce_pp) a group whose rewards are
+    all equal has advantage 0 and no pg gradient, and a pg row comparing zeros shows
+    nothing."""
+    from rollout.config import RolloutConfig
+
+    if (rollout.dynamic_sampling.enabled or not needs_reward_spread(rollout.advantage)
+            or rollout.n_samples_per_prompt < 2):  # spread is beside the point there
+        return rollout
+    return RolloutConfig.model_validate({**rollout.model_dump(),
+                                         "dynamic_sampling": {"enabled": True,
+                                                              "max_draws": 8}})
+
+
+def parse_layouts(text: str) -> list[Layout]:
+    """``--layouts``: comma-separated names, the first the reference (ValueError naming
+    the entry when one is not a layout)."""
+    return [Layout.parse(name) for name in text.split(",") if name]
+
+
+def planted_by_layout(planted: Mapping[str, Planted], layouts: list[Layout]
+                      ) -> dict[str, Planted]:
+    """{layout name as the verifier prints it: its errors}; a layout that is not among
+    ``layouts`` is refused (ValueError): errors planted where nothing runs would pass."""
+    compared = {str(layout) for layout in layouts}
+    by_name: dict[str, Planted] = {}
+    for text, errors in planted.items():
+        name = str(Layout.parse(text))
+        if name not in compared:
+            raise ValueError(f"planted: layout {name} is not among --layouts")
+        by_name[name] = by_name.get(name, frozenset()) | errors
+    return by_name
+
+
+def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None = None,
+                       atol: float | None = None, planted: Mapping[str, Planted] | None = None,
+                       echo: Echo = print) -> int:
+    """Draw the rollout, compare every layout with ``layouts[0]`` and print the table
+    (``echo``); 0 when every row is within tolerance, else 1. ``planted``: {layout: the
+    errors its ranks make} (a test's; trainer/planted.py)."""
+    import ray
+
+    from services.driver.job import ensure_ray, job_model_path
+    from services.quiet import quiet_transformers
+    from services.verify.critic import critic_check
+    from trainer.mini_batches import rollout_updates
+    from trainer.verify import default_tolerance, format_rows, verify_layouts
+
+    planted = planted_by_layout(planted or {}, layouts)
+    needed = max(lay.dp_size * lay.cp_size * job.trainer.tp_size for lay in layouts) + 2
+    started = ensure_ray(max(os.cpu_count() or 1, needed))
+    try:
+        from rollout.manager import RolloutManagerActor
+
+        quiet_transformers()
+        model_path = job_model_path(job, log=lambda *_: None)
+        manager = RolloutManagerActor.remote(spread_rollout(job.rollout), model_path)
+        batch = ray.get(manager.generate_batch.remote(0))
+        ray.get(manager.shutdown.remote())
+        if (needs_reward_spread(job.rollout.advantage)
+                and batch.metadata["rollout/zero_spread_filled"] == batch.num_prompts):
+            echo("warning: no group of the rollout has reward spread, so every pg "
+                 "gradient is 0 and the pg rows compare zeros")
+        default_rtol, default_atol = default_tolerance(job.trainer)
+        tolerance = (rtol if rtol is not None else default_rtol,
+                     atol if atol is not None else default_atol)
+        echo(f"batch: {batch.num_samples} samples, {batch.num_valid_tokens} valid tokens; "
+             f"reference layout {layouts[0]}; rtol {tolerance[0]:.0e}, "
+             f"atol {tolerance[1]:.0e}")
+        updates = rollout_updates(batch, job.rollout.global_batch_size,
+                                  job.trainer.ppo_epochs, job.trainer.seed, rollout_index=0)
+        echo(f"{len(updates)} optimizer step(s) per rollout, each compared")
+        rows = verify_layouts(job.trainer, job.objective_config(), model_path, batch, layouts,
+                              tolerance=tolerance, planted=planted, updates=updates,
+                              critic=critic_check(job, model_path, batch, planted))
+        for line in format_rows(rows):
+            echo(line)
+        failed = [row for row in rows if not row.ok]
+        echo(f"{len(rows) - len(failed)}/{len(rows)} comparisons within tolerance")
+        return 1 if failed else 0
+    finally:
+        if started:
+            ray.shutdown()
