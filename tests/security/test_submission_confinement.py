@@ -126,6 +126,8 @@ def test_output_dir_is_never_a_root_or_a_controller_folder(api: TestClient,
 
 PATH_LIKE = re.compile(r"model|path|tokenizer|dir|file|dataset")
 NOT_PATHS = {
+    "CustomPartConfig.class_path": "module:Class of a reward part, imported in the job "
+                                   "(rollout/reward_parts/custom.py), not opened",
     "EnvironmentConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",
     "AdvantageConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",
     "LossConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",

@@ -1,0 +1,80 @@
+"""A user's own reward part (``type: custom`` with ``class_path``): located at submit
+without running it, imported and checked for its base class in the job's preflight, and,
+in a tiny real job, the same training as the built-in it rewrites."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.config import ConfigError, parse_job_config
+from services.preflight import preflight
+from tests.services.driver.clean_run import ROOT, CleanRun, assert_same_training
+
+CUSTOM = ["rollout.reward.type=custom"]
+FIELD = "rollout.reward.class_path"
+
+
+def _problem(overrides: list[str], load: bool) -> str:
+    with pytest.raises(ConfigError) as info:
+        preflight(parse_job_config("", overrides), load_user_code=load)
+    assert len(info.value.problems) == 1, str(info.value)
+    return str(info.value)
+
+
+def test_class_path_is_located_at_submit_and_checked_in_the_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "imported"
+    (tmp_path / "marking_rewards.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "class Mine:\n    def score(self, *args):\n        return []\n")
+    assert _problem([*CUSTOM, f"{FIELD}=missing_rewards:Mine"], load=False).startswith(
+        f"{FIELD}: cannot import module 'missing_rewards'")
+    located = [*CUSTOM, f"{FIELD}=marking_rewards:Mine"]
+    assert preflight(parse_job_config("", located)) == []  # the controller: not run
+    assert not marker.exists()
+    assert _problem(located, load=True) == (  # the job: imported, and not a CustomReward
+        f"{FIELD}: marking_rewards:Mine is a class that does not subclass "
+        "rollout.reward_parts.CustomReward; a custom reward part must "
+        "(class MyReward(CustomReward), docs/extending.md)")
+    assert marker.exists()
+    listed = ["rollout.reward=[{type: exact_match}, {type: custom, name: mine, "
+              "class_path: tests.rollout.reward_classes:a_function}]"]
+    assert _problem(listed, load=True).startswith(
+        "rollout.reward[1].class_path: tests.rollout.reward_classes:a_function is a function")
+    good = ["rollout.reward=[{type: exact_match}, {type: custom, name: mine, "
+            "class_path: tests.rollout.reward_classes:ShortFor, kwargs: {limit: 3}}]"]
+    assert preflight(parse_job_config("", good), load_user_code=True) == []
+
+
+def _job(reward: dict) -> object:
+    data = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    data["rollout"]["reward"] = reward
+    return parse_job_config(yaml.safe_dump(data), [
+        "num_steps=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=8",
+        "rollout.global_batch_size=16", "trainer.dp_size=1", "rollout.async_steps=0",
+        "trainer.optimizer.schedule=constant", "logging.samples_per_step=8"])
+
+
+@pytest.mark.slow  # two tiny jobs on Ray
+def test_a_custom_exact_match_trains_as_the_built_in_one(ray_cluster: None,
+                                                         tmp_path: Path) -> None:
+    from services.driver.loop import run_job
+    from services.driver.samples import read_samples
+    from services.driver.sinks import read_metrics
+
+    built_in, custom = tmp_path / "built_in", tmp_path / "custom"
+    history = run_job(_job({"type": "exact_match"}), built_in, log=lambda *_: None)
+    run_job(_job({"type": "custom", "name": "exact_match",
+                  "class_path": "tests.rollout.reward_classes:ExactMatch"}),
+            custom, log=lambda *_: None)
+
+    rows = read_metrics(custom / "metrics.jsonl")
+    assert [r["metrics"]["reward/exact_match/unscored"] for r in rows] == [0.0, 0.0]
+    assert any(r["metrics"]["reward/exact_match/mean"] > 0 for r in rows)  # not all 0
+    assert_same_training(custom, CleanRun(built_in, history),
+                         ignore=("reward/exact_match/unscored",))
+    assert read_samples(custom / "samples.jsonl") == read_samples(built_in / "samples.jsonl")
