@@ -46,7 +46,7 @@ def load_reward_class(path: str, field: str) -> type[CustomReward]:
     ``field`` unless it subclasses :class:`CustomReward`."""
     cls = load_object(path, field)
     if not (isinstance(cls, type) and issubclass(cls, CustomReward)):
-        what = "a class" if isinstance(cls, type) else type(cls).__name__
+        what = "a class" if isinstance(cls, type) else f"a {type(cls).__name__}"
         raise PluginError(f"{field}: {path} is {what} that does not subclass "
                           "rollout.reward_parts.CustomReward; a custom reward part must "
                           "(class MyReward(CustomReward), docs/extending.md)")
