@@ -84,8 +84,9 @@ class RewardConfig(_Part):
 
 
 class CustomPartConfig(_Part):
-    """A user's own reward part: a class subclassing rollout.reward_parts.CustomReward,
-    named by ``class_path`` and built in the job with ``kwargs`` (rollout/reward_parts/
+    """A user's own reward part: a CustomReward subclass (docs/extending.md).
+
+    Named by ``class_path``, built in the job with ``kwargs`` (rollout/reward_parts/
     custom.py). ``type: custom`` with ``custom_function`` is a function rule instead."""
 
     type: Literal["custom"] = "custom"
