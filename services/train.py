@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from services.config import ConfigError, load_job_config
-from services.driver.run_dir import CHECKPOINTS_DIR, job_dir
-from services.exit_codes import exit_for
+from services.driver.run_dir import CHECKPOINTS_DIR, job_dir, write_failure
 from services.placement import starts_local_head
 from services.preflight import preflight
 
@@ -24,13 +23,15 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
     """Load and preflight the config, decide where the job resumes (a ConfigError goes to
     stderr, exit code 2: nothing started), then run it, reporting to the controller when
     ``TALLY_CONTROLLER_URL`` is set. A job that fails for good says why in its last line
-    (exit code 1). ``force``: resume even with settings that break exactness."""
+    (exit code 1) and in its ``failed`` event. ``force``: resume even with settings that
+    break exactness."""
     try:
         config = load_job_config(config_path, overrides or [])
         for note in preflight(config, local_head=starts_local_head(), load_user_code=True):
             print(f"note: {note}")
     except ConfigError as err:
-        return _reported(err)
+        print(err, file=sys.stderr)
+        return 2
     # Only now the driver (torch, Ray): a refused config answers in about a second.
     from services.controller_client import controller_sinks
     from services.driver.loop import JobFailed, run_job
@@ -47,16 +48,18 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
         with controller_sinks(config, output_dir) as sinks:  # [] unless TALLY_CONTROLLER_URL
             run_job(config, output_dir, extra_sinks=sinks, resume_from=named, force=force,
                     preflighted=True)
-    except (ConfigError, JobFailed) as err:  # the resume refused (2), the job failed (1)
-        return _reported(err)
+    except ConfigError as err:  # the resume refused, before anything started
+        print(err, file=sys.stderr)
+        write_failure(output_dir, str(err), 2)
+        return 2
+    except JobFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        write_failure(output_dir, str(err), 1)  # what the controller and the CLI say
+        return 1
+    except Exception as err:  # a bug: its traceback shows, and its line is the event's
+        write_failure(output_dir, f"{type(err).__name__}: {err}", 1)
+        raise
     return 0
-
-
-def _reported(err: Exception) -> int:
-    """``err``'s line on stderr; its exit code (services/exit_codes.py)."""
-    code, line = exit_for(err) or (1, f"error: {err}")
-    print(line, file=sys.stderr)
-    return code
 
 
 def resume_option(resume: str | None, no_resume: bool) -> Resume:

@@ -27,6 +27,7 @@ import torch
 from rollout.engines import engine_actor_options, engine_class
 from rollout.problems import Problem, problems_detail
 from services.config import JobConfig
+from services.driver.run_dir import CHECKPOINTS_DIR
 from services.placement import reserve_job
 from services.sessions.replay import RecentCalls
 from services.sessions.requests import (
@@ -290,7 +291,7 @@ class TrainingSession:
             raise SessionError(409, [Problem("save", (
                 f"{self.pending.calls} forward_backward call(s) are pending; call optim_step "
                 "first"))])
-        checkpoint = self.folder / "checkpoints" / name
+        checkpoint = self.folder / CHECKPOINTS_DIR / name
         shutil.rmtree(checkpoint, ignore_errors=True)
         checkpoint.parent.mkdir(parents=True, exist_ok=True)
         self.trainer.save_checkpoint(str(checkpoint))
@@ -306,7 +307,7 @@ class TrainingSession:
 
     def load(self, name: str) -> dict[str, Any]:
         """Back to a save of this session: weights, optimizer state and step."""
-        checkpoint = self.folder / "checkpoints" / name
+        checkpoint = self.folder / CHECKPOINTS_DIR / name
         if not checkpoint.is_dir():
             raise SessionError(404, [Problem("name", f"no save named {name!r} in this session")])
         self.drop_pending()

@@ -38,12 +38,12 @@ from pydantic import BaseModel
 
 from rollout.confined import Escapes, create_owned, read_inside
 from rollout.problems import Problem, problems_body
+from services.driver.run_dir import CONFIG_FILE  # a session's folder: a job's names
 from services.sessions.replay import ReplayConflict, call_digest
 from services.sessions.requests import ForwardBackward, OptimStep, Sample, Save
 from services.sessions.runtime import SessionError, TrainingSession
 
 SESSION_FILE = "session.json"
-CONFIG_FILE = "config.json"
 SECRET_FILE = ".secret"
 ADVERTISE_ENV = "TALLY_SESSIONS_ADVERTISE_HOST"
 IDLE_ENV = "TALLY_SESSION_IDLE_TIMEOUT_S"

@@ -26,11 +26,10 @@ import yaml
 
 from rollout.preference_pairs import PreferenceDataError, read_preference_pairs
 from services.config_errors import ConfigError, ConfigProblem
+from services.driver.run_dir import FINAL_MODEL_DIR, METRICS_FILE  # every program's names
 from services.train_rm.config import RewardModelConfig, load_reward_model_config
 from services.train_rm.data import TokenizedPairs, step_indices, tokenize_pairs
 
-FINAL_MODEL_DIR = "final_model"
-METRICS_FILE = "metrics.jsonl"
 RUN_CONFIG_FILE = "config.yaml"
 REWARD_MODEL_INFO = "tally_reward_model.json"
 """In the final folder: how its scores are to be read (chat_template, max_length), so a
