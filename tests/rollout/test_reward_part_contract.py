@@ -150,17 +150,18 @@ def _contract(kind: str, request: pytest.FixtureRequest) -> None:
         part.bind(actors.get(part.name, []))
         whole, halves = _scored(part, [SHARD]), _scored(part, _halves())
     finally:
-        for actor in actors.get(part.name, []):
+        if actors:  # only the gang's parts started any (Ray imported only for them)
             import ray
 
-            ray.kill(actor)
+            for actor in actors[part.name]:
+                ray.kill(actor)
 
     assert len(whole.values) == len(halves.values) == len(SHARD)
     assert all(v is None or (isinstance(v, float) and math.isfinite(v))
                for v in whole.values)
-    reference = _reference(kind, config)
-    assert [None if v is None else pytest.approx(v, abs=1e-4) for v in reference] \
-        == whole.values == halves.values
+    reference = [None if v is None else pytest.approx(v, abs=1e-4)  # RM batches pad
+                 for v in _reference(kind, config)]
+    assert whole.values == reference and halves.values == reference
     assert set(whole.counts) == set(part.count_names)
     assert whole.counts == halves.counts
     names = part.metric_names()
