@@ -9,6 +9,7 @@ from pathlib import Path
 
 from services.config import ConfigError, load_job_config
 from services.driver.run_dir import CHECKPOINTS_DIR, job_dir, write_failure
+from services.exit_codes import exit_for
 from services.placement import starts_local_head
 from services.preflight import preflight
 
@@ -30,8 +31,7 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
         for note in preflight(config, local_head=starts_local_head(), load_user_code=True):
             print(f"note: {note}")
     except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
+        return _reported(err)
     # Only now the driver (torch, Ray): a refused config answers in about a second.
     from services.controller_client import controller_sinks
     from services.driver.loop import JobFailed, run_job
@@ -48,18 +48,21 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
         with controller_sinks(config, output_dir) as sinks:  # [] unless TALLY_CONTROLLER_URL
             run_job(config, output_dir, extra_sinks=sinks, resume_from=named, force=force,
                     preflighted=True)
-    except ConfigError as err:  # the resume refused, before anything started
-        print(err, file=sys.stderr)
-        write_failure(output_dir, str(err), 2)
-        return 2
-    except JobFailed as err:
-        print(f"error: {err}", file=sys.stderr)
-        write_failure(output_dir, str(err), 1)  # what the controller and the CLI say
-        return 1
+    except (ConfigError, JobFailed) as err:  # the resume refused (2), the job failed (1)
+        code = _reported(err)
+        write_failure(output_dir, str(err), code)  # what the controller and the CLI say
+        return code
     except Exception as err:  # a bug: its traceback shows, and its line is the event's
         write_failure(output_dir, f"{type(err).__name__}: {err}", 1)
         raise
     return 0
+
+
+def _reported(err: Exception) -> int:
+    """``err``'s line on stderr; its exit code (services/exit_codes.py)."""
+    code, line = exit_for(err) or (1, f"error: {err}")
+    print(line, file=sys.stderr)
+    return code
 
 
 def resume_option(resume: str | None, no_resume: bool) -> Resume:

@@ -1,8 +1,10 @@
-"""What the controller commands of ``tally`` share: an HTTP client and table printing."""
+"""What the controller commands of ``tally`` share: an HTTP client, table printing, and
+a failed job's cause (the driver's ``failed`` event first)."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -12,7 +14,7 @@ from typing import Any
 import httpx
 import typer
 
-from services.controller.job_logs import ANSI
+from services.driver.run_dir import ANSI, last_failure
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 WHOLE_INPUT = ("<config>", "<body>")
@@ -56,6 +58,25 @@ def checked(response: httpx.Response) -> Any:
         detail = body.get("detail") if not lines else "invalid request:"
         typer.echo("\n".join([f"error {response.status_code}: {detail}", *lines]), err=True)
     raise typer.Exit(2 if response.status_code == 422 else 1)
+
+
+EXCEPTION_PREFIX = re.compile(r"^(error: |[A-Za-z_][\w.]*\.(?=[A-Z]\w*(Error|Failed): ))")
+"""What comes before the cause on a log's last line: ``error: `` or a module path."""
+
+
+def failure_reason(job: dict[str, Any]) -> str:
+    """A failed job's cause on one line, as its driver said it: its ``failed`` event (the
+    job's ``events``, services/driver/run_dir.py). Only for a job that died without one
+    (killed, its node lost), its last log line (a Tally driver's says why), else the last
+    line of its error."""
+    failure = last_failure(job.get("events") or [], since=job.get("created_at") or 0.0)
+    if failure is not None and failure.message:
+        return failure.message
+    for text in (job.get("log_tail"), job.get("error")):
+        lines = [ANSI.sub("", line).strip() for line in (text or "").splitlines()]
+        if lines := [line for line in lines if line]:
+            return EXCEPTION_PREFIX.sub("", lines[-1])
+    return "no error was recorded"
 
 
 def when(timestamp: float | None) -> str:

@@ -1,9 +1,12 @@
-"""What the controller reads out of a driver's log: the one-line cause of a failure, and
-the log without the stack dumps a stopped process writes.
+"""The one-line cause of a failed job, and the log without the stack dumps a stopped
+process writes.
 
-The cause is the line a user must read first: the exception line of the log's last
-Python traceback (with the indented lines of a message that has several), or, without a
-traceback, the driver's last line, never one of Ray's own logging or of another process
+The cause is the ``failed`` event the driver wrote (services/driver/run_dir.py) with its
+exit code (``job demo: ... (exit code 1)``). Only a job that died without writing one (a
+killed process, a lost node, a driver that never started) has its cause read out of its
+log: the exception line of the log's last Python traceback (with the indented lines of a
+message that has several), or, without a traceback, the driver's last line, never one of
+Ray's own logging or of another process
 (``(TrainerRank pid=…)``); without ANSI colours; followed by the driver's exit code from
 Ray's message (``ValueError: boom (exit code 1)``). Only when the log has none is it
 Ray's own message, without the copy of the log Ray appends to it.
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import re
 
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+from services.driver.run_dir import ANSI, Failure
+
+__all__ = ["ANSI", "StopDumps", "failure_cause", "without_stop_dumps"]
 OTHER_PROCESS = re.compile(
     r"^(\([\w.:-]+(?: [\w.=:,-]+)*\) "  # (TrainerRank pid=12, ip=…) an actor's line
     r"|\[\d{4}-\d\d-\d\d [^\]]*\] "  # [2026-01-01 10:00:00,000 E 1 1] Ray's C++ logging
@@ -82,11 +87,17 @@ def _exception_line(lines: list[str]) -> int | None:
                  if lines[i].strip() and not lines[i][0].isspace()), None)
 
 
-def failure_cause(logs: str | None, ray_message: str | None = None) -> str:
+def failure_cause(logs: str | None, ray_message: str | None = None,
+                  failure: Failure | None = None) -> str:
     """The one line that says why a job failed (the module says which), with the driver's
-    exit code when Ray gave one."""
+    exit code when the driver's event or Ray gave one."""
     head = ANSI.sub("", (ray_message or "").split(", last available logs")[0].strip())
     code = EXIT_CODE.search(head)
+    if failure is not None and failure.message:  # the driver said it: no log is read
+        exit_code = failure.exit_code if failure.exit_code is not None else (
+            code[1] if code else None)
+        said = f" (exit code {exit_code})" if exit_code is not None else ""
+        return failure.message[:MAX_CAUSE] + said
     cause = _cause_in(logs or "")
     if cause is None:
         return head[:MAX_CAUSE] or "failed (no log, and no message from Ray)"

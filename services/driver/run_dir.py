@@ -6,7 +6,10 @@
     <job>/eval.jsonl          one row per evaluated weight version (its ``step``)
     <job>/samples.jsonl       samples as text: logging.samples_per_step of each rollout
                               step, every evaluation sample (``"eval": true``)
-    <job>/events.jsonl        placement, waiting, warnings, failures, restarts
+    <job>/events.jsonl        placement, waiting, warnings, failures, restarts; a job
+                              that fails for good ends with one ``failed`` event
+                              (its one-line reason and exit code): what the controller
+                              and the CLI say, never a line scraped from a log
     <job>/job_config.yaml     the config as submitted, when the controller started it
     <job>/driver.log          the driver's output as an older controller saved it: read
                               (never written) as a last resort; the controller now keeps
@@ -28,16 +31,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import re
 import secrets
 import stat
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from rollout.confined import Escapes, create_owned
 
@@ -62,6 +67,11 @@ FINAL_ADAPTER_DIR = "final_adapter"
 LATEST_LINK = "latest"
 """In checkpoints/: a relative symbolic link to the newest committed checkpoint."""
 SET_ASIDE_PREFIX = "set-aside-"
+FAILED_EVENT = "failed"
+"""The kind of the event a driver writes once, when its job fails for good."""
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+"""A terminal escape (colours, cursor moves): a job's events and a cause read from its
+log are plain text (Ray colours the messages it relays)."""
 
 
 def data_dir() -> Path:
@@ -213,8 +223,55 @@ def replace_file(path: Path, text: str) -> None:
         raise
 
 
-def write_event(job_dir: Path, kind: str, message: str) -> None:
+def write_event(job_dir: Path, kind: str, message: str, **fields: Any) -> None:
     """Append one event to ``<job_dir>/events.jsonl``: the one writer of that file (never
-    through a link: :func:`open_append`)."""
+    through a link: :func:`open_append`). ``fields``: what an event of ``kind`` adds
+    (``exit_code`` of a ``failed`` one)."""
+    record = {"time": time.time(), "kind": kind, "message": ANSI.sub("", message), **fields}
     with open_append(job_dir / EVENTS_FILE) as events:
-        events.write(json.dumps({"time": time.time(), "kind": kind, "message": message}) + "\n")
+        events.write(json.dumps(record) + "\n")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a job failed for good, as its driver said it (the ``failed`` event)."""
+
+    message: str
+    """One line: the reason a user reads first."""
+    exit_code: int | None
+    time: float
+
+
+def write_failure(job_dir: Path, reason: str, exit_code: int) -> None:
+    """The ``failed`` event, the reason on one line (a message's lines joined by "; ").
+    Never raises: a folder that is gone (or a link planted at events.jsonl) loses only
+    the event, and the error being reported stays the one raised."""
+    line = "; ".join(part.strip() for part in ANSI.sub("", reason).splitlines()
+                     if part.strip())
+    if job_dir.is_dir():
+        with contextlib.suppress(OSError, Escapes):
+            write_event(job_dir, FAILED_EVENT, line, exit_code=exit_code)
+
+
+def last_failure(events: list[dict[str, Any]], since: float = 0.0) -> Failure | None:
+    """The last ``failed`` event of ``events`` (events.jsonl's records, in order) written
+    at or after ``since`` (a job folder used again keeps an earlier run's failure); None
+    when the job died without writing one (killed, its node lost)."""
+    for event in reversed(events):
+        written = event.get("time")
+        written = float(written) if isinstance(written, int | float) else 0.0
+        if event.get("kind") == FAILED_EVENT and written >= since:
+            code = event.get("exit_code")
+            return Failure(str(event.get("message", "")),
+                           code if isinstance(code, int) else None, written)
+    return None
+
+
+def read_events(text: str) -> list[dict[str, Any]]:
+    """events.jsonl's records (torn or foreign lines skipped)."""
+    events = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            if isinstance(record := json.loads(line), dict):
+                events.append(record)
+    return events
