@@ -29,6 +29,7 @@ from rollout.problems import Problem, problems_detail
 from services.config import JobConfig
 from services.driver.run_dir import CHECKPOINTS_DIR
 from services.placement import reserve_job
+from services.sessions.group import CallUndone, GradientsLost, SessionGroup
 from services.sessions.replay import RecentCalls
 from services.sessions.requests import (
     Datum,
@@ -44,7 +45,6 @@ from trainer.aggregation import call_coefficients
 from trainer.checkpoint import ADAPTER_DIR
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig
 from trainer.export import export_checkpoint
-from trainer.group import CallUndone, GradientsLost, TrainerGroup
 
 
 class SessionError(ValueError):
@@ -97,11 +97,11 @@ class TrainingSession:
         self.gang = reserve_job(config, on_wait=print)
         engine = config.rollout.engine
         actor = ray.remote(engine_class(engine))
-        # the engine loads while the trainer ranks do (TrainerGroup waits for its setup)
+        # the engine loads while the trainer ranks do (the group waits for its setup)
         self.engine = actor.options(**{**engine_actor_options(engine),
                                        **self.gang.engine_options[0]}
                                     ).remote(engine, model_path, config.rollout.tokenizer, 0)
-        self.trainer = TrainerGroup(config.trainer, self.objective, model_path,
+        self.trainer = SessionGroup(config.trainer, self.objective, model_path,
                                     total_steps=1, placement=self.gang.group,
                                     name=f"tally-session-{folder.name}")
         ray.get(self.engine.ping.remote())
