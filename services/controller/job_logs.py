@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import re
 
-from services.driver.run_dir import ANSI, Failure
+from services.controller.job_files import Escapes, read_job_file
+from services.controller.settings import Settings
+from services.driver.run_dir import ANSI, EVENTS_FILE, Failure, last_failure, read_events
 
-__all__ = ["ANSI", "StopDumps", "failure_cause", "without_stop_dumps"]
+__all__ = ["ANSI", "StopDumps", "driver_failure", "failure_cause", "without_stop_dumps"]
 OTHER_PROCESS = re.compile(
     r"^(\([\w.:-]+(?: [\w.=:,-]+)*\) "  # (TrainerRank pid=12, ip=…) an actor's line
     r"|\[\d{4}-\d\d-\d\d [^\]]*\] "  # [2026-01-01 10:00:00,000 E 1 1] Ray's C++ logging
@@ -85,6 +87,19 @@ def _exception_line(lines: list[str]) -> int | None:
         return None
     return next((i for i in range(start + 1, len(lines))
                  if lines[i].strip() and not lines[i][0].isspace()), None)
+
+
+def driver_failure(settings: Settings, output_dir: str | None, since: float
+                   ) -> Failure | None:
+    """The ``failed`` event a job's driver wrote at or after ``since`` (the job's creation:
+    its folder may hold an earlier run's), read as the controller reads a job folder
+    (inside the allowed roots, never through a link); None when there is none."""
+    try:
+        data = read_job_file(settings, output_dir, EVENTS_FILE)
+    except Escapes:
+        return None
+    text = data.decode("utf-8", errors="replace") if data else ""
+    return last_failure(read_events(text), since=since)
 
 
 def failure_cause(logs: str | None, ray_message: str | None = None,

@@ -29,14 +29,8 @@ from pathlib import Path
 from services.config import JobConfig
 from services.controller.auth import job_token
 from services.controller.capacity import Capacity
-from services.controller.job_files import (
-    Escapes,
-    append_job_file,
-    open_job_file,
-    read_job_file,
-    save_own_log,
-)
-from services.controller.job_logs import failure_cause, without_stop_dumps
+from services.controller.job_files import Escapes, append_job_file, open_job_file, save_own_log
+from services.controller.job_logs import driver_failure, failure_cause, without_stop_dumps
 from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobInfo
 from services.controller.session_rows import (
     live_session_needs,
@@ -46,14 +40,7 @@ from services.controller.session_rows import (
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
 from services.controller.tables import ACTIVE, TERMINAL, Job
-from services.driver.run_dir import (
-    EVENTS_FILE,
-    JOB_CONFIG_FILE,
-    METRICS_FILE,
-    Failure,
-    last_failure,
-    read_events,
-)
+from services.driver.run_dir import EVENTS_FILE, JOB_CONFIG_FILE, METRICS_FILE
 from services.placement import AUTOSCALING_ENV, job_needs, never_fits
 
 log = logging.getLogger("tally.controller")
@@ -146,22 +133,12 @@ class Reconciler:
                 log.warning("cannot save the logs of job %s", job.id)
         failed = info.status == "failed" or job.status == "failed"
         log_tail = tail(logs or "") if failed else ""
-        cause = failure_cause(logs, info.message, self.driver_failure(job)) if failed else None
+        said = driver_failure(self.settings, job.output_dir, since=job.created_at or 0.0)
+        cause = failure_cause(logs, info.message, said) if failed else None  # one line
         if job.status in TERMINAL:  # the driver (or a cancel) got there first
             self.store.update_job(job.id, log_tail=log_tail, error=job.error or cause)
             return
         self.store.transition(job.id, info.status, error=cause, log_tail=log_tail)
-
-    def driver_failure(self, job: Job) -> Failure | None:
-        """The ``failed`` event this job's driver wrote (none written before the job was
-        created: its folder may hold an earlier run's), read as the controller reads a job
-        folder (inside the roots, never through a link)."""
-        try:
-            data = read_job_file(self.settings, job.output_dir, EVENTS_FILE)
-        except Escapes:
-            return None
-        text = data.decode("utf-8", errors="replace") if data else ""
-        return last_failure(read_events(text), since=job.created_at or 0.0)
 
     # ---- 2. registered jobs --------------------------------------------------------------
 
