@@ -6,8 +6,9 @@ is on). Everything else happens here, once:
 
     J_mb = Σ w_pg·ℓ_pg + β · Σ w_kl·ℓ_kl − α · Σ w_H·H          (β = kl_coef, α = entropy_coef)
 
-with the per-token weights w = m·c of the step plan, so summing J_mb over micro-batches
-and ranks gives the step's J exactly. The logged sums (``LOGGED_SUMS`` then one
+over the policy's terms (trainer/terms.py), ℓ_pg from the configured policy loss
+(trainer/losses/), with the per-token weights w = m·c of the step plan, so summing J_mb
+over micro-batches and ranks gives the step's J exactly. The logged sums (``LOGGED_SUMS`` then one
 ``pg_loss/<mode>`` per aggregation mode) are unscaled Σ w·ℓ in float64; summed over
 micro-batches and ranks they are each term's exact J (:func:`step_metrics`).
 """
@@ -20,17 +21,18 @@ import torch
 
 from trainer.aggregation import local_weighted_sum
 from trainer.config import LossConfig
-from trainer.losses import kl_penalty, policy_gradient_loss
+from trainer.losses import PolicyLossInputs, build_policy_loss, kl_penalty
 from trainer.micro_batch import MicroBatch
 from trainer.planted import (
     NOTHING_PLANTED,
     PLANTED_COEFFICIENT_ERROR,
     PLANTED_FACTOR_TERMS,
 )
+from trainer.terms import ENTROPY, KL, PG, POLICY_TERM_NAMES, POLICY_TERMS
 
-LOGGED_SUMS = ("pg_loss", "kl", "entropy", "clipped_tokens", "valid_tokens",
-               "log_prob_abs_diff", "ratio_abs_dev", "magnitude/pg_loss", "magnitude/kl",
-               "magnitude/entropy")
+LOGGED_SUMS = (*(term.logged for term in POLICY_TERMS), "clipped_tokens", "valid_tokens",
+               "log_prob_abs_diff", "ratio_abs_dev",
+               *(f"magnitude/{term.logged}" for term in POLICY_TERMS))
 """``magnitude/<term>`` = Σ|w·ℓ|: the scale a difference in that term is judged against."""
 
 
@@ -114,8 +116,9 @@ def term_coefficients(loss: LossConfig, gradient_of: str = "all") -> dict[str, f
     """Coefficient of each term in the backward: the configured ones for training, or
     1 for the one term the verifier isolates (0 for the others)."""
     if gradient_of != "all":
-        return {term: float(term == gradient_of) for term in ("pg", "kl", "entropy")}
-    return {"pg": 1.0, "kl": loss.kl_coef, "entropy": loss.entropy_coef}
+        return {term: float(term == gradient_of) for term in POLICY_TERM_NAMES}
+    return {term.name: 1.0 if term.coefficient is None else float(getattr(loss, term.coefficient))
+            for term in POLICY_TERMS}
 
 
 def micro_batch_objective(
@@ -137,28 +140,29 @@ def micro_batch_objective(
         old = micro.old_log_probs
     else:  # the one update of a rollout: the old policy is this one, ρ = 1 exactly
         old = token.log_probs.detach()
-    pg = policy_gradient_loss(token.log_probs, old, micro.advantages, loss, mask,
-                              micro.rollout_log_probs)
-    pg_sum = local_weighted_sum(pg.pg_loss, weights["pg"])
+    pg = build_policy_loss(loss)(PolicyLossInputs(
+        token.log_probs, old, micro.advantages, mask, micro.rollout_log_probs))
     kl = torch.zeros_like(pg.pg_loss)
     if token.ref_log_probs is not None:
         kl = kl_penalty(token.log_probs, token.ref_log_probs, loss.kl_estimator, mask)
-    kl_sum = local_weighted_sum(kl, weights["kl"])
-    entropy_sum = local_weighted_sum(token.entropy, weights["entropy"])
-    signed = {"pg": pg_sum, "kl": kl_sum, "entropy": -entropy_sum}  # entropy is a bonus
-    objective = pg_sum.new_zeros(())
-    for term, coef in term_coefficients(loss, gradient_of).items():
-        if coef > 0 and signed[term].requires_grad:
-            factor = 2.0 if term in planted_terms else 1.0  # a planted error (tests)
-            objective = objective + factor * coef * signed[term]
+    per_token = {PG.name: pg.pg_loss, KL.name: kl, ENTROPY.name: token.entropy}
+    term_sums = {term.name: local_weighted_sum(per_token[term.name], weights[term.name])
+                 for term in POLICY_TERMS}
+    objective = pg.pg_loss.new_zeros(())
+    coefficients = term_coefficients(loss, gradient_of)
+    for term in POLICY_TERMS:  # entropy's sign is −1: a bonus
+        coef, term_sum = coefficients[term.name], term_sums[term.name]
+        if coef > 0 and term_sum.requires_grad:
+            factor = 2.0 if term.name in planted_terms else 1.0  # a planted error (tests)
+            objective = objective + factor * coef * term.sign * term_sum
     with torch.no_grad():
         mismatch = torch.where(mask > 0, token.log_probs - micro.rollout_log_probs, 0.0)
         sums = torch.stack([
-            pg_sum, kl_sum, entropy_sum, (pg.clipped * mask).sum(), mask.sum(),
+            *term_sums.values(), (pg.clipped * mask).sum(), mask.sum(),
             (mismatch.abs() * mask).sum(),
             ((pg.ratio - 1).abs() * mask).sum(),
-            *[local_weighted_sum(value.abs(), weights[term].abs()) for term, value in
-              (("pg", pg.pg_loss), ("kl", kl), ("entropy", token.entropy))],
+            *[local_weighted_sum(per_token[term.name].abs(), weights[term.name].abs())
+              for term in POLICY_TERMS],
             *[local_weighted_sum(pg.pg_loss, weights[k]) for k in mode_names],
         ]).detach().double()
     return objective, sums

@@ -52,10 +52,11 @@ from trainer.micro_batch import slice_for_plan
 from trainer.mini_batches import Update, mini_batch
 from trainer.planted import NOTHING_PLANTED, Planted, rank_env
 from trainer.step_plan import StepPlan
+from trainer.terms import POLICY_TERMS, terms_of
 
-TERMS = {"pg": "pg_loss", "kl": "kl", "entropy": "entropy"}
-"""Term -> its logged J."""
-CRITIC_TERMS = {"value": "value_loss"}
+TERMS = {term.name: term.logged for term in POLICY_TERMS}
+"""Policy term (trainer/terms.py) -> its logged J."""
+CRITIC_TERMS = {term.name: term.logged for term in terms_of("value")}
 """The critic's term (trainer/value_loss.py) -> its logged J."""
 CUSTOM_MODE = "custom"
 """The mode of the rows that check the job's own ``aggregation.custom_reducer``."""
