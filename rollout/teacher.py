@@ -4,7 +4,7 @@
     samples split between them) ─► log π_teacher [N, S] of every response token
 
 The manager asks for them once per rollout, after the rewards, and turns them into
-per-token advantages (rollout/advantages.py: ``distill_advantages``). The teacher scores
+per-token advantages (rollout/advantages/distill.py: ``distill_advantages``). The teacher scores
 at the sampling temperature T (log-softmax of logits / T), the distribution the rollout's
 own log-probs are of, so the gap between the two is the reverse KL of the policy that
 sampled to the teacher at that temperature. A teacher shares the policy's tokenizer
