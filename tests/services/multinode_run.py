@@ -33,7 +33,7 @@ def free_cpus(expected: float) -> float:
 
 
 def gang_placement() -> dict:
-    """On two CPUs: a demo job (1 + 0.5 CPU) placed; a second waits, holding nothing,
+    """On two CPUs: a demo job (0.75 + 0.5 CPU) placed; a second waits, holding nothing,
     and gives up at its timeout; once the first is gone it fits."""
     from ray.util.placement_group import remove_placement_group
 
@@ -41,14 +41,14 @@ def gang_placement() -> dict:
 
     demo = load_job_config(ROOT / "configs" / "demo.yaml", DEMO_OVERRIDES)
     first = reserve_job(demo, on_wait=lambda _: None, timeout_s=120)  # fits: placed
-    held = free_cpus(0.5)
+    held = free_cpus(0.75)
     said: list[str] = []
     try:
         reserve_job(demo, on_wait=said.append, timeout_s=2)
         refused = ""
     except RuntimeError as err:
         refused = str(err)
-    after = free_cpus(0.5)
+    after = free_cpus(0.75)
     remove_placement_group(first.group)
     second = reserve_job(demo, on_wait=lambda _: None, timeout_s=120)
     index = second.engine_options[0]["scheduling_strategy"].placement_group_bundle_index

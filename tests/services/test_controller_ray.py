@@ -253,7 +253,8 @@ def test_submit_json_and_restart_the_controller_mid_job(controller: ControllerPr
     assert metrics["steps"] == [0, 1]
     assert all(v is not None for series in metrics["series"].values() for v in series)
     assert "(2/2 done)" in httpx.get(f"{controller.url}/api/jobs/{job['id']}/logs").text
-    assert "(2/2 done)" in (Path(job["output_dir"]) / "driver.log").read_text()
+    saved = Path(controller.env["TALLY_DATA_DIR"]) / "logs" / f"{job['id']}.log"
+    assert "(2/2 done)" in saved.read_text()  # the controller's own copy, not the job's
     listed = httpx.get(f"{controller.url}/api/jobs", params={"status": "succeeded"}).json()
     assert job["id"] in [j["id"] for j in listed["items"]]
 

@@ -35,10 +35,10 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.slow
 def test_second_job_waits_holding_nothing_then_fits(report: dict) -> None:
     gang = report["gang"]
-    assert gang["free_while_held"] == pytest.approx(0.5)
-    assert gang["said"] == ["waiting for resources: needs 1.5 CPU, cluster has 0.5 free"]
+    assert gang["free_while_held"] == pytest.approx(0.75)
+    assert gang["said"] == ["waiting for resources: needs 1.25 CPU, cluster has 0.75 free"]
     assert "cannot place the job within 2 s" in gang["refused"]
-    assert gang["free_after_refusal"] == pytest.approx(0.5)  # it held nothing
+    assert gang["free_after_refusal"] == pytest.approx(0.75)  # it held nothing
     assert gang["engine_bundle"] == 1
 
 
