@@ -258,7 +258,10 @@ class JobConfig(BaseModel):
         if gae and not self.critic.enabled:
             raise ValueError("rollout.advantage.type: gae needs the critic's values; set "
                              "critic.enabled: true (or use grpo, which needs no critic)")
-        if self.critic.enabled and not gae:
+        # a custom estimator may need the critic: its class says so, checked in the job's
+        # preflight (the controller never imports it)
+        custom = self.rollout.advantage.type == "custom"
+        if self.critic.enabled and not (gae or custom):
             raise ValueError(f"critic.enabled: the critic's values are used by "
                              f"rollout.advantage.type: gae, not "
                              f"{self.rollout.advantage.type}; set type: gae or disable it")
