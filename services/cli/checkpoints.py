@@ -42,11 +42,12 @@ def checkpoint_verify(folder: Annotated[Path, typer.Argument(
     """Read every byte of each checkpoint in FOLDER against its manifest (a start checks
     only sizes and the small files): one line per checkpoint, exit 2 when any fails."""
     from services.driver.checkpoint import DRIVER_STATE, unreadable
+    from services.driver.run_dir import CHECKPOINTS_DIR
     from trainer.checkpoint import checkpoints
 
     folder = folder.resolve()
     found = ([folder] if (folder / DRIVER_STATE).is_file()
-             else checkpoints(folder / "checkpoints") or checkpoints(folder))
+             else checkpoints(folder / CHECKPOINTS_DIR) or checkpoints(folder))
     if not found:
         raise Refused(f"error: {folder}: no checkpoint here (no {DRIVER_STATE}, no step_N "
                       "folders)")

@@ -3,7 +3,6 @@ status, logs, samples and cancel are its clients (services/controller/cli_suppor
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
 import typer
@@ -65,21 +64,6 @@ def jobs(url: UrlOpt = None,
     print_jobs(page["items"])
 
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-EXCEPTION_PREFIX = re.compile(r"^(error: |[A-Za-z_][\w.]*\.(?=[A-Z]\w*(Error|Failed): ))")
-"""What comes before the cause on a job's last line: ``error: `` or a module path."""
-
-
-def failure_cause(job: dict) -> str:
-    """A failed job's cause on one line: its driver's last log line (a Tally job's says
-    why it failed), else the last line of its error."""
-    for text in (job.get("log_tail"), job.get("error")):
-        lines = [ANSI.sub("", line).strip() for line in (text or "").splitlines()]
-        if lines := [line for line in lines if line]:
-            return EXCEPTION_PREFIX.sub("", lines[-1])
-    return "no error was recorded"
-
-
 def status(job_id: str, url: UrlOpt = None,
            as_json: Annotated[bool, typer.Option("--json", help="the whole record")] = False
            ) -> int:
@@ -87,7 +71,14 @@ def status(job_id: str, url: UrlOpt = None,
     (once; exit code 1)."""
     import json
 
-    from services.controller.cli_support import base_url, checked, client, print_job
+    from services.controller.cli_support import (
+        base_url,
+        checked,
+        client,
+        failure_reason,
+        print_job,
+    )
+    from services.driver.run_dir import ANSI
 
     with client(url) as http:
         job = checked(http.get(f"/api/jobs/{job_id}"))
@@ -96,7 +87,7 @@ def status(job_id: str, url: UrlOpt = None,
     elif job["status"] != "failed":
         print_job(job, base_url(url))
     else:
-        cause = failure_cause(job)
+        cause = failure_reason(job)  # the driver's failed event first, else its log
         print_job({**job, "error": None, "log_tail": None}, base_url(url))
         before = [line for line in (job.get("log_tail") or "").splitlines()
                   if line.strip() and cause not in ANSI.sub("", line)]
