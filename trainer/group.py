@@ -100,14 +100,6 @@ class TrainerGroup(RolloutGroup):
         """log π_T [N, S] of every response token under the current policy (no update)."""
         return self._call(PolicyRank.log_probs, ray.put(batch), ray.put(self.plan(batch)))[0]
 
-    # Transitional: trainer/verify.py still builds the critic's group as
-    # TrainerGroup(worker=CRITIC_WORKER); once it builds a CriticGroup this goes.
-    def values(self, batch: RolloutBatch) -> Any:
-        """The critic's V [N, S] of every response token (no update)."""
-        from trainer.backends.fsdp.critic import FSDPCriticWorker  # the backend on use
-
-        return self._call(FSDPCriticWorker.values, ray.put(batch), ray.put(self.plan(batch)))[0]
-
     def async_export_weight_buckets(self, dtype: str, bucket_mb: float
                                     ) -> tuple[ray.ObjectRef, dict[str, float]]:
         """Put the weights in the object store a bucket at a time, cast to ``dtype``

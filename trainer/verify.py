@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -238,13 +238,13 @@ def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: st
     ranks make (a test's; trainer/planted.py), handed to them in their environment."""
     import ray
 
-    from trainer.group import CRITIC_WORKER, TrainerGroup
+    from trainer.group import CriticGroup, RolloutGroup, TrainerGroup
 
     config = layout_config(config, layout)
-    group = TrainerGroup(config, objective, model_path, total_steps=len(updates),
-                         env_vars=rank_env(planted), **({} if critic is None else {
-                             "worker": CRITIC_WORKER,
-                             "worker_kwargs": {"value_clip": critic.value_clip}}))
+    common: dict[str, Any] = {"total_steps": len(updates), "env_vars": rank_env(planted)}
+    group: RolloutGroup = (
+        TrainerGroup(config, objective, model_path, **common) if critic is None else
+        CriticGroup(config, objective, model_path, value_clip=critic.value_clip, **common))
     terms = CRITIC_TERMS if critic is not None else TERMS
     try:
         if policy_state is None:
@@ -253,6 +253,7 @@ def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: st
         group.load_weights(policy_state)
         rollout = batch
         if len(updates) > 1 and config.loss.old_log_probs == "trainer" and critic is None:
+            assert isinstance(group, TrainerGroup)  # the policy's: it has log-probs
             rollout = batch.with_old_log_probs(group.log_probs(batch))
         checked = mode_objectives(objective, modes, tuple(terms))
         results = {}
@@ -349,11 +350,10 @@ def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path
 def critic_values(config: TrainerConfig, critic: CriticCheck, layout: Layout,
                   batch: RolloutBatch) -> torch.Tensor:
     """The critic's values [N, S] of the rollout ``batch`` under ``layout`` (no update)."""
-    from trainer.group import CRITIC_WORKER, TrainerGroup
+    from trainer.group import CriticGroup
 
-    group = TrainerGroup(layout_config(config, layout), critic.objective, critic.model_path,
-                         total_steps=1, worker=CRITIC_WORKER,
-                         worker_kwargs={"value_clip": critic.value_clip})
+    group = CriticGroup(layout_config(config, layout), critic.objective, critic.model_path,
+                        total_steps=1, value_clip=critic.value_clip)
     try:
         return group.values(batch)
     finally:

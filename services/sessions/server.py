@@ -181,9 +181,9 @@ def create_app(session: TrainingSession, secret: str, on_close: Any) -> FastAPI:
                     if (answer := session.recent.lookup(request_id, digest)) is not None:
                         return answer
                 except ReplayConflict as err:
-                    raise SessionError(409, [("request_id", str(err))]) from None
+                    raise SessionError(409, [Problem("request_id", str(err))]) from None
             if session.ended:  # idle or closed while this call waited for the lock
-                raise SessionError(409, [("session", f"ended ({session.ended})")])
+                raise SessionError(409, [Problem("session", f"ended ({session.ended})")])
             session.last_call = time.monotonic()
             try:
                 answer = verb(*args)
