@@ -66,6 +66,19 @@ def load_object(path: str, field: str) -> Any:
     return obj
 
 
+def load_subclass(path: str, field: str, base: type, where: str, must: str) -> type:
+    """The class ``path`` names, imported (in the job only), which must subclass ``base``
+    (an extension point's documented base class, importable from module ``where``); a
+    PluginError starting with ``field`` otherwise, ending with ``must`` (what to write
+    instead: "a policy loss must (class MyLoss(PolicyLoss), docs/extending.md)")."""
+    found = load_object(path, field)
+    if not (isinstance(found, type) and issubclass(found, base)):
+        what = "a class" if isinstance(found, type) else f"a {type(found).__name__}"
+        raise PluginError(f"{field}: {path} is {what} that does not subclass "
+                          f"{where}.{base.__name__}; {must}")
+    return found
+
+
 def check_object(path: str, field: str) -> None:
     """:func:`load_object` as a check before anything starts (in the job, never the
     controller: it runs the module's code), leaving no trace: a module this call imported

@@ -17,7 +17,7 @@ from rollout.advantages.gae import GAE
 from rollout.advantages.grpo import GRPO
 from rollout.advantages.reinforce_pp import ReinforcePP
 from rollout.advantages.reward import Reward
-from rollout.plugins import PluginError, load_object
+from rollout.plugins import load_subclass
 
 if TYPE_CHECKING:
     from rollout.config import AdvantageConfig
@@ -35,15 +35,10 @@ CLASS_PATH_FIELD = "rollout.advantage.class_path"
 
 def load_estimator_class(path: str, field: str = CLASS_PATH_FIELD
                          ) -> type[AdvantageEstimator]:
-    """The class ``path`` names, imported (in the job only); a PluginError starting with
-    ``field`` unless it subclasses :class:`AdvantageEstimator`."""
-    found = load_object(path, field)
-    if not (isinstance(found, type) and issubclass(found, AdvantageEstimator)):
-        what = "a class" if isinstance(found, type) else f"a {type(found).__name__}"
-        raise PluginError(f"{field}: {path} is {what} that does not subclass "
-                          "rollout.advantages.AdvantageEstimator; an estimator must "
-                          "(class MyEstimator(AdvantageEstimator), docs/extending.md)")
-    return found
+    """The class ``path`` names, imported (in the job only), an AdvantageEstimator."""
+    return load_subclass(path, field, AdvantageEstimator, "rollout.advantages",
+                         "an estimator must (class MyEstimator(AdvantageEstimator), "
+                         "docs/extending.md)")
 
 
 def estimator_class(config: AdvantageConfig) -> type[AdvantageEstimator]:

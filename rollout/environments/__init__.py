@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.plugins import PluginError, load_object, locate_object
+from rollout.plugins import load_subclass, locate_object
 
 CLASS_PATH_FIELD = "rollout.environment.class_path"
 
@@ -52,15 +52,10 @@ class Environment:
 
 
 def load_environment_class(path: str, field: str = CLASS_PATH_FIELD) -> type[Environment]:
-    """The class ``path`` names, imported (in the job only); a PluginError starting with
-    ``field`` unless it subclasses :class:`Environment`."""
-    env_class = load_object(path, field)
-    if not (isinstance(env_class, type) and issubclass(env_class, Environment)):
-        what = "a class" if isinstance(env_class, type) else type(env_class).__name__
-        raise PluginError(f"{field}: {path} is {what} that does not subclass "
-                          "rollout.environments.Environment; an environment must "
-                          "(class MyEnv(Environment), docs/environments.md)")
-    return env_class
+    """The class ``path`` names, imported (in the job only), an Environment."""
+    return load_subclass(path, field, Environment, "rollout.environments",
+                         "an environment must (class MyEnv(Environment), "
+                         "docs/environments.md)")
 
 
 def locate_environment_class(path: str, field: str = CLASS_PATH_FIELD) -> None:

@@ -23,7 +23,7 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from rollout.plugins import PluginError, load_object
+from rollout.plugins import load_subclass
 from rollout.reward_config import CustomPartConfig
 from rollout.reward_parts.base import PartScores, RewardPart, RewardShard
 from rollout.rewards import RewardError
@@ -42,15 +42,10 @@ class CustomReward(ABC):
 
 
 def load_reward_class(path: str, field: str) -> type[CustomReward]:
-    """The class ``path`` names, imported (in the job only); a PluginError starting with
-    ``field`` unless it subclasses :class:`CustomReward`."""
-    cls = load_object(path, field)
-    if not (isinstance(cls, type) and issubclass(cls, CustomReward)):
-        what = "a class" if isinstance(cls, type) else f"a {type(cls).__name__}"
-        raise PluginError(f"{field}: {path} is {what} that does not subclass "
-                          "rollout.reward_parts.CustomReward; a custom reward part must "
-                          "(class MyReward(CustomReward), docs/extending.md)")
-    return cls
+    """The class ``path`` names, imported (in the job only), a CustomReward."""
+    return load_subclass(path, field, CustomReward, "rollout.reward_parts",
+                         "a custom reward part must (class MyReward(CustomReward), "
+                         "docs/extending.md)")
 
 
 class CustomPart(RewardPart):

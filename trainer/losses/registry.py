@@ -9,7 +9,7 @@ never make the ranks call an arbitrary callable (``subprocess:Popen`` with ``kwa
 
 from __future__ import annotations
 
-from rollout.plugins import PluginError, load_object
+from rollout.plugins import PluginError, load_subclass
 from trainer.config import (
     CUSTOM_POLICY_LOSS,
     POLICY_LOSS_CLASS_PATH_FIELD,
@@ -31,15 +31,9 @@ POLICY_LOSSES: dict[str, type[PolicyLoss]] = {
 
 def load_policy_loss_class(path: str, field: str = POLICY_LOSS_CLASS_PATH_FIELD
                            ) -> type[PolicyLoss]:
-    """The class ``path`` names, imported; a PluginError starting with ``field`` unless it
-    subclasses :class:`PolicyLoss`."""
-    loss_class = load_object(path, field)
-    if not (isinstance(loss_class, type) and issubclass(loss_class, PolicyLoss)):
-        what = "a class" if isinstance(loss_class, type) else type(loss_class).__name__
-        raise PluginError(f"{field}: {path} is {what} that does not subclass "
-                          "trainer.losses.PolicyLoss; a policy loss must "
-                          "(class MyLoss(PolicyLoss), docs/extending.md)")
-    return loss_class
+    """The class ``path`` names, imported, a PolicyLoss."""
+    return load_subclass(path, field, PolicyLoss, "trainer.losses",
+                         "a policy loss must (class MyLoss(PolicyLoss), docs/extending.md)")
 
 
 def policy_loss_class(config: LossConfig) -> type[PolicyLoss]:
