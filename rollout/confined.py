@@ -65,17 +65,8 @@ def open_inside(folder: str | os.PathLike[str], relative: str | os.PathLike[str]
     it (or hands it to ``os.fdopen``)."""
     label = label or os.fspath(relative)
     parts = _parts(relative, label)
-    directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    directory = open_folder_inside(folder, parts[:-1], label)
     try:
-        for part in parts[:-1]:
-            try:
-                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
-                                dir_fd=directory)
-            except OSError as err:
-                _refuse_link(directory, part, label, err)
-                raise
-            os.close(directory)
-            directory = inner
         try:
             descriptor = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK,
                                  0o600, dir_fd=directory)  # a file it creates: owner's only
@@ -89,6 +80,28 @@ def open_inside(folder: str | os.PathLike[str], relative: str | os.PathLike[str]
         raise Escapes(f"{label}: not a regular file; refused")
     os.set_blocking(descriptor, True)
     return descriptor
+
+
+def open_folder_inside(folder: str | os.PathLike[str], parts: tuple[str, ...],
+                       label: str) -> int:
+    """A descriptor of the folder ``folder/parts[0]/…`` (``folder`` itself for no parts),
+    each component opened with ``O_NOFOLLOW`` from the one before: Escapes naming a link
+    or a component that is no folder, FileNotFoundError for a missing one. The caller
+    closes it."""
+    directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    for part in parts:
+        try:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
+                            dir_fd=directory)
+        except OSError as err:
+            try:
+                _refuse_link(directory, part, label, err)
+            finally:
+                os.close(directory)
+            raise
+        os.close(directory)
+        directory = inner
+    return directory
 
 
 def _refuse_link(directory: int, part: str, label: str, err: OSError) -> None:

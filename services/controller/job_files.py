@@ -25,7 +25,14 @@ from pathlib import Path, PurePosixPath
 
 from fastapi import HTTPException
 
-from rollout.confined import DEFAULT_TAIL_BYTES, Escapes, create_owned, open_inside, read_inside
+from rollout.confined import (
+    DEFAULT_TAIL_BYTES,
+    Escapes,
+    create_owned,
+    open_folder_inside,
+    open_inside,
+    read_inside,
+)
 from services.controller.settings import Settings
 
 OWN_LOGS = "logs"
@@ -158,17 +165,11 @@ def remove_job_folder(settings: Settings, output_dir: str | None, remove: bool =
         return False
     root, parts = where
     label = str(Path(output_dir or ""))
-    directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # Escapes for a link on the way down
+        directory = open_folder_inside(root, parts[:-1], label)
+    except OSError:
+        return False  # missing or unreadable: nothing to remove here
     try:
-        for part in parts[:-1]:
-            try:
-                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
-                                dir_fd=directory)
-            except OSError:
-                _refuse_entry(directory, part, label)
-                return False  # missing or unreadable: nothing to remove here
-            os.close(directory)
-            directory = inner
         try:
             mode = os.lstat(parts[-1], dir_fd=directory).st_mode
         except FileNotFoundError:
