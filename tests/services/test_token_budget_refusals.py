@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from rollout.problems import Problem
 from services.cli import app
 from tests.services.controller_fakes import DEMO, DEMO_OVERRIDES, api_client
 
@@ -105,4 +106,4 @@ def test_a_session_sample_past_the_context_is_422_before_the_engine_is_touched()
         request = Sample.model_validate({"prompt_tokens": prompts, "sampling": sampling})
         with pytest.raises(SessionError) as refused:
             TrainingSession.sample(session, request)  # type: ignore[arg-type]
-        assert (refused.value.status, refused.value.problems) == (422, [problem])
+        assert (refused.value.status, refused.value.problems) == (422, [Problem(*problem)])
