@@ -4,11 +4,8 @@ the SGLang server path over HTTP (a local server speaking the OpenAI chat protoc
 
 from __future__ import annotations
 
-import json
 import re
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
@@ -18,6 +15,7 @@ from rollout.config import RolloutConfig, TorchEngineConfig
 from rollout.judge import JudgeEngine, ask_server, judge_request, parse_score
 from rollout.manager import RolloutManagerActor
 from rollout.reward_config import JudgeConfig
+from tests.rollout.chat_server import ChatHandler, serving
 
 
 def test_built_in_parse_reads_the_first_whole_number_up_to_ten() -> None:
@@ -90,37 +88,22 @@ def test_a_judge_in_the_gang_scores_what_its_engine_answers(judged: tuple,
             0.5 * sample["rewards"]["judge"]
 
 
-class _ChatServer(BaseHTTPRequestHandler):
+class _ChatServer(ChatHandler):
     """The OpenAI chat endpoint as SGLang serves it: the answer grades the response by
     its length, so the test sees which request each answer belongs to."""
 
     seen: ClassVar[list[dict]] = []
 
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    def answer(self, body: dict) -> str:
         type(self).seen.append({"path": self.path, **body})
-        content = body["messages"][0]["content"]
-        response = re.search(r"A: (.*)\n", content).group(1)
-        answer = f"Score: {len(response)}" if response != "unparsable" else "dunno"
-        data = json.dumps({"choices": [{"message": {"role": "assistant",
-                                                    "content": answer}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        response = re.search(r"A: (.*)\n", body["messages"][0]["content"]).group(1)
+        return f"Score: {len(response)}" if response != "unparsable" else "dunno"
 
 
 def test_the_server_path_sends_greedy_chat_requests_and_keeps_their_order() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _ChatServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        config = JudgeConfig(url=f"http://127.0.0.1:{server.server_port}",
-                             template="Q: {prompt}\nA: {response}\n", parse=r"Score: (\d+)",
-                             max_new_tokens=9, timeout_s=10)
+    with serving(_ChatServer) as url:
+        config = JudgeConfig(url=url, template="Q: {prompt}\nA: {response}\n",
+                             parse=r"Score: (\d+)", max_new_tokens=9, timeout_s=10)
         responses = ["x" * n for n in range(12)] + ["unparsable"]
         requests = [judge_request(config.template, "p", r, None) for r in responses]
         answers = ask_server(config, requests, workers=4)
@@ -129,8 +112,6 @@ def test_the_server_path_sends_greedy_chat_requests_and_keeps_their_order() -> N
         seen = _ChatServer.seen
         assert {s["path"] for s in seen} == {"/v1/chat/completions"}
         assert all(s["temperature"] == 0.0 and s["max_tokens"] == 9 for s in seen)
-    finally:
-        server.shutdown()
 
 
 def test_a_dead_server_is_an_error_within_the_timeout() -> None:

@@ -11,12 +11,9 @@ in-process scorer the actors wrap (rollout/reward_model.RewardModel, rollout/jud
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -27,6 +24,7 @@ from rollout.reward_parts.base import PartScores, RewardPart
 from rollout.reward_parts.rewarder import Rewarder
 from services.config import JobConfig
 from services.placement import job_bundles, reward_bundles
+from tests.rollout.chat_server import ChatHandler, serving
 
 RESPONSES = ["abc", " abc\n", "it is 7", "\\boxed{4}", "4", "yes?"]
 LABELS: list[str | None] = ["abc", "abc", "7", "4", "4", None]
@@ -38,32 +36,20 @@ FAST = ["exact_match", "numeric", "boxed", "function", "custom", "judge_url"]
 SLOW = ["model", "judge_gang"]
 
 
-class _YesNoJudge(BaseHTTPRequestHandler):
+class _YesNoJudge(ChatHandler):
     """Answers yes when the graded response (the default template's Answer) contains
     'abc', no when it contains '4', and something that does not parse otherwise."""
 
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    def answer(self, body: dict) -> str:
         response = re.search(r"Answer: (.*)\nReference", body["messages"][0]["content"],
                              re.DOTALL).group(1)
-        answer = "Yes." if "abc" in response else "No." if "4" in response else "hmm"
-        data = json.dumps({"choices": [{"message": {"content": answer}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        return "Yes." if "abc" in response else "No." if "4" in response else "hmm"
 
 
 @pytest.fixture(scope="module")
 def judge_url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _YesNoJudge)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+    with serving(_YesNoJudge) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
