@@ -3,10 +3,10 @@
     free = min(total - used,  total - Σ needs of the jobs already admitted)
 
 ``used`` is Ray's (every placement group, ours or not); the second term counts the jobs we
-admitted whose placement group Ray has not reserved yet. Queued jobs go in order; the
-first that does not fit waits (and says so in its events) and holds the queue, so a big
-job is never starved by small ones; a job that cannot fit even an empty cluster is
-skipped, so it never blocks the others.
+admitted (and the live training sessions) whose placement group Ray has not reserved yet.
+Queued jobs and sessions go in one order; the first that does not fit waits (and says
+so) and holds the queue, so a big one is never starved by small ones; one that cannot fit
+even an empty cluster is refused, so it never blocks the others.
 """
 
 from __future__ import annotations

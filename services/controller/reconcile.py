@@ -7,8 +7,9 @@ Each pass (every ``reconcile_interval_s``, or at once when woken by a submit):
    own folder, never the job's; a stopped driver's stack dumps left out) and, for a failure,
    its cause (one line, services/controller/job_logs.py) and the last log lines stored;
 2. find the Ray submission of jobs that registered themselves (``ray job submit``);
-3. submit queued jobs while fewer than ``max_running_jobs`` run and the cluster has room
-   for their whole placement group (a job that waits says so in its events);
+3. submit queued jobs (while fewer than ``max_running_jobs`` run) and start queued
+   training sessions, one first-come-first-served queue over both, when the cluster has
+   room for their whole placement group (one that waits says so: a job in its events);
 4. back-fill metrics from each job's ``metrics.jsonl`` (the source of truth), so steps
    the driver could not send while the controller was down still arrive.
 
@@ -34,12 +35,16 @@ from services.controller.job_logs import driver_failure, failure_cause, without_
 from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobInfo
 from services.controller.session_rows import (
     live_session_needs,
+    move_queued,
     poll_sessions,
+    queued_sessions,
     save_before_the_head_stops,
+    session_needs,
+    start_queued,
 )
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
-from services.controller.tables import ACTIVE, TERMINAL, Job
+from services.controller.tables import ACTIVE, TERMINAL, Job, TrainingSessionRow
 from services.driver.run_dir import EVENTS_FILE, JOB_CONFIG_FILE, METRICS_FILE
 from services.placement import AUTOSCALING_ENV, job_needs, never_fits
 
@@ -160,14 +165,15 @@ class Reconciler:
     # ---- 3. queue ------------------------------------------------------------------------
 
     def submit_queued(self) -> None:
-        """Queued jobs in order, while fewer than ``max_running_jobs`` run and the cluster
-        can hold them (services/controller/capacity.py)."""
-        queued = self.store.jobs_with_status(("queued",))
+        """Queued jobs and training sessions in one queue, oldest first: a job while fewer
+        than ``max_running_jobs`` run, each when the cluster can hold its whole gang
+        (services/controller/capacity.py); the first that waits holds the rest."""
+        queued: list[Job | TrainingSessionRow] = sorted(
+            [*self.store.jobs_with_status(("queued",)), *queued_sessions(self.store)],
+            key=lambda item: (item.created_at or 0.0, item.id))
         if not queued:
             return
         slots = self.settings.max_running_jobs - len(self.running_jobs())
-        if slots <= 0:
-            return
         try:
             usage = getattr(self.backend, "resources", lambda: None)()  # None: unknown
             capacity = Capacity(usage, self.admitted_needs())
@@ -175,35 +181,43 @@ class Reconciler:
             self.errors += 1
             return
         autoscales = bool(os.environ.get(AUTOSCALING_ENV))
-        for job in queued:
-            if slots <= 0:
-                return
-            needs = self.needs(job)
+        for item in queued:
+            is_job = isinstance(item, Job)
+            if is_job and slots <= 0:
+                return  # the job holds the queue until a Ray slot is free
+            needs = self.needs(item) if isinstance(item, Job) else session_needs(item)
             message = capacity.shortfall(needs)
             if message is not None and capacity.never_fits(needs) and not autoscales:
-                self.refuse_never_fits(job, capacity.total)  # answered at once
+                self.refuse_never_fits(item, capacity.total)  # answered at once
                 continue
             if message is not None:
-                self.note_waiting(job, message)
+                self.note_waiting(item, message)
                 if capacity.never_fits(needs):
                     continue  # never blocks the queue (an autoscaling cluster may grow)
-                return  # first come, first served: later jobs wait behind it
-            if not self.submit(job):
+                return  # first come, first served: later jobs and sessions wait behind it
+            started = (self.submit(item) if isinstance(item, Job)
+                       else start_queued(self.store, self.backend, self.settings, item))
+            if not started:
                 return
+            self.waiting.pop(item.id, None)
             capacity.take(needs)
-            slots -= 1
+            slots -= is_job
 
-    def refuse_never_fits(self, job: Job, total: dict[str, float]) -> None:
-        """Fail a queued job larger than the whole cluster, saying what it needs, what the
-        cluster has in all and the fields to lower (the driver's own rule, services/
-        placement.never_fits, over the cluster's total)."""
-        stored = self.store.get_job(job.id)
+    def refuse_never_fits(self, item: Job | TrainingSessionRow, total: dict[str, float]
+                          ) -> None:
+        """Fail a queued job (or session: the cluster shrank) larger than the whole
+        cluster, saying what it needs, what the cluster has in all and the fields to lower
+        (the driver's own rule, services/placement.never_fits, over the cluster's total)."""
+        stored = self.store.get_job(item.id) if isinstance(item, Job) else item
         try:
             config = JobConfig.model_validate_json(stored.config_resolved if stored else "")
         except ValueError:
             return
         why = never_fits(config, [total]) or "the job can never fit this Ray cluster"
-        self.store.transition(job.id, "failed", log_tail="", error=why)
+        if isinstance(item, TrainingSessionRow):
+            move_queued(self.store, item.id, "failed", error=why)
+            return
+        self.store.transition(item.id, "failed", log_tail="", error=why)
 
     def running_jobs(self) -> list[Job]:
         """The jobs this controller submitted that Ray runs (or is about to)."""
@@ -225,12 +239,14 @@ class Reconciler:
                 self.needs_cache[job.id] = {}
         return self.needs_cache[job.id]
 
-    def note_waiting(self, job: Job, message: str) -> None:
+    def note_waiting(self, job: Job | TrainingSessionRow, message: str) -> None:
         """A ``waiting`` event in the job's folder (where the driver writes its own), once
-        per distinct message."""
+        per distinct message; a session's is kept here (its API answer shows it)."""
         if self.waiting.get(job.id) == message:
             return
         self.waiting[job.id] = message
+        if isinstance(job, TrainingSessionRow):
+            return
         line = json.dumps({"time": time.time(), "kind": "waiting", "message": message})
         with contextlib.suppress(OSError):  # as run_dir.write_event, but never via a link
             append_job_file(self.settings, job.output_dir, EVENTS_FILE, line + "\n")

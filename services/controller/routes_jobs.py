@@ -48,9 +48,9 @@ from services.controller.submission import (
     ConfigTooLarge,
     Resolved,
     SubmissionError,
-    resolve,
     submitted_config,
 )
+from services.controller.submit_service import enqueue, resolve_submission
 from services.controller.tables import TERMINAL, Job
 from services.controller.views import job_detail, job_out, metrics_out, point_budget, split_names
 from services.driver.run_dir import JOB_CONFIG_FILE
@@ -132,8 +132,8 @@ async def submit_job(request: Request, ctl: Ctl,
     try:
         data, stored_text = submitted_config(payload.config, payload.config_yaml)
         taken = await run_in_threadpool(ctl.store.output_dirs)
-        resolved = await run_in_threadpool(resolve, data, payload.overrides, ctl.settings,
-                                           job_id, stored_text, taken=taken)
+        resolved = await run_in_threadpool(resolve_submission, ctl, data, payload.overrides,
+                                           job_id, stored_text, taken)
     except ConfigTooLarge as err:
         raise HTTPException(413, err.detail) from None
     except SubmissionError as err:
@@ -146,8 +146,7 @@ async def submit_job(request: Request, ctl: Ctl,
         await run_in_threadpool(write_config_file, resolved)
     except OSError as err:
         job = ctl.store.transition(job_id, "failed", error=f"cannot write the job folder: {err}")
-    if ctl.reconciler is not None:
-        ctl.reconciler.poke()
+    enqueue(ctl)  # the queue's capacity check is the reconcile loop's (reconcile.py)
     return job_detail(job, ctl.settings)
 
 

@@ -25,22 +25,27 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout.problems import Problem
 from services.config import JobConfig
 from services.controller.auth import require_session_token, require_token, session_token
-from services.controller.capacity import Capacity
 from services.controller.problems import unprocessable
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.routes_jobs import new_id
 from services.controller.session_calls import close, forward, refresh, row_of
-from services.controller.session_rows import end_from_ray, ready_url
+from services.controller.session_rows import (
+    end_from_ray,
+    launch,
+    move_queued,
+    queued_sessions,
+    ready_url,
+    write_launch,
+)
 from services.controller.session_secret import hand_over, session_secret
 from services.controller.state import Controller, Ctl
 from services.controller.submission import (
     ConfigTooLarge,
     SubmissionError,
     load_config_object,
-    resolve,
 )
+from services.controller.submit_service import enqueue, resolve_submission, room_for
 from services.controller.tables import SESSION_LIVE, TrainingSessionRow
-from services.placement import job_needs
 from services.sessions.server import ADVERTISE_ENV, CONFIG_FILE, IDLE_ENV
 
 router = APIRouter(prefix="/api/sessions", tags=["sessions"])
@@ -58,12 +63,20 @@ class SessionCreate(BaseModel):
     ``TALLY_SESSION_IDLE_TIMEOUT_S``."""
 
 
-def session_out(row: TrainingSessionRow, **extra: Any) -> dict[str, Any]:
+def session_out(row: TrainingSessionRow, waiting: str | None = None, **extra: Any
+                ) -> dict[str, Any]:
+    """The session as the API shows it; ``waiting``: why a queued one waits."""
     return {"id": row.id, "status": row.status, "model": row.model,
             "world_size": row.world_size, "step": row.step, "tokens": row.tokens,
             "loss": row.loss, "pending_calls": row.pending_calls,
             "saved_path": row.saved_path, "error": row.error, "output_dir": row.output_dir,
-            "created_at": row.created_at, "updated_at": row.updated_at, **extra}
+            "created_at": row.created_at, "updated_at": row.updated_at,
+            "waiting": waiting if row.status == "queued" else None, **extra}
+
+
+def waiting_of(ctl: Controller, row: TrainingSessionRow) -> str | None:
+    """Why a queued session waits (what the reconcile loop last found)."""
+    return ctl.reconciler.waiting.get(row.id) if ctl.reconciler is not None else None
 
 
 def session_data(config: dict[str, Any]) -> dict[str, Any]:
@@ -96,31 +109,29 @@ def check_session_config(config: JobConfig) -> None:
 
 def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float | None = None
                   ) -> TrainingSessionRow:
-    """Check, admit and submit a session (SubmissionError: 422; HTTPException else)."""
+    """Check, admit and submit a session by the submit service (SubmissionError: 422;
+    HTTPException else): started at once when its gang fits what is free and nothing
+    waits ahead, else stored ``queued`` (the reconcile loop starts it in its turn)."""
     settings = ctl.settings
     load_config_object(config)
     session_id = new_id()
-    resolved = resolve(session_data(config), [], settings, session_id, json.dumps(config))
+    resolved = resolve_submission(ctl, session_data(config), [], session_id, json.dumps(config))
     check_session_config(resolved.config)
-    if len(ctl.store.live_sessions()) >= settings.max_sessions:
+    if len(ctl.store.live_sessions()) + len(queued_sessions(ctl.store)) >= settings.max_sessions:
         raise HTTPException(429, f"{settings.max_sessions} sessions are live "
                             "(TALLY_MAX_SESSIONS); end one first (DELETE /api/sessions/{id})")
     folder = settings.sessions_dir / session_id
     final = resolved.config.model_copy(update={"output_dir": str(folder)})
     try:
-        usage = ctl.backend.resources()
+        waiting = room_for(ctl, final)
     except BackendUnavailable:
         raise HTTPException(503, "the Ray job server cannot be reached") from None
-    shortfall = Capacity(usage, ctl.reconciler.admitted_needs()).shortfall(
-        job_needs(final))
-    if shortfall is not None:
-        raise HTTPException(503, f"the cluster cannot hold the session now ({shortfall})")
     folder.parent.mkdir(parents=True, exist_ok=True)
     folder.mkdir(mode=0o700, exist_ok=True)  # the owner's only
     (folder / CONFIG_FILE).write_text(final.model_dump_json(indent=2))
     now = time.time()
     row = TrainingSessionRow(
-        id=session_id, status="starting", model=final.rollout.model,
+        id=session_id, status="queued" if waiting else "starting", model=final.rollout.model,
         world_size=final.trainer.world_size, config_submitted=resolved.submitted_text,
         config_resolved=final.model_dump_json(), output_dir=str(folder),
         ray_submission_id=f"tally-session-{session_id}", step=0, tokens=0,
@@ -134,10 +145,14 @@ def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float
     advertise = settings.sessions_advertise_host or ("127.0.0.1" if ctl.head is not None else None)
     if advertise:
         env[ADVERTISE_ENV] = advertise
+    write_launch(folder, env)
+    if waiting:
+        ctl.reconciler.waiting[session_id] = waiting
+        ctl.store.add_session(row)
+        enqueue(ctl)
+        return row
     try:  # submitted before it is stored: the reconcile loop never sees a row Ray lacks
-        ctl.backend.submit(row.ray_submission_id, f"{settings.python} -m "
-                           f"services.sessions.server {folder}", env,
-                           {"tally_session_id": session_id})
+        launch(ctl.backend, settings, row)
     except (BackendUnavailable, RuntimeError) as err:
         raise HTTPException(503, f"Ray refused the session: {err}") from None
     ctl.store.add_session(row)
@@ -147,7 +162,8 @@ def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float
 @router.post("", status_code=201, dependencies=[Depends(require_token)])
 async def create_session(body: SessionCreate, ctl: Ctl) -> Response:
     """Start a session: a trainer group and one engine holding ``config``'s model. It
-    answers 201 at once (status ``starting``); its first call waits until it is ready.
+    answers 201 at once (status ``starting``, or ``queued`` with a ``waiting`` reason while
+    the cluster cannot hold its gang); its first call waits until it is ready.
     ``token`` (only with ``TALLY_API_TOKEN``) opens this session's calls and nothing else."""
     try:
         row = await run_in_threadpool(start_session, ctl, body.config, body.idle_timeout_s)
@@ -156,13 +172,14 @@ async def create_session(body: SessionCreate, ctl: Ctl) -> Response:
     except SubmissionError as err:
         return unprocessable(err.problems, err.detail, "config: ")
     token = session_token(ctl.settings.api_token, row.id) if ctl.settings.api_token else None
-    return JSONResponse(session_out(row, token=token), 201)
+    return JSONResponse(session_out(row, waiting_of(ctl, row), token=token), 201)
 
 
 @router.get("")
 def list_sessions(ctl: Ctl) -> dict[str, Any]:
     """The latest sessions, newest first (what the dashboard lists)."""
-    return {"items": [session_out(row) for row in ctl.store.list_sessions()]}
+    return {"items": [session_out(row, waiting_of(ctl, row))
+                      for row in ctl.store.list_sessions()]}
 
 
 def _verb_route(verb: str) -> None:
@@ -192,7 +209,7 @@ async def get_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
         if live is None:
             await run_in_threadpool(end_from_ray, ctl.store, ctl.backend, row)
         row = await run_in_threadpool(row_of, ctl, session_id)
-    return session_out(row, last=(live or {}).get("last"),
+    return session_out(row, waiting_of(ctl, row), last=(live or {}).get("last"),
                        pending_mode=(live or {}).get("pending_mode"))
 
 
@@ -201,6 +218,8 @@ async def delete_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
     """End the session (its trainer ranks and engine stop; nothing is saved: ``save``
     first to keep the weights)."""
     row = await run_in_threadpool(row_of, ctl, session_id)
+    if row.status == "queued":  # never started: nothing runs in Ray yet
+        row = await run_in_threadpool(move_queued, ctl.store, row.id, "ended") or row
     if row.status in SESSION_LIVE:
         url = ready_url(row, ctl.settings.sessions_advertise_host)
         if url is None or not await close(ctl, row, url):

@@ -7,10 +7,13 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from sqlalchemy import select
 
 from rollout.confined import read_inside
 from services.config import JobConfig
@@ -22,6 +25,10 @@ from services.controller.store import Store
 from services.controller.tables import TERMINAL, TrainingSessionRow
 from services.placement import job_needs
 from services.sessions.server import SESSION_FILE
+
+LAUNCH_FILE = ".launch.json"
+"""The environment a session's server starts with (written at submit, 0600): a queued
+session is started by the reconcile loop later."""
 
 SAVE_TIMEOUT_S = 120.0
 
@@ -78,15 +85,73 @@ def controller_headers(settings: Settings, row: TrainingSessionRow) -> dict[str,
     return {"authorization": f"Bearer {session_secret(settings.data_dir, row.id)}"}
 
 
+def session_needs(row: TrainingSessionRow) -> dict[str, float]:
+    """The resources the session's gang holds ({} for an unreadable config)."""
+    try:
+        return job_needs(JobConfig.model_validate_json(row.config_resolved))
+    except ValueError:
+        return {}
+
+
 def live_session_needs(store: Store) -> list[dict[str, float]]:
     """The resources each live session's gang holds ({} for an unreadable config)."""
-    needs = []
-    for row in store.live_sessions():
-        try:
-            needs.append(job_needs(JobConfig.model_validate_json(row.config_resolved)))
-        except ValueError:
-            needs.append({})
-    return needs
+    return [session_needs(row) for row in store.live_sessions()]
+
+
+def queued_sessions(store: Store) -> list[TrainingSessionRow]:
+    """The sessions waiting for the cluster, oldest first."""
+    with store.sessions() as session:
+        return list(session.scalars(select(TrainingSessionRow).where(
+            TrainingSessionRow.status == "queued").order_by(
+            TrainingSessionRow.created_at, TrainingSessionRow.id)))
+
+
+def move_queued(store: Store, session_id: str, status: str, **values: Any
+                ) -> TrainingSessionRow | None:
+    """A queued session to ``status`` (starting, ended, failed); None when it is no
+    longer queued (ended meanwhile, or started)."""
+    with store._write() as session:
+        row = session.get(TrainingSessionRow, session_id)
+        if row is None or row.status != "queued":
+            return None
+        row.status = status
+        for name, value in values.items():
+            setattr(row, name, value)
+        row.updated_at = time.time()
+        return row
+
+
+def write_launch(folder: Path, env: dict[str, str]) -> None:
+    """The server's environment in the session's folder, 0600, never through a link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    with os.fdopen(os.open(folder / LAUNCH_FILE, flags, 0o600), "w") as out:
+        out.write(json.dumps(env))
+
+
+def launch(backend: JobBackend, settings: Settings, row: TrainingSessionRow) -> None:
+    """Submit the session's server to Ray (BackendUnavailable, RuntimeError: refused)."""
+    env = json.loads(read_inside(row.output_dir, LAUNCH_FILE, limit=MAX_STATE_BYTES))
+    backend.submit(row.ray_submission_id, f"{settings.python} -m services.sessions.server "
+                   f"{row.output_dir}", {str(k): str(v) for k, v in env.items()},
+                   {"tally_session_id": row.id})
+
+
+def start_queued(store: Store, backend: JobBackend, settings: Settings,
+                 row: TrainingSessionRow) -> bool:
+    """Start a queued session (the reconcile loop, its turn come); False when Ray cannot
+    be reached (the next pass retries)."""
+    try:
+        launch(backend, settings, row)
+    except BackendUnavailable:
+        return False
+    except (RuntimeError, OSError, ValueError) as err:
+        if "already exists" not in str(err):
+            move_queued(store, row.id, "failed", error=f"Ray refused the session: {err}")
+            return True
+    if move_queued(store, row.id, "starting") is None:  # ended while it was started
+        with contextlib.suppress(BackendUnavailable):
+            backend.stop(row.ray_submission_id)
+    return True
 
 
 def end_from_ray(store: Store, backend: JobBackend, row: TrainingSessionRow
