@@ -45,7 +45,7 @@ from services.controller.session_rows import (
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
 from services.controller.tables import ACTIVE, TERMINAL, Job, TrainingSessionRow
-from services.driver.run_dir import EVENTS_FILE, JOB_CONFIG_FILE, METRICS_FILE
+from services.driver.run_dir import EVENTS_FILE, JOB_CONFIG_FILE, METRICS_FILE, event_line
 from services.placement import AUTOSCALING_ENV, job_needs, never_fits
 
 log = logging.getLogger("tally.controller")
@@ -247,9 +247,9 @@ class Reconciler:
         self.waiting[job.id] = message
         if isinstance(job, TrainingSessionRow):
             return
-        line = json.dumps({"time": time.time(), "kind": "waiting", "message": message})
         with contextlib.suppress(OSError):  # as run_dir.write_event, but never via a link
-            append_job_file(self.settings, job.output_dir, EVENTS_FILE, line + "\n")
+            append_job_file(self.settings, job.output_dir, EVENTS_FILE,
+                            event_line("waiting", message))
 
     def submit(self, job: Job) -> bool:
         """Submit one queued job to Ray; False when Ray is unreachable (retry later)."""

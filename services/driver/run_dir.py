@@ -227,9 +227,15 @@ def write_event(job_dir: Path, kind: str, message: str, **fields: Any) -> None:
     """Append one event to ``<job_dir>/events.jsonl``: the one writer of that file (never
     through a link: :func:`open_append`). ``fields``: what an event of ``kind`` adds
     (``exit_code`` of a ``failed`` one)."""
-    record = {"time": time.time(), "kind": kind, "message": ANSI.sub("", message), **fields}
     with open_append(job_dir / EVENTS_FILE) as events:
-        events.write(json.dumps(record) + "\n")
+        events.write(event_line(kind, message, **fields))
+
+
+def event_line(kind: str, message: str, **fields: Any) -> str:
+    """One line of events.jsonl (what :func:`write_event` appends; the controller writes
+    its ``waiting`` events in the same format)."""
+    record = {"time": time.time(), "kind": kind, "message": ANSI.sub("", message), **fields}
+    return json.dumps(record) + "\n"
 
 
 @dataclass(frozen=True)
