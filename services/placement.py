@@ -222,10 +222,15 @@ def fields_asking(config: JobConfig, resource: str) -> list[str]:
     """The config fields whose bundles ask for ``resource`` (what a user lowers)."""
     asks = {"trainer.num_cpus_per_rank / trainer.dp_size": trainer_bundle(config),
             "rollout.engine.num_cpus / rollout.engine.num_engines": engine_bundle(config),
-            "rollout.distillation.num_cpus": teacher_bundle(config),
+            "rollout.teacher.num_cpus": teacher_bundle(config),
             "critic (its trainer's num_cpus_per_rank)": (critic_bundles(config) or [{}])[0]}
-    for k, bundle in enumerate(reward_bundles(config)):
-        asks[f"rollout.reward[{k}].num_cpus"] = bundle
+    from rollout.reward_parts import reward_actor_bundles
+
+    listed = isinstance(config.rollout.reward, list)  # rollout.reward[k], else one block
+    for k, part in enumerate(config.rollout.reward_parts):  # by part, not by actor
+        bundles = reward_actor_bundles([part])
+        asks[f"rollout.reward{f'[{k}]' if listed else ''}.num_cpus"] = \
+            bundles[0] if bundles else {}
     names = [name for name, bundle in asks.items() if bundle.get(resource)]
     if resource == "GPU":
         names = [name.replace("num_cpus_per_rank", "num_gpus_per_rank")

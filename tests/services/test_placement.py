@@ -43,6 +43,13 @@ def test_reward_actors_have_bundles_after_the_teachers_and_before_the_critic() -
                   " {type: judge, name: j, num_cpus: 2, num_gpus: 1}]")
     assert job_bundles(config) == [{"CPU": 0.75}, {"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.5},
                                    {"CPU": 0.5}, {"CPU": 2.0, "GPU": 1.0}]
+    from services.placement import fields_asking
+
+    # named by the part that asks (its index in rollout.reward), not by its actor's
+    assert fields_asking(config, "CPU")[-2:] == ["rollout.reward[1].num_cpus",
+                                                  "rollout.reward[4].num_cpus"]
+    assert fields_asking(config, "GPU") == ["rollout.reward[4].num_gpus"]
+    assert "rollout.teacher.num_cpus" in fields_asking(config, "CPU")
     gang = JobPlacement(object(), 1, 1, False, True, 1, [True, True, False, True])
     assert [o["scheduling_strategy"].placement_group_bundle_index if o else None
             for o in gang.reward_options] == [3, 4, None, 5]
