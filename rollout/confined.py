@@ -130,11 +130,6 @@ def read_inside(folder: str | os.PathLike[str], relative: str | os.PathLike[str]
         return file.read() if limit is None else file.read(limit)
 
 
-def read_text_inside(folder: str | os.PathLike[str], relative: str | os.PathLike[str],
-                     label: str | None = None, tail: int | None = None) -> str:
-    return read_inside(folder, relative, label, tail).decode("utf-8", errors="replace")
-
-
 def regular_files(folder: str | os.PathLike[str], label: str | None = None
                   ) -> Iterator[PurePosixPath]:
     """Every file under ``folder`` (relative, sorted per folder), walked without following
@@ -174,8 +169,7 @@ def copy_regular_files(source: str | os.PathLike[str], target: str | os.PathLike
         out = Path(target) / name
         out.parent.mkdir(parents=True, exist_ok=True)
         data = read_inside(source, name, f"{label}/{name}")
-        with os.fdopen(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                               0o644), "wb") as file:
+        with os.fdopen(create_owned(out, 0o644), "wb") as file:
             file.write(data)
 
 
