@@ -19,7 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from services.config import load_job_config
+from services.config.job import load_job_config
 from services.driver.loop import run_job
 
 ROOT = Path(__file__).resolve().parents[1]

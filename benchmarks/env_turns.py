@@ -33,7 +33,7 @@ from rollout.engines.torch_engine import TorchEngine
 from rollout.episodes import Episode, run_episodes
 from rollout.tiny import resolve_model_path
 from rollout.turns import TurnFormat
-from services.config import JobConfig, load_job_config
+from services.config.job import JobConfig, load_job_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2-calculator.yaml"

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.config import load_job_config
+from services.config.job import load_job_config
 from services.driver.loop import run_job
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ import torch
 
 from rollout.batch import RolloutBatch
 from rollout.tiny import create_tiny_checkpoint
-from services.config import load_job_config
+from services.config.job import load_job_config
 from trainer.config import ObjectiveConfig, OptimizerConfig, TrainerConfig
 from trainer.step_plan import plan_step
 

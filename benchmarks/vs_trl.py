@@ -12,7 +12,7 @@ trains; TIS corrects for the one-step staleness) and ``colocate`` value asked fo
 (default 1: the engine inside trainer rank 0, generating from its weights).
 
     tiny     the 0.99 M-parameter Qwen2 with the character tokenizer (rollout/tiny.py), after
-             the 50-step SFT warm start of services/warmup.py, on the synthetic `repeat`
+             the 50-step SFT warm start of services/runtime/warmup.py, on the synthetic `repeat`
              task at difficulty 3 (``rep c N=`` → c N times, N = 1…8; at difficulty 1 the
              warm start already answers 97% greedily), 64 prompts: 16 prompts × 8 samples
              per step, 16 new tokens, T=1, lr 1e-4, 60 steps
@@ -65,10 +65,10 @@ from rollout.pretrained import SMOLLM2_NAME
 from rollout.rewards import reward_function
 from rollout.tiny import resolve_model_path
 from rollout.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
-from services.config import JobConfig, WarmupConfig
+from services.config.job import JobConfig, WarmupConfig
 from services.driver.run_dir import data_dir
-from services.quiet import QUIET_ENV, quiet_transformers
-from services.warmup import warm_start
+from services.runtime.quiet import QUIET_ENV, quiet_transformers
+from services.runtime.warmup import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VERSION = "1.16.0"

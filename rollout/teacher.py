@@ -8,7 +8,7 @@ per-token advantages (rollout/advantages/distill.py: ``distill_advantages``). Th
 at the sampling temperature T (log-softmax of logits / T), the distribution the rollout's
 own log-probs are of, so the gap between the two is the reverse KL of the policy that
 sampled to the teacher at that temperature. A teacher shares the policy's tokenizer
-(checked before a job starts, services/preflight.py): its ids are the policy's.
+(checked before a job starts, services/runtime/preflight.py): its ids are the policy's.
 """
 
 from __future__ import annotations

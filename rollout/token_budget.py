@@ -16,7 +16,7 @@ episode, and a training session's ``sample``.
     a session sample:  len(prompt) + max_new_tokens ≤ C
 
 ``budget_problem`` is what ``tally validate``, the job's preflight and a REST submission
-refuse (they all run services/preflight.py); the manager and the episode loop call
+refuse (they all run services/runtime/preflight.py); the manager and the episode loop call
 ``prompt_budget`` and ``turn_tokens``, which raise instead of handing on a budget ≤ 0.
 """
 

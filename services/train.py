@@ -7,11 +7,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.config import ConfigError, load_job_config
+from services.config.job import ConfigError, load_job_config
 from services.driver.run_dir import CHECKPOINTS_DIR, job_dir, write_failure
-from services.exit_codes import exit_for
-from services.placement import starts_local_head
-from services.preflight import preflight
+from services.runtime.exit_codes import exit_for
+from services.runtime.placement import starts_local_head
+from services.runtime.preflight import preflight
 
 Resume = bool | Path | None
 """None: the config's ``resume`` decides; True: the newest readable checkpoint of the job
@@ -33,7 +33,7 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
     except ConfigError as err:
         return _reported(err)
     # Only now the driver (torch, Ray): a refused config answers in about a second.
-    from services.controller_client import controller_sinks
+    from services.clients.controller import controller_sinks
     from services.driver.loop import JobFailed, run_job
 
     if resume is not None:
@@ -59,7 +59,7 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
 
 
 def _reported(err: Exception) -> int:
-    """``err``'s line on stderr; its exit code (services/exit_codes.py)."""
+    """``err``'s line on stderr; its exit code (services/runtime/exit_codes.py)."""
     code, line = exit_for(err) or (1, f"error: {err}")
     print(line, file=sys.stderr)
     return code

@@ -352,7 +352,7 @@ class TrainerConfig(BaseModel):
 
 class ObjectiveConfig(BaseModel):
     """The step objective exactly as the trainer runs it, composed once from the job
-    (``services/config.py``): every divisor is a number and the temperature is the one
+    (``services/config/job.py``): every divisor is a number and the temperature is the one
     the rollout samples at."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)

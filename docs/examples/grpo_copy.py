@@ -14,7 +14,7 @@ import sys
 from rollout.tasks import make_task_examples
 from rollout.tiny import resolve_model_path
 from rollout.tokenizer import load_tokenizer
-from services.training_client import TrainingClient, datum
+from services.clients.training import TrainingClient, datum
 
 STEPS, PROMPTS, G = int(os.environ.get("GRPO_COPY_STEPS", 100)), 32, 8
 tokenizer = load_tokenizer(resolve_model_path("tiny"))

@@ -1,5 +1,5 @@
 """The ``tally`` command line: one file per command group, every command behind one error
-mapping (services/exit_codes.py: 2 refused before anything started, 1 ran and failed).
+mapping (services/runtime/exit_codes.py: 2 refused before anything started, 1 ran and failed).
 
     jobs.py         train, demo, validate, eval, warmup, schema
     rm.py           train-rm

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from services.exit_codes import REFUSED, Refused
+from services.runtime.exit_codes import REFUSED, Refused
 
 
 def export_command(

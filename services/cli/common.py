@@ -1,5 +1,6 @@
 """What every command group shares: the options spelled once, loading a job config, and
-``mapped``, which puts every command behind the one error mapping (services/exit_codes.py)."""
+``mapped``, which puts every command behind the one error mapping
+(services/runtime/exit_codes.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from services.exit_codes import exit_for
+from services.runtime.exit_codes import exit_for
 
 if TYPE_CHECKING:
-    from services.config import JobConfig
+    from services.config.job import JobConfig
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML job config", exists=False)]
 SetOpt = Annotated[list[str] | None, typer.Option(
@@ -47,11 +48,11 @@ def mapped(command: Callable[..., int | None]) -> Callable[..., None]:
 def load_job(config: Path, overrides: list[str] | None, check: bool = False) -> JobConfig:
     """The job config (``check``: and every check before anything starts, preflight's,
     each note printed); a ConfigError goes to the mapping (its lines, exit code 2)."""
-    from services.config import load_job_config
+    from services.config.job import load_job_config
 
     job = load_job_config(config, overrides or [])
     if check:
-        from services.preflight import preflight
+        from services.runtime.preflight import preflight
 
         for note in preflight(job, load_user_code=True):  # the user's own machine
             typer.echo(f"note: {note}")

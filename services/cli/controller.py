@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from services.cli.common import ConfigArg, SetOpt, UrlOpt
-from services.exit_codes import FAILED, Refused
+from services.runtime.exit_codes import FAILED, Refused
 
 
 def serve(host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
@@ -123,7 +123,7 @@ def samples(job: Annotated[str, typer.Argument(
             url: UrlOpt = None) -> None:
     """A job's samples as text (samples.jsonl): per sample its step, group, reward and each
     part, advantage, tokens, prompt and response."""
-    from services.samples_cli import print_samples
+    from services.cli.samples import print_samples
 
     print_samples(job, step, evaluation, as_json, full, limit, url)
 

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from services.cli.common import AddressOpt, ConfigArg, SetOpt, load_job
-from services.exit_codes import Refused
+from services.runtime.exit_codes import Refused
 
 if TYPE_CHECKING:
-    from services.config import JobConfig
+    from services.config.job import JobConfig
 
 
 def train(config: ConfigArg, set_: SetOpt = None,
@@ -99,10 +99,10 @@ def schema(markdown: Annotated[bool, typer.Option(
         help="print the option tables of docs/configuration.md instead")] = False) -> None:
     """Print the JSON schema of job configs (for editors)."""
     if markdown:
-        from services.config_docs import configuration_markdown
+        from services.config.docs import configuration_markdown
 
         typer.echo(configuration_markdown(), nl=False)
         return
-    from services.config import job_json_schema
+    from services.config.job import job_json_schema
 
     typer.echo(job_json_schema(), nl=False)

@@ -18,7 +18,7 @@ def import_model_command(
     Hugging Face folder (safetensors, tokenizer, generation config) a job can name as
     rollout.model."""
     from rollout.pretrained import import_model
-    from services.quiet import quiet_transformers
+    from services.runtime.quiet import quiet_transformers
 
     quiet_transformers()
     typer.echo(import_model(source, out_dir))  # a ModelImportError: exit 2, its line

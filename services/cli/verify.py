@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from services.cli.common import ConfigArg, SetOpt, load_job
-from services.exit_codes import FAILED, Refused
+from services.runtime.exit_codes import FAILED, Refused
 
 
 def verify_aggregation(
@@ -39,6 +39,6 @@ def verify_aggregation(
 
 def aggregation_demo(dp: int = 2, cp: int = 2) -> int:
     """Split one random step over DP × CP gloo processes; print J per mode vs the reference."""
-    from services.aggregation_demo import print_demo
+    from services.verify.demo import print_demo
 
     return 0 if print_demo(dp, cp) else FAILED

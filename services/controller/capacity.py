@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.placement import describe_shortfall
+from services.runtime.placement import describe_shortfall
 
 Resources = dict[str, float]
 

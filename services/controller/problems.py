@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from rollout.problems import Problem, problems_body
-from services.config_errors import error_field
+from services.config.errors import error_field
 
 WHOLE_BODY = "<body>"
 """The ``field`` of a problem with the whole request body."""

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from services.controller.job_env import scrubbed_env
-from services.quiet import QUIET_ENV
+from services.runtime.quiet import QUIET_ENV
 
 TEMP_PREFIX = "tally-ray-"
 DASHBOARD_LINE = re.compile(r"Dashboard head http address: (\S+)")

@@ -27,7 +27,7 @@ import shlex
 import time
 from pathlib import Path
 
-from services.config import JobConfig
+from services.config.job import JobConfig
 from services.controller.auth import job_token
 from services.controller.capacity import Capacity
 from services.controller.job_files import Escapes, append_job_file, open_job_file, save_own_log
@@ -46,7 +46,7 @@ from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
 from services.controller.tables import ACTIVE, TERMINAL, Job, TrainingSessionRow
 from services.driver.run_dir import EVENTS_FILE, JOB_CONFIG_FILE, METRICS_FILE, event_line
-from services.placement import AUTOSCALING_ENV, job_needs, never_fits
+from services.runtime.placement import AUTOSCALING_ENV, job_needs, never_fits
 
 log = logging.getLogger("tally.controller")
 TAIL_LINES = 40

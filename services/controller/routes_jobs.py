@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from rollout.problems import Problem
-from services.config import JobConfig
+from services.config.job import JobConfig
 from services.controller.auth import (
     Credentials,
     may_read,

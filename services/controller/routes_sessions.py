@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.problems import Problem
-from services.config import JobConfig
+from services.config.job import JobConfig
 from services.controller.auth import require_session_token, require_token, session_token
 from services.controller.problems import unprocessable
 from services.controller.ray_jobs import BackendUnavailable

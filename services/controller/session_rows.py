@@ -16,14 +16,14 @@ import httpx
 from sqlalchemy import select
 
 from rollout.confined import read_inside
-from services.config import JobConfig
+from services.config.job import JobConfig
 from services.controller.job_logs import failure_cause
 from services.controller.ray_jobs import BackendUnavailable, JobBackend
 from services.controller.session_secret import session_secret
 from services.controller.settings import Settings
 from services.controller.store import Store
 from services.controller.tables import TERMINAL, TrainingSessionRow
-from services.placement import job_needs
+from services.runtime.placement import job_needs
 from services.sessions.server import SESSION_FILE
 
 LAUNCH_FILE = ".launch.json"

@@ -26,10 +26,10 @@ from pydantic import ValidationError
 from rollout.config_paths import marked_paths
 from rollout.pretrained import BUILTIN_MODELS
 from rollout.problems import Problem
-from services.config import ConfigError, JobConfig, apply_override, job_mapping, load_yaml
-from services.config_errors import validation_error
+from services.config.errors import validation_error
+from services.config.job import ConfigError, JobConfig, apply_override, job_mapping, load_yaml
 from services.controller.settings import Settings
-from services.preflight import preflight
+from services.runtime.preflight import preflight
 
 MAX_CONFIG_BYTES = 64 * 1024
 """A job config (YAML text or JSON object) larger than this is refused with 413."""

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout.problems import Problem
-from services.config import JobConfig
+from services.config.job import JobConfig
 from services.controller.capacity import Capacity
 from services.controller.session_rows import queued_sessions
 from services.controller.state import Controller
 from services.controller.submission import Resolved, SubmissionError, resolve
-from services.placement import AUTOSCALING_ENV, job_needs, never_fits
+from services.runtime.placement import AUTOSCALING_ENV, job_needs, never_fits
 
 
 def resolve_submission(ctl: Controller, data: dict[str, Any], overrides: list[str],

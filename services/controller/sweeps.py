@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from services.config import JobConfig
+from services.config.job import JobConfig
 from trainer.config import AggregationMode
 
 NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")

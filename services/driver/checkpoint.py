@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 
 from rollout.batch import RolloutBatch
 from rollout.confined import read_inside
-from services.config import ConfigError, ConfigProblem, JobConfig
+from services.config.job import ConfigError, ConfigProblem, JobConfig
 from services.driver.run_dir import CONFIG_FILE, LATEST_LINK, RunDir
 from services.driver.sinks import truncate_after
 from trainer import checkpoint as trainer_checkpoint

@@ -1,7 +1,7 @@
 """The driver's own config sections: evaluation during training (``eval:``, run by
 ``evaluation.py``) and where metrics go besides the job folder (``logging:``, the
 sinks). Imports only pydantic and rollout's config module, so the controller validates a
-job without torch or Ray; ``services/config.py`` composes them into JobConfig."""
+job without torch or Ray; ``services/config/job.py`` composes them into JobConfig."""
 
 from __future__ import annotations
 

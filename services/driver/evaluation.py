@@ -38,7 +38,7 @@ from services.driver.config import EvalConfig
 
 if TYPE_CHECKING:
     from rollout.manager import EvalOutcome, EvalRun
-    from services.config import JobConfig
+    from services.config.job import JobConfig
 
 
 def is_eval_version(version: int, num_steps: int, config: EvalConfig) -> bool:
@@ -143,7 +143,7 @@ def evaluate_checkpoint(config: JobConfig, checkpoint: str | Path,
 
     from rollout.manager import RolloutManagerActor
     from services.driver.job import ensure_ray
-    from services.quiet import QUIET_ENV, quiet_transformers
+    from services.runtime.quiet import QUIET_ENV, quiet_transformers
     from trainer.checkpoint import checkpoint_step
     from trainer.checkpoint_check import unreadable
     from trainer.export import ExportError, export_checkpoint

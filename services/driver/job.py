@@ -26,12 +26,12 @@ from rollout.config import RolloutConfig, SyntheticDatasetConfig
 from rollout.manager import RolloutManagerActor, start_engines, start_teachers
 from rollout.reward_parts import start_reward_actors
 from rollout.tiny import resolve_model_path
-from services.config import JobConfig
+from services.config.job import JobConfig
 from services.driver.colocated import ColocatedTrainerGroup
 from services.driver.run_dir import RunDir, data_dir
-from services.placement import JobPlacement, phase_threads, reserve_job
-from services.quiet import QUIET_ENV
-from services.warmup import warm_start
+from services.runtime.placement import JobPlacement, phase_threads, reserve_job
+from services.runtime.quiet import QUIET_ENV
+from services.runtime.warmup import warm_start
 from trainer.group import CriticGroup, TrainerGroup
 
 
@@ -114,7 +114,7 @@ def critic_model_path(config: JobConfig, model_path: str) -> str:
 
 
 def with_threads(config: JobConfig, model_path: str) -> JobConfig:
-    """The job config with the threads of each phase resolved (services/placement.py:
+    """The job config with the threads of each phase resolved (services/runtime/placement.py:
     they depend on rollout.async_steps and the model's width); the driver writes this
     resolved config to the job folder, so what ran is what it says."""
     engine_threads, rank_threads = phase_threads(config, model_path)

@@ -35,7 +35,7 @@ import ray
 
 from rollout.advantages import AdvantageEstimator, build_estimator
 from rollout.batch import RolloutBatch
-from services.config import JobConfig
+from services.config.job import JobConfig
 from services.driver import checkpoint
 from services.driver.evaluation import Evaluation
 from services.driver.job import (
@@ -59,9 +59,9 @@ from services.driver.samples import append_samples, with_advantages
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 from services.driver.weight_sync import WeightSync, transport_for
-from services.placement import PlacementFailed, local_head_cpus, refuse_if_never_fits
-from services.preflight import preflight
-from services.quiet import quiet_transformers
+from services.runtime.placement import PlacementFailed, local_head_cpus, refuse_if_never_fits
+from services.runtime.preflight import preflight
+from services.runtime.quiet import quiet_transformers
 from trainer import checkpoint as trainer_checkpoint
 from trainer.group import TrainerRankDied
 from trainer.mini_batches import mini_batch, rollout_updates

@@ -1,6 +1,6 @@
 """Where each rollout step's metrics go: a local JSONL file (the source of truth),
 TensorBoard event files, W&B when ``logging.wandb`` is set (``wandb_sink.py``), and, when
-a controller is configured, the controller (``services/controller_client.py``)."""
+a controller is configured, the controller (``services/clients/controller.py``)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from services.config import ConfigError, ConfigProblem
+from services.config.job import ConfigError, ConfigProblem
 from services.driver.config import WandbConfig
 
 INSTALL_HINT = "pip install 'tally[wandb]'"

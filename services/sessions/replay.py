@@ -1,6 +1,6 @@
 """A session's recent calls by ``request_id``: a retry gets the first answer, applied once.
 
-The client gives every call an id (``request_id`` in the body; services/training_client.py
+The client gives every call an id (``request_id`` in the body; services/clients/training.py
 makes one per call). The session keeps the answers of its last :data:`KEPT` successful
 calls with an id, each with a digest of what the call asked:
 

@@ -26,9 +26,9 @@ import torch
 
 from rollout.engines import engine_actor_options, engine_class
 from rollout.problems import Problem, problems_detail
-from services.config import JobConfig
+from services.config.job import JobConfig
 from services.driver.run_dir import CHECKPOINTS_DIR
-from services.placement import reserve_job
+from services.runtime.placement import reserve_job
 from services.sessions.group import CallUndone, GradientsLost, SessionGroup
 from services.sessions.replay import RecentCalls
 from services.sessions.requests import (

@@ -233,7 +233,7 @@ def create_app(session: TrainingSession, secret: str, on_close: Any) -> FastAPI:
 def serve(folder: Path) -> int:
     import uvicorn
 
-    from services.config import JobConfig
+    from services.config.job import JobConfig
     from services.driver.job import ensure_ray, job_model_path, with_threads
 
     config = JobConfig.model_validate_json(read_inside(folder, CONFIG_FILE))

@@ -16,8 +16,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollout.config_paths import FILE, MODEL, OUTPUT
-from services.config import apply_override, job_mapping, load_yaml, read_config_text
-from services.config_errors import validation_error
+from services.config.errors import validation_error
+from services.config.job import apply_override, job_mapping, load_yaml, read_config_text
 from trainer.config import LossConfig, TrainerConfig
 
 
@@ -137,5 +137,5 @@ def parse_reward_model_config(text: str, overrides: list[str] | None = None,
 
 def load_reward_model_config(path: str | Path, overrides: list[str] | None = None
                              ) -> RewardModelConfig:
-    """A config file plus overrides (``services.config.load_job_config``'s rules)."""
+    """A config file plus overrides (``services.config.job.load_job_config``'s rules)."""
     return parse_reward_model_config(read_config_text(path), overrides, source=str(path))

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from rollout.preference_pairs import PreferenceDataError, read_preference_pairs
-from services.config_errors import ConfigError, ConfigProblem
+from services.config.errors import ConfigError, ConfigProblem
 from services.driver.run_dir import FINAL_MODEL_DIR, METRICS_FILE  # every program's names
 from services.train_rm.config import RewardModelConfig, load_reward_model_config
 from services.train_rm.data import TokenizedPairs, step_indices, tokenize_pairs
@@ -105,8 +105,8 @@ def prepare(config_path: str | Path, overrides: list[str], output_dir: Path | No
 
 def rank_threads(model_path: str, world_size: int) -> int:
     """Torch threads per rank: the cores split between the ranks, one for a model too
-    narrow to split (services/placement.py's rule)."""
-    from services.placement import narrow_model
+    narrow to split (services/runtime/placement.py's rule)."""
+    from services.runtime.placement import narrow_model
 
     if narrow_model(model_path):
         return 1
@@ -137,7 +137,7 @@ def run(prepared: Prepared, log: Any = print) -> dict[str, float]:
     import ray
 
     from services.driver.job import ensure_ray
-    from services.quiet import QUIET_ENV, quiet_transformers
+    from services.runtime.quiet import QUIET_ENV, quiet_transformers
     from trainer.reward_model_group import RewardModelGroup
 
     config, out = prepared.config, prepared.output_dir

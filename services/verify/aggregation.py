@@ -14,7 +14,7 @@ from trainer.verify import Layout
 
 if TYPE_CHECKING:
     from rollout.config import AdvantageConfig, RolloutConfig
-    from services.config import JobConfig
+    from services.config.job import JobConfig
 
 Echo = Callable[[str], None]
 
@@ -71,7 +71,7 @@ def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None
     import ray
 
     from services.driver.job import ensure_ray, job_model_path
-    from services.quiet import quiet_transformers
+    from services.runtime.quiet import quiet_transformers
     from services.verify.critic import critic_check
     from trainer.mini_batches import rollout_updates
     from trainer.verify import default_tolerance, format_rows, verify_layouts

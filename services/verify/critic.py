@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from rollout.batch import RolloutBatch
-    from services.config import JobConfig
+    from services.config.job import JobConfig
     from trainer.verify import CriticCheck, Layout
 
 

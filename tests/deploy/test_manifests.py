@@ -35,7 +35,7 @@ from jsonschema.protocols import Validator
 from packaging.requirements import Requirement
 from referencing import Registry, Resource
 
-from services.config import parse_job_config
+from services.config.job import parse_job_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -798,8 +798,8 @@ def test_gpu_lock_agrees_with_cpu_pins() -> None:
 def test_an_autoscaling_cluster_says_so_to_jobs_and_the_controller() -> None:
     """A cluster that grows on demand sets TALLY_CLUSTER_AUTOSCALES on its head (the job
     drivers run there and inherit it) and on the controller: a job larger than the alive
-    nodes then waits for the autoscaler instead of being refused (services/placement.py)."""
-    from services.placement import AUTOSCALING_ENV
+    nodes then waits for the autoscaler instead of being refused (services/runtime/placement.py)."""
+    from services.runtime.placement import AUTOSCALING_ENV
 
     cluster = one("RayCluster")
     assert cluster["spec"]["enableInTreeAutoscaling"]

@@ -29,7 +29,7 @@ def test_short_rl_run_megatron_with_sglang(ray_cluster: None, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch,
                                            temperature: float) -> None:
     # Imported here: collecting tests/gpu must work where Ray and the services are not.
-    from services.config import parse_job_config
+    from services.config.job import parse_job_config
     from services.driver.loop import RunningJob, run_job
 
     monkeypatch.setenv("TALLY_DATA_DIR", str(tmp_path / "data"))

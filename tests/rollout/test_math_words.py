@@ -20,7 +20,7 @@ from rollout.math_words import (
 )
 from rollout.rewards import RewardScorer
 from rollout.splits import split_of
-from services.config import ConfigError, parse_job_config
+from services.config.job import ConfigError, parse_job_config
 
 
 def _texts(problems: list[MathWordProblem]) -> list[str]:

@@ -22,8 +22,8 @@ from rollout.reward_config import part_kind
 from rollout.reward_parts import PART_TYPES, RewardShard, build_parts, start_reward_actors
 from rollout.reward_parts.base import PartScores, RewardPart
 from rollout.reward_parts.rewarder import Rewarder
-from services.config import JobConfig
-from services.placement import job_bundles, reward_bundles
+from services.config.job import JobConfig
+from services.runtime.placement import job_bundles, reward_bundles
 from tests.rollout.chat_server import ChatHandler, serving
 
 RESPONSES = ["abc", " abc\n", "it is 7", "\\boxed{4}", "4", "yes?"]

@@ -501,7 +501,7 @@ def test_an_adapter_sync_loads_a_peft_folder_and_requests_name_it(tiny_model_pat
 
 
 def test_launch_command_serves_lora_when_the_job_trains_adapters() -> None:
-    from services.config import parse_job_config
+    from services.config.job import parse_job_config
 
     job = parse_job_config("", ["rollout.engine.type=sglang", "trainer.lora.rank=8",
                                 "trainer.lora.target_modules=[q_proj, v_proj]"])

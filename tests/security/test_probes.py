@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from services.clients.training_split import merge_answers, split_data
 from services.controller.auth import session_token
 from services.controller.settings import Settings
 from services.sessions.server import create_app as session_app
-from services.training_split import merge_answers, split_data
 from tests.services.controller_fakes import api_client
 
 SESSION = {"config": {"rollout": {"model": "tiny"}}}

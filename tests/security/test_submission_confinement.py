@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from rollout.config_paths import marked_paths, path_kind
-from services.config import JobConfig
+from services.config.job import JobConfig
 from services.train_rm.config import RewardModelConfig as TrainRmConfig
 from tests.services.controller_fakes import api_client
 

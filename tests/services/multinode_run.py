@@ -16,7 +16,7 @@ import ray
 from ray.cluster_utils import Cluster
 from safetensors.torch import load_file
 
-from services.config import load_job_config
+from services.config.job import load_job_config
 from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.test_train import ROOT, SMALL
 
@@ -37,7 +37,7 @@ def gang_placement() -> dict:
     and gives up at its timeout; once the first is gone it fits."""
     from ray.util.placement_group import remove_placement_group
 
-    from services.placement import reserve_job
+    from services.runtime.placement import reserve_job
 
     demo = load_job_config(ROOT / "configs" / "demo.yaml", DEMO_OVERRIDES)
     first = reserve_job(demo, on_wait=lambda _: None, timeout_s=120)  # fits: placed

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import (
+from services.config.job import (
     ConfigError,
     ConfigProblem,
     JobConfig,
@@ -236,7 +236,7 @@ def test_greedy_sampling_cannot_be_trained() -> None:
 
 
 def test_preflight_names_a_missing_dataset_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.preflight import preflight
+    from services.runtime.preflight import preflight
 
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import` fails, installed or not
     config = parse_job_config("rollout: {dataset: {type: reasoning_gym, name: leg_counting}}\n")
@@ -258,7 +258,7 @@ def test_committed_json_schema_is_current() -> None:
 
 
 def test_generated_configuration_docs_are_current() -> None:
-    from services.config_docs import configuration_markdown
+    from services.config.docs import configuration_markdown
 
     committed = (ROOT / "docs" / "configuration.md").read_text()
     assert committed == configuration_markdown(), (
@@ -332,7 +332,7 @@ def test_a_setting_chosen_by_a_rule_is_said_and_inert_tis_is_warned() -> None:
 
 def test_yaml_dotted_keys_and_error_fields_have_one_home() -> None:
     """The helpers the controller's submission shares with the CLI's parsing."""
-    from services.config import error_field, load_yaml, set_dotted
+    from services.config.job import error_field, load_yaml, set_dotted
 
     assert load_yaml("a: &x 1\nb: *x\n") == {"a": 1, "b": 1} and load_yaml("  ") == {}
     with pytest.raises(ConfigError, match="<config>: YAML anchors and aliases"):
@@ -385,7 +385,7 @@ def test_an_explicit_empty_mapping_is_the_defaults(tmp_path: Path) -> None:
 def test_a_problem_of_the_whole_config_has_no_root_prefix() -> None:
     from pydantic import BaseModel, ValidationError, model_validator
 
-    from services.config_errors import validation_error
+    from services.config.errors import validation_error
 
     class Whole(BaseModel):
         @model_validator(mode="after")
@@ -421,7 +421,7 @@ def test_an_unknown_key_names_the_known_key_one_edit_away(text: str, field: str,
 
 
 def test_one_edit_is_the_damerau_levenshtein_distance_one() -> None:
-    from services.config_errors import did_you_mean, one_edit_apart
+    from services.config.errors import did_you_mean, one_edit_apart
 
     assert [one_edit_apart("lr", w) for w in ("lrr", "l", "lt", "rl", "lr", "lrrr")] == [
         True, True, True, True, False, False]

@@ -439,9 +439,9 @@ RAY_MESSAGE = ("Job entrypoint command failed with exit code 1, last available l
      "2026-01-01 10:00:00,000\tWARNING worker.py:1 -- shutting down\n",
      "ValueError: boom (exit code 1)"),
     ("Traceback (most recent call last):\n  File \"a.py\", line 1\n"
-     "services.config_errors.ConfigError: job.yaml: invalid job config\n"
+     "services.config.errors.ConfigError: job.yaml: invalid job config\n"
      "  rollout.dataset.path: Field required\n",
-     "services.config_errors.ConfigError: job.yaml: invalid job config; "
+     "services.config.errors.ConfigError: job.yaml: invalid job config; "
      "rollout.dataset.path: Field required (exit code 1)"),
     ("starting\nrollout.dataset.path: data.jsonl:17: missing field 'answer'\n",
      "rollout.dataset.path: data.jsonl:17: missing field 'answer' (exit code 1)"),
@@ -513,7 +513,7 @@ def test_one_problem_is_one_line_of_detail(api: TestClient) -> None:
 
 def test_submit_runs_the_checks_train_runs_and_answers_422(
         api: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    """services.preflight.preflight, as ``tally train`` runs it: here a dataset package
+    """services.runtime.preflight.preflight, as ``tally train`` runs it: here a dataset package
     that is not installed."""
     import sys
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.config import parse_job_config
+from services.clients.controller import ControllerSink, controller_sinks
+from services.config.job import parse_job_config
 from services.controller.app import create_app
-from services.controller_client import ControllerSink, controller_sinks
 from tests.services.controller_fakes import (
     FakeBackend,
     loopback_socket,
@@ -144,8 +144,8 @@ def test_controller_sinks_reports_the_error_of_a_failed_run(
 
 def test_a_reported_error_is_its_cause_in_one_line() -> None:
     """The job view says the cause once; the traceback stays in the job's log."""
-    from services.config import ConfigError, ConfigProblem
-    from services.controller_client import error_text
+    from services.clients.controller import error_text
+    from services.config.job import ConfigError, ConfigProblem
 
     try:
         raise RuntimeError("rank 0 died")
@@ -153,7 +153,7 @@ def test_a_reported_error_is_its_cause_in_one_line() -> None:
         assert error_text(err) == "RuntimeError: rank 0 died"
     several = ConfigError("job.yaml", [ConfigProblem("a", "x"), ConfigProblem("b", "y")],
                           "job.yaml: invalid job config\n  a: x\n  b: y")
-    assert error_text(several) == ("services.config_errors.ConfigError: job.yaml: invalid job "
+    assert error_text(several) == ("services.config.errors.ConfigError: job.yaml: invalid job "
                                    "config; a: x; b: y")
 
 

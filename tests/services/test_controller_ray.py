@@ -25,11 +25,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.clients.training import TrainingClient
 from services.controller.ray_head import LocalRayHead
 from services.controller.ray_jobs import RayJobBackend
 from services.controller.session_secret import KEY_FILE
 from services.sessions.server import SECRET_FILE, read_state
-from services.training_client import TrainingClient
 from tests.services.controller_fakes import (
     DEMO,
     DEMO_OVERRIDES,

@@ -16,10 +16,10 @@ import httpx
 import psutil
 import pytest
 
+from services.clients.training import TrainingClient, datum
 from services.controller.ray_head import dashboard_up, enable_ray_token_auth, processes_of
 from services.controller.ray_jobs import BackendUnavailable, RayJobBackend
 from services.controller.store import Store
-from services.training_client import TrainingClient, datum
 from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.test_controller_ray import DEMO, ControllerProcess, wait_job
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.config import ConfigError, parse_job_config
-from services.preflight import preflight
+from services.config.job import ConfigError, parse_job_config
+from services.runtime.preflight import preflight
 from tests.services.driver.clean_run import ROOT, CleanRun, assert_same_training
 
 CUSTOM = ["rollout.reward.type=custom"]

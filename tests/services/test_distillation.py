@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rollout.manager import RolloutManager
-from services.config import load_job_config
+from services.config.job import load_job_config
 from services.driver.evaluation import eval_metrics
 from services.driver.job import job_model_path
 from services.driver.loop import run_job

@@ -1,4 +1,4 @@
-"""The one error mapping (services/exit_codes.py) every ``tally`` command and
+"""The one error mapping (services/runtime/exit_codes.py) every ``tally`` command and
 ``python -m services.train`` answer through: a refused input is exit 2 with its line, a
 failed run exit 1, anything else a traceback; through the real commands, nothing
 started."""
@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from services.cli import app
 from services.cli.common import mapped
-from services.config_errors import ConfigError
+from services.config.errors import ConfigError
 from services.driver.loop import JobFailed
-from services.exit_codes import FAILED, REFUSED, Failed, Refused, exit_for
+from services.runtime.exit_codes import FAILED, REFUSED, Failed, Refused, exit_for
 from trainer.export_base import ExportError
 
 ROOT = Path(__file__).resolve().parents[2]

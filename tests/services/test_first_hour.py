@@ -25,9 +25,9 @@ import pytest
 from typer.testing import CliRunner
 
 from services.cli import app as cli
-from services.config import parse_job_config
+from services.config.job import parse_job_config
 from services.controller.app import create_app
-from services.preflight import preflight
+from services.runtime.preflight import preflight
 from tests.services.controller_fakes import FakeBackend, api_client, make_settings, serve_in_thread
 from tests.services.test_preflight import HINT, LABEL_FIX, NOT_ON_PATH
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from services.config import load_job_config, parse_job_config
-from services.placement import describe_shortfall, job_bundles, job_needs
+from services.config.job import load_job_config, parse_job_config
+from services.runtime.placement import describe_shortfall, job_bundles, job_needs
 from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.test_train import ROOT
 
@@ -34,7 +34,7 @@ def test_distillation_teachers_have_bundles_of_their_own_after_the_engines() -> 
 
 
 def test_reward_actors_have_bundles_after_the_teachers_and_before_the_critic() -> None:
-    from services.placement import JobPlacement
+    from services.runtime.placement import JobPlacement
 
     config = demo("rollout.teacher={model: tiny, num_cpus: 0.25}", "rollout.reward=["
                   "{type: exact_match}, {type: model, path: /rm, num_actors: 2, num_cpus: 0.5},"
@@ -43,7 +43,7 @@ def test_reward_actors_have_bundles_after_the_teachers_and_before_the_critic() -
                   " {type: judge, name: j, num_cpus: 2, num_gpus: 1}]")
     assert job_bundles(config) == [{"CPU": 0.75}, {"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.5},
                                    {"CPU": 0.5}, {"CPU": 2.0, "GPU": 1.0}]
-    from services.placement import fields_asking
+    from services.runtime.placement import fields_asking
 
     # named by the part that asks (its index in rollout.reward), not by its actor's
     assert fields_asking(config, "CPU")[-2:] == ["rollout.reward[1].num_cpus",
@@ -60,7 +60,7 @@ def test_the_demo_fits_a_default_two_cpu_head_and_a_job_too_big_is_named_at_once
     """``ray start --head`` on 2 cores offers 2 CPUs: the shipped demo fits it; a job
     larger than the whole cluster is refused with what it needs, what the cluster has and
     the fields to lower; ranks that fit the total but no one node are refused too."""
-    from services.placement import never_fits
+    from services.runtime.placement import never_fits
 
     two_cpus = [{"CPU": 2.0, "memory": 8e9}]
     assert never_fits(load_job_config(ROOT / "configs" / "demo.yaml"), two_cpus) is None
@@ -78,7 +78,7 @@ def test_the_demo_fits_a_default_two_cpu_head_and_a_job_too_big_is_named_at_once
 
 
 def test_threads_follow_the_phase_cores_and_set_values_win(tmp_path) -> None:
-    from services.placement import phase_threads
+    from services.runtime.placement import phase_threads
 
     wide, narrow = tmp_path / "wide", tmp_path / "narrow"
     for folder, hidden in ((wide, 576), (narrow, 64)):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from services.config import ConfigError, load_job_config
+from services.config.job import ConfigError, load_job_config
 from services.driver.loop import run_job
-from services.preflight import preflight
+from services.runtime.preflight import preflight
 from tests.services.driver.clean_run import ROOT, CleanRun, assert_same_training, rows
 
 EPS = 0.02

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from services.config import load_job_config
+from services.config.job import load_job_config
 from services.driver.loop import run_job
 from tests.services.driver.clean_run import CLEAN, ROOT, assert_resumes_exactly, rows
 from trainer.checkpoint import CRITIC_DIR

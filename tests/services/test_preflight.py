@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from rollout.plugins import check_object
-from services.config import ConfigError, parse_job_config
-from services.placement import check_local_head, starts_local_head
-from services.preflight import preflight
+from services.config.job import ConfigError, parse_job_config
+from services.runtime.placement import check_local_head, starts_local_head
+from services.runtime.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 HINT = ("save the model and its tokenizer there with save_pretrained, or make the folder "
@@ -211,7 +211,7 @@ def test_budgets_of_a_built_in_model_are_checked_against_its_context() -> None:
 
 def test_gpus_on_a_head_tally_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU here, whatever the machine
-    monkeypatch.setattr("services.placement.local_head_cpus", lambda config: 4)
+    monkeypatch.setattr("services.runtime.placement.local_head_cpus", lambda config: 4)
     start = time.monotonic()
     assert problem("trainer.num_gpus_per_rank=1", local_head=True) == (
         f"trainer.num_gpus_per_rank: 1 GPU per rank asked for, {NO_GPU}; set it to 0 or join "
@@ -265,8 +265,8 @@ def test_preflight_imports_neither_torch_nor_ray(tmp_path: Path) -> None:
     broken = jsonl(tmp_path, "d.jsonl", "{")
     code = (
         "import sys\n"
-        "from services.config import ConfigError, parse_job_config\n"
-        "from services.preflight import preflight\n"
+        "from services.config.job import ConfigError, parse_job_config\n"
+        "from services.runtime.preflight import preflight\n"
         "for overrides in (['trainer.num_gpus_per_rank=1'],\n"
         f"                  ['rollout.dataset.type=jsonl', 'rollout.dataset.path={broken}']):\n"
         "    try:\n"
@@ -421,8 +421,8 @@ def test_a_reward_model_that_is_no_local_folder_is_refused_offline(
     config = json.dumps({"rollout": {"reward": [{"type": "exact_match"}, part]}})
     code = (
         "import sys\n"
-        "from services.config import ConfigError, parse_job_config\n"
-        "from services.preflight import preflight\n"
+        "from services.config.job import ConfigError, parse_job_config\n"
+        "from services.runtime.preflight import preflight\n"
         "try:\n"
         f"    preflight(parse_job_config({config!r}))\n"
         "except ConfigError as err:\n"

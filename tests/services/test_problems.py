@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rollout.problems import Problem
-from services.config import ConfigProblem, load_job_config
-from services.config_errors import ConfigError
+from services.config.errors import ConfigError
+from services.config.job import ConfigProblem, load_job_config
 from services.controller.problems import unprocessable
 from services.controller.schemas import ValidationErrorOut
 from tests.services.controller_fakes import DEMO, DEMO_OVERRIDES, api_client

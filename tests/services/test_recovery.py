@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from services.config import load_job_config
+from services.config.job import load_job_config
 from services.driver.loop import JobFailed, RunningJob, run_job
 from tests.services.driver.clean_run import (
     CleanRun,

@@ -12,7 +12,7 @@ import torch
 import yaml
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from services.config import parse_job_config
+from services.config.job import parse_job_config
 from services.driver.loop import RunningJob, run_job
 from services.driver.samples import read_samples
 from services.driver.sinks import read_metrics

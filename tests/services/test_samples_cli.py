@@ -13,10 +13,10 @@ import httpx
 from typer.testing import CliRunner
 
 from services.cli import app
+from services.cli.samples import RESPONSE_CHARS, escaped, shortened
 from services.controller.app import create_app
 from services.driver.run_dir import CONFIG_FILE, SAMPLES_FILE
 from services.driver.samples import append_samples, read_samples
-from services.samples_cli import RESPONSE_CHARS, escaped, shortened
 from tests.services.controller_fakes import FakeBackend, make_settings, serve_in_thread
 from tests.services.driver.clean_run import CleanRun
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from services.training_client import TrainingAPIError, TrainingClient, datum
+from services.clients.training import TrainingAPIError, TrainingClient, datum
 from tests.services.controller_fakes import ROOT
 from tests.services.test_controller_ray import ControllerProcess, controller_on_own_head
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.config import load_job_config
+from services.config.job import load_job_config
 from services.driver.loop import RunningJob, run_job
 from services.driver.sinks import read_metrics
 

@@ -73,7 +73,7 @@ def test_the_environment_docs_example_fits_the_demo_model_as_written(
     from rollout.token_budget import model_context, prompt_budget
     from rollout.tokenizer import load_tokenizer
     from rollout.turns import TurnFormat
-    from services.config import load_job_config
+    from services.config.job import load_job_config
 
     config = load_job_config(tmp_path / "my-job.yaml", [])
     tokenizer = load_tokenizer(resolve_model_path("tiny"))
@@ -88,7 +88,7 @@ def test_a_session_sample_past_the_context_is_422_before_the_engine_is_touched()
     session's Ray parts are not needed to see it."""
     from types import SimpleNamespace
 
-    from services.config import parse_job_config
+    from services.config.job import parse_job_config
     from services.sessions.requests import Sample
     from services.sessions.runtime import SessionError, TrainingSession
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rollout.batch import RolloutBatch
-from services.config import load_job_config
+from services.config.job import load_job_config
 from services.driver.loop import run_job
 from services.driver.metrics import SPREAD_METRICS, rollout_metrics
 from services.train import main

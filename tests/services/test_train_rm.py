@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from services.cli import app
-from services.config_errors import ConfigError
+from services.config.errors import ConfigError
 from services.train_rm.config import load_reward_model_config, parse_reward_model_config
 
 ROOT = Path(__file__).resolve().parents[2]

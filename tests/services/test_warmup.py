@@ -10,8 +10,8 @@ import pytest
 
 from rollout.config import SyntheticDatasetConfig
 from rollout.tiny import create_tiny_checkpoint
-from services.config import WarmupConfig
-from services.warmup import warm_start
+from services.config.job import WarmupConfig
+from services.runtime.warmup import warm_start
 
 CONFIG = WarmupConfig(enabled=True, num_steps=3, batch_size=4)
 

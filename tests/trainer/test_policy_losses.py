@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 
 from rollout.plugins import PluginError
-from services.preflight import _check_policy_loss_class
+from services.runtime.preflight import _check_policy_loss_class
 from tests.trainer.helpers import random_train_batch
 from tests.trainer.policy_loss_plugins import ClippedPPO
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollout.tiny import create_tiny_checkpoint
-from services.config import load_job_config
+from services.config.job import load_job_config
 from services.verify.aggregation import parse_layouts, planted_by_layout, verify_aggregation
 from services.verify.critic import whitened_for_layout
 from tests.trainer.helpers import random_train_batch

@@ -3,7 +3,7 @@
 
 A user's class is imported only where it runs (the job's preflight and the trainer ranks)
 through rollout/plugins.py, the one loader of ``module:attr`` paths; the controller only
-locates it (services/preflight.py). It must subclass :class:`PolicyLoss`, so a config can
+locates it (services/runtime/preflight.py). It must subclass :class:`PolicyLoss`, so a config can
 never make the ranks call an arbitrary callable (``subprocess:Popen`` with ``kwargs``).
 """
 

@@ -36,7 +36,7 @@ how often it restarted."""
 
 def clean_config(*overrides: str) -> Any:
     """The clean job's config, with ``overrides`` on top."""
-    from services.config import load_job_config
+    from services.config.job import load_job_config
 
     return load_job_config(ROOT / "configs" / "demo.yaml", [*CLEAN, *overrides])
 

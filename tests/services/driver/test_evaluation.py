@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from rollout.manager import EvalOutcome, EvalRun
-from services.config import ConfigError, parse_job_config
+from services.config.job import ConfigError, parse_job_config
 from services.driver.config import EvalConfig
 from services.driver.evaluation import (
     Evaluation,

@@ -1,5 +1,5 @@
 """Where a job's actors go on one node: the placement strategy of ``trainer.allow_cross_node``
-(services/placement.py for a job's group, trainer/group.py for a group of ranks alone).
+(services/runtime/placement.py for a job's group, trainer/group.py for a group of ranks alone).
 Ranks on two nodes — the refusal after placement, PACK spreading them — need a second
 node: tests/services/test_multinode.py's cluster."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
-from services.config import load_job_config
-from services.placement import reserve_job
+from services.config.job import load_job_config
+from services.runtime.placement import reserve_job
 from tests.services.controller_fakes import DEMO_OVERRIDES
 from tests.services.driver.clean_run import ROOT
 from trainer.group import TrainerGroup

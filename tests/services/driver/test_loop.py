@@ -16,7 +16,7 @@ import ray
 import torch
 
 from rollout.batch import RolloutBatch
-from services.config import load_job_config
+from services.config.job import load_job_config
 from services.driver.job import job_model_path
 from services.driver.loop import RunningJob, run_job, train_optimizer_steps
 from services.driver.metrics import optimizer_steps_summary

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from services.config import ConfigError
+from services.config.job import ConfigError
 from services.driver.checkpoint import link_latest, plan_resume
 from services.driver.loop import failure
 from services.driver.run_dir import RunDir

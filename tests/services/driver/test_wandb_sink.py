@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from services.config import ConfigError, parse_job_config
+from services.config.job import ConfigError, parse_job_config
 from services.driver.sinks import JsonlSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 

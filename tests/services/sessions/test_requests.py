@@ -200,7 +200,7 @@ def test_models_refuse_unknown_fields_and_a_misplaced_divisor() -> None:
 
 
 def test_the_client_datum_carries_per_token_advantages_and_fractional_weights() -> None:
-    from services.training_client import datum
+    from services.clients.training import datum
 
     item = datum([5, 6], [7, 8, 9], advantage=[0.5, -1.0, 2.0], logprobs=[-1.0, -2.0, -3.0],
                  weights=[1.0, 0.25, 0.5])

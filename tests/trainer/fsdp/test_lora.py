@@ -169,8 +169,8 @@ def test_merged_export_and_the_adapter_folder_compute_the_adapted_models_logits(
 def test_bad_lora_settings_name_their_field(tiny_model: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from services.config import parse_job_config
-    from services.config_errors import ConfigError
+    from services.config.errors import ConfigError
+    from services.config.job import parse_job_config
     from trainer.lora import LoraTargetError, check_targets
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -193,7 +193,7 @@ def test_bad_lora_settings_name_their_field(tiny_model: str) -> None:
         assert said in str(err.value)
     job = parse_job_config("", ["trainer.lora.rank=8", "colocate=true"])
     assert job.weight_transport() == "object_store"  # adapters go to engine actors
-    from services.preflight import preflight  # before Ray starts: nothing is started
+    from services.runtime.preflight import preflight  # before Ray starts: nothing is started
 
     with pytest.raises(ConfigError, match=r"trainer.lora.target_modules: qkv is not a "
                                           r"Linear module of qwen2 models"):

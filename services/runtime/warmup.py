@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from rollout.config import SyntheticDatasetConfig
 from rollout.tasks import iter_task_examples
 from rollout.tokenizer import encode_completion, encode_prompt, load_tokenizer
-from services.config import WarmupConfig
+from services.config.job import WarmupConfig
 
 
 def _cache_key(model_path: str, dataset: SyntheticDatasetConfig, config: WarmupConfig) -> str:

@@ -30,8 +30,8 @@ from rollout.config import (
     SyntheticDatasetConfig,
 )
 from rollout.config_paths import OUTPUT
-from services.config_errors import ConfigError, ConfigProblem, validation_error
-from services.config_errors import error_field as error_field  # where the controller finds it
+from services.config.errors import ConfigError, ConfigProblem, validation_error
+from services.config.errors import error_field as error_field  # where the controller finds it
 from services.driver.config import EvalConfig, LoggingConfig
 from trainer.config import (
     LORA_ALL_LINEAR,

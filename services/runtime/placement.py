@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout.engines import engine_actor_options
-from services.config import ConfigError, ConfigProblem, JobConfig
+from services.config.job import ConfigError, ConfigProblem, JobConfig
 
 if TYPE_CHECKING:  # Ray is imported where a group is made: the controller counts needs only
     from ray.util.placement_group import PlacementGroup

@@ -9,7 +9,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel
 
-from services.config import JobConfig
+from services.config.job import JobConfig
 
 HEADER = """# Job configuration reference
 

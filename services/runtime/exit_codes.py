@@ -25,7 +25,7 @@ class Failed(Exception):
 
 
 REFUSED_ERRORS = {
-    ("services.config_errors", "ConfigError"): "",  # its own lines, each naming a field
+    ("services.config.errors", "ConfigError"): "",  # its own lines, each naming a field
     ("trainer.export_base", "ExportError"): "error: ",
     ("rollout.pretrained", "ModelImportError"): "error: ",
 }

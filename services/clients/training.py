@@ -23,7 +23,7 @@ id once and answers a repeat with the first answer. A ``forward_backward`` (or
 ``forward``) whose body is over the controller's ``server.max_request_bytes`` (learned
 from the ``x-tally-max-request-bytes`` header of any answer, or from a 413) is sent as
 several calls, whole groups under prompt_mean, which give the same step
-(services/training_split.py); the answer is merged (``metrics.parts``: how many).
+(services/clients/training_split.py); the answer is merged (``metrics.parts``: how many).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from services.training_split import merge_answers, part_body, split_data
+from services.clients.training_split import merge_answers, part_body, split_data
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -34,9 +34,9 @@ from rollout.pretrained import (
     tokenizer_vocabulary,
 )
 from rollout.reward_parts import RewardPart, build_parts
-from services.config import ConfigError, ConfigProblem, JobConfig
+from services.config.job import ConfigError, ConfigProblem, JobConfig
 from services.driver.wandb_sink import check_wandb_available
-from services.placement import check_local_head
+from services.runtime.placement import check_local_head
 from trainer.config import POLICY_LOSS_CLASS_PATH_FIELD, LossConfig
 
 # No hub call, ever: a name that is no local folder is refused by the checks below
@@ -56,7 +56,7 @@ def preflight(config: JobConfig, local_head: bool = False,
     only in part (a dataset file too large to read whole in the time allowed).
 
     ``local_head``: the job runs on a Ray head started here (``tally train`` without
-    ``--address`` / ``RAY_ADDRESS``; services.placement.starts_local_head), so a job that
+    ``--address`` / ``RAY_ADDRESS``; services.runtime.placement.starts_local_head), so a job that
     head could never place is refused instead of waiting forever. Never at submit: a
     cluster's nodes may still join.
 
