@@ -21,10 +21,12 @@ Echo = Callable[[str], None]
 
 def needs_reward_spread(advantage: AdvantageConfig) -> bool:
     """Whether a group whose rewards are all equal gets advantage 0 (a group baseline:
-    grpo, reinforce_pp, …), so the verifier wants spread in its rollout. The one place the
-    verifier asks an estimator by name: switch it to the estimator's own
-    ``needs_reward_spread`` once rollout/advantages declares it for every type."""
-    return advantage.type != "reward"
+    grpo, reinforce_pp, …), so the verifier wants spread in its rollout: the estimator
+    says so itself (``needs_reward_spread``, rollout/advantages/base.py), a user's class
+    included; the verifier never asks by name."""
+    from rollout.advantages.registry import estimator_class
+
+    return estimator_class(advantage).needs_reward_spread
 
 
 def spread_rollout(rollout: RolloutConfig) -> RolloutConfig:
@@ -70,7 +72,8 @@ def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None
     errors its ranks make} (a test's; trainer/planted.py)."""
     import ray
 
-    from services.driver.job import ensure_ray, job_model_path
+    from services.driver.job import job_model_path
+    from services.runtime.gang import ensure_ray
     from services.runtime.quiet import quiet_transformers
     from services.verify.critic import critic_check
     from trainer.mini_batches import rollout_updates

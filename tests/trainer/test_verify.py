@@ -269,6 +269,23 @@ def test_planted_errors_are_refused_where_they_would_plant_nothing() -> None:
                        layouts, planted={"dp2cp2": parse_planted("kl")})
 
 
+def test_the_verifier_asks_the_estimator_whether_it_needs_reward_spread() -> None:
+    """The verifier's rollout turns dynamic sampling on for an estimator that declares
+    ``needs_reward_spread`` (a group baseline, a user's class too), and leaves the
+    rollout alone for one that does not (reward, gae, distill): no type names."""
+    from rollout.config import RolloutConfig
+    from services.verify.aggregation import needs_reward_spread, spread_rollout
+
+    toy = {"type": "custom", "class_path": "tests.rollout.toy_estimators:DrGRPO"}
+    spread = {"grpo": True, "reinforce_pp": True, "reward": False, "gae": False}
+    for name, advantage in [*((t, {"type": t}) for t in spread), ("custom", toy)]:
+        rollout = RolloutConfig.model_validate({"advantage": advantage})
+        wanted = spread.get(name, True)
+        assert needs_reward_spread(rollout.advantage) is wanted, name
+        drawn = spread_rollout(rollout).dynamic_sampling
+        assert (drawn.enabled, drawn.max_draws) == ((True, 8) if wanted else (False, 4)), name
+
+
 @pytest.mark.parametrize(("error", "terms"), [("shard_coefficient", ("pg", "kl", "entropy")),
                                               ("entropy_coefficient", ("entropy",))])
 def test_a_planted_coefficient_error_moves_one_sample_of_the_shard(
