@@ -141,9 +141,8 @@ def evaluate_checkpoint(config: JobConfig, checkpoint: str | Path,
 
     import ray
 
-    from rollout.manager import RolloutManagerActor
-    from services.driver.job import ensure_ray
-    from services.runtime.quiet import QUIET_ENV, quiet_transformers
+    from services.runtime.gang import Gang, Roles, ray_started
+    from services.runtime.quiet import quiet_transformers
     from trainer.checkpoint import checkpoint_step
     from trainer.checkpoint_check import unreadable
     from trainer.export import ExportError, export_checkpoint
@@ -153,19 +152,14 @@ def evaluate_checkpoint(config: JobConfig, checkpoint: str | Path,
         raise ExportError(f"{checkpoint}: not a readable checkpoint ({reason})")
     version = checkpoint_step(folder) + 1
     quiet_transformers()
+    eval_config = config.eval
+    # the engines, reward actors and manager only: no ranks, so nothing is placed
+    roles = Roles(engines=True, reward_actors=True, manager=True, place=False)
     with tempfile.TemporaryDirectory(prefix="tally-eval-") as tmp:
         model_path = str(export_checkpoint(folder, Path(tmp) / "model"))
-        started = ensure_ray(os.cpu_count() or 1)
-        try:
-            manager = RolloutManagerActor.options(runtime_env={"env_vars": QUIET_ENV}).remote(
-                config.rollout, model_path)
-            eval_config = config.eval
-            run = ray.get(manager.evaluate.remote(
+        with ray_started(os.cpu_count() or 1), Gang(config, model_path, roles) as gang:
+            run = ray.get(gang.manager.evaluate.remote(
                 config.eval_dataset(), eval_config.num_prompts, eval_config.num_samples,
                 eval_config.temperature or config.rollout.sampling.temperature, version))
-            ray.get(manager.shutdown.remote())
-        finally:
-            if started:
-                ray.shutdown()
     log(f"evaluated {folder.name} (weight version {version})")
     return {**eval_metrics(run.outcomes, eval_config), "eval/weight_version": float(version)}

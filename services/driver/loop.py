@@ -38,13 +38,7 @@ from rollout.batch import RolloutBatch
 from services.config.job import JobConfig
 from services.driver import checkpoint
 from services.driver.evaluation import Evaluation
-from services.driver.job import (
-    JobActors,
-    driver_threads,
-    ensure_ray,
-    job_model_path,
-    with_threads,
-)
+from services.driver.job import driver_threads, job_model_path, job_roles, with_threads
 from services.driver.metrics import (
     LearningSignalWatch,
     Progress,
@@ -59,6 +53,7 @@ from services.driver.samples import append_samples, with_advantages
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 from services.driver.weight_sync import WeightSync, transport_for
+from services.runtime.gang import Gang, ensure_ray
 from services.runtime.placement import PlacementFailed, local_head_cpus, refuse_if_never_fits
 from services.runtime.preflight import preflight
 from services.runtime.quiet import quiet_transformers
@@ -78,7 +73,7 @@ class RunningJob:
 
     config: JobConfig
     run_dir: RunDir
-    actors: JobActors
+    actors: Gang
     pipeline: RolloutPipeline
     weights: WeightSync
     evaluation: Evaluation
@@ -93,7 +88,9 @@ class RunningJob:
     @classmethod
     def start(cls, config: JobConfig, run_dir: RunDir, model_path: str,
               log: Callable[[str], None] = print) -> RunningJob:
-        actors = JobActors(config, run_dir, model_path, log)
+        actors = Gang(config, model_path, job_roles(config, model_path),
+                      on_wait=lambda message: (log(message),
+                                               run_dir.write_event("waiting", message)))
         manager, call = actors.manager, actors.rollout_call
         evals = JsonlSink(run_dir.path, EVAL_FILE)
         return cls(
@@ -335,7 +332,7 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
         job = None
         try:
             job = RunningJob.start(config, run_dir, model_path, log)
-            run_dir.write_event("placement", job.actors.placement())
+            run_dir.write_event("placement", job.actors.describe_placement())
             start, progress = restore(job, resume_from, log), Progress(config.num_steps)
             log(f"job {config.name}: rollout steps {start}..{config.num_steps - 1}, "
                 f"mode={config.aggregation.mode}, dp={config.trainer.dp_size} "

@@ -1,20 +1,56 @@
-"""The gang: the one place Ray is started and a program's actors are started and stopped.
+"""The gang: the one place Ray is started, and where a program's actors are started and
+stopped. A job, a session, ``train-rm`` and ``tally eval`` each say which roles they need
+(:class:`Roles`) and run with the :class:`Gang` that holds them.
 
-    ensure_ray ─► Gang(config, roles) ─► reserve_job (one placement group, job_bundles)
-                  ─► engines · teachers · reward actors · manager · trainer · critic
-                  ─► run(gang) ─► close()  (stops exactly what it started, alive or dead)
+    ensure_ray ─► Gang(config, model_path, roles)
+                    reserve_job (one placement group: placement.job_bundles, the one
+                    admission rule) ─► teachers · reward actors · engines (loading now)
+                    ─► rollout manager (handed its actors; it starts none)
+                    ─► policy ranks (load meanwhile) ─► critic ranks
+                  ─► run(gang) ─► gang.close(): stops exactly what it started, alive or dead
+
+Every actor started is registered in one ExitStack, so a failure halfway through start-up
+stops exactly what was started. Every start is counted (:func:`count_starts`; with
+``TALLY_COUNT_ACTOR_STARTS=<file>`` one line per actor, its role, appended to that file):
+that is how the suite's actor starts are counted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from services.runtime.quiet import QUIET_ENV
+
+if TYPE_CHECKING:
+    from rollout.config import RolloutConfig
+    from services.config.job import JobConfig
+    from services.runtime.placement import JobPlacement
+
+ACTOR_STARTS_ENV = "TALLY_COUNT_ACTOR_STARTS"
+"""A file to which every actor start appends one line (its role): set it to count them."""
+
+actor_starts: Counter[str] = Counter()
+"""Actors started by this process, by role."""
+
+
+def count_starts(role: str, count: int = 1) -> None:
+    """Count ``count`` actors of ``role`` started (and log them where ACTOR_STARTS_ENV says)."""
+    if count <= 0:
+        return
+    actor_starts[role] += count
+    if path := os.environ.get(ACTOR_STARTS_ENV):
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(f"{role}\n" * count)
 
 
 def ensure_ray(num_cpus: int) -> bool:
@@ -75,3 +111,262 @@ def _drop_token_auth_notice() -> None:
     logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if not any(isinstance(f, _TokenAuthNotice) for f in logger.filters):
         logger.addFilter(_TokenAuthNotice())
+
+
+@contextlib.contextmanager
+def ray_started(num_cpus: int) -> Iterator[bool]:
+    """Ray for the block (:func:`ensure_ray`), shut down after if this process started
+    it; yields whether it did."""
+    started = ensure_ray(num_cpus)
+    try:
+        yield started
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _kill_all(actors: list[Any]) -> None:
+    for actor in actors:
+        ray.kill(actor)
+
+
+@dataclass
+class RolloutActors:
+    """The actors a rollout manager is handed: engines, teachers, reward actors."""
+
+    engines: list[Any] = field(default_factory=list)
+    teachers: list[Any] = field(default_factory=list)
+    reward_actors: dict[str, list[Any]] = field(default_factory=dict)
+
+    def all(self) -> list[Any]:
+        return [*self.engines, *self.teachers,
+                *(actor for actors in self.reward_actors.values() for actor in actors)]
+
+    def stop(self) -> None:
+        """Kill every one of them (dead or alive: a kill of a dead actor is a no-op)."""
+        _kill_all(self.all())
+
+
+def _resolve(model: str) -> str:
+    from rollout.tiny import resolve_model_path
+    from services.driver.run_dir import data_dir
+
+    return resolve_model_path(model, data_dir() / "models")
+
+
+def start_engines(config: RolloutConfig, model_path: str,
+                  options: list[dict[str, Any]] | None = None) -> list[Any]:
+    """``config.engine``'s engine actors (rollout/manager.start_engines), counted."""
+    from rollout.manager import start_engines as start
+
+    engines = start(config, model_path, options or None)
+    count_starts("engine", len(engines))
+    return engines
+
+
+def start_teachers(config: RolloutConfig, options: list[dict[str, Any]] | None = None
+                   ) -> list[Any]:
+    """The distillation teachers of ``config`` (rollout/teacher.py), counted; [] without one."""
+    from rollout.manager import start_teachers as start
+
+    if config.distillation is None:
+        return []
+    teachers = start(config.distillation, _resolve(config.distillation.model), options or None)
+    count_starts("teacher", len(teachers))
+    return teachers
+
+
+def start_reward_actors(config: RolloutConfig, options: list[dict[str, Any]] | None = None
+                        ) -> dict[str, list[Any]]:
+    """The reward models' and judges' actors by part name, counted; {} with rules only."""
+    from rollout.reward_parts import start_reward_actors as start
+
+    actors = start(config.reward_parts, _resolve, options)
+    for name, group in actors.items():
+        count_starts(f"reward:{name}", len(group))
+    return actors
+
+
+def start_rollout_actors(config: RolloutConfig, model_path: str, *, engines: bool = True,
+                         teachers: bool = True, rewards: bool = True) -> RolloutActors:
+    """The rollout actors of ``config``, where Ray puts them (no placement group): for a
+    program or test that places no gang but hands a rollout manager its actors. They start
+    together and load meanwhile; ``RolloutActors.stop`` (or the manager's ``shutdown``, with
+    ``owns_engines``) stops them. On a failure halfway, those started are killed."""
+    actors = RolloutActors()
+    try:
+        actors.teachers = start_teachers(config) if teachers else []
+        actors.reward_actors = start_reward_actors(config) if rewards else {}
+        actors.engines = start_engines(config, model_path) if engines else []
+    except BaseException:
+        actors.stop()
+        raise
+    return actors
+
+
+GroupFactory = Callable[["JobPlacement | None"], Any]
+"""Builds a rank group (``trainer.group``'s kind: ``.workers``, ``.shutdown()``) in the
+gang's placement (its ``.group``, and the critic's ``critic_first_bundle``; None: Ray
+places its ranks)."""
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What a program asks its gang for."""
+
+    policy: GroupFactory | None = None
+    """The trained group (policy ranks; the reward model's under train-rm); None: none."""
+    critic: GroupFactory | None = None
+    """The critic's ranks (PPO), built after the policy's in the critic's bundles."""
+    engines: bool = False
+    engines_on_ranks: bool = False
+    """The colocated fast path: the policy's ranks become the engines (its group's
+    ``start_engines``), so no engine actor starts."""
+    teachers: bool = False
+    reward_actors: bool = False
+    manager: bool = False
+    """The rollout manager, handed the gang's engines, teachers and reward actors."""
+    place: bool = True
+    """Reserve the job's bundles (placement.reserve_job) and start each actor in its own;
+    False (a program with no trainer ranks, or no JobConfig): Ray places each actor."""
+
+
+class Gang:
+    """The running actors of one program: started once, stopped together by :meth:`close`."""
+
+    def __init__(self, config: JobConfig | None, model_path: str, roles: Roles,
+                 on_wait: Callable[[str], None] = print) -> None:
+        """``config``: the job's (threads resolved); None only for a program that places
+        nothing and starts only its ``policy`` group (train-rm). ``on_wait``: told while
+        the placement group waits for resources."""
+        self.config, self.model_path, self.roles = config, model_path, roles
+        self.placement: JobPlacement | None = None
+        self.rollout = RolloutActors()
+        self.manager: Any = None
+        self.trainer: Any = None
+        self.critic: Any = None
+        with contextlib.ExitStack() as started:
+            self._place(started, on_wait)
+            self._start_rollout(started)
+            if roles.policy is not None:
+                self.trainer = self._start_group("policy", roles.policy, started)
+            if roles.critic is not None:
+                self.critic = self._start_group("critic", roles.critic, started)
+            if roles.engines_on_ranks:
+                self._start_on_ranks(started)
+            self._started = started.pop_all()
+
+    @property
+    def engines(self) -> list[Any]:
+        return self.rollout.engines
+
+    @property
+    def teachers(self) -> list[Any]:
+        return self.rollout.teachers
+
+    @property
+    def reward_actors(self) -> dict[str, list[Any]]:
+        return self.rollout.reward_actors
+
+    def _place(self, started: contextlib.ExitStack, on_wait: Callable[[str], None]) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        from services.runtime.placement import reserve_job
+
+        if not self.roles.place:
+            return
+        assert self.config is not None, "placing a gang needs its job config"
+        self.placement = reserve_job(self.config, on_wait=on_wait)
+        started.callback(remove_placement_group, self.placement.group)
+
+    def _options(self, name: str) -> list[dict[str, Any]] | None:
+        return getattr(self.placement, name) if self.placement is not None else None
+
+    def _start_rollout(self, started: contextlib.ExitStack) -> None:
+        """Teachers, reward actors and (not colocated) engines, then the manager: they
+        load beside the ranks that start after."""
+        roles, rollout = self.roles, self.rollout
+        if not (roles.teachers or roles.reward_actors or roles.engines or roles.manager):
+            return
+        assert self.config is not None, "rollout actors need the job config"
+        config = self.config.rollout
+        if roles.teachers:
+            rollout.teachers = start_teachers(config, self._options("teacher_options"))
+            started.callback(_kill_all, rollout.teachers)
+        if roles.reward_actors:
+            rollout.reward_actors = start_reward_actors(config,
+                                                        self._options("reward_options"))
+            started.callback(rollout.stop)  # teachers and engines again: a kill is idempotent
+        if roles.engines and not roles.engines_on_ranks:
+            rollout.engines = start_engines(config, self.model_path,
+                                            self._options("engine_options"))
+            started.callback(_kill_all, rollout.engines)  # the manager's shutdown first
+        if roles.manager and not roles.engines_on_ranks:
+            self.manager = self._start_manager(owns_engines=True)
+            started.callback(self._stop_manager)
+
+    def _start_manager(self, owns_engines: bool) -> Any:
+        from rollout.manager import RolloutManagerActor
+
+        assert self.config is not None
+        options = self.placement.manager_options() if self.placement is not None else {}
+        manager = RolloutManagerActor.options(runtime_env={"env_vars": QUIET_ENV}, **options)
+        count_starts("manager")
+        return manager.remote(self.config.rollout, self.model_path, engines=self.engines,
+                              owns_engines=owns_engines, teachers=self.teachers,
+                              reward_actors=self.reward_actors,
+                              samples_per_step=self.config.logging.samples_per_step)
+
+    def _start_group(self, role: str, build: GroupFactory, started: contextlib.ExitStack
+                     ) -> Any:
+        group = build(self.placement)
+        started.callback(group.shutdown)
+        count_starts(role, len(group.workers))
+        return group
+
+    def _start_on_ranks(self, started: contextlib.ExitStack) -> None:
+        """The colocated fast path: ranks 0 … E−1 serve as the engines, then the manager."""
+        assert self.config is not None and self.trainer is not None
+        config = self.config.rollout
+        self.rollout.engines = self.trainer.start_engines(
+            config.engine, config.tokenizer, config.engine.num_engines,
+            not config.async_steps)
+        if self.roles.manager:
+            self.manager = self._start_manager(owns_engines=False)
+            # Killed, not asked: its engines are the ranks, and a call would queue behind
+            # a rollout waiting on a rank that may be stuck.
+            started.callback(ray.kill, self.manager)
+
+    def rollout_call(self, ref: ray.ObjectRef, verb: str) -> Any:
+        """The rollout manager's answer; past rollout.call_timeout_s a TimeoutError, which
+        restarts the job from its last checkpoint like a stuck trainer call."""
+        assert self.config is not None
+        timeout = self.config.rollout.call_timeout_s
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"rollout {verb} took longer than rollout.call_timeout_s="
+                               f"{timeout:g} s") from None
+
+    def describe_placement(self) -> str:
+        """Where each actor landed, for the job's log and events."""
+        engine_nodes = self.rollout_call(self.manager.engine_nodes.remote(), "engine_nodes")
+        return (f"trainer ranks on nodes {[n[:8] for n in self.trainer.worker_nodes()]}; "
+                f"rollout engines on nodes {[n[:8] for n in engine_nodes]}")
+
+    def _stop_manager(self) -> None:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.manager.shutdown.remote(), timeout=60)
+        ray.kill(self.manager)
+
+    def close(self) -> None:
+        """Stop every actor of the gang, dead or alive, without waiting on a stuck one
+        (ranks first: a rank stuck in a collective is killed, not asked), then free its
+        bundles. A second call does nothing."""
+        self._started.close()
+
+    def __enter__(self) -> Gang:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

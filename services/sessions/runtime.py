@@ -13,7 +13,6 @@ the sum of the calls' parts, applied once when the step is taken
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import threading
 import time
@@ -24,11 +23,11 @@ from typing import Any
 import ray
 import torch
 
-from rollout.engines import engine_actor_options, engine_class
 from rollout.problems import Problem, problems_detail
 from services.config.job import JobConfig
 from services.driver.run_dir import CHECKPOINTS_DIR
-from services.runtime.placement import reserve_job
+from services.runtime.gang import Gang, Roles
+from services.runtime.placement import JobPlacement
 from services.sessions.group import CallUndone, GradientsLost, SessionGroup
 from services.sessions.replay import RecentCalls
 from services.sessions.requests import (
@@ -85,29 +84,39 @@ def loss_for(base: LossConfig, loss_fn: str) -> LossConfig:
     return base.model_copy(update=update)
 
 
+def session_objective(config: JobConfig) -> ObjectiveConfig:
+    """The objective a session's ranks start with (each call says its own mode)."""
+    return ObjectiveConfig(pg=AggregationConfig(mode="sample_mean"),
+                           temperature=config.rollout.sampling.temperature)
+
+
+def session_roles(config: JobConfig, model_path: str, folder: Path) -> Roles:
+    """A session's gang: its trainer ranks (SessionGroup) and one engine (the controller
+    sets ``rollout.engine.num_engines: 1``), which loads while the ranks do."""
+    def policy(placement: JobPlacement | None) -> SessionGroup:
+        return SessionGroup(config.trainer, session_objective(config), model_path,
+                            total_steps=1, placement=placement and placement.group,
+                            name=f"tally-session-{folder.name}")
+
+    return Roles(policy=policy, engines=True)
+
+
 class TrainingSession:
-    def __init__(self, config: JobConfig, model_path: str, folder: Path) -> None:
-        """Reserve the gang (trainer ranks and one engine), start them; ``folder`` holds
-        saves and checkpoints."""
-        self.config, self.model_path, self.folder = config, model_path, folder
-        self.temperature = config.rollout.sampling.temperature
-        self.objective = ObjectiveConfig(pg=AggregationConfig(mode="sample_mean"),
-                                         temperature=self.temperature)
+    def __init__(self, gang: Gang, folder: Path) -> None:
+        """Drive ``gang`` (:func:`session_roles`, started); ``folder`` holds saves and
+        checkpoints."""
+        assert gang.config is not None
+        self.gang, self.config, self.model_path = gang, gang.config, gang.model_path
+        self.folder = folder
+        self.temperature = self.config.rollout.sampling.temperature
+        self.objective = session_objective(self.config)
         self.lock = threading.Lock()
-        self.gang = reserve_job(config, on_wait=print)
-        engine = config.rollout.engine
-        actor = ray.remote(engine_class(engine))
-        # the engine loads while the trainer ranks do (the group waits for its setup)
-        self.engine = actor.options(**{**engine_actor_options(engine),
-                                       **self.gang.engine_options[0]}
-                                    ).remote(engine, model_path, config.rollout.tokenizer, 0)
-        self.trainer = SessionGroup(config.trainer, self.objective, model_path,
-                                    total_steps=1, placement=self.gang.group,
-                                    name=f"tally-session-{folder.name}")
+        self.engine = gang.engines[0]
+        self.trainer: SessionGroup = gang.trainer
         ray.get(self.engine.ping.remote())
         from transformers import AutoConfig
 
-        self.vocab_size = int(AutoConfig.from_pretrained(model_path).vocab_size)
+        self.vocab_size = int(AutoConfig.from_pretrained(self.model_path).vocab_size)
         self.step = 0
         self.engine_version = 0
         self.tokens = 0
@@ -323,13 +332,8 @@ class TrainingSession:
                 "model": self.config.rollout.model}
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            ray.kill(self.engine)
-        self.trainer.shutdown()
-        from ray.util.placement_group import remove_placement_group
-
-        with contextlib.suppress(Exception):
-            remove_placement_group(self.gang.group)
+        """Stop the session's gang: its ranks, its engine, its bundles."""
+        self.gang.close()
 
 
 SUMMED = ("pg_loss", "kl", "entropy", "valid_tokens")

@@ -41,7 +41,7 @@ from rollout.problems import Problem, problems_body
 from services.driver.run_dir import CONFIG_FILE  # a session's folder: a job's names
 from services.sessions.replay import ReplayConflict, call_digest
 from services.sessions.requests import ForwardBackward, OptimStep, Sample, Save
-from services.sessions.runtime import SessionError, TrainingSession
+from services.sessions.runtime import SessionError, TrainingSession, session_roles
 
 SESSION_FILE = "session.json"
 SECRET_FILE = ".secret"
@@ -234,7 +234,8 @@ def serve(folder: Path) -> int:
     import uvicorn
 
     from services.config.job import JobConfig
-    from services.driver.job import ensure_ray, job_model_path, with_threads
+    from services.driver.job import job_model_path, with_threads
+    from services.runtime.gang import Gang, ensure_ray
 
     config = JobConfig.model_validate_json(read_inside(folder, CONFIG_FILE))
     secret = take_secret(folder)
@@ -243,7 +244,12 @@ def serve(folder: Path) -> int:
     model_path = job_model_path(config)
     config = with_threads(config, model_path)
     write_state(folder, {"state": "starting", "pid": os.getpid()})
-    session = TrainingSession(config, model_path, folder)
+    gang = Gang(config, model_path, session_roles(config, model_path, folder))
+    try:
+        session = TrainingSession(gang, folder)
+    except BaseException:
+        gang.close()
+        raise
     listener, host = listen(node_address(), os.environ.get(ADVERTISE_ENV) or None)
     listener.listen(128)  # before "ready" is written: an early call waits in the backlog
     server: uvicorn.Server | None = None

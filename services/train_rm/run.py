@@ -3,7 +3,8 @@
     config ─► prepare: the config, the model folder, both pair files read and tokenized
               (rollout/reward_text.py); any problem is one line, exit 2, nothing started
            ─► Ray (the cluster at RAY_ADDRESS, else a local head we stop at the end)
-           ─► RewardModelGroup: DP ranks of FSDPRewardModelWorker (trainer/)
+           ─► a Gang (services/runtime/gang.py) of one role, the RewardModelGroup:
+              DP ranks of FSDPRewardModelWorker (trainer/)
                  each step: P pairs ─► plan (whole pairs to ranks, micro-batches)
                             ─► −(1/P) Σ log σ(r⁺ − r⁻), gradients summed, AdamW step
                  every eval_every steps and at the end: held-out scores ─► eval/*
@@ -16,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,28 +115,28 @@ def rank_threads(model_path: str, world_size: int) -> int:
 
 def train_rm_from_cli(config_path: str | Path, overrides: list[str] | None = None,
                       output_dir: Path | None = None) -> int:
-    """Prepare (a problem: one line on stderr, exit code 2), then run: 0 when done; a
-    rank that dies or a call past its timeout ends the run with one line, exit code 1."""
+    """Prepare, then run: 0 when done. What goes wrong is raised for the one mapping
+    (services/runtime/exit_codes.py, behind every ``tally`` command): a problem in the
+    config or data is Refused (its line, exit code 2, nothing started); a rank that dies
+    or a call past its timeout is Failed (one line, exit code 1)."""
+    from services.runtime.exit_codes import Failed, Refused
+
     try:
         prepared = prepare(config_path, overrides or [], output_dir)
-    except (ConfigError, PreferenceDataError) as err:
-        print(err, file=sys.stderr)
-        return 2
+    except PreferenceDataError as err:  # a ConfigError the mapping knows itself
+        raise Refused(str(err)) from None
     from trainer.group import TrainerRankDied  # only now Ray and torch
 
     try:
         run(prepared)
     except (TrainerRankDied, TimeoutError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        raise Failed(f"error: {err}") from err
     return 0
 
 
 def run(prepared: Prepared, log: Any = print) -> dict[str, float]:
     """Train, evaluate and save (module docstring); the last row's metrics."""
-    import ray
-
-    from services.driver.job import ensure_ray
+    from services.runtime.gang import Gang, Roles, ray_started
     from services.runtime.quiet import QUIET_ENV, quiet_transformers
     from trainer.reward_model_group import RewardModelGroup
 
@@ -151,20 +151,19 @@ def run(prepared: Prepared, log: Any = print) -> dict[str, float]:
            f"{config.max_length})" if prepared.train.num_truncated else ""))
     out.mkdir(parents=True, exist_ok=True)
     (out / RUN_CONFIG_FILE).write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
-    started_head = ensure_ray(max(os.cpu_count() or 1, trainer.world_size + 1))
-    group = None
-    try:
-        group = RewardModelGroup(trainer, prepared.model_path, prepared.num_steps,
-                                 prepared.pad_id, env_vars=QUIET_ENV)
-        row = _train(group, prepared, log)
-        _save(group, prepared, out / FINAL_MODEL_DIR)
-        log(f"final model: {out / FINAL_MODEL_DIR}")
-        return row
-    finally:
-        if group is not None:
-            group.shutdown()
-        if started_head:
-            ray.shutdown()
+
+    def reward_model(_placement: object) -> RewardModelGroup:
+        return RewardModelGroup(trainer, prepared.model_path, prepared.num_steps,
+                                prepared.pad_id, env_vars=QUIET_ENV)
+
+    # its own ranks only, where Ray puts them: a train-rm run has no job config to place
+    roles = Roles(policy=reward_model, place=False)
+    with (ray_started(max(os.cpu_count() or 1, trainer.world_size + 1)),
+          Gang(None, prepared.model_path, roles) as gang):
+        row = _train(gang.trainer, prepared, log)
+        _save(gang.trainer, prepared, out / FINAL_MODEL_DIR)
+    log(f"final model: {out / FINAL_MODEL_DIR}")
+    return row
 
 
 def _train(group: Any, prepared: Prepared, log: Any) -> dict[str, float]:

@@ -203,7 +203,7 @@ def test_validate_runs_every_check_and_starts_nothing(
     def no_ray(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("validate must start nothing")
 
-    monkeypatch.setattr("services.driver.job.ensure_ray", no_ray)
+    monkeypatch.setattr("services.runtime.gang.ensure_ray", no_ray)
     result = runner.invoke(app, ["validate", str(ROOT / "configs" / "demo.yaml"),
                                  "--set", "num_steps=7"])
     assert result.exit_code == 0, result.output

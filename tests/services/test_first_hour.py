@@ -228,7 +228,7 @@ def test_rays_token_auth_notice_is_dropped_and_nothing_else() -> None:
     """Ray logs it on every head ray.init starts; the head keeps its token auth."""
     from ray._private.authentication import authentication_token_setup as ray_auth
 
-    from services.driver.job import _drop_token_auth_notice
+    from services.runtime.gang import _drop_token_auth_notice
 
     _drop_token_auth_notice()
     _drop_token_auth_notice()  # once is enough: a second call adds no second filter

@@ -25,7 +25,7 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_ray(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a refused run must start nothing")
 
-    monkeypatch.setattr("services.driver.job.ensure_ray", no_ray)
+    monkeypatch.setattr("services.runtime.gang.ensure_ray", no_ray)
     monkeypatch.chdir(ROOT)
 
 
