@@ -3,11 +3,14 @@
 Reads stay open (the dashboard), except what a job wrote in its folder (its logs, events
 and samples, which may hold held-out prompts and answers): open to a client on loopback,
 from elsewhere only with the API token or that job's own (:func:`require_reader`).
-A job the controller submits gets its own token, HMAC(api token, job id): it may post
-metrics and status for that job (and read it) and nothing else, and the controller can
-recompute it after a restart without storing it. A training
-session's token, HMAC(api token, "session:" + id), is made the same way and opens that
-session's calls only.
+Every run has its own token, one scheme for every kind (:func:`run_token`):
+
+    token = HMAC-SHA256(api token, "<routes>:" + run id)   (hex)
+
+where ``<routes>`` is ``job`` for the kinds the jobs routes serve (a job, a reward-model
+training: it may post metrics and status for that run, and read it) and ``session`` for a
+training session (its calls). It opens that one run's routes and nothing else, and the
+controller recomputes it after a restart without storing it.
 """
 
 from __future__ import annotations
@@ -30,8 +33,21 @@ def own_token(api_token: str, holder: str) -> str:
     return hmac.new(api_token.encode(), holder.encode(), hashlib.sha256).hexdigest()
 
 
+ROUTES_OF = {"job": "job", "train_rm": "job", "session": "session"}
+"""run kind -> the routes its token opens (the token's prefix)."""
+
+
+def run_token(api_token: str, kind: str, run_id: str) -> str:
+    """The token of one run of ``kind`` (the module doc's formula)."""
+    return own_token(api_token, run_holder(kind, run_id))
+
+
+def run_holder(kind: str, run_id: str) -> str:
+    return f"{ROUTES_OF[kind]}:{run_id}"
+
+
 def job_token(api_token: str, job_id: str) -> str:
-    return own_token(api_token, f"job:{job_id}")
+    return run_token(api_token, "job", job_id)
 
 
 def _unauthorized() -> HTTPException:
@@ -90,14 +106,14 @@ def may_read(request: Request, credentials: Credentials, own: str) -> bool:
 
 def require_job_token(job_id: str, request: Request, credentials: Credentials) -> None:
     """The API token, or the token of this one job."""
-    _api_or_own_token(request, credentials, f"job:{job_id}")
+    _api_or_own_token(request, credentials, run_holder("job", job_id))
 
 
 def session_token(api_token: str, session_id: str) -> str:
     """The token of one training session: its own calls, nothing else."""
-    return own_token(api_token, f"session:{session_id}")
+    return run_token(api_token, "session", session_id)
 
 
 def require_session_token(session_id: str, request: Request, credentials: Credentials) -> None:
     """The API token, or the token of this one session."""
-    _api_or_own_token(request, credentials, f"session:{session_id}")
+    _api_or_own_token(request, credentials, run_holder("session", session_id))

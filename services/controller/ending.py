@@ -10,10 +10,10 @@ A cancel stops a Ray job that still runs, whatever the store says of it.
 from __future__ import annotations
 
 from services.controller.ray_jobs import JobBackend
-from services.controller.tables import ACTIVE, TERMINAL, Job
+from services.controller.tables import ACTIVE, TERMINAL, Run
 
 
-def contradicted_end(backend: JobBackend, job: Job, status: str) -> str | None:
+def contradicted_end(backend: JobBackend, job: Run, status: str) -> str | None:
     """Why ``status`` (an end) cannot be recorded for ``job`` now, or None when nothing
     contradicts it; raises BackendUnavailable when Ray cannot be asked."""
     if job.source != "controller" or job.status in TERMINAL:
@@ -31,7 +31,7 @@ def contradicted_end(backend: JobBackend, job: Job, status: str) -> str | None:
     return f"Ray reports job {job.id} {info.status}, not {status}"
 
 
-def stop_in_ray(backend: JobBackend, job: Job) -> bool:
+def stop_in_ray(backend: JobBackend, job: Run) -> bool:
     """Stop the job's Ray job unless Ray already confirmed its end (``log_tail`` is set
     then); True when Ray was running it. Raises BackendUnavailable."""
     if not job.ray_submission_id or (job.status in TERMINAL and job.log_tail is not None):

@@ -36,6 +36,14 @@ Kept, and why (anything else, every other ``TALLY_*`` included, is dropped):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from services.controller.auth import run_token
+from services.sessions.server import ADVERTISE_ENV, IDLE_ENV
+
+if TYPE_CHECKING:
+    from services.controller.settings import Settings
+    from services.controller.tables import Run
 
 KEPT = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TMP", "TEMP", "TZ", "LANG",
@@ -66,3 +74,26 @@ def kept(name: str) -> bool:
 def scrubbed_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``environ`` a job may inherit (the module doc's allowlist)."""
     return {name: value for name, value in environ.items() if kept(name)}
+
+
+def run_env(settings: Settings, run: Run) -> dict[str, str]:
+    """What a run adds to the allowlist (``env_vars``), rebuilt from its row and the
+    controller's settings each time it is started, never read back from its folder (a Ray
+    pod may write there): where its data folder is, and
+
+    - a job: the controller's URL, its id and its own token (auth.py ``run_token``) to
+      post its metrics and status;
+    - a session: its idle timeout and the address its server advertises.
+
+    A variable of :data:`CONTROLLER_ONLY` never appears (ray_jobs.py refuses it too)."""
+    env = {"TALLY_DATA_DIR": str(settings.data_dir)}
+    if run.kind == "session":
+        idle = run.idle_timeout_s or settings.session_idle_timeout_s
+        env[IDLE_ENV] = str(idle)
+        if advertise := run.advertise_host or settings.sessions_advertise_host:
+            env[ADVERTISE_ENV] = advertise
+    else:
+        env.update(TALLY_CONTROLLER_URL=settings.controller_url, TALLY_JOB_ID=run.id)
+        if settings.api_token:
+            env["TALLY_JOB_TOKEN"] = run_token(settings.api_token, run.kind, run.id)
+    return {name: value for name, value in env.items() if name not in CONTROLLER_ONLY}

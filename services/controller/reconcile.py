@@ -2,14 +2,16 @@
 
 Each pass (every ``reconcile_interval_s``, or at once when woken by a submit):
 
-1. poll Ray for every pending/running job: new status, and on the end its logs are saved
-   to ``<data>/logs/<job id>.log`` (services/controller/job_files.py: the controller's
-   own folder, never the job's; a stopped driver's stack dumps left out) and, for a failure,
-   its cause (one line, services/controller/job_logs.py) and the last log lines stored;
+1. poll Ray for every pending/running run of every kind (one poller): a job's new
+   status, and on its end its logs are saved to ``<data>/logs/<job id>.log``
+   (services/controller/job_files.py: the controller's own folder, never the job's; a
+   stopped driver's stack dumps left out) and, for a failure, its cause (one line,
+   services/controller/job_logs.py) and the last log lines stored; a session ready, ended
+   or failed as its server or Ray says (session_rows.py ``poll_session``);
 2. find the Ray submission of jobs that registered themselves (``ray job submit``);
-3. submit queued jobs (while fewer than ``max_running_jobs`` run) and start queued
-   training sessions, one first-come-first-served queue over both, when the cluster has
-   room for their whole placement group (one that waits says so: a job in its events);
+3. start queued runs, one first-come-first-served queue over every kind (a job while
+   fewer than ``max_running_jobs`` run), when the cluster has room for their whole
+   placement group (one that waits says so: in its events, and in its API answer);
 4. back-fill metrics from each job's ``metrics.jsonl`` (the source of truth), so steps
    the driver could not send while the controller was down still arrive.
 
@@ -28,23 +30,20 @@ import time
 from pathlib import Path
 
 from services.config.job import JobConfig
-from services.controller.auth import job_token
 from services.controller.capacity import Capacity
+from services.controller.job_env import run_env
 from services.controller.job_files import Escapes, append_job_file, open_job_file, save_own_log
 from services.controller.job_logs import driver_failure, failure_cause, without_stop_dumps
 from services.controller.ray_jobs import BackendUnavailable, JobBackend, RayJobInfo
+from services.controller.run_states import JOB_KINDS, QUEUED
 from services.controller.session_rows import (
-    live_session_needs,
-    move_queued,
-    poll_sessions,
-    queued_sessions,
+    poll_session,
     save_before_the_head_stops,
-    session_needs,
     start_queued,
 )
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple, Store, clean_metrics
-from services.controller.tables import ACTIVE, TERMINAL, Job, TrainingSessionRow
+from services.controller.tables import ACTIVE, TERMINAL, Run
 from services.driver.run_dir import EVENTS_FILE, JOB_CONFIG_FILE, METRICS_FILE, event_line
 from services.runtime.placement import AUTOSCALING_ENV, job_needs, never_fits
 
@@ -62,7 +61,7 @@ class Reconciler:
         self.offsets: dict[str, int] = {}
         self.needs_cache: dict[str, dict[str, float]] = {}
         self.waiting: dict[str, str] = {}
-        """The last 'waiting for resources' message written per queued job."""
+        """The last 'waiting for resources' message per queued run (its API shows it)."""
         self.errors = 0
         self.backfilled = 0
         self.wake = asyncio.Event()
@@ -88,7 +87,6 @@ class Reconciler:
     def tick(self) -> None:
         self.find_registered()
         self.poll_ray()
-        poll_sessions(self.store, self.backend)
         self.submit_queued()
         for job in self.store.jobs_with_status(ACTIVE):
             self.backfill(job)
@@ -96,7 +94,14 @@ class Reconciler:
     # ---- 1. status -----------------------------------------------------------------------
 
     def poll_ray(self) -> None:
-        for job in self.store.jobs_to_poll():
+        """The one poller: every run Ray runs (or whose end it has not confirmed), of
+        every kind."""
+        for job in self.store.runs_to_poll():
+            if job.kind == "session":
+                if poll_session(self.store, self.backend, self.settings, job) is None:
+                    self.errors += 1
+                    return
+                continue
             if not job.ray_submission_id:
                 continue  # registered, run outside our Ray: its driver reports
             try:
@@ -111,7 +116,7 @@ class Reconciler:
             elif info.status != job.status and job.status in ACTIVE:
                 self.store.transition(job.id, info.status, ray_job_id=info.ray_job_id)
 
-    def lost(self, job: Job) -> None:
+    def lost(self, job: Run) -> None:
         if job.status in ACTIVE:
             self.backfill(job)
             self.store.transition(job.id, "failed", log_tail="", error=(
@@ -120,7 +125,7 @@ class Reconciler:
         else:
             self.store.update_job(job.id, log_tail="")
 
-    def finalize(self, job: Job, info: RayJobInfo) -> None:
+    def finalize(self, job: Run, info: RayJobInfo) -> None:
         """Ray says the job ended: last metrics, logs saved (the controller's copy), status, and
         for a failure the error and the last log lines."""
         self.backfill(job)
@@ -165,12 +170,10 @@ class Reconciler:
     # ---- 3. queue ------------------------------------------------------------------------
 
     def submit_queued(self) -> None:
-        """Queued jobs and training sessions in one queue, oldest first: a job while fewer
-        than ``max_running_jobs`` run, each when the cluster can hold its whole gang
+        """Queued runs of every kind in one queue, oldest first: a job while fewer than
+        ``max_running_jobs`` run, each when the cluster can hold its whole gang
         (services/controller/capacity.py); the first that waits holds the rest."""
-        queued: list[Job | TrainingSessionRow] = sorted(
-            [*self.store.jobs_with_status(("queued",)), *queued_sessions(self.store)],
-            key=lambda item: (item.created_at or 0.0, item.id))
+        queued = self.store.runs_with_status((QUEUED,))
         if not queued:
             return
         slots = self.settings.max_running_jobs - len(self.running_jobs())
@@ -182,10 +185,10 @@ class Reconciler:
             return
         autoscales = bool(os.environ.get(AUTOSCALING_ENV))
         for item in queued:
-            is_job = isinstance(item, Job)
+            is_job = item.kind in JOB_KINDS
             if is_job and slots <= 0:
                 return  # the job holds the queue until a Ray slot is free
-            needs = self.needs(item) if isinstance(item, Job) else session_needs(item)
+            needs = self.needs(item)
             message = capacity.shortfall(needs)
             if message is not None and capacity.never_fits(needs) and not autoscales:
                 self.refuse_never_fits(item, capacity.total)  # answered at once
@@ -195,7 +198,7 @@ class Reconciler:
                 if capacity.never_fits(needs):
                     continue  # never blocks the queue (an autoscaling cluster may grow)
                 return  # first come, first served: later jobs and sessions wait behind it
-            started = (self.submit(item) if isinstance(item, Job)
+            started = (self.submit(item) if is_job
                        else start_queued(self.store, self.backend, self.settings, item))
             if not started:
                 return
@@ -203,35 +206,32 @@ class Reconciler:
             capacity.take(needs)
             slots -= is_job
 
-    def refuse_never_fits(self, item: Job | TrainingSessionRow, total: dict[str, float]
-                          ) -> None:
-        """Fail a queued job (or session: the cluster shrank) larger than the whole
+    def refuse_never_fits(self, item: Run, total: dict[str, float]) -> None:
+        """Fail a queued run (a session: the cluster shrank) larger than the whole
         cluster, saying what it needs, what the cluster has in all and the fields to lower
         (the driver's own rule, services/placement.never_fits, over the cluster's total)."""
-        stored = self.store.get_job(item.id) if isinstance(item, Job) else item
+        stored = self.store.get_run(item.id)
         try:
             config = JobConfig.model_validate_json(stored.config_resolved if stored else "")
         except ValueError:
             return
         why = never_fits(config, [total]) or "the job can never fit this Ray cluster"
-        if isinstance(item, TrainingSessionRow):
-            move_queued(self.store, item.id, "failed", error=why)
-            return
         self.store.transition(item.id, "failed", log_tail="", error=why)
 
-    def running_jobs(self) -> list[Job]:
+    def running_jobs(self) -> list[Run]:
         """The jobs this controller submitted that Ray runs (or is about to)."""
         return [j for j in self.store.jobs_with_status(ACTIVE) if j.source == "controller"]
 
     def admitted_needs(self) -> list[dict[str, float]]:
         """What the running jobs and the live training sessions hold (or are about to):
-        what a queued job or a new session must fit beside."""
-        return [self.needs(j) for j in self.running_jobs()] + live_session_needs(self.store)
+        what a queued run must fit beside."""
+        return [self.needs(run) for run in self.store.runs_with_status(ACTIVE)
+                if run.kind == "session" or run.source == "controller"]
 
-    def needs(self, job: Job) -> dict[str, float]:
-        """The resources of a job's whole placement group (cached; {} if unreadable)."""
+    def needs(self, job: Run) -> dict[str, float]:
+        """The resources of a run's whole placement group (cached; {} if unreadable)."""
         if job.id not in self.needs_cache:
-            stored = self.store.get_job(job.id)
+            stored = self.store.get_run(job.id)
             try:
                 config = JobConfig.model_validate_json(stored.config_resolved if stored else "")
                 self.needs_cache[job.id] = job_needs(config)
@@ -239,19 +239,19 @@ class Reconciler:
                 self.needs_cache[job.id] = {}
         return self.needs_cache[job.id]
 
-    def note_waiting(self, job: Job | TrainingSessionRow, message: str) -> None:
-        """A ``waiting`` event in the job's folder (where the driver writes its own), once
-        per distinct message; a session's is kept here (its API answer shows it)."""
+    def note_waiting(self, job: Run, message: str) -> None:
+        """A ``waiting`` event in the run's folder (where the driver writes its own), once
+        per distinct message, and the message kept here (the API answers show it)."""
         if self.waiting.get(job.id) == message:
             return
         self.waiting[job.id] = message
-        if isinstance(job, TrainingSessionRow):
-            return
+        if job.kind == "session":
+            return  # its folder is the session server's own (it writes no events)
         with contextlib.suppress(OSError):  # as run_dir.write_event, but never via a link
             append_job_file(self.settings, job.output_dir, EVENTS_FILE,
                             event_line("waiting", message))
 
-    def submit(self, job: Job) -> bool:
+    def submit(self, job: Run) -> bool:
         """Submit one queued job to Ray; False when Ray is unreachable (retry later)."""
         config_file = Path(job.output_dir) / JOB_CONFIG_FILE
         if not config_file.is_file():
@@ -262,12 +262,8 @@ class Reconciler:
         python = shlex.quote(self.settings.python)
         entrypoint = (f"{python} -m services.train {shlex.quote(str(config_file))} "
                       f"--output-dir {shlex.quote(job.output_dir)}")
-        env = {"TALLY_CONTROLLER_URL": self.settings.controller_url, "TALLY_JOB_ID": job.id,
-               "TALLY_DATA_DIR": str(self.settings.data_dir)}
-        if self.settings.api_token:
-            env["TALLY_JOB_TOKEN"] = job_token(self.settings.api_token, job.id)
         try:
-            self.backend.submit(submission_id, entrypoint, env,
+            self.backend.submit(submission_id, entrypoint, run_env(self.settings, job),
                                 {"tally_job_id": job.id, "name": job.name})
         except BackendUnavailable:
             self.errors += 1
@@ -283,7 +279,7 @@ class Reconciler:
 
     # ---- 4. back-fill --------------------------------------------------------------------
 
-    def backfill(self, job: Job) -> int:
+    def backfill(self, job: Run) -> int:
         """Insert the rows of ``metrics.jsonl`` the store does not hold yet."""
         try:  # outside the allowed roots (a registered job's folder): None, never read
             descriptor = open_job_file(self.settings, job.output_dir, METRICS_FILE)

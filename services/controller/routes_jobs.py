@@ -51,7 +51,7 @@ from services.controller.submission import (
     submitted_config,
 )
 from services.controller.submit_service import enqueue, resolve_submission
-from services.controller.tables import TERMINAL, Job
+from services.controller.tables import TERMINAL, Run
 from services.controller.views import job_detail, job_out, metrics_out, point_budget, split_names
 from services.driver.run_dir import JOB_CONFIG_FILE
 
@@ -75,10 +75,10 @@ def new_id() -> str:
     return secrets.token_hex(6)
 
 
-def new_job(resolved: Resolved, job_id: str, **fields: object) -> Job:
+def new_job(resolved: Resolved, job_id: str, **fields: object) -> Run:
     now = time.time()
     config = resolved.config
-    return Job(id=job_id, name=config.name, status="queued", mode=config.aggregation.mode,
+    return Run(id=job_id, name=config.name, status="queued", mode=config.aggregation.mode,
                source="controller", config_submitted=resolved.submitted_text,
                overrides=json.dumps(resolved.overrides),
                config_resolved=config.model_dump_json(), output_dir=str(resolved.output_dir),
@@ -173,7 +173,7 @@ def list_jobs(request: Request, ctl: Ctl,
     return Response(body, media_type="application/json")
 
 
-def get_or_404(ctl: Controller, job_id: str) -> Job:
+def get_or_404(ctl: Controller, job_id: str) -> Run:
     job = ctl.store.get_job(job_id)
     if job is None:
         raise HTTPException(404, f"no job {job_id}")
@@ -335,7 +335,7 @@ def register_job(payload: JobRegister, ctl: Ctl) -> JobDetail | JSONResponse:
     except (ValueError, TypeError) as err:
         return unprocessable([Problem("config", str(err))], str(err))
     now = time.time()
-    job = Job(id=new_id(), name=config.name, status="running", mode=config.aggregation.mode,
+    job = Run(id=new_id(), name=config.name, status="running", mode=config.aggregation.mode,
               source="registered", config_submitted=json.dumps(payload.config, indent=2),
               overrides="[]", config_resolved=config.model_dump_json(),
               output_dir=payload.output_dir, num_steps=config.num_steps, created_at=now,

@@ -1,7 +1,10 @@
 """``/api/sessions``: the training API (services/sessions) on the controller.
 
-A session is started like a job (config checks, the cluster's capacity, a Ray job that
-places its gang with ``reserve_job``) and then answers its calls itself: this router
+A session is a run of kind ``session`` (one table, one queue, one state machine with the
+jobs: services/controller/run_states.py; its answers say starting, ready and ended for
+pending, running and the good ends). It is started like a job (config checks, the
+cluster's capacity, a Ray job that places its gang with ``reserve_job``) and then answers
+its calls itself: this router
 checks the caller (the API token, or the session's own token), waits while the session
 starts, and forwards each call to the session's server (on its Ray node's address;
 session_calls.py, async with timeouts), whose answer (422s naming ``data[i].field``
@@ -28,15 +31,9 @@ from services.controller.auth import require_session_token, require_token, sessi
 from services.controller.problems import unprocessable
 from services.controller.ray_jobs import BackendUnavailable
 from services.controller.routes_jobs import new_id
+from services.controller.run_states import ACTIVE, QUEUED, session_word
 from services.controller.session_calls import close, forward, refresh, row_of
-from services.controller.session_rows import (
-    end_from_ray,
-    launch,
-    move_queued,
-    queued_sessions,
-    ready_url,
-    write_launch,
-)
+from services.controller.session_rows import end_from_ray, end_session, launch, ready_url
 from services.controller.session_secret import hand_over, session_secret
 from services.controller.state import Controller, Ctl
 from services.controller.submission import (
@@ -45,8 +42,8 @@ from services.controller.submission import (
     load_config_object,
 )
 from services.controller.submit_service import enqueue, resolve_submission, room_for
-from services.controller.tables import SESSION_LIVE, TrainingSessionRow
-from services.sessions.server import ADVERTISE_ENV, CONFIG_FILE, IDLE_ENV
+from services.controller.tables import Run
+from services.sessions.server import CONFIG_FILE
 
 router = APIRouter(prefix="/api/sessions", tags=["sessions"])
 VERBS = ("forward_backward", "forward", "optim_step", "sample", "save", "load")
@@ -63,18 +60,18 @@ class SessionCreate(BaseModel):
     ``TALLY_SESSION_IDLE_TIMEOUT_S``."""
 
 
-def session_out(row: TrainingSessionRow, waiting: str | None = None, **extra: Any
+def session_out(row: Run, waiting: str | None = None, **extra: Any
                 ) -> dict[str, Any]:
     """The session as the API shows it; ``waiting``: why a queued one waits."""
-    return {"id": row.id, "status": row.status, "model": row.model,
+    return {"id": row.id, "status": session_word(row.status), "model": row.model,
             "world_size": row.world_size, "step": row.step, "tokens": row.tokens,
             "loss": row.loss, "pending_calls": row.pending_calls,
             "saved_path": row.saved_path, "error": row.error, "output_dir": row.output_dir,
             "created_at": row.created_at, "updated_at": row.updated_at,
-            "waiting": waiting if row.status == "queued" else None, **extra}
+            "waiting": waiting if row.status == QUEUED else None, **extra}
 
 
-def waiting_of(ctl: Controller, row: TrainingSessionRow) -> str | None:
+def waiting_of(ctl: Controller, row: Run) -> str | None:
     """Why a queued session waits (what the reconcile loop last found)."""
     return ctl.reconciler.waiting.get(row.id) if ctl.reconciler is not None else None
 
@@ -108,7 +105,7 @@ def check_session_config(config: JobConfig) -> None:
 
 
 def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float | None = None
-                  ) -> TrainingSessionRow:
+                  ) -> Run:
     """Check, admit and submit a session by the submit service (SubmissionError: 422;
     HTTPException else): started at once when its gang fits what is free and nothing
     waits ahead, else stored ``queued`` (the reconcile loop starts it in its turn)."""
@@ -117,7 +114,7 @@ def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float
     session_id = new_id()
     resolved = resolve_submission(ctl, session_data(config), [], session_id, json.dumps(config))
     check_session_config(resolved.config)
-    if len(ctl.store.live_sessions()) + len(queued_sessions(ctl.store)) >= settings.max_sessions:
+    if len(ctl.store.sessions_with_status((QUEUED, *ACTIVE))) >= settings.max_sessions:
         raise HTTPException(429, f"{settings.max_sessions} sessions are live "
                             "(TALLY_MAX_SESSIONS); end one first (DELETE /api/sessions/{id})")
     folder = settings.sessions_dir / session_id
@@ -129,34 +126,42 @@ def start_session(ctl: Controller, config: dict[str, Any], idle_timeout_s: float
     folder.parent.mkdir(parents=True, exist_ok=True)
     folder.mkdir(mode=0o700, exist_ok=True)  # the owner's only
     (folder / CONFIG_FILE).write_text(final.model_dump_json(indent=2))
-    now = time.time()
-    row = TrainingSessionRow(
-        id=session_id, status="queued" if waiting else "starting", model=final.rollout.model,
-        world_size=final.trainer.world_size, config_submitted=resolved.submitted_text,
-        config_resolved=final.model_dump_json(), output_dir=str(folder),
-        ray_submission_id=f"tally-session-{session_id}", step=0, tokens=0,
-        pending_calls=0, created_at=now, updated_at=now)
-    idle = idle_timeout_s if idle_timeout_s is not None else settings.session_idle_timeout_s
     # the secret goes by a 0600 file, not env_vars: Ray's job list shows every runtime_env
     hand_over(folder, session_secret(settings.data_dir, session_id))
-    env = {IDLE_ENV: str(idle), "TALLY_DATA_DIR": str(settings.data_dir)}
-    # beside the Ray head this controller started, the session is on this machine:
-    # loopback; on a cluster, its node's IP (the server's default) unless overridden
-    advertise = settings.sessions_advertise_host or ("127.0.0.1" if ctl.head is not None else None)
-    if advertise:
-        env[ADVERTISE_ENV] = advertise
-    write_launch(folder, env)
+    row = session_row(ctl, session_id, resolved.submitted_text, final, idle_timeout_s,
+                      QUEUED if waiting else "pending")
     if waiting:
         ctl.reconciler.waiting[session_id] = waiting
-        ctl.store.add_session(row)
+        ctl.store.add_run(row)
         enqueue(ctl)
         return row
     try:  # submitted before it is stored: the reconcile loop never sees a row Ray lacks
         launch(ctl.backend, settings, row)
     except (BackendUnavailable, RuntimeError) as err:
         raise HTTPException(503, f"Ray refused the session: {err}") from None
-    ctl.store.add_session(row)
+    ctl.store.add_run(row)
     return row
+
+
+def session_row(ctl: Controller, session_id: str, submitted: str, final: JobConfig,
+                idle_timeout_s: float | None, status: str) -> Run:
+    """The session's run row: everything its server is started with (now or from the
+    queue: job_env.py ``run_env``) is in it, nothing in its folder."""
+    now = time.time()
+    # beside the Ray head this controller started, the session is on this machine:
+    # loopback; on a cluster, its node's IP (the server's default) unless overridden
+    advertise = ctl.settings.sessions_advertise_host or (
+        "127.0.0.1" if ctl.head is not None else None)
+    return Run(
+        id=session_id, kind="session", name=final.name, status=status,
+        mode=final.aggregation.mode, source="controller", num_steps=final.num_steps,
+        model=final.rollout.model, world_size=final.trainer.world_size,
+        config_submitted=submitted, overrides="[]", config_resolved=final.model_dump_json(),
+        output_dir=final.output_dir, ray_submission_id=f"tally-session-{session_id}",
+        step=0, tokens=0, pending_calls=0, created_at=now, updated_at=now,
+        idle_timeout_s=(idle_timeout_s if idle_timeout_s is not None
+                        else ctl.settings.session_idle_timeout_s),
+        advertise_host=advertise)
 
 
 @router.post("", status_code=201, dependencies=[Depends(require_token)])
@@ -203,11 +208,11 @@ async def get_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
     (live from the session while it runs)."""
     row = await run_in_threadpool(row_of, ctl, session_id)
     live = None
-    if row.status in SESSION_LIVE:
+    if row.status in ACTIVE:
         if (url := ready_url(row, ctl.settings.sessions_advertise_host)) is not None:
             live = await refresh(ctl, row, url)
         if live is None:
-            await run_in_threadpool(end_from_ray, ctl.store, ctl.backend, row)
+            await run_in_threadpool(end_from_ray, ctl.store, ctl.backend, ctl.settings, row)
         row = await run_in_threadpool(row_of, ctl, session_id)
     return session_out(row, waiting_of(ctl, row), last=(live or {}).get("last"),
                        pending_mode=(live or {}).get("pending_mode"))
@@ -218,14 +223,14 @@ async def delete_session(session_id: str, ctl: Ctl) -> dict[str, Any]:
     """End the session (its trainer ranks and engine stop; nothing is saved: ``save``
     first to keep the weights)."""
     row = await run_in_threadpool(row_of, ctl, session_id)
-    if row.status == "queued":  # never started: nothing runs in Ray yet
-        row = await run_in_threadpool(move_queued, ctl.store, row.id, "ended") or row
-    if row.status in SESSION_LIVE:
+    if row.status == QUEUED:  # never started: nothing runs in Ray yet
+        row = await run_in_threadpool(end_session, ctl.store, row, "cancelled") or row
+    if row.status in ACTIVE:
         url = ready_url(row, ctl.settings.sessions_advertise_host)
         if url is None or not await close(ctl, row, url):
             try:
                 await run_in_threadpool(ctl.backend.stop, row.ray_submission_id)
             except BackendUnavailable:
                 raise HTTPException(503, "the Ray job server cannot be reached") from None
-        row = await run_in_threadpool(ctl.store.update_session, row.id, status="ended") or row
+        row = await run_in_threadpool(end_session, ctl.store, row, "cancelled") or row
     return session_out(row)

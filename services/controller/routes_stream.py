@@ -27,7 +27,7 @@ from services.controller.reconcile import tail
 from services.controller.routes_jobs import AUTH, NOT_FOUND, get_or_404
 from services.controller.schemas import Message
 from services.controller.state import Controller, Ctl
-from services.controller.tables import ACTIVE, TERMINAL, Job
+from services.controller.tables import ACTIVE, TERMINAL, Run
 from services.controller.views import columns, job_out
 from services.driver.run_dir import LOG_FILE
 
@@ -67,7 +67,7 @@ def last_bytes(text: str, size: int) -> str:
     return text if len(data) <= size else data[-size:].decode("utf-8", errors="replace")
 
 
-def saved_logs(ctl: Controller, job: Job, size: int = DEFAULT_TAIL_BYTES) -> str | None:
+def saved_logs(ctl: Controller, job: Run, size: int = DEFAULT_TAIL_BYTES) -> str | None:
     """The last ``size`` bytes of the controller's own copy of a finished job's output,
     else of the job folder's driver.log (read by the confinement rule: a link is a 409
     naming it, never followed; outside the allowed roots, never read)."""
@@ -82,7 +82,7 @@ def saved_logs(ctl: Controller, job: Job, size: int = DEFAULT_TAIL_BYTES) -> str
     return None if data is None else data.decode("utf-8", errors="replace")
 
 
-def ray_logs(ctl: Controller, job: Job) -> str | None:
+def ray_logs(ctl: Controller, job: Run) -> str | None:
     """The whole log from Ray while it has it (what follow skips: it was sent)."""
     if job.ray_submission_id and ctl.reconciler is not None:
         try:

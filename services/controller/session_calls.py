@@ -18,47 +18,65 @@ from fastapi import HTTPException
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
+from services.controller.run_states import ACTIVE, QUEUED, session_word
 from services.controller.session_rows import controller_headers, end_from_ray, ready_url
 from services.controller.state import Controller
-from services.controller.tables import SESSION_LIVE, TrainingSessionRow
+from services.controller.tables import Run
 
 MUTATING = ("forward_backward", "optim_step", "load")
 """Calls after which the stored step, tokens and loss are refreshed."""
 POLL_S = 0.25
+QUEUED_RETRY_S = 10
+"""The Retry-After of a call to a session still queued (its turn may take a job's end)."""
 STATE_TIMEOUT_S = 10.0
 """Longest a ``/state`` or ``/close`` of a session may take (both answer at once)."""
 
 
-def row_of(ctl: Controller, session_id: str) -> TrainingSessionRow:
+def row_of(ctl: Controller, session_id: str) -> Run:
     row = ctl.store.get_session(session_id)
     if row is None:
         raise HTTPException(404, f"session {session_id}: no such session")
     return row
 
 
-def gone(row: TrainingSessionRow) -> HTTPException:
+def gone(row: Run) -> HTTPException:
     why = (f" (its state is saved at {row.saved_path})" if row.saved_path else
            f": {row.error}" if row.error else "")
-    return HTTPException(409, f"session {row.id} is {row.status}{why}")
+    return HTTPException(409, f"session {row.id} is {session_word(row.status)}{why}")
+
+
+def still_queued(ctl: Controller, row: Run) -> HTTPException:
+    """503 with Retry-After for a call to a session that waits in the queue, saying its
+    place in it (one queue over every kind of run) and why it waits, as a cold start's
+    503 says it is still starting."""
+    queue = [run.id for run in ctl.store.runs_with_status((QUEUED,))]
+    place = queue.index(row.id) + 1 if row.id in queue else 1
+    waiting = ctl.reconciler.waiting.get(row.id) if ctl.reconciler is not None else None
+    return HTTPException(503, f"session {row.id} is queued (position {place} of "
+                         f"{len(queue)} in the queue)" + (f": {waiting}" if waiting else ""),
+                         headers={"Retry-After": str(QUEUED_RETRY_S)})
 
 
 def _look(ctl: Controller, session_id: str, ask_ray: bool
-          ) -> tuple[TrainingSessionRow, str | None]:
-    """The row and its server's URL (None while it starts); 409 once it ended."""
+          ) -> tuple[Run, str | None]:
+    """The row and its server's URL (None while it starts); 503 while it is queued, 409
+    once it ended."""
     row = row_of(ctl, session_id)
-    if row.status not in SESSION_LIVE:
+    if row.status == QUEUED:
+        raise still_queued(ctl, row)
+    if row.status not in ACTIVE:
         raise gone(row)
     if (url := ready_url(row, ctl.settings.sessions_advertise_host)) is not None:
-        if row.status != "ready":
-            ctl.store.update_session(row.id, status="ready")
+        if row.status != "running":
+            ctl.store.advance(row.id, "running")
         return row, url
-    if ask_ray and (ended := end_from_ray(ctl.store, ctl.backend, row)) is not None:
+    if ask_ray and (ended := end_from_ray(ctl.store, ctl.backend, ctl.settings, row)):
         raise gone(ended)
     return row, None
 
 
 async def session_address(ctl: Controller, session_id: str
-                          ) -> tuple[TrainingSessionRow, str]:
+                          ) -> tuple[Run, str]:
     """The live session's server, waiting (asleep, no thread held) while it starts."""
     deadline = time.monotonic() + ctl.settings.session_start_timeout_s
     last_ray_check = 0.0
@@ -78,7 +96,7 @@ def _client(timeout_s: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)))
 
 
-async def refresh(ctl: Controller, row: TrainingSessionRow, address: str
+async def refresh(ctl: Controller, row: Run, address: str
                   ) -> dict[str, Any] | None:
     """The session's own state, copied into its row; None when it does not answer."""
     try:
@@ -91,7 +109,7 @@ async def refresh(ctl: Controller, row: TrainingSessionRow, address: str
                   "pending_calls": state["pending_calls"], "loss": last.get("loss", row.loss)}
     except (httpx.HTTPError, ValueError, KeyError, AttributeError):
         return None
-    await run_in_threadpool(ctl.store.update_session, row.id, **update)
+    await run_in_threadpool(ctl.store.update_job, row.id, **update)
     return state
 
 
@@ -110,7 +128,8 @@ async def forward(ctl: Controller, session_id: str, verb: str, body: bytes) -> R
                             "TALLY_SESSION_CALL_TIMEOUT_S); it may still run: GET "
                             f"/api/sessions/{session_id} says its state") from None
     except httpx.TransportError:
-        ended = await run_in_threadpool(end_from_ray, ctl.store, ctl.backend, row)
+        ended = await run_in_threadpool(end_from_ray, ctl.store, ctl.backend, ctl.settings,
+                                        row)
         if ended is not None:
             raise gone(ended) from None
         raise HTTPException(503, f"session {session_id} did not answer {verb}") from None
@@ -119,7 +138,7 @@ async def forward(ctl: Controller, session_id: str, verb: str, body: bytes) -> R
     return Response(answer.content, answer.status_code, media_type="application/json")
 
 
-async def close(ctl: Controller, row: TrainingSessionRow, url: str) -> bool:
+async def close(ctl: Controller, row: Run, url: str) -> bool:
     """Ask the session to end; False when it does not answer."""
     try:
         async with _client(STATE_TIMEOUT_S) as http:

@@ -1,9 +1,13 @@
 """The controller's store: SQLAlchemy 2 over SQLite by default (WAL) or any SQL URL.
 
 Every function opens its own short transaction, so the API threads and the reconcile loop
-share one Store safely. Status changes go through :meth:`Store.transition`, which never
-moves a job out of a terminal status (only :meth:`Store.overrule_end` corrects an end Ray
-contradicts): each is one conditional UPDATE whose row count says whether it won.
+share one Store safely. One table holds the runs of every kind (jobs, training sessions;
+``Run.kind``): the ``*job*`` methods see the kinds the jobs routes show, the ``*session*``
+ones the sessions, the ``*run*`` ones every kind. Status changes of every kind go through
+:meth:`Store.advance` (the one state machine, services/controller/run_states.py), which
+never moves a run back or out of a terminal status (only :meth:`Store.overrule_end`
+corrects an end Ray contradicts): each is one conditional UPDATE whose row count says
+whether it won.
 """
 
 from __future__ import annotations
@@ -24,25 +28,19 @@ from sqlalchemy import and_, create_engine, delete, event, func, insert, or_, se
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, defer, sessionmaker
 
-from services.controller.tables import (
-    ACTIVE,
-    SESSION_LIVE,
-    TERMINAL,
-    Job,
-    MetricRow,
-    Sweep,
-    TrainingSessionRow,
-)
+from services.controller.run_states import earlier
+from services.controller.tables import ACTIVE, JOB_KINDS, TERMINAL, MetricRow, Run, Sweep
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 PURGE_REVISION = "0005"
 """A database older than this may hold dropped session secrets: purged once upgraded
 (migrations/versions/0005_purge_secret_residue.py)."""
 
-RANK = {"queued": 0, "pending": 1, "running": 2, "succeeded": 3, "failed": 3, "cancelled": 3}
-"""Statuses only move forward: a late 'pending' never hides 'running'."""
-LIGHT = (defer(Job.config_submitted), defer(Job.config_resolved), defer(Job.overrides))
+LIGHT = (defer(Run.config_submitted), defer(Run.config_resolved), defer(Run.overrides))
 """Loader options that leave a job's (large) configs in the database."""
+IS_JOB = Run.kind.in_(JOB_KINDS)
+"""The runs the jobs routes show (a session has its own)."""
+IS_SESSION = Run.kind == "session"
 MetricTriple = tuple[int, float, dict[str, float | None]]
 """(step, unix time, {name: value}) of one training step."""
 
@@ -114,6 +112,7 @@ class Store:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
+        """One write transaction; the version bumped after it."""
         try:
             with self.sessions.begin() as session:
                 yield session
@@ -156,16 +155,44 @@ class Store:
         except Exception:
             return False
 
+    # ---- runs of every kind ----------------------------------------------------------------
+
+    def add_run(self, run: Run) -> None:
+        with self._write() as session:
+            session.add(run)
+
+    def get_run(self, run_id: str) -> Run | None:
+        with self.sessions() as session:
+            return session.get(Run, run_id)
+
+    def runs_with_status(self, statuses: Iterable[str]) -> list[Run]:
+        """Runs of every kind, oldest first, without their configs (the one queue reads
+        ``queued``; what is admitted reads ACTIVE)."""
+        with self.sessions() as session:
+            return list(session.scalars(select(Run).options(*LIGHT)
+                                        .where(Run.status.in_(list(statuses)))
+                                        .order_by(Run.created_at, Run.id)))
+
+    def runs_to_poll(self) -> list[Run]:
+        """Runs of every kind that Ray runs, and ended ones whose end Ray has not
+        confirmed yet (their logs are not saved: ``log_tail`` is null until then)."""
+        query = select(Run).options(*LIGHT).where(or_(
+            Run.status.in_(ACTIVE),
+            and_(Run.status.in_(TERMINAL), Run.ray_submission_id.is_not(None),
+                 Run.log_tail.is_(None))))
+        with self.sessions() as session:
+            return list(session.scalars(query.order_by(Run.created_at, Run.id)))
+
     # ---- jobs ----------------------------------------------------------------------------
 
-    def add_jobs(self, jobs: Sequence[Job], sweep: Sweep | None = None) -> None:
+    def add_jobs(self, jobs: Sequence[Run], sweep: Sweep | None = None) -> None:
         with self._write() as session:
             if sweep is not None:
                 session.add(sweep)
                 session.flush()
             session.add_all(jobs)
 
-    def add_job_once(self, job: Job) -> Job:
+    def add_job_once(self, job: Run) -> Run:
         """Store ``job`` unless a job with its idempotency key exists; returns the stored
         one (the unique index settles two racing submits)."""
         from sqlalchemy.exc import IntegrityError
@@ -175,15 +202,15 @@ class Store:
             return job
         except IntegrityError:
             with self.sessions() as session:
-                first = session.scalar(select(Job).where(
-                    Job.idempotency_key == job.idempotency_key))
+                first = session.scalar(select(Run).where(
+                    Run.idempotency_key == job.idempotency_key))
             if first is None:
                 raise
             return first
 
-    def job_with_key(self, key: str) -> Job | None:
+    def job_with_key(self, key: str) -> Run | None:
         with self.sessions() as session:
-            return session.scalar(select(Job).where(Job.idempotency_key == key))
+            return session.scalar(select(Run).where(Run.idempotency_key == key))
 
     def delete_job(self, job_id: str) -> bool:
         """Remove an ended job and its metric rows; False if it is not (or no longer)
@@ -191,74 +218,71 @@ class Store:
         with self._write() as session:
             session.execute(delete(MetricRow).where(
                 MetricRow.job_id == job_id,
-                MetricRow.job_id.in_(select(Job.id).where(Job.id == job_id,
-                                                          Job.status.in_(TERMINAL)))))
-            result = session.execute(delete(Job).where(Job.id == job_id,
-                                                       Job.status.in_(TERMINAL)))
+                MetricRow.job_id.in_(select(Run.id).where(Run.id == job_id,
+                                                          Run.status.in_(TERMINAL)))))
+            result = session.execute(delete(Run).where(Run.id == job_id, IS_JOB,
+                                                       Run.status.in_(TERMINAL)))
             return result.rowcount == 1
 
-    def get_job(self, job_id: str) -> Job | None:
-        with self.sessions() as session:
-            return session.get(Job, job_id)
+    def get_job(self, job_id: str) -> Run | None:
+        """The run ``job_id`` if it is of a kind the jobs routes show."""
+        run = self.get_run(job_id)
+        return run if run is not None and run.kind in JOB_KINDS else None
 
     def list_jobs(self, *, status: Sequence[str] = (), name: str | None = None,
                   mode: str | None = None, sweep_id: str | None = None,
-                  limit: int = 50, offset: int = 0) -> tuple[list[Job], int]:
+                  limit: int = 50, offset: int = 0) -> tuple[list[Run], int]:
         """Newest first; ``name`` matches a substring. The configs and logs are not loaded."""
-        query = select(Job).options(*LIGHT, defer(Job.log_tail))
+        query = select(Run).options(*LIGHT, defer(Run.log_tail)).where(IS_JOB)
         if status:
-            query = query.where(Job.status.in_(status))
+            query = query.where(Run.status.in_(status))
         if name:
-            query = query.where(Job.name.contains(name, autoescape=True))
+            query = query.where(Run.name.contains(name, autoescape=True))
         if mode:
-            query = query.where(Job.mode == mode)
+            query = query.where(Run.mode == mode)
         if sweep_id:
-            query = query.where(Job.sweep_id == sweep_id)
+            query = query.where(Run.sweep_id == sweep_id)
         with self.sessions() as session:
-            total = session.scalar(query.with_only_columns(func.count(Job.id))
+            total = session.scalar(query.with_only_columns(func.count(Run.id))
                                    .order_by(None)) or 0
-            rows = session.scalars(query.order_by(Job.created_at.desc(), Job.id)
+            rows = session.scalars(query.order_by(Run.created_at.desc(), Run.id)
                                    .limit(limit).offset(offset)).all()
             return list(rows), total
 
-    def jobs_with_status(self, statuses: Iterable[str]) -> list[Job]:
+    def jobs_with_status(self, statuses: Iterable[str]) -> list[Run]:
         """Without the configs (the reconcile loop never reads them)."""
         with self.sessions() as session:
-            return list(session.scalars(select(Job).options(*LIGHT)
-                                        .where(Job.status.in_(list(statuses)))
-                                        .order_by(Job.created_at, Job.id)))
+            return list(session.scalars(select(Run).options(*LIGHT)
+                                        .where(Run.status.in_(list(statuses)), IS_JOB)
+                                        .order_by(Run.created_at, Run.id)))
 
-    def jobs_to_poll(self) -> list[Job]:
-        """Jobs Ray runs, and ended ones whose end Ray has not confirmed yet (their logs
-        are not saved: ``log_tail`` is null until then)."""
-        query = select(Job).options(*LIGHT).where(or_(
-            Job.status.in_(ACTIVE),
-            and_(Job.status.in_(TERMINAL), Job.ray_submission_id.is_not(None),
-                 Job.log_tail.is_(None))))
-        with self.sessions() as session:
-            return list(session.scalars(query.order_by(Job.created_at, Job.id)))
+    def jobs_to_poll(self) -> list[Run]:
+        """:meth:`runs_to_poll` of the kinds the jobs routes show."""
+        return [run for run in self.runs_to_poll() if run.kind in JOB_KINDS]
 
-    def jobs_to_map(self) -> list[Job]:
+    def jobs_to_map(self) -> list[Run]:
         """Registered jobs whose Ray submission is not known yet (and might be ours)."""
-        query = select(Job).options(*LIGHT).where(
-            Job.source == "registered", Job.ray_submission_id.is_(None),
-            Job.ray_job_id.is_not(None), Job.driver_pid.is_not(None), Job.log_tail.is_(None))
+        query = select(Run).options(*LIGHT).where(
+            Run.source == "registered", Run.ray_submission_id.is_(None),
+            Run.ray_job_id.is_not(None), Run.driver_pid.is_not(None), Run.log_tail.is_(None))
         with self.sessions() as session:
             return list(session.scalars(query))
 
     def output_dirs(self) -> list[str]:
-        """Every job's folder (a new job's must not overlap any)."""
+        """Every run's folder (a new job's must not overlap any)."""
         with self.sessions() as session:
-            return list(session.scalars(select(Job.output_dir)))
+            return list(session.scalars(select(Run.output_dir)))
 
     def status_counts(self) -> dict[str, int]:
         with self.sessions() as session:
-            rows = session.execute(select(Job.status, func.count()).group_by(Job.status))
+            rows = session.execute(select(Run.status, func.count()).where(IS_JOB)
+                                   .group_by(Run.status))
             return {status: count for status, count in rows}
 
-    def update_job(self, job_id: str, **values: Any) -> Job | None:
+    def update_job(self, job_id: str, **values: Any) -> Run | None:
+        """Set fields of a run of any kind (its status: :meth:`advance`)."""
         with self._write() as session:
-            job = session.get(Job, job_id)
+            job = session.get(Run, job_id)
             if job is None:
                 return None
             for key, value in values.items():
@@ -266,41 +290,41 @@ class Store:
             job.updated_at = time.time()
             return job
 
-    def transition(self, job_id: str, status: str, **values: Any) -> Job | None:
-        """Move a job forward to ``status`` (with fields); a no-op if it is already there,
-        further on, or ended. Returns the job as stored."""
+    def transition(self, job_id: str, status: str, **values: Any) -> Run | None:
+        """Move a run forward to ``status`` (with fields); a no-op if it is already there,
+        further on, or ended. Returns the run as stored."""
         return self.advance(job_id, status, **values)[0]
 
-    def advance(self, job_id: str, status: str, **values: Any) -> tuple[Job | None, bool]:
+    def advance(self, job_id: str, status: str, **values: Any) -> tuple[Run | None, bool]:
         """:meth:`transition`, and whether this call made the change. One conditional
         ``UPDATE ... WHERE id = ? AND status IN (<earlier statuses>)``: of two racing
         changes (cancel vs. succeed, cancel vs. start) exactly one wins, whole."""
-        earlier = [name for name, rank in RANK.items() if rank < RANK[status]]
+        before = earlier(status)
         now = time.time()
         changes: dict[str, Any] = {**values, "status": status, "updated_at": now}
         if status == "running":
-            changes["started_at"] = func.coalesce(Job.started_at, now)
+            changes["started_at"] = func.coalesce(Run.started_at, now)
         if status in TERMINAL:
             changes["finished_at"] = now
         with self._write() as session:
-            result = session.execute(update(Job).where(Job.id == job_id,
-                                                       Job.status.in_(earlier))
+            result = session.execute(update(Run).where(Run.id == job_id,
+                                                       Run.status.in_(before))
                                      .values(**changes).execution_options(
                                          synchronize_session=False))
             changed = result.rowcount == 1
-        return self.get_job(job_id), changed
+        return self.get_run(job_id), changed
 
     def overrule_end(self, job_id: str, stored: str, status: str, **values: Any
-                     ) -> Job | None:
+                     ) -> Run | None:
         """Replace a stored end that Ray contradicts (its Ray job still ran until a cancel
         stopped it): ``stored`` -> ``status``, one conditional UPDATE like every status
         change, a no-op if the job is no longer ``stored``."""
         with self._write() as session:
-            session.execute(update(Job).where(Job.id == job_id, Job.status == stored)
+            session.execute(update(Run).where(Run.id == job_id, Run.status == stored)
                             .values(**values, status=status, finished_at=time.time(),
                                     updated_at=time.time())
                             .execution_options(synchronize_session=False))
-        return self.get_job(job_id)
+        return self.get_run(job_id)
 
     # ---- metrics -------------------------------------------------------------------------
 
@@ -310,7 +334,7 @@ class Store:
             return 0
         latest: dict[int, MetricTriple] = {row[0]: row for row in rows}
         with self._write() as session:
-            job = session.get(Job, job_id)
+            job = session.get(Run, job_id)
             if job is None:
                 raise KeyError(job_id)
             steps = sorted(latest)
@@ -381,41 +405,24 @@ class Store:
                                    .limit(limit).offset(offset)).all()
             return list(rows), total
 
-    def sweep_jobs(self, sweep_id: str) -> list[Job]:
+    def sweep_jobs(self, sweep_id: str) -> list[Run]:
         with self.sessions() as session:
-            return list(session.scalars(select(Job).where(Job.sweep_id == sweep_id)
-                                        .order_by(Job.created_at, Job.id)))
+            return list(session.scalars(select(Run).where(Run.sweep_id == sweep_id, IS_JOB)
+                                        .order_by(Run.created_at, Run.id)))
 
     # ---- training sessions ---------------------------------------------------------------
 
-    def add_session(self, row: TrainingSessionRow) -> None:
-        with self._write() as session:
-            session.add(row)
+    def get_session(self, session_id: str) -> Run | None:
+        run = self.get_run(session_id)
+        return run if run is not None and run.kind == "session" else None
 
-    def get_session(self, session_id: str) -> TrainingSessionRow | None:
+    def list_sessions(self, limit: int = 100) -> list[Run]:
         with self.sessions() as session:
-            return session.get(TrainingSessionRow, session_id)
+            return list(session.scalars(select(Run).where(IS_SESSION).order_by(
+                Run.created_at.desc(), Run.id).limit(limit)))
 
-    def list_sessions(self, limit: int = 100) -> list[TrainingSessionRow]:
+    def sessions_with_status(self, statuses: Iterable[str]) -> list[Run]:
+        """Sessions in ``statuses``, oldest first."""
         with self.sessions() as session:
-            return list(session.scalars(select(TrainingSessionRow).order_by(
-                TrainingSessionRow.created_at.desc()).limit(limit)))
-
-    def live_sessions(self) -> list[TrainingSessionRow]:
-        with self.sessions() as session:
-            return list(session.scalars(select(TrainingSessionRow).where(
-                TrainingSessionRow.status.in_(SESSION_LIVE))))
-
-    def update_session(self, session_id: str, **values: Any) -> TrainingSessionRow | None:
-        """Set ``values`` (and updated_at) on a session; an ended or failed one keeps its
-        status."""
-        with self._write() as session:
-            row = session.get(TrainingSessionRow, session_id)
-            if row is None:
-                return None
-            if row.status not in SESSION_LIVE:
-                values.pop("status", None)
-            for name, value in values.items():
-                setattr(row, name, value)
-            row.updated_at = time.time()
-            return row
+            return list(session.scalars(select(Run).where(
+                IS_SESSION, Run.status.in_(list(statuses))).order_by(Run.created_at, Run.id)))

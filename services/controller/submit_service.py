@@ -21,7 +21,7 @@ from typing import Any
 from rollout.problems import Problem
 from services.config.job import JobConfig
 from services.controller.capacity import Capacity
-from services.controller.session_rows import queued_sessions
+from services.controller.run_states import QUEUED
 from services.controller.state import Controller
 from services.controller.submission import Resolved, SubmissionError, resolve
 from services.runtime.placement import AUTOSCALING_ENV, job_needs, never_fits
@@ -35,8 +35,8 @@ def resolve_submission(ctl: Controller, data: dict[str, Any], overrides: list[st
 
 
 def queued_ahead(ctl: Controller) -> int:
-    """How many jobs and sessions wait in the queue (a new one goes behind them)."""
-    return len(ctl.store.jobs_with_status(("queued",))) + len(queued_sessions(ctl.store))
+    """How many runs of every kind wait in the one queue (a new one goes behind them)."""
+    return len(ctl.store.runs_with_status((QUEUED,)))
 
 
 def room_for(ctl: Controller, config: JobConfig) -> str | None:

@@ -1,4 +1,5 @@
-"""SQLAlchemy tables of the controller: jobs, per-step metrics, sweeps, training sessions.
+"""SQLAlchemy tables of the controller: runs (jobs, training sessions, reward-model
+trainings: one row each, ``kind`` says which), per-step metrics, sweeps.
 
 Times are Unix seconds (floats) so every SQL backend stores them alike. A step's metrics
 are one row holding a JSON object (name -> float | null): one insert per step keeps
@@ -11,15 +12,14 @@ from __future__ import annotations
 from sqlalchemy import Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from services.controller.run_states import ACTIVE, JOB_KINDS, KINDS, STATUSES, TERMINAL
+
+__all__ = ["ACTIVE", "JOB_KINDS", "KINDS", "STATUSES", "TERMINAL", "Base", "MetricRow", "Run",
+           "Sweep"]
+
 
 class Base(DeclarativeBase):
     pass
-
-
-ACTIVE = ("pending", "running")
-"""Statuses of a job that Ray is running (or about to)."""
-TERMINAL = ("succeeded", "failed", "cancelled")
-STATUSES = ("queued", *ACTIVE, *TERMINAL)
 
 
 class Sweep(Base):
@@ -32,11 +32,18 @@ class Sweep(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
 
-class Job(Base):
-    __tablename__ = "jobs"
+class Run(Base):
+    """One run the controller knows of, of any kind: its status (run_states.py, one state
+    machine), its Ray submission, its folder and config. The columns after
+    ``idempotency_key`` are a session's (null for the other kinds): what the dashboard
+    shows of it and what its server is started with (job_env.py ``run_env``)."""
+
+    __tablename__ = "runs"
     __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),)
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), default="job", index=True)
+    """job, session or train_rm (run_states.KINDS)."""
     name: Mapped[str] = mapped_column(String(100), index=True)
     status: Mapped[str] = mapped_column(String(16))
     mode: Mapped[str] = mapped_column(String(32))
@@ -68,47 +75,29 @@ class Job(Base):
     updated_at: Mapped[float] = mapped_column(Float)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True, index=True)
     """The submit's ``Idempotency-Key`` header: the same key returns this job again."""
+    model: Mapped[str | None] = mapped_column(Text)
+    world_size: Mapped[int | None] = mapped_column(Integer)
+    step: Mapped[int | None] = mapped_column(Integer, default=0)
+    """A session's optimizer steps so far."""
+    tokens: Mapped[int | None] = mapped_column(Integer, default=0)
+    """Weighted tokens a session's forward_backward calls trained on."""
+    loss: Mapped[float | None] = mapped_column(Float)
+    """The loss of a session's last optimizer step."""
+    pending_calls: Mapped[int | None] = mapped_column(Integer, default=0)
+    saved_path: Mapped[str | None] = mapped_column(Text)
+    """Where a session's state was saved as it ended."""
+    idle_timeout_s: Mapped[float | None] = mapped_column(Float)
+    """A session ends after this long without a call (None: the controller's default)."""
+    advertise_host: Mapped[str | None] = mapped_column(Text)
+    """The address a session's server gives the controller (None: its node's IP)."""
 
 
 class MetricRow(Base):
     __tablename__ = "metrics"
 
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"),
+    job_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"),
                                         primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     time: Mapped[float] = mapped_column(Float)
     values: Mapped[str] = mapped_column(Text)
     """JSON object: metric name -> float or null."""
-
-
-SESSION_LIVE = ("starting", "ready")
-"""Statuses of a training session whose process runs (or is starting)."""
-
-
-class TrainingSessionRow(Base):
-    """A training session (services/sessions): its process is a Ray job; this row is what
-    the controller knows of it (the live numbers come from the session itself)."""
-
-    __tablename__ = "sessions"
-
-    id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    status: Mapped[str] = mapped_column(String(16), index=True)
-    """starting, ready, ended (closed or idle; its state saved) or failed."""
-    model: Mapped[str] = mapped_column(Text)
-    world_size: Mapped[int] = mapped_column(Integer)
-    config_submitted: Mapped[str] = mapped_column(Text)
-    config_resolved: Mapped[str] = mapped_column(Text)
-    output_dir: Mapped[str] = mapped_column(Text)
-    ray_submission_id: Mapped[str] = mapped_column(String(128))
-    # No secret: the session server's is derived from the controller's key (revision 0004,
-    # services/controller/session_secret.py).
-    step: Mapped[int] = mapped_column(Integer, default=0)
-    tokens: Mapped[int] = mapped_column(Integer, default=0)
-    """Weighted tokens its forward_backward calls trained on."""
-    loss: Mapped[float | None] = mapped_column(Float)
-    """The loss of its last optimizer step."""
-    pending_calls: Mapped[int] = mapped_column(Integer, default=0)
-    saved_path: Mapped[str | None] = mapped_column(Text)
-    error: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[float] = mapped_column(Float)
-    updated_at: Mapped[float] = mapped_column(Float)

@@ -13,7 +13,7 @@ from services.controller.job_logs import ANSI
 from services.controller.schemas import JobDetail, JobEvent, JobOut, JobStatus, MetricsOut
 from services.controller.settings import Settings
 from services.controller.store import MetricTriple
-from services.controller.tables import Job
+from services.controller.tables import Run
 from services.driver.run_dir import EVENTS_FILE
 from trainer.config import AGGREGATION_MODES
 
@@ -30,7 +30,7 @@ CHART_METRICS = (
 """What the dashboard charts (the defaults of a sweep's metrics)."""
 
 
-def job_out(job: Job) -> JobOut:
+def job_out(job: Run) -> JobOut:
     return JobOut.model_validate(job, from_attributes=True)
 
 
@@ -57,7 +57,7 @@ def job_events(output_dir: str | None, settings: Settings, limit: int = 200
     return events
 
 
-def job_detail(job: Job, settings: Settings, private: bool = True) -> JobDetail:
+def job_detail(job: Run, settings: Settings, private: bool = True) -> JobDetail:
     """One job; ``private`` False (a client off loopback without a token, auth.may_read):
     without what the job wrote (its events and last log lines)."""
     base = job_out(job).model_dump()

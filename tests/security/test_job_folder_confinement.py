@@ -22,7 +22,7 @@ from services.controller.auth import job_token
 from services.controller.job_files import own_log
 from services.controller.session_rows import ready_url
 from services.controller.store import MIGRATIONS, Store
-from services.controller.tables import TrainingSessionRow
+from services.controller.tables import Run
 from services.driver.run_dir import JOB_CONFIG_FILE
 from services.sessions.server import write_state
 from tests.services.controller_fakes import DEMO, DEMO_OVERRIDES, api_client
@@ -135,7 +135,7 @@ def test_job_written_reads_need_a_token_off_loopback(api: TestClient) -> None:
 
 
 def test_session_json_may_only_name_a_node_address(tmp_path: Path, secret: Path) -> None:
-    row = TrainingSessionRow(id="s", output_dir=str(tmp_path / "s"))
+    row = Run(kind="session", id="s", output_dir=str(tmp_path / "s"))
     (tmp_path / "s").mkdir()
     for host, port, advertised, url in [
             ("10.1.2.3", 41000, None, "http://10.1.2.3:41000"),

@@ -19,7 +19,8 @@ import pytest
 
 from services.controller.app import create_app
 from services.controller.job_samples import NO_FILE
-from services.controller.tables import TrainingSessionRow
+from services.controller.run_states import SESSION_STATUSES
+from services.controller.tables import Run
 from services.driver.run_dir import SAMPLES_FILE
 from services.driver.samples import append_samples, read_samples
 from tests.services.controller_fakes import (
@@ -355,11 +356,13 @@ def test_a_failed_job_shows_its_error_and_last_log_lines(dashboard, page) -> Non
 
 
 def session_row(folder: Path, session_id: str, status: str, model: str, created_at: float,
-                **values: object) -> TrainingSessionRow:
-    """A session row as the controller stores it (routes_sessions.py: start_session), every
-    non-null column filled; ``values`` override."""
-    return TrainingSessionRow(**{
-        "id": session_id, "status": status, "model": model, "world_size": 1,
+                **values: object) -> Run:
+    """A session's run row as the controller stores it (routes_sessions.py: session_row),
+    ``status`` in a session's words (run_states.py); ``values`` override."""
+    return Run(**{
+        "id": session_id, "kind": "session", "name": "session",
+        "status": SESSION_STATUSES[status][0], "mode": "sample_mean", "source": "controller",
+        "num_steps": 1, "overrides": "[]", "model": model, "world_size": 1,
         "config_submitted": "{}", "config_resolved": "{}",
         "output_dir": str(folder / session_id), "ray_submission_id": f"session-{session_id}",
         "step": 0, "tokens": 0, "loss": None, "pending_calls": 0,
@@ -386,8 +389,8 @@ def test_job_list_lists_training_sessions(page, tmp_path: Path) -> None:
         ready = session_row(tmp_path, "ready1", "ready", "Qwen/Qwen3-0.6B", 2000.0, world_size=2,
                             step=12, tokens=34567, loss=0.69314, pending_calls=1)
         backend.submit(ready.ray_submission_id, "session", {}, {})  # running: stays ready
-        store.add_session(ready)
-        store.add_session(session_row(tmp_path, "failed1", "failed", "<i>tiny</i>", 1000.0,
+        store.add_run(ready)
+        store.add_run(session_row(tmp_path, "failed1", "failed", "<i>tiny</i>", 1000.0,
                                       error="ValueError: <b>boom</b>"))
         tab.wait_for_selector('tr[data-session="failed1"]', timeout=15_000)  # the 3 s poll
         assert tab.eval_on_selector_all("#sessions tbody tr", SESSION_CELLS) == [

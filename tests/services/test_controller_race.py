@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from services.controller.app import create_app
-from services.controller.tables import Job
+from services.controller.tables import Run
 from tests.services.controller_fakes import FakeBackend, make_settings, serve_in_thread
 
 NUM_PAIRS = 100
@@ -23,7 +23,7 @@ def running_jobs(app, count: int) -> list[str]:
     store = app.state.controller.store
     now = time.time()
     ids = [f"race{i:04d}" for i in range(count)]
-    store.add_jobs([Job(id=i, name=i, status="running", mode="sample_mean", source="controller",
+    store.add_jobs([Run(id=i, name=i, status="running", mode="sample_mean", source="controller",
                         config_submitted="{}", overrides="[]", config_resolved="{}",
                         output_dir=f"/nonexistent/{i}", num_steps=2, created_at=now,
                         started_at=now, updated_at=now) for i in ids])

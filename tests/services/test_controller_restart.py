@@ -89,7 +89,7 @@ def test_kill_9_mid_job_then_restart_loses_nothing(tmp_path: Path) -> None:
     # the head went with the controller: its session saved its state first
     row = Store(f"sqlite:///{proc.env['TALLY_DATA_DIR']}/controller.db").get_session(
         session.id)
-    assert (row.status, row.step, row.error) == ("ended", 1, None)
+    assert (row.status, row.step, row.error) == ("succeeded", 1, None)  # shown "ended"
     assert row.saved_path == str(Path(row.output_dir) / "saved" / "shutdown")
     assert (Path(row.saved_path) / "model.safetensors").is_file()
     assert processes_of(head["temp_dir"]) == []

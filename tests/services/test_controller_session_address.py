@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.controller.session_rows import ready_url
-from services.controller.tables import TrainingSessionRow
+from services.controller.tables import Run
 from services.sessions.server import listen, write_state
 
 
@@ -26,7 +26,7 @@ def test_the_node_ip_unless_an_advertised_host_says_otherwise() -> None:
 
 
 def test_the_controller_calls_the_address_in_session_json(tmp_path: Path) -> None:
-    row = TrainingSessionRow(id="s", output_dir=str(tmp_path))
+    row = Run(kind="session", id="s", output_dir=str(tmp_path))
     assert ready_url(row) is None
     write_state(tmp_path, {"state": "ready", "host": "10.1.2.3", "port": 41000})
     assert ready_url(row) == "http://10.1.2.3:41000"

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from services.controller.app import THREADS, create_app
 from services.controller.ray_jobs import BackendUnavailable, RayJobBackend
-from services.controller.tables import TrainingSessionRow
+from services.controller.tables import Run
 from services.sessions.server import write_state
 from tests.services.controller_fakes import (
     DEMO,
@@ -45,8 +45,9 @@ def hung_session(ctl, backend: FakeBackend, host: str, port: int) -> str:
     backend.submit(submission, "true", {}, {})
     backend.finish(submission, "running")
     now = time.time()
-    ctl.store.add_session(TrainingSessionRow(
-        id=session_id, status="ready", model="tiny", world_size=1, config_submitted="{}",
+    ctl.store.add_run(Run(  # a ready session: its server answers (run_states.py)
+        id=session_id, kind="session", name="session", status="running", mode="sample_mean",
+        source="controller", num_steps=1, model="tiny", world_size=1, config_submitted="{}",
         config_resolved="{}", output_dir=str(folder), ray_submission_id=submission, step=0,
         tokens=0, pending_calls=0, created_at=now, updated_at=now))
     return session_id
