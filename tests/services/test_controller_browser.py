@@ -376,7 +376,8 @@ SESSION_CELLS = """rows => rows.map(r => [...r.cells].slice(0, 7).map(c => c.tex
 def test_job_list_lists_training_sessions(page, tmp_path: Path) -> None:
     """No session: the table says how to start one; two stored sessions show on the next
     refresh, newest first, with their step, tokens and loss (none yet: "–"), the failed
-    one's error on its status; values are text, never markup."""
+    one's error on its status; values are text, never markup. A queued one says why it
+    waits under its status."""
     tab, errors = page
     backend = FakeBackend()
     app = create_app(make_settings(tmp_path), backend=backend)
@@ -402,6 +403,13 @@ def test_job_list_lists_training_sessions(page, tmp_path: Path) -> None:
         assert tab.locator('tr[data-session="ready1"] td').nth(1).get_attribute("title") \
             is None
         tab.screenshot(path=str(tmp_path / "sessions.png"), full_page=True)
+        backend.usage = {"CPU": (2.0, 2.0)}  # a full cluster: a new session waits
+        queued = httpx.post(f"{url}/api/sessions",
+                            json={"config": {"rollout": {"model": "tiny"}}}).json()
+        assert queued["status"] == "queued" and queued["waiting"]
+        reason = tab.wait_for_selector(f'tr[data-session="{queued["id"]}"] p.waiting',
+                                       timeout=15_000)  # as a job's page shows it
+        assert reason.inner_text() == queued["waiting"]
     assert not errors
 
 

@@ -5,6 +5,7 @@ whole cluster is refused at once. The real app and SQLite store, Ray's job serve
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,58 @@ def test_a_queued_session_ended_before_its_turn_never_starts(api: TestClient) ->
     assert api.delete(f"/api/sessions/{queued['id']}").json()["status"] == "ended"
     end_job(api, job)
     assert session(api, queued["id"])["status"] == "ended" and not in_ray(api, queued["id"])
+
+
+def test_a_call_to_a_queued_session_is_503_saying_its_place_in_the_queue(api: TestClient
+                                                                        ) -> None:
+    job = submit_job(api)
+    api.ctl.reconciler.tick()  # type: ignore[attr-defined]
+    waiting_job = submit_job(api)  # first in the queue
+    queued = api.post("/api/sessions", json=SESSION).json()
+    api.ctl.reconciler.tick()  # type: ignore[attr-defined]
+    answer = api.post(f"/api/sessions/{queued['id']}/forward", json={"data": []})
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "10"
+    assert answer.json()["detail"] == (
+        f"session {queued['id']} is queued (position 2 of 2 in the queue): "
+        f"{session(api, queued['id'])['waiting']}")
+    end_job(api, job)  # the waiting job starts: the session is first now
+    assert job_status(api, waiting_job) == "pending"
+    answer = api.post(f"/api/sessions/{queued['id']}/sample", json={})
+    assert answer.status_code == 503
+    assert f"session {queued['id']} is queued (position 1 of 1" in answer.json()["detail"]
+
+
+def test_a_queued_session_starts_with_what_its_row_holds_never_its_folder(api: TestClient
+                                                                          ) -> None:
+    """The environment of a queued session's server is rebuilt from its row when its turn
+    comes (job_env.run_env): a ``.launch.json`` someone wrote into its folder meanwhile (a
+    Ray pod may write there) is not read."""
+    job = submit_job(api)
+    api.ctl.reconciler.tick()  # type: ignore[attr-defined]
+    queued = api.post("/api/sessions", json={**SESSION, "idle_timeout_s": 77}).json()
+    folder = Path(queued["output_dir"])
+    assert not (folder / ".launch.json").exists()
+    (folder / ".launch.json").write_text(json.dumps({
+        IDLE_ENV: "1", "TALLY_API_TOKEN": "stolen", "LD_PRELOAD": "/tmp/evil.so"}))
+    end_job(api, job)
+    assert session(api, queued["id"])["status"] == "starting"
+    env = api.backend.jobs[f"tally-session-{queued['id']}"]["env"]  # type: ignore[attr-defined]
+    assert env == {IDLE_ENV: "77.0", "TALLY_DATA_DIR": str(api.ctl.settings.data_dir)}  # type: ignore[attr-defined]
+
+
+def test_the_one_poller_makes_a_session_ready_and_ends_it(api: TestClient) -> None:
+    """No call needed: the reconcile loop's poller, which ends jobs, sees a session's
+    server ready (its session.json) and its end (idle, its state saved)."""
+    started = api.post("/api/sessions", json=SESSION).json()
+    assert started["status"] == "starting"
+    folder = Path(started["output_dir"])
+    api.backend.finish(f"tally-session-{started['id']}", "running")  # type: ignore[attr-defined]
+    (folder / "session.json").write_text(json.dumps(
+        {"state": "ready", "host": "127.0.0.1", "port": 41000}))
+    api.ctl.reconciler.tick()  # type: ignore[attr-defined]
+    assert api.get("/api/sessions").json()["items"][0]["status"] == "ready"
+    (folder / "session.json").write_text(json.dumps(
+        {"state": "ended", "reason": "idle", "saved_path": str(folder / "saved" / "idle")}))
+    api.ctl.reconciler.tick()  # type: ignore[attr-defined]
+    ended = api.get("/api/sessions").json()["items"][0]
+    assert (ended["status"], ended["saved_path"]) == ("ended", str(folder / "saved" / "idle"))

@@ -91,10 +91,13 @@ function listPage() {
 }
 
 // A session has no page of its own: its row is all the dashboard shows of it (the numbers
-// the controller stored after its last call). A failed one tells why on hover.
+// the controller stored after its last call). A failed one tells why on hover; a queued
+// one why it waits, under its status, as a job's page does (p.waiting).
 const SESSION_COLUMNS = ["ID", "status", "model", "ranks", "step", "tokens", "loss", "updated"];
 const sessionRow = (s) => el("tr", { "data-session": s.id },
-  el("td", {}, s.id), el("td", { title: s.error }, badge(s.status)), el("td", {}, s.model),
+  el("td", {}, s.id), el("td", { title: s.error }, badge(s.status),
+    s.status === "queued" && s.waiting ? el("p", { class: "waiting" }, s.waiting) : null),
+  el("td", {}, s.model),
   el("td", { class: "num" }, s.world_size), el("td", { class: "num" }, s.step),
   el("td", { class: "num" }, s.tokens), el("td", { class: "num" }, fmt.num(s.loss)),
   el("td", {}, fmt.time(s.updated_at)));
