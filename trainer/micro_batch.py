@@ -28,7 +28,8 @@ from trainer.context_parallel import (
     zigzag_shard,
     zigzag_unshard,
 )
-from trainer.row_layout import RowLayout, packed_row_index, planted_prefix_error
+from trainer.planted import NOTHING_PLANTED, Planted, PlantedError
+from trainer.row_layout import RowLayout, packed_row_index
 from trainer.step_plan import StepPlan
 
 
@@ -111,10 +112,12 @@ def slice_micro_batch(
 
 
 def slice_packed_row(
-    batch: RolloutBatch, plan: StepPlan, samples: list[int], cp_size: int, cp_rank: int
+    batch: RolloutBatch, plan: StepPlan, samples: list[int], cp_size: int, cp_rank: int,
+    planted: Planted = NOTHING_PLANTED,
 ) -> MicroBatch:
     """The packed row of ``samples`` (an empty row: sample 0 with weight 0, so FSDP's
-    collectives stay in step), this CP rank's zigzag shard of each sample."""
+    collectives stay in step), this CP rank's zigzag shard of each sample. ``planted``:
+    the rank's planted errors (a test's; ``prefix_mask`` moves the row's layout)."""
     empty = not samples
     index = torch.tensor(samples or [0])
     lengths = batch.sequence_lengths[index]
@@ -123,7 +126,8 @@ def slice_packed_row(
     if skips is not None:  # each sample's head as a slot of this row
         slot_of = {int(i): k for k, i in enumerate(index)}
         heads = torch.tensor([slot_of[int(plan.prefix_head[i])] for i in index])
-    layout = RowLayout.build(lengths, cp_size, cp_rank, skips, heads, planted_prefix_error())
+    layout = RowLayout.build(lengths, cp_size, cp_rank, skips, heads,
+                             PlantedError.PREFIX_MASK in planted)
     slot, position = layout.slot_T, layout.position_T
     sample, n = index[slot], lengths[slot]
     real, has_target = position < n, position + 1 < n
@@ -171,10 +175,12 @@ def _cu_seqlens(layout: RowLayout) -> torch.Tensor:
 
 
 def slice_for_plan(batch: RolloutBatch, plan: StepPlan, samples: list[int], cp_size: int,
-                   cp_rank: int) -> MicroBatch:
-    """The micro-batch of ``samples`` in the plan's layout (packed row or padded)."""
-    slicer = slice_packed_row if plan.packed else slice_micro_batch
-    return slicer(batch, plan, samples, cp_size, cp_rank)
+                   cp_rank: int, planted: Planted = NOTHING_PLANTED) -> MicroBatch:
+    """The micro-batch of ``samples`` in the plan's layout (packed row or padded);
+    ``planted``: the rank's planted errors (a test's, trainer/planted.py)."""
+    if plan.packed:
+        return slice_packed_row(batch, plan, samples, cp_size, cp_rank, planted)
+    return slice_micro_batch(batch, plan, samples, cp_size, cp_rank)
 
 
 def gather_log_probs(

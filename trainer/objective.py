@@ -27,6 +27,7 @@ from trainer.planted import (
     NOTHING_PLANTED,
     PLANTED_COEFFICIENT_ERROR,
     PLANTED_FACTOR_TERMS,
+    Planted,
 )
 from trainer.terms import ENTROPY, KL, PG, POLICY_TERM_NAMES, POLICY_TERMS
 
@@ -73,8 +74,7 @@ def observation_tokens(micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return hole, torch.where(hole, before, index)
 
 
-def planted_loss_mask(micro: MicroBatch, planted: frozenset[str] = NOTHING_PLANTED
-                      ) -> torch.Tensor:
+def planted_loss_mask(micro: MicroBatch, planted: Planted = NOTHING_PLANTED) -> torch.Tensor:
     """Where a backend that computes log-probs at the loss mask's positions only must
     compute them: the loss mask, and the observation tokens when ``observation_tokens``
     is among this rank's ``planted`` errors (trainer/planted.py), so it reaches the
@@ -85,7 +85,7 @@ def planted_loss_mask(micro: MicroBatch, planted: frozenset[str] = NOTHING_PLANT
     return torch.where(hole, torch.ones_like(micro.loss_mask), micro.loss_mask)
 
 
-def _planted_weights(micro: MicroBatch, planted: frozenset[str]) -> dict[str, torch.Tensor]:
+def _planted_weights(micro: MicroBatch, planted: Planted) -> dict[str, torch.Tensor]:
     """The micro-batch's weights with the planted coefficient errors (test hook only)."""
     weights = dict(micro.weights)
     if "observation_tokens" in planted:  # each hole takes its sample's weight before it
@@ -123,16 +123,16 @@ def term_coefficients(loss: LossConfig, gradient_of: str = "all") -> dict[str, f
 
 def micro_batch_objective(
     token: TokenLogProbs, micro: MicroBatch, loss: LossConfig, mode_names: list[str],
-    planted_terms: frozenset[str] = NOTHING_PLANTED, gradient_of: str = "all",
+    planted: Planted = NOTHING_PLANTED, gradient_of: str = "all",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ w·ℓ of the terms for backward, the logged sums [len(LOGGED_SUMS) + modes]).
 
     A KL or entropy sum is always logged (entropy needs no reference model); it enters
-    the backward only with a coefficient > 0. ``planted_terms``: the errors this rank
-    makes (a test's, trainer/planted.py's ``rank_planted``), handed in by the backend."""
+    the backward only with a coefficient > 0. ``planted``: the errors this rank makes
+    (a test's, trainer/planted.py: ``TrainerRank.planted``), handed in by the backend."""
     mask = micro.loss_mask
-    weights = _planted_weights(micro, planted_terms) if planted_terms else micro.weights
-    if "observation_tokens" in planted_terms:  # a planted error (tests): holes trained too
+    weights = _planted_weights(micro, planted) if planted else micro.weights
+    if "observation_tokens" in planted:  # a planted error (tests): holes trained too
         mask = torch.where(observation_tokens(micro)[0], torch.ones_like(mask), mask)
     if loss.old_log_probs == "rollout":
         old = micro.rollout_log_probs
@@ -153,7 +153,7 @@ def micro_batch_objective(
     for term in POLICY_TERMS:  # entropy's sign is −1: a bonus
         coef, term_sum = coefficients[term.name], term_sums[term.name]
         if coef > 0 and term_sum.requires_grad:
-            factor = 2.0 if term.name in planted_terms else 1.0  # a planted error (tests)
+            factor = 2.0 if term.name in planted else 1.0  # a planted error (tests)
             objective = objective + factor * coef * term.sign * term_sum
     with torch.no_grad():
         mismatch = torch.where(mask > 0, token.log_probs - micro.rollout_log_probs, 0.0)

@@ -1,10 +1,11 @@
 """Errors a test plants in a verifier's ranks, so it can show the verifier catching each.
 
-Not a user option. The verifier is handed them as a parameter (``services/verify``:
-``{layout: Planted}``) and gives one layout's ranks their set through their Ray
-environment (:func:`rank_env`), the one way in a rank reads it (:func:`rank_planted`,
-once, when it is set up); the objective and the value loss take the rank's set as a
-parameter and read nothing themselves.
+Not a user option, and never read from the environment. The verifier is handed them as
+a parameter (``services/verify``: ``{layout: Planted}``) and injects one layout's set
+into the ranks it builds (``TrainerRank.plant``, a verify-only verb, before any step);
+each rank keeps its share (:func:`rank_planted`) and hands it, as a parameter, to what
+makes the error: the row layout (``micro_batch.slice_for_plan``), the objective, the
+value loss. Production never calls ``plant``: every rank's set is ``NOTHING_PLANTED``.
 
     pg, kl, entropy       rank 0's share of that term's gradient doubled
     value                 the critic's rank 0: its share of the value loss's gradient
@@ -38,7 +39,6 @@ Rank 0 is the one that owns the first DP×CP shard (every TP rank of it on Megat
 
 from __future__ import annotations
 
-import os
 from enum import StrEnum
 
 
@@ -59,7 +59,7 @@ class PlantedError(StrEnum):
 
 
 Planted = frozenset[PlantedError]
-"""The errors planted in one layout's ranks."""
+"""The errors planted in one layout's ranks (or the share one rank makes)."""
 
 NOTHING_PLANTED: Planted = frozenset()
 
@@ -70,10 +70,6 @@ PLANTED_ON_EVERY_RANK: Planted = frozenset({
 """Planted errors each rank of the layout makes; the others only rank 0 does."""
 PLANTED_COEFFICIENT_ERROR = 1e-3
 """Relative error of the one wrong per-sample coefficient (shard_ / entropy_coefficient)."""
-
-RANK_ENV = "TALLY_TEST_PLANTED_ERROR"
-"""The ranks' environment variable carrying their layout's planted errors (``pg,kl``):
-the verifier sets it through the rank actors' Ray runtime environment, nobody else."""
 
 
 def parse_planted(text: str) -> Planted:
@@ -87,13 +83,8 @@ def parse_planted(text: str) -> Planted:
     return frozenset(PlantedError(name) for name in names)
 
 
-def rank_env(planted: Planted) -> dict[str, str]:
-    """The environment a layout's ranks are started with to make ``planted``."""
-    return {RANK_ENV: ",".join(sorted(planted))} if planted else {}
-
-
-def rank_planted(first_shard: bool) -> Planted:
-    """The errors this rank makes (read once, at its setup): its layout's every-rank
-    errors, and all of them on the rank owning the first DP×CP shard."""
-    planted = parse_planted(os.environ.get(RANK_ENV, ""))
+def rank_planted(planted: Planted, first_shard: bool) -> Planted:
+    """The errors one rank of a layout that plants ``planted`` makes: the every-rank
+    ones, and all of them on a rank of the first DP×CP shard (every TP rank of it on
+    Megatron: each computes that replica's loss)."""
     return planted if first_shard else planted & PLANTED_ON_EVERY_RANK

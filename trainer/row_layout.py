@@ -25,15 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.planted import PlantedError, rank_planted
-
-
-def planted_prefix_error() -> bool:
-    """Whether this rank plants ``prefix_mask`` (trainer/planted.py: it is planted here, in
-    the layout every kernel reads: a follower also sees its head's key at position
-    start_s; read once per row built)."""
-    return PlantedError.PREFIX_MASK in rank_planted(first_shard=False)
-
 
 def visible(q_slot: torch.Tensor, q_pos: torch.Tensor, k_slot: torch.Tensor,
             k_pos: torch.Tensor, q_head: torch.Tensor, q_prefix: torch.Tensor,
@@ -102,7 +93,9 @@ class RowLayout:
               starts_N: torch.Tensor | None = None, heads_N: torch.Tensor | None = None,
               planted: bool = False) -> RowLayout:
         """The layout of slots of ``lengths_N`` (per-slot work plus two vectorized index
-        computations over the tokens); ``starts_N``/``heads_N``: a shared prefix."""
+        computations over the tokens); ``starts_N``/``heads_N``: a shared prefix;
+        ``planted``: the ``prefix_mask`` test hook (trainer/planted.py), handed in by the
+        rank that plants it (a follower also sees its head's key at position start_s)."""
         lengths_N = lengths_N.to(torch.int64)
         n = len(lengths_N)
         own = torch.arange(n)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -50,7 +50,7 @@ from rollout.batch import RolloutBatch
 from trainer.config import AGGREGATION_MODES, AggregationConfig, ObjectiveConfig, TrainerConfig
 from trainer.micro_batch import slice_for_plan
 from trainer.mini_batches import Update, mini_batch
-from trainer.planted import NOTHING_PLANTED, Planted, rank_env
+from trainer.planted import NOTHING_PLANTED, Planted
 from trainer.step_plan import StepPlan
 from trainer.terms import POLICY_TERMS, terms_of
 
@@ -235,18 +235,21 @@ def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: st
     (the perturbed policy; made from the first layout's weights when None). ``critic``:
     the critic's group instead, its ``value`` term (its fresh head needs no
     perturbation: its values are not the returns). ``planted``: the errors this layout's
-    ranks make (a test's; trainer/planted.py), handed to them in their environment."""
+    ranks make (a test's; trainer/planted.py), injected into the ranks built here."""
     import ray
 
     from trainer.group import CriticGroup, RolloutGroup, TrainerGroup
 
     config = layout_config(config, layout)
-    common: dict[str, Any] = {"total_steps": len(updates), "env_vars": rank_env(planted)}
     group: RolloutGroup = (
-        TrainerGroup(config, objective, model_path, **common) if critic is None else
-        CriticGroup(config, objective, model_path, value_clip=critic.value_clip, **common))
+        TrainerGroup(config, objective, model_path, total_steps=len(updates))
+        if critic is None else
+        CriticGroup(config, objective, model_path, total_steps=len(updates),
+                    value_clip=critic.value_clip))
     terms = CRITIC_TERMS if critic is not None else TERMS
     try:
+        if planted:  # the verify-only verb, before any step
+            ray.get([rank.plant.remote(planted) for rank in group.workers])
         if policy_state is None:
             policy_state = ray.get(group.async_export_weights())
             policy_state = policy_state if critic is not None else perturbed(policy_state)

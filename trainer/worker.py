@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.memory import PeakMemory, phase_metrics
+from trainer.planted import NOTHING_PLANTED, Planted, rank_planted
 from trainer.rank import init_rank, open_store
 
 if TYPE_CHECKING:
@@ -70,6 +71,9 @@ class TrainerRank(abc.ABC):
         self.config, self.objective, self.model_path = config, objective, model_path
         self.rank, self.total_steps = rank, total_steps
         self._store: dist.TCPStore | None = None
+        self.planted: Planted = NOTHING_PLANTED
+        """The errors this rank makes (trainer/planted.py): none, unless a verifier's
+        test injected some (``plant``); handed as a parameter to what makes each."""
 
     # Rendezvous: the verbs a rank answers before its process group exists.
 
@@ -98,6 +102,13 @@ class TrainerRank(abc.ABC):
         return init_rank(self.config, self.rank, self._store)
 
     # Verbs every role shares.
+
+    def plant(self, planted: Planted) -> None:
+        """Verify-only, after ``setup`` and before any step: make this layout's
+        ``planted`` errors (a test's, trainer/planted.py), this rank's share of them (all
+        on a rank of the first DP×CP shard, every TP rank of it included)."""
+        self.planted = rank_planted(planted, first_shard=self.dp_rank == 0
+                                    and self.cp_rank == 0)
 
     def checkpoint(self, path: str) -> dict[str, float]:
         """Collective: ``save_checkpoint``; this rank's time and peak memory."""

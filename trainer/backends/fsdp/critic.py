@@ -25,7 +25,6 @@ from trainer.backends.fsdp import model as fsdp
 from trainer.backends.fsdp.rank import FSDPRank
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
-from trainer.planted import rank_planted
 from trainer.step_plan import StepPlan
 from trainer.value_loss import (
     PLANTED_VALUE_ERROR,
@@ -67,12 +66,12 @@ class FSDPCriticWorker(BatchRank, FSDPRank):
         """Σ w·ℓ of the value loss over this rank's tokens, backpropagated (gradients
         summed over DP × CP); the step's exact sums."""
         scale = sum_reduction_factor(self.config.world_size)  # FSDP averages; we SUM
-        planted = PLANTED_VALUE_ERROR in rank_planted(first_shard=self.rank == 0)
+        planted = PLANTED_VALUE_ERROR in self.planted  # a test's (trainer/planted.py)
         totals = torch.zeros(len(VALUE_SUMS), dtype=torch.float64)
         self.model.train()
         for samples in plan.micro_batches[self.dp_rank]:
             micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
-                                   self.cp_rank).to(self.device)
+                                   self.cp_rank, self.planted).to(self.device)
             objective, sums = micro_batch_value_objective(self._values(micro), micro,
                                                           self.value_clip, planted)
             (objective * scale).backward()
@@ -88,7 +87,7 @@ class FSDPCriticWorker(BatchRank, FSDPRank):
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         for samples in plan.micro_batches[self.dp_rank]:
             micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
-                                   self.cp_rank).to(self.device)
+                                   self.cp_rank, self.planted).to(self.device)
             gather_log_probs(batch, samples, self._values(micro), out, self.cp_group,
                              self.config.cp_size, owner=self.cp_rank == 0,
                              packed=plan.packed, prefix_skip=plan.prefix_skip)

@@ -34,7 +34,6 @@ from trainer.objective import (
     step_metrics,
     term_coefficients,
 )
-from trainer.planted import rank_planted
 from trainer.policy_rank import PolicyRank
 from trainer.step_plan import StepPlan
 from trainer.worker import in_eval_mode
@@ -47,7 +46,6 @@ class FSDPWorker(PolicyRank, FSDPRank):
     for a colocated engine."""
 
     def _build_models(self) -> None:
-        self.planted_terms = rank_planted(first_shard=self.rank == 0)  # a test's errors
         self.model = self._build()
         # Under LoRA the reference is the same base with its adapters disabled.
         self.ref_model = (self._build() if self.config.loss.kl_coef > 0
@@ -74,7 +72,7 @@ class FSDPWorker(PolicyRank, FSDPRank):
         the loss mask's positions (0 elsewhere)."""
         temperature = self.objective.temperature
         # the loss mask, but in a test that plants observation_tokens
-        keep = loss_positions(planted_loss_mask(micro, self.planted_terms))
+        keep = loss_positions(planted_loss_mask(micro, self.planted))
         targets = micro.targets[keep]
         log_probs, entropy = log_probs_and_entropy(
             self._logits(self.model, micro, keep), targets, temperature,
@@ -108,10 +106,10 @@ class FSDPWorker(PolicyRank, FSDPRank):
         self.model.train()
         for samples in plan.micro_batches[self.dp_rank]:
             micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
-                                   self.cp_rank).to(self.device)
+                                   self.cp_rank, self.planted).to(self.device)
             objective, sums = micro_batch_objective(self._token_log_probs(micro), micro,
                                                     self.config.loss, mode_names,
-                                                    self.planted_terms,
+                                                    self.planted,
                                                     self.objective.gradient_of)
             if backward:
                 (objective * scale).backward()
@@ -129,7 +127,7 @@ class FSDPWorker(PolicyRank, FSDPRank):
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         for samples in plan.micro_batches[self.dp_rank]:
             micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
-                                   self.cp_rank).to(self.device)
+                                   self.cp_rank, self.planted).to(self.device)
             keep = loss_positions(micro.loss_mask)
             log_probs = spread(token_log_probs(self._logits(self.model, micro, keep),
                                                micro.targets[keep],

@@ -45,7 +45,6 @@ from trainer.micro_batch import (
 )
 from trainer.objective import step_metrics
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.planted import rank_planted
 from trainer.policy_rank import PolicyRank
 from trainer.rank import compute_dtype
 from trainer.step_plan import StepPlan
@@ -78,9 +77,6 @@ class MegatronWorker(PolicyRank):
         self.tp_group = ps.get_tensor_model_parallel_group()
         torch.manual_seed(config.seed)
         install_rng_tracker(config.seed, self.device)
-        # Every TP rank of DP×CP rank 0 computes that replica's loss, so all of them carry
-        # the planted factor (FSDP plants it on rank 0, which owns its tokens alone).
-        self.planted_terms = rank_planted(first_shard=self.dp_rank == 0 and self.cp_rank == 0)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.shape = model_shape(self.hf_config, config.tp_size)
         self.compute_dtype = compute_dtype(config, self.device)
@@ -109,7 +105,8 @@ class MegatronWorker(PolicyRank):
         """A packed row where THD runs (the plan packs and this rank has TE's layer
         spec), else the same samples padded: the local spec has no packed-sequence path."""
         if plan.packed and self.attention.transformer_engine:
-            return slice_packed_row(batch, plan, samples, self.config.cp_size, self.cp_rank)
+            return slice_packed_row(batch, plan, samples, self.config.cp_size, self.cp_rank,
+                                    self.planted)
         return slice_micro_batch(batch, plan, samples, self.config.cp_size, self.cp_rank)
 
     @staticmethod
@@ -142,7 +139,7 @@ class MegatronWorker(PolicyRank):
         logits = self._logits(model, micro)
         return logits, functools.partial(loss_func, micro, ref_log_probs, self.config.loss,
                                          self.objective, self.shape, scale, mode_names,
-                                         self.planted_terms)
+                                         self.planted)
 
     def forward_backward(self, batch: RolloutBatch, plan: StepPlan) -> dict[str, float]:
         """Σ w·ℓ over this rank's tokens, backpropagated into the main params' fp32 grads
