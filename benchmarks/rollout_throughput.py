@@ -33,6 +33,7 @@ from rollout.manager import RolloutManagerActor
 from rollout.tasks import make_task_examples
 from rollout.tiny import create_tiny_checkpoint
 from rollout.tokenizer import load_tokenizer
+from services.runtime.gang import start_rollout_actors
 
 GROUP_SIZE = 4
 
@@ -94,7 +95,10 @@ def ray_tokens_per_s(
             "global_batch_size": batch_size,
         }
     )
-    manager = RolloutManagerActor.remote(config, model_path)
+    actors = start_rollout_actors(config, model_path)
+    manager = RolloutManagerActor.remote(config, model_path, engines=actors.engines,
+                                         owns_engines=True, teachers=actors.teachers,
+                                         reward_actors=actors.reward_actors)
     try:
         ray.get(manager.generate_batch.remote(0))  # warm-up (and waits for the engines)
         rates, engine_rates = [], []

@@ -15,6 +15,7 @@ from rollout.config import RolloutConfig, TorchEngineConfig
 from rollout.judge import JudgeEngine, ask_server, judge_request, parse_score
 from rollout.manager import RolloutManagerActor
 from rollout.reward_config import JudgeConfig
+from services.runtime.gang import start_rollout_actors
 from tests.rollout.chat_server import ChatHandler, serving
 
 
@@ -60,7 +61,10 @@ def judged(ray_cluster: None, tiny_model_path: str) -> Iterator[tuple]:
                    {"type": "judge", "name": "judge", "model": tiny_model_path,
                     "template": "{prompt}{response}", "parse": PARSE,
                     "max_new_tokens": 6, "num_cpus": 0, "num_actors": 2, "weight": 0.5}]})
-    actor = RolloutManagerActor.remote(config, tiny_model_path, samples_per_step=16)
+    actors = start_rollout_actors(config, tiny_model_path)
+    actor = RolloutManagerActor.remote(config, tiny_model_path, engines=actors.engines,
+                                       owns_engines=True, teachers=actors.teachers,
+                                       reward_actors=actors.reward_actors, samples_per_step=16)
     batch = ray.get(actor.generate_batch.remote(0))
     yield config, batch
     ray.get(actor.shutdown.remote())

@@ -19,6 +19,7 @@ from rollout.datasets import DatasetError
 from rollout.engines import EngineUnavailableError
 from rollout.manager import RolloutManager, RolloutManagerActor
 from rollout.tokenizer import load_tokenizer
+from services.runtime.gang import start_rollout_actors
 
 STOPS = ["a", "e", "i", "o"]  # uneven response lengths from a random model
 CONFIG = RolloutConfig.model_validate(
@@ -35,7 +36,10 @@ CONFIG = RolloutConfig.model_validate(
 
 @pytest.fixture(scope="module")
 def manager(ray_cluster: None, tiny_model_path: str) -> Iterator[ray.actor.ActorHandle]:
-    actor = RolloutManagerActor.remote(CONFIG, tiny_model_path)
+    actors = start_rollout_actors(CONFIG, tiny_model_path)
+    actor = RolloutManagerActor.remote(CONFIG, tiny_model_path, engines=actors.engines,
+                                       owns_engines=True, teachers=actors.teachers,
+                                       reward_actors=actors.reward_actors)
     yield actor
     ray.get(actor.shutdown.remote())
     ray.kill(actor)
@@ -131,7 +135,14 @@ def _in_process_manager(config: dict, model_path: str) -> RolloutManager:
         "n_samples_per_prompt": 4,
         "global_batch_size": 8,
     }
-    return RolloutManager(RolloutConfig.model_validate({**base, **config}), model_path)
+    rollout = RolloutConfig.model_validate({**base, **config})
+    actors = start_rollout_actors(rollout, model_path)
+    try:
+        return RolloutManager(rollout, model_path, engines=actors.engines, owns_engines=True,
+                              teachers=actors.teachers, reward_actors=actors.reward_actors)
+    except BaseException:
+        actors.stop()
+        raise
 
 
 def test_dynamic_sampling_refills_the_batch(
@@ -184,14 +195,17 @@ def test_dynamic_sampling_fills_in_after_max_draws(ray_cluster: None, tiny_model
         manager.shutdown()
 
 
-def test_construction_errors_come_before_any_engine(
+def test_construction_errors_need_no_actor(
     tiny_model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(
         DatasetError, match=f"dataset.path: {re.escape(str(missing))} does not exist"
     ):
-        _in_process_manager({"dataset": {"type": "jsonl", "path": str(missing)}}, tiny_model_path)
+        RolloutManager(RolloutConfig.model_validate({"dataset": {"type": "jsonl",
+                                                                 "path": str(missing)}}),
+                       tiny_model_path, engines=[], teachers=[], reward_actors={})
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: None)  # no sglang
     with pytest.raises(EngineUnavailableError, match=r"engine\.type: 'sglang' launches"):
-        RolloutManager(RolloutConfig(engine=SGLangEngineConfig()), tiny_model_path)
+        RolloutManager(RolloutConfig(engine=SGLangEngineConfig()), tiny_model_path,
+                       engines=[], teachers=[], reward_actors={})

@@ -241,6 +241,7 @@ def test_the_manager_says_each_turn_so_its_engine_keeps_the_kv(
 
     from rollout.config import RolloutConfig
     from rollout.manager import RolloutManager
+    from services.runtime.gang import start_rollout_actors
 
     config = RolloutConfig.model_validate({
         "dataset": {"type": "synthetic", "task": "copy", "num_prompts": 4, "seed": 1},
@@ -249,7 +250,10 @@ def test_the_manager_says_each_turn_so_its_engine_keeps_the_kv(
         "environment": {"class_path": f"{TOYS}:Countdown", "max_turns": 3,
                         "max_total_tokens": 64},
         "n_samples_per_prompt": 2, "global_batch_size": 4, "apply_chat_template": False})
-    manager = RolloutManager(config, tiny_model_path)
+    actors = start_rollout_actors(config, tiny_model_path)
+    manager = RolloutManager(config, tiny_model_path, engines=actors.engines,
+                             owns_engines=True, teachers=actors.teachers,
+                             reward_actors=actors.reward_actors)
     try:
         batch = manager.generate_batch(0)
         assert batch.num_samples == 4

@@ -51,12 +51,17 @@ def _config(tmp_path: Path, policy: str, max_prompt_tokens: int) -> RolloutConfi
 def test_each_step_handles_and_counts_long_prompts(ray_cluster: None, tiny_model_path: str,
                                                    tmp_path: Path, policy: str) -> None:
     from rollout.manager import RolloutManagerActor
+    from services.runtime.gang import start_rollout_actors
 
     tokenizer = load_tokenizer(tiny_model_path)
     lengths = [len(encode_prompt(tokenizer, "ab" * n, True)) for n in (1, 2, 20, 3)]
     limit = max(lengths[0], lengths[1], lengths[3])
     assert lengths[2] > limit
-    manager = RolloutManagerActor.remote(_config(tmp_path, policy, limit), tiny_model_path)
+    config = _config(tmp_path, policy, limit)
+    actors = start_rollout_actors(config, tiny_model_path)
+    manager = RolloutManagerActor.remote(config, tiny_model_path, engines=actors.engines,
+                                         owns_engines=True, teachers=actors.teachers,
+                                         reward_actors=actors.reward_actors)
     try:
         if policy == "error":
             with pytest.raises(ray.exceptions.RayTaskError, match="record 2 has "

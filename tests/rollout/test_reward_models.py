@@ -15,6 +15,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from rollout.config import RolloutConfig
 from rollout.manager import RolloutManagerActor
 from rollout.reward_parts import RunningMoments
+from services.runtime.gang import start_rollout_actors
 from tests.reward_model_folders import save_random_reward_model
 
 
@@ -45,8 +46,11 @@ def _config(tiny_rm: str, chat_rm: str) -> RolloutConfig:
 @pytest.fixture(scope="module")
 def manager(ray_cluster: None, tiny_model_path: str, reward_models: tuple[str, str]
             ) -> Iterator[ray.actor.ActorHandle]:
-    actor = RolloutManagerActor.remote(_config(*reward_models), tiny_model_path,
-                                       samples_per_step=8)
+    config = _config(*reward_models)
+    actors = start_rollout_actors(config, tiny_model_path)
+    actor = RolloutManagerActor.remote(config, tiny_model_path, engines=actors.engines,
+                                       owns_engines=True, teachers=actors.teachers,
+                                       reward_actors=actors.reward_actors, samples_per_step=8)
     yield actor
     ray.get(actor.shutdown.remote())
     ray.kill(actor)

@@ -21,6 +21,7 @@ from rollout.config import (
 )
 from rollout.manager import RolloutManager
 from rollout.teacher import response_log_probs
+from services.runtime.gang import start_rollout_actors
 from tests.trainer.helpers import sampled_train_batch
 
 
@@ -62,7 +63,9 @@ def _manager(model_path: str, teacher: str, advantage: AdvantageConfig,
         advantage=advantage,
         teacher=(TeacherConfig(model=teacher, coef=0.5, num_actors=2, num_cpus=0)
                  if with_teacher else None))
-    return RolloutManager(config, model_path)
+    actors = start_rollout_actors(config, model_path)  # the teachers too, when it has one
+    return RolloutManager(config, model_path, engines=actors.engines, owns_engines=True,
+                          teachers=actors.teachers, reward_actors=actors.reward_actors)
 
 
 @pytest.mark.slow  # two managers, their engines and three teacher actors on Ray

@@ -15,6 +15,7 @@ from services.config.job import load_job_config
 from services.driver.evaluation import eval_metrics
 from services.driver.job import job_model_path
 from services.driver.loop import run_job
+from services.runtime.gang import start_rollout_actors
 from tests.services.test_train import ROOT
 
 EVAL = ["eval.enabled=true", "eval.every_steps=75", "eval.num_prompts=32",
@@ -33,7 +34,10 @@ def test_a_weak_student_distilled_from_a_trained_teacher_moves_toward_it(
         f"{teacher}}}"])
     history = run_job(config, tmp_path / "job", log=lambda *_: None)
 
-    manager = RolloutManager(teacher_config.rollout, teacher)  # the teacher, evaluated alike
+    actors = start_rollout_actors(teacher_config.rollout, teacher)  # evaluated alike
+    manager = RolloutManager(teacher_config.rollout, teacher, engines=actors.engines,
+                             owns_engines=True, teachers=actors.teachers,
+                             reward_actors=actors.reward_actors)
     try:
         run = manager.evaluate(config.eval_dataset(), 32, 1, 1.0, 0)
     finally:

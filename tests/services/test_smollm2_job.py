@@ -22,6 +22,7 @@ def test_one_rl_step_and_its_evaluations_on_smollm2(ray_cluster: None, smollm2_p
                                                     tmp_path: Path) -> None:
     from rollout.manager import RolloutManager
     from services.driver.evaluation import eval_metrics
+    from services.runtime.gang import start_rollout_actors
 
     config = load_job_config(ROOT / "configs" / "smollm2-math.yaml", [
         f"rollout.model={smollm2_path}", "num_steps=1", "rollout.global_batch_size=4",
@@ -75,7 +76,10 @@ def test_one_rl_step_and_its_evaluations_on_smollm2(ray_cluster: None, smollm2_p
     # Those are the weights the engines evaluated: fresh engines given the checkpoint (and
     # the manager's state) sample the same rollout, log-probs included, and evaluate to
     # the logged metrics.
-    manager = RolloutManager(config.rollout, str(smollm2_path))  # num_threads as the job's
+    actors = start_rollout_actors(config.rollout, str(smollm2_path))  # threads: the job's
+    manager = RolloutManager(config.rollout, str(smollm2_path), engines=actors.engines,
+                             owns_engines=True, teachers=actors.teachers,
+                             reward_actors=actors.reward_actors)
     try:
         manager.update_weights_from_disk(str(job / "final_model"))
         manager.load_state_dict(held["state"])

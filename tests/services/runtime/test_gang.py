@@ -1,0 +1,154 @@
+"""The gang (services/runtime/gang.py) on a real local Ray cluster: it starts what its
+roles ask for, once each, hands the manager exactly its actors, and ``close`` stops all
+of them and frees the bundles even when one already died; a start that fails halfway
+stops what it started. And it is the one module of services/, rollout/ and trainer/ that
+starts Ray (read from the source with ``ast``)."""
+
+from __future__ import annotations
+
+import ast
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from rollout.tiny import create_tiny_checkpoint
+from services.config.job import JobConfig, load_job_config
+from services.driver.job import job_roles
+from services.runtime.gang import ACTOR_STARTS_ENV, Gang, Roles, count_starts
+from services.runtime.placement import JobPlacement
+
+ROOT = Path(__file__).resolve().parents[3]
+SOURCES = ("services", "rollout", "trainer")
+GANG = Path("services/runtime/gang.py")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "seed0", seed=0)
+
+
+@pytest.fixture
+def starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], Counter[str]]:
+    """Counts the actor starts of the test by role (TALLY_COUNT_ACTOR_STARTS)."""
+    path = tmp_path / "actor_starts"
+    monkeypatch.setenv(ACTOR_STARTS_ENV, str(path))
+    return lambda: Counter(path.read_text().split()) if path.exists() else Counter()
+
+
+def _config(*overrides: str) -> JobConfig:
+    return load_job_config(ROOT / "configs" / "demo.yaml", [
+        "warmup.enabled=false", "num_steps=1", "trainer.dp_size=1",
+        "rollout.global_batch_size=16", "rollout.engine.num_engines=2", *overrides])
+
+
+def _dead(actor: ray.actor.ActorHandle) -> bool:
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=60)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+def _removed(group: object) -> bool:
+    from ray.util.placement_group import placement_group_table
+
+    return placement_group_table(group)["state"] == "REMOVED"
+
+
+def _alive_actors() -> set[str]:
+    return {actor_id for actor_id, actor in ray._private.state.actors().items()
+            if actor["State"] != "DEAD"}
+
+
+def test_count_starts_appends_one_line_per_actor(starts: Callable[[], Counter[str]]) -> None:
+    count_starts("engine", 2)
+    count_starts("manager")
+    count_starts("teacher", 0)
+    assert starts() == Counter({"engine": 2, "manager": 1})
+
+
+@pytest.mark.slow  # a trainer rank, two engines and a manager on Ray
+def test_a_job_gang_starts_each_role_once_and_close_stops_all_even_a_dead_one(
+        ray_cluster: None, model_path: str, starts: Callable[[], Counter[str]]) -> None:
+    config = _config()
+    gang = Gang(config, model_path, job_roles(config, model_path), on_wait=print)
+    try:
+        assert starts() == Counter({"engine": 2, "manager": 1, "policy": 1})
+        assert gang.critic is None and gang.teachers == [] and gang.reward_actors == {}
+        handed = ray.get(gang.manager.__ray_call__.remote(
+            lambda manager: [engine._actor_id.hex() for engine in manager.engines]))
+        assert handed == [engine._actor_id.hex() for engine in gang.engines]
+        assert len(gang.trainer.workers) == 1
+        actors = [gang.manager, *gang.engines, *gang.trainer.workers]
+        assert not any(_dead(actor) for actor in actors)  # all up before one dies
+        ray.kill(gang.engines[0])
+        assert _dead(gang.engines[0])
+    finally:
+        gang.close()
+    assert all(_dead(actor) for actor in actors)
+    assert gang.placement is not None and _removed(gang.placement.group)
+    gang.close()  # a second close does nothing
+
+
+@pytest.mark.slow  # two engines and a manager on Ray, then a failing rank group
+def test_a_start_that_fails_halfway_stops_what_it_started(
+        ray_cluster: None, model_path: str, starts: Callable[[], Counter[str]]) -> None:
+    config, placed = _config(), []
+    before = _alive_actors()
+
+    def failing_policy(placement: JobPlacement | None) -> None:
+        placed.append(placement)
+        raise RuntimeError("the ranks cannot start")
+
+    roles = Roles(policy=failing_policy, engines=True, manager=True)
+    with pytest.raises(RuntimeError, match="the ranks cannot start"):
+        Gang(config, model_path, roles)
+    assert starts() == Counter({"engine": 2, "manager": 1})  # started, then stopped
+    assert placed[0] is not None and _removed(placed[0].group)
+    deadline = time.monotonic() + 60
+    while (left := _alive_actors() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+
+
+# ---- one module starts Ray --------------------------------------------------------------
+
+
+def ray_init_calls(root: Path, files: Iterator[Path] | None = None) -> list[str]:
+    """``path:line`` of each ``ray.init(...)`` call (or ``from ray import init``) under
+    ``root`` outside services/runtime/gang.py."""
+    found = []
+    for path in files if files is not None else (
+            p for source in SOURCES for p in sorted((root / source).rglob("*.py"))):
+        where = path.relative_to(root)
+        if where == GANG:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            calls_init = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                          and node.func.attr == "init" and isinstance(node.func.value, ast.Name)
+                          and node.func.value.id == "ray")
+            imports_init = (isinstance(node, ast.ImportFrom) and node.module == "ray"
+                            and any(alias.name == "init" for alias in node.names))
+            if calls_init or imports_init:
+                found.append(f"{where}:{node.lineno}")
+    return found
+
+
+def test_only_the_gang_starts_ray() -> None:
+    assert ray_init_calls(ROOT) == []
+    gang_source = (ROOT / GANG).read_text()
+    assert "ray.init(" in gang_source  # the one place, still there
+
+
+def test_the_ray_init_checker_finds_a_planted_call(tmp_path: Path) -> None:
+    planted = tmp_path / "services" / "elsewhere.py"
+    planted.parent.mkdir()
+    planted.write_text("import ray\n\n\ndef start():\n    ray.init(num_cpus=1)\n")
+    imported = tmp_path / "rollout.py"
+    imported.write_text("from ray import init\n")
+    assert ray_init_calls(tmp_path, iter([planted, imported])) == [
+        "services/elsewhere.py:5", "rollout.py:1"]
