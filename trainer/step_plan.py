@@ -22,7 +22,7 @@ from rollout.batch import RolloutBatch
 from trainer.aggregation import AGGREGATION_MODES, custom_reducer_weights, sample_coefficients
 from trainer.config import ObjectiveConfig, TermAggregationConfig, TrainerConfig
 from trainer.context_parallel import padded_length
-from trainer.terms import PG, POLICY_TERMS
+from trainer.terms import PG, PLANNED_TERMS
 
 MODE_METRIC_PREFIX = "pg_loss/"
 
@@ -30,9 +30,9 @@ MODE_METRIC_PREFIX = "pg_loss/"
 @dataclass(frozen=True)
 class StepPlan:
     coefficients: dict[str, torch.Tensor]
-    """Per-sample c_i [N] float64: one per policy term (trainer/terms.py: "pg", "kl",
-    "entropy") and one per aggregation mode (``pg_loss/<mode>``) for the dashboard's
-    per-mode metric."""
+    """Per-sample c_i [N] float64: one per planned term (trainer/terms.py: "pg", "kl",
+    "entropy", "value") and one per aggregation mode (``pg_loss/<mode>``) for the
+    dashboard's per-mode metric."""
     micro_batches: list[list[list[int]]]
     """[dp_rank][micro_batch] -> sample indices; every rank has the same count."""
     padding_fraction: float
@@ -250,8 +250,8 @@ def plan_step(
 
     coefficients: dict[str, torch.Tensor] = {}
     dense_weights: dict[str, torch.Tensor] = {}
-    for term in POLICY_TERMS:  # each term under its own aggregation (ObjectiveConfig)
-        aggregation = getattr(objective, term.name)
+    for term in PLANNED_TERMS:  # each term under its own aggregation (ObjectiveConfig)
+        aggregation = getattr(objective, str(term.aggregation))
         if term is PG and objective.pg.custom_reducer is not None:
             dense_weights[PG.name] = custom_reducer_weights(objective.pg.custom_reducer,
                                                             batch.loss_mask, batch.group_index)

@@ -33,13 +33,18 @@ class LossTerm:
     """The ``trainer.loss`` field holding its coefficient; None: 1 (the role's main term)."""
     progress_format: str = ".4f"
     """How the progress line prints its value."""
+    aggregation: str | None = None
+    """The ``ObjectiveConfig`` field holding its aggregation: the step plan gives it its
+    own weights w = m · c (``micro.weights[name]``); None: not planned (bt weighs pairs)."""
 
 
-PG = LossTerm("pg", "pg_loss", "policy", progress_format="+.4f")
-KL = LossTerm("kl", "kl", "policy", coefficient="kl_coef")
+PG = LossTerm("pg", "pg_loss", "policy", progress_format="+.4f", aggregation="pg")
+KL = LossTerm("kl", "kl", "policy", coefficient="kl_coef", aggregation="kl")
 ENTROPY = LossTerm("entropy", "entropy", "policy", sign=-1.0, coefficient="entropy_coef",
-                   progress_format=".3f")
-VALUE = LossTerm("value", "value_loss", "value")
+                   progress_format=".3f", aggregation="entropy")
+VALUE = LossTerm("value", "value_loss", "value", aggregation="pg")
+"""The critic's objective carries the value loss's aggregation in its main field
+(services/config/job.py ``critic_objective_config``), never a custom reducer."""
 BT = LossTerm("bt", "loss", "score")
 
 TERMS: dict[str, LossTerm] = {term.name: term for term in (PG, KL, ENTROPY, VALUE, BT)}
@@ -54,3 +59,5 @@ def terms_of(role: Role) -> tuple[LossTerm, ...]:
 POLICY_TERMS = terms_of("policy")
 """pg, kl, entropy: the terms of the policy's objective, each with its own aggregation."""
 POLICY_TERM_NAMES = tuple(term.name for term in POLICY_TERMS)
+PLANNED_TERMS = tuple(term for term in TERMS.values() if term.aggregation is not None)
+"""pg, kl, entropy, value: the terms the step plan weights, each under its aggregation."""

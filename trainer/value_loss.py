@@ -11,8 +11,9 @@ at the rollout V^old_it, the GAE target R_it (rollout/advantages.py) and ε = va
 with the per-sample coefficients c_i of the critic's aggregation mode (``critic.
 aggregation``, default the job's), computed by the same step plan as the policy's terms,
 so the value loss is exact under every DP × CP × packing layout and mini-batch exactly as
-pg is (docs/loss-aggregation.md). The critic's step plan carries its mode in the plan's
-main term (``pg``): the weights the value loss reads are ``micro.weights["pg"]``.
+pg is (docs/loss-aggregation.md). The value term has its own weights,
+``micro.weights["value"]`` (trainer/terms.py ``VALUE``: planned under the critic
+objective's main aggregation).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from trainer.aggregation import local_weighted_sum
 from trainer.micro_batch import MicroBatch
+from trainer.terms import VALUE
 
 VALUE_SUMS = ("value_loss", "clipped_tokens", "valid_tokens", "values", "magnitude/value")
 """The critic's logged sums, in this order: Σ w·ℓ, Σ m over the tokens where the clipped
@@ -51,7 +53,7 @@ def micro_batch_value_objective(values: torch.Tensor, micro: MicroBatch,
     ``planted``: this rank's share doubled (a test's planted error)."""
     assert micro.returns is not None and micro.old_values is not None, \
         "the critic trains on a batch with returns and values (PPO with a critic)"
-    mask, weights = micro.loss_mask, micro.weights["pg"]
+    mask, weights = micro.loss_mask, micro.weights[VALUE.name]
     loss, clipped = clipped_value_loss(values, micro.old_values, micro.returns, value_clip)
     total = local_weighted_sum(loss, weights)
     objective = total * (2.0 if planted else 1.0)

@@ -277,8 +277,11 @@ class JobConfig(BaseModel):
 
     def critic_objective_config(self) -> ObjectiveConfig:
         """The critic's objective: its aggregation in the main term, resolved like the
-        policy's (trainer/value_loss.py reads it there)."""
-        return ObjectiveConfig.compose(self.critic.aggregation_config(self.aggregation),
+        policy's (the step plan weighs the value term by it: trainer/terms.py ``VALUE``).
+        The policy's ``aggregation.custom_reducer`` weighs the pg term only: the critic
+        takes the job's mode (or ``critic.aggregation``), never the reducer."""
+        job = self.aggregation.model_copy(update={"custom_reducer": None})
+        return ObjectiveConfig.compose(self.critic.aggregation_config(job),
                                        LossConfig(), self.max_response_len,
                                        self.rollout.sampling.temperature)
 

@@ -90,8 +90,8 @@ def test_plan_ships_per_sample_coefficients_for_terms_and_every_mode() -> None:
     batch = random_train_batch(vocab_size=50)
     objective = ObjectiveConfig.compose(AggregationConfig(), LossConfig(), 8, 1.0)
     plan = plan_step(batch, objective, dp_size=2, cp_size=1, max_tokens_per_micro_batch=32)
-    assert plan.terms == ["pg", "kl", "entropy", "pg_loss/sample_mean", "pg_loss/token_mean",
-                          "pg_loss/prompt_mean", "pg_loss/constant"]
+    assert plan.terms == ["pg", "kl", "entropy", "value", "pg_loss/sample_mean",
+                          "pg_loss/token_mean", "pg_loss/prompt_mean", "pg_loss/constant"]
     assert plan.dense_weights == {}
     for coefficients in plan.coefficients.values():
         assert coefficients.shape == (batch.num_samples,)
@@ -304,3 +304,42 @@ def test_prefix_items_equal_a_scan_per_group_with_odd_groups(seed: int) -> None:
         items, costs, skip = prefix_items(batch, budget)
         want_items, want_costs, want_skip = _prefix_items_by_group_scan(batch, budget)
         assert items == want_items and costs == want_costs and torch.equal(skip, want_skip)
+
+
+@pytest.mark.parametrize(("packed", "cp_size"), [(True, 1), (True, 2), (False, 2)])
+def test_the_value_term_has_weights_of_its_own_equal_to_the_main_terms(
+        packed: bool, cp_size: int) -> None:
+    """The critic's value loss reads ``micro.weights["value"]`` (trainer/terms.py VALUE),
+    planned under the objective's main aggregation: bit for bit the numbers it read under
+    ``pg`` before, in every shard; zeroing pg's weights leaves the value loss alone,
+    zeroing its own moves it."""
+    import dataclasses
+
+    from trainer.value_loss import micro_batch_value_objective
+
+    batch = random_train_batch(vocab_size=50, num_prompts=4, group_size=3, seed=3)
+    objective = ObjectiveConfig.compose(AggregationConfig(mode="prompt_mean"),
+                                        LossConfig(), 8, 1.0)
+    plan = plan_step(batch, objective, dp_size=2, cp_size=cp_size,
+                     max_tokens_per_micro_batch=16, packed=packed)
+    assert torch.equal(plan.coefficients["value"], plan.coefficients["pg"])
+    generator = torch.Generator().manual_seed(0)
+    for rank_samples in plan.micro_batches:
+        for samples in rank_samples:
+            for cp_rank in range(cp_size):
+                micro = slice_for_plan(batch, plan, samples, cp_size, cp_rank)
+                assert torch.equal(micro.weights["value"], micro.weights["pg"])
+                shape = micro.loss_mask.shape
+                micro = dataclasses.replace(
+                    micro, returns=torch.randn(shape, generator=generator),
+                    old_values=torch.randn(shape, generator=generator))
+                values = torch.randn(shape, generator=generator, dtype=torch.float64)
+                _, sums = micro_batch_value_objective(values, micro, 0.2)
+                no_pg = dataclasses.replace(micro, weights={
+                    **micro.weights, "pg": torch.zeros_like(micro.weights["pg"])})
+                assert torch.equal(micro_batch_value_objective(values, no_pg, 0.2)[1], sums)
+                if float(micro.weights["value"].abs().sum()) > 0:
+                    no_value = dataclasses.replace(micro, weights={
+                        **micro.weights, "value": torch.zeros_like(micro.weights["value"])})
+                    assert micro_batch_value_objective(values, no_value, 0.2)[1][0] == 0
+                    assert sums[0] != 0
