@@ -11,6 +11,8 @@ from typing import Any
 import ray
 import torch
 
+from rollout.weight_bucket import WeightShipment
+
 
 class EngineWeights:
     """Weights into the engines; ``weight_version`` counts what they serve."""
@@ -38,6 +40,15 @@ class EngineWeights:
         ray.get([engine.update_weights.remote(ref) for engine in self.engines])
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
+
+    def receive_weights(self, version: int, shipment: WeightShipment | None = None) -> int:
+        """Every engine receives weights ``version`` (services/driver/transports/): the
+        object store's ``shipment`` of bucket refs, loaded by each engine; None: a
+        colocated engine serves what its rank staged as ``version``. Each engine refuses
+        a version it was not sent."""
+        ray.get([engine.receive_weights.remote(version, shipment) for engine in self.engines])
+        self.weight_version = version
+        return version
 
     def update_weight_buckets(self, buckets: list, version: int) -> int:
         """Every engine loads weights ``version`` from the trainer's buckets: ``buckets``

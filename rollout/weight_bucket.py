@@ -13,7 +13,14 @@ object store the buffer is a numpy array, which an engine on the same node maps 
 numpy has no bfloat16, so every tensor is carried as raw bytes and viewed back.
 
 An engine flips to the new version only when every bucket of it is in: it checks every
-bucket's names, shapes and dtypes before it copies any (``check_buckets``).
+bucket's names, shapes and dtypes before it copies any (``check_buckets``). Through the
+object store a version travels as a :class:`WeightShipment`: its buckets, stamped with
+the version by the rank that packed them, so an engine asked to serve v refuses the
+buckets of any other version (``for_version``).
+
+This module is one of the shared wire formats (docs/architecture.md): the trainer's
+senders (trainer/transports/), the driver's transports (services/driver/transports/)
+and the engines (rollout/engines/) import it, and it imports nothing of theirs.
 """
 
 from __future__ import annotations
@@ -69,6 +76,28 @@ class WeightBucket:
             flat = torch.from_numpy(self.data)
         return {spec.name: flat[spec.offset:spec.offset + spec.num_bytes]
                 .view(DTYPES[spec.dtype]).view(spec.shape) for spec in self.specs}
+
+
+class WeightVersionMismatch(ValueError):
+    """Weights were sent as one version and received as another."""
+
+
+@dataclass(frozen=True)
+class WeightShipment:
+    """One weight version through the object store: its buckets in send order (Ray
+    object refs of :class:`WeightBucket`, or the buckets), stamped with the version by
+    the rank that packed them. A few refs: it is cheap to pass from actor to actor."""
+
+    version: int
+    buckets: tuple[Any, ...]
+
+    def for_version(self, version: int) -> tuple[Any, ...]:
+        """The buckets, if they are weights ``version``; else raise (the receiver was
+        told to flip to another version than the one these buckets hold)."""
+        if version != self.version:
+            raise WeightVersionMismatch(f"weight sync: asked to load weights {version}, "
+                                        f"the buckets sent are weights {self.version}")
+        return self.buckets
 
 
 def plan_buckets(shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: str,

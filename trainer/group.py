@@ -3,9 +3,10 @@ critic's (``CriticGroup``), over the rank mechanics of ``RankGroup`` (trainer/ra
 
 The group makes the step plan (aggregation coefficients from whole-step metadata,
 micro-batch assignment) once, hands it to every rank inside the call, and calls the same
-verb on every rank. Each group offers its role's verbs only: log-probs and the weight
-transports for the policy, values for the critic (the reward model's group:
-trainer/reward_model_group.py; a session's transactions: services/sessions/calls.py).
+verb on every rank. Each group offers its role's verbs only: log-probs and the weights
+out (one verb, ``send_weights``, whatever the transport) for the policy, values for the
+critic (the reward model's group: trainer/reward_model_group.py; a session's
+transactions: services/sessions/calls.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from trainer.rank_group import (
     worker_class,
 )
 from trainer.step_plan import StepPlan, packs, plan_step
+from trainer.transports.base import SenderStep
 from trainer.worker import BatchRank
 
 __all__ = ["ACTOR_NAMESPACE", "CRITIC_WORKER", "MEMORY_PREFIXES", "WORKER_CLASSES",
@@ -100,42 +102,27 @@ class TrainerGroup(RolloutGroup):
         """log π_T [N, S] of every response token under the current policy (no update)."""
         return self._call(PolicyRank.log_probs, ray.put(batch), ray.put(self.plan(batch)))[0]
 
+    def send_weights(self, step: SenderStep, sender: Any, *args: Any,
+                     rank0: bool = False) -> list[Any]:
+        """One step of a weight transport's rank side (trainer/transports/) on every rank
+        at once (rank 0 alone when ``rank0``), bounded and failing fast like every verb;
+        every rank's answer. The driver's transports (services/driver/transports/) call
+        only this."""
+        if rank0:
+            return [self._on_rank0(PolicyRank.send_weights, step, sender, *args)]
+        return self._call(PolicyRank.send_weights, step, sender, *args)
+
     def async_export_weight_buckets(self, dtype: str, bucket_mb: float
                                     ) -> tuple[ray.ObjectRef, dict[str, float]]:
-        """Put the weights in the object store a bucket at a time, cast to ``dtype``
-        (collective, bounded like every verb); return a ref to rank 0's list of bucket
-        refs (never fetched here) and the sync's time and peak memory, the most of any
-        rank."""
-        verb = PolicyRank.export_weight_buckets
-        receipts, buckets = zip(*(_remote(worker, verb, dtype, bucket_mb, num_returns=2)
-                                  for worker in self.workers), strict=True)
-        self._wait(verb, list(receipts))
-        return buckets[0], most(ray.get(list(receipts)))
+        """A ref to the list of rank 0's bucket refs and the sync's metrics: the object
+        store's sync as a session still asks for it (services/sessions/runtime.py); a
+        session that sends through services/driver/transports/object_store.py makes this
+        go."""
+        from trainer.transports.object_store import ObjectStoreSender
 
-    # The GPU weight transports (services/driver/weight_sync.py).
-
-    def weight_group_address(self) -> tuple[str, int]:
-        return self._on_rank0(PolicyRank.weight_group_address)
-
-    def join_weight_group(self, address: str, port: int, world_size: int,
-                          group_name: str) -> None:
-        self._on_rank0(PolicyRank.join_weight_group, address, port, world_size,
-                       group_name)
-
-    def weight_bucket_specs(self, dtype: str, bucket_mb: float) -> list:
-        return self._call(PolicyRank.weight_bucket_specs, dtype, bucket_mb)[0]
-
-    def broadcast_weight_buckets(self, dtype: str, bucket_mb: float) -> dict[str, float]:
-        return most(self._call(PolicyRank.broadcast_weight_buckets, dtype, bucket_mb))
-
-    def share_weight_bucket(self, index: int, dtype: str, bucket_mb: float, tp_size: int
-                            ) -> tuple[list[str], dict[str, float]]:
-        answers = self._call(PolicyRank.share_weight_bucket, index, dtype, bucket_mb,
-                             tp_size)
-        return answers[0][0], most([metrics for _, metrics in answers])
-
-    def release_shared_bucket(self) -> None:
-        self._on_rank0(PolicyRank.release_shared_bucket)
+        answers = self.send_weights(ObjectStoreSender.send, ObjectStoreSender(dtype, bucket_mb),
+                                    -1)
+        return ray.put(list(answers[0][0].buckets)), most([m for _, m in answers])
 
 
 class CriticGroup(RolloutGroup):

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 
 from rollout.config import SamplingConfig
-from rollout.weight_bucket import WeightBucket
+from rollout.weight_bucket import WeightBucket, WeightShipment
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -92,6 +92,13 @@ class Engine(ABC):
         """Load weights ``version`` sent as buckets (rollout/weight_bucket.py; given as
         Ray object refs from the trainer, resolved with ``weight_bucket.resolve``), and
         serve it only once every bucket is in."""
+
+    def receive_weights(self, version: int, shipment: WeightShipment) -> None:
+        """The engines' half of the object-store transport
+        (services/driver/transports/object_store.py): load weights ``version`` from the
+        shipment the trainer's rank 0 stamped, refusing one of another version
+        (``WeightVersionMismatch``) before any weight is touched."""
+        self.load_weight_buckets(shipment.for_version(version), version)
 
     weight_version: int = 0
     """How many weight updates this engine has loaded."""

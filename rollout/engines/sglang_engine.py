@@ -53,7 +53,7 @@ Weights in buckets (rollout/weight_bucket.py) reach the server one of three ways
   load fails.
 * ``update_weights_from_distributed``: the trainer's rank 0 broadcasts each bucket over a
   process group it shares with the server's GPUs (``init_weights_update_group``;
-  trainer/weight_broadcast.py is the trainer's side), one POST per bucket.
+  trainer/transports/nccl.py is the trainer's side), one POST per bucket.
 * ``update_weights_from_tensor``: a server on the trainer's GPUs maps CUDA IPC handles.
 
 A sync of LoRA adapters (trainer.lora; rollout/adapters.py) is written as peft's adapter
@@ -398,7 +398,7 @@ class SGLangEngine(Engine):
                                   backend: str = "nccl") -> None:
         """Have the server's TP ranks join the process group ``group_name`` whose rank 0,
         the trainer's rank 0, hosts the rendezvous at master_address:master_port
-        (trainer/weight_broadcast.init_weight_update_group). Blocks until every one of the
+        (trainer/transports/nccl.init_weight_update_group). Blocks until every one of the
         ``world_size`` ranks has joined, so the trainer's side and every other engine's
         call must run meanwhile."""
         payload = {"master_address": master_address, "master_port": master_port,
@@ -447,7 +447,7 @@ class SGLangEngine(Engine):
         """Receive weight ``version`` over the process group ``group_name``: one POST per
         bucket, in order, each answered once the server has received the bucket from the
         group's rank 0 and loaded it. The trainer's rank 0 broadcasts the buckets in the
-        same order meanwhile (trainer/weight_broadcast.broadcast_bucket):
+        same order meanwhile (trainer/transports/nccl.broadcast_bucket):
 
         * ``flattened``: one broadcast per bucket, a CUDA uint8 tensor of Σ numel·itemsize
           bytes holding the bucket's tensors back to back from byte 0 in the order of its
@@ -493,7 +493,7 @@ class SGLangEngine(Engine):
                                    ) -> None:
         """Load a bucket (or all) of the weights from CUDA IPC handles, for a server on the
         trainer's GPUs: one base64 MultiprocessingSerializer payload per TP rank, rank k
-        reading entry k (trainer/weight_broadcast.serialize_named_tensors). The tensors
+        reading entry k (trainer/transports/cuda_ipc.serialize_named_tensors). The tensors
         must stay alive in the sender until this returns.
 
         ``version`` goes with the last bucket of a version only (None before it): the

@@ -3,9 +3,12 @@ engine is a trainer rank's own process, generating from the weights that rank ho
 
     services (this module)                          trainer
     ColocatedTrainerGroup ─ start_engines ─► ColocatedRank = engine verbs + FSDPWorker
-                            stage_engine_weights      │ reads the rank only through
+                                                      │ reads the rank only through
                                                       ▼ trainer/weight_source.WeightSource
                           EngineHost ── ColocatedEngine (services/driver/colocated_engine.py)
+
+Weights move by the in-process transport (services/driver/transports/in_process.py):
+``EngineHost.stage`` on every rank, then ``ColocatedRank.receive_weights`` on the engines.
 
 The trainer never imports an engine (one-way imports): the rank class that carries the
 engine's verbs is made here, from the FSDP policy rank and an :class:`EngineHost` that
@@ -25,7 +28,7 @@ from rollout.engines.base import EpisodeTurn, Generation
 from services.driver.colocated_engine import ColocatedEngine, StageMode
 from trainer.backends.fsdp.worker import FSDPWorker
 from trainer.config import ObjectiveConfig, TrainerConfig
-from trainer.group import TrainerGroup, most
+from trainer.group import TrainerGroup
 from trainer.memory import PeakMemory, phase_metrics
 from trainer.rank import master_dtype
 from trainer.weight_source import WeightSource
@@ -83,7 +86,7 @@ class EngineHost:
 
 class ColocatedRank(FSDPWorker):
     """The FSDP policy rank with the engine's verbs (what the rollout manager calls on an
-    engine actor: ``generate``, ``ping``, ``serve_engine_weights``, ``node_id``)."""
+    engine actor: ``generate``, ``ping``, ``receive_weights``, ``node_id``)."""
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
                  rank: int, total_steps: int) -> None:
@@ -94,14 +97,19 @@ class ColocatedRank(FSDPWorker):
                      engine_rank: int | None, synchronous: bool) -> None:
         self.host.start(config, tokenizer_path, engine_rank, synchronous)
 
-    def stage_engine_weights(self, version: int) -> dict[str, float]:
-        return self.host.stage(version)
-
-    def serve_engine_weights(self, version: int) -> int:
-        """This rank's engine serves the weights staged as ``version`` from now on."""
-        assert self.host.engine is not None, "serve_engine_weights: this rank has no engine"
+    def receive_weights(self, version: int, shipment: None = None) -> int:
+        """The engine's half of the in-process transport
+        (services/driver/transports/in_process.py): serve the weights this rank staged
+        as ``version`` from now on; a version never staged is refused (KeyError)."""
+        assert self.host.engine is not None, "receive_weights: this rank has no engine"
+        if shipment is not None:
+            raise TypeError("colocated engine: weights come staged in this process, not "
+                            "shipped")
         self.host.engine.serve(version)
         return version
+
+    serve_engine_weights = receive_weights
+    """The name the manager's ``serve_staged_weights`` calls."""
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int,
                  turn: EpisodeTurn | None = None) -> list[Generation]:
@@ -134,8 +142,3 @@ class ColocatedTrainerGroup(TrainerGroup):
                        [(engine, tokenizer_path, rank if rank < num_engines else None,
                          synchronous) for rank in range(len(self.workers))])
         return self.workers[:num_engines]
-
-    def stage_engine_weights(self, version: int) -> dict[str, float]:
-        """Every rank gathers the weights for its engine as ``version`` (collective); the
-        time, bytes copied and peak memory, the most of any rank."""
-        return most(self._call(ColocatedRank.stage_engine_weights, version))

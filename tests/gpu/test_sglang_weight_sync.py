@@ -1,6 +1,6 @@
 """Weight sync into a real SGLang server over a weight-update process group.
 
-The test process plays the trainer's rank 0 (trainer/weight_broadcast.py, from a thread)
+The test process plays the trainer's rank 0 (trainer/transports/nccl.py, from a thread)
 while SGLangEngine drives the server's HTTP side: the group is made, weights go over in
 2+ buckets, flattened and not, and afterwards the server's log-probs are those of the new
 weights under the version it was sent. A failed bucket leaves the engine refusing to
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from rollout.tiny import create_tiny_checkpoint
 from rollout.weight_bucket import DTYPES, TensorSpec, pack_bucket, plan_buckets
 from tests.gpu.needs import DEVICE, needs
-from trainer.weight_broadcast import (
+from trainer.transports.nccl import (
     broadcast_bucket,
     destroy_weight_update_group,
     init_weight_update_group,

@@ -244,3 +244,36 @@ def test_weights_in_buckets_load_whole_or_not_at_all(
     assert engine.weight_version == 5
     for name, param in other.named_parameters():  # every weight, cast to the engine's dtype
         assert torch.equal(engine.model.state_dict()[name], param.detach().bfloat16()), name
+
+
+def test_receive_weights_loads_the_version_shipped_and_refuses_another(
+    tiny_model_path: str, other_tiny_model_path: str
+) -> None:
+    """The engines' half of the object-store transport: a shipment stamped with version v
+    loads only when the engine is asked for v; asked for another version, it is refused
+    before any weight is touched."""
+    from rollout.weight_bucket import (
+        WeightShipment,
+        WeightVersionMismatch,
+        pack_bucket,
+        plan_buckets,
+    )
+
+    engine = TorchEngine(TorchEngineConfig(), tiny_model_path)
+    before = {name: t.clone() for name, t in engine.model.state_dict().items()}
+    other = AutoModelForCausalLM.from_pretrained(other_tiny_model_path)
+    plans = plan_buckets([(n, tuple(p.shape)) for n, p in other.named_parameters()],
+                         "float32", bucket_bytes=4096)
+    shipment = WeightShipment(3, tuple(pack_bucket(specs, dict(other.named_parameters()))
+                                       for specs in plans))
+
+    with pytest.raises(WeightVersionMismatch, match="asked to load weights 4, the buckets "
+                                                    "sent are weights 3"):
+        engine.receive_weights(4, shipment)
+    assert engine.weight_version == 0
+    assert all(torch.equal(t, before[n]) for n, t in engine.model.state_dict().items())
+
+    engine.receive_weights(3, shipment)
+    assert engine.weight_version == 3
+    for name, param in other.named_parameters():
+        assert torch.equal(engine.model.state_dict()[name], param.detach()), name

@@ -1,6 +1,7 @@
 """The bucket format both sides of a weight sync share: buckets hold whole tensors and
 respect their size, a bf16 round trip is bit-exact, and a malformed bucket is refused
-naming the bucket and the tensor."""
+naming the bucket and the tensor; a shipment hands its buckets only to the version it was
+stamped with."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from rollout.weight_bucket import (
     TensorSpec,
     WeightBucket,
+    WeightShipment,
+    WeightVersionMismatch,
     check_buckets,
     pack_bucket,
     plan_buckets,
@@ -51,3 +54,14 @@ def test_malformed_buckets_are_refused_naming_bucket_and_tensor() -> None:
     with pytest.raises(ValueError, match="weight bucket 0: 10 bytes of uint8"):
         check_buckets([short], expected)
     assert TensorSpec("t", (2, 3), "float16").num_bytes == 12
+
+
+def test_a_shipment_gives_its_buckets_to_its_own_version_only() -> None:
+    buckets = tuple(pack_bucket(plan, {n: torch.randn(s) for n, s in SHAPES})
+                    for plan in plan_buckets(SHAPES, "float32", bucket_bytes=800))
+    shipment = WeightShipment(7, buckets)
+    assert shipment.for_version(7) is buckets
+    for other in (6, 8):
+        with pytest.raises(WeightVersionMismatch, match=f"weights {other}, the buckets sent "
+                                                        f"are weights 7"):
+            shipment.for_version(other)

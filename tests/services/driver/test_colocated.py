@@ -31,6 +31,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _colocated(rank: int, port: int, model_path: str, batch: Any, synchronous: bool
                ) -> dict[str, Any]:
     from services.driver.colocated import ColocatedRank
+    from services.driver.transports.in_process import InProcessSender
     from trainer.step_plan import plan_step
     from trainer.weight_source import WeightSource
 
@@ -44,10 +45,10 @@ def _colocated(rank: int, port: int, model_path: str, batch: Any, synchronous: b
         out["before"] = worker.generate(PROMPTS, SAMPLING, 3)
     worker.train_step(batch, plan_step(batch, ObjectiveConfig(), 2, 1,
                                        max_tokens_per_micro_batch=64))
-    out["stage"] = worker.stage_engine_weights(1)
+    _, out["stage"] = worker.send_weights(InProcessSender.send, InProcessSender(), 1)
     out["trained"] = worker.export_weights()
     if rank == 0:
-        out["served"] = worker.serve_engine_weights(1)
+        out["served"] = worker.receive_weights(1)
         out["ping"] = worker.ping()
         out["after"] = worker.generate(PROMPTS, SAMPLING, 3)
         out["mode"] = worker.host.engine.mode

@@ -41,21 +41,21 @@ def test_a_rank_dying_during_the_weight_export_restarts_the_job(clean_run: Clean
     def kill_rank_1_as_step_1_exports(step: int, job: RunningJob) -> None:
         if step != 0 or killed:
             return
-        send = job.weights.transport.send
+        send = job.weights.transport.send_weights
 
         def dying_send(version: int):  # the bucket export starts with rank 1 gone
             ray.kill(job.actors.trainer.workers[1])
             killed.append(step)
             return send(version)
 
-        job.weights.transport.send = dying_send
+        job.weights.transport.send_weights = dying_send
 
     rows = run_job(clean_config(), tmp_path / "job", log=lambda *_: None,
                    after_step=kill_rank_1_as_step_1_exports)
     assert killed == [0]
     assert [r["job/restarts"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # step 1 ran again
     failed = [e["message"] for e in events(tmp_path / "job") if e["kind"] == "actor_failed"]
-    assert len(failed) == 1 and "trainer rank 1 died during export_weight_buckets" in failed[0]
+    assert len(failed) == 1 and "trainer rank 1 died during send_weights" in failed[0]
     kinds = [e["kind"] for e in events(tmp_path / "job")]
     assert kinds.count("placement") == 2 and kinds.count("restart") == 1
     assert_same_training(tmp_path / "job", clean_run)  # rows before the failure kept

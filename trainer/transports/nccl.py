@@ -1,5 +1,6 @@
-"""The trainer's side of weight sync on GPU: a process group shared with SGLang servers,
-the broadcast of each weight bucket over it, and CUDA IPC payloads for a colocated server.
+"""NCCL transport, the ranks' half: a process group shared with SGLang servers and the
+broadcast of each weight bucket over it (rank 0 meets the servers; the driver's half is
+services/driver/transports/nccl.py, the servers' rollout/engines/sglang_engine.py).
 
 Over a process group (rollout/engines/sglang_engine.py has the HTTP side):
 
@@ -31,20 +32,21 @@ the order of its names, each the raw bytes of its dtype, which is exactly
 WeightBucket.data (SGLang's FlattenedTensorBucket.empty allocates the same buffer from
 names, dtypes and shapes and views the tensors out of it). Not flattened, every tensor is
 broadcast on its own, in the order of the names, as SGLang receives them.
-
-For a server on the trainer's own GPUs, POST /update_weights_from_tensor carries CUDA IPC
-handles instead: ``serialize_named_tensors`` makes its ``serialized_named_tensors``, one
-base64 string per TP rank (rank k reads entry k). sglang is imported there only, inside
-the function: it exists on GPU nodes only.
 """
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from trainer.memory import PeakMemory, phase_metrics
+from trainer.transports.base import BucketSource
 
 
 def init_weight_update_group(master_address: str, master_port: int, world_size: int,
@@ -118,20 +120,47 @@ def broadcast_bucket(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor],
             work.wait()
 
 
-def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]],
-                            tp_size: int) -> list[str]:
-    """``serialized_named_tensors`` of POST /update_weights_from_tensor (load_format
-    None) for a server of ``tp_size`` ranks on this node's GPUs: per rank, one base64
-    string of sglang's MultiprocessingSerializer of the (name, CUDA tensor) list; CUDA IPC
-    handles, not the data. Each rank gets its own payload, so each handle's reference
-    count drops once that rank is done with it. The tensors must stay alive until the
-    server has answered."""
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+@dataclass(unsafe_hash=True)
+class NcclSender:
+    """Rank 0 broadcasts each bucket, packed on its GPU, to the servers of the group
+    ``group_name``, which rank 0 joins once (``address`` then ``join``)."""
 
-    # Handles name the device by UUID, not index: the server's CUDA_VISIBLE_DEVICES may
-    # number the GPUs otherwise (SGLang's own senders patch the same way).
-    monkey_patch_torch_reductions()
-    payload = [(name, tensor.detach()) for name, tensor in named_tensors]
-    return [MultiprocessingSerializer.serialize(payload, output_str=True)
-            for _ in range(tp_size)]
+    dtype: str
+    bucket_mb: float
+    group_name: str
+    group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    """The weight-update group, once rank 0 has joined it (on the rank's own copy)."""
+
+    def address(self, rank: BucketSource) -> tuple[str, int]:
+        """Rank 0: where the group's rendezvous will listen (this node, a port free now:
+        rank 0 binds it in ``join``)."""
+        import ray
+
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, rank: BucketSource, address: str, port: int, world_size: int) -> None:
+        """Rank 0: host and join the group while the servers join it."""
+        self.group = init_weight_update_group(address, port, world_size, self.group_name,
+                                              timeout_s=rank.config.collective_timeout_s)
+
+    def specs(self, rank: BucketSource) -> list:
+        """Collective (the first time, on some backends): the buckets' specs, which the
+        servers need before the first broadcast."""
+        return rank.weight_bucket_specs(self.dtype, self.bucket_mb)
+
+    def send(self, rank: BucketSource, version: int) -> tuple[None, dict[str, float]]:
+        """Collective: each bucket packed on rank 0's GPU and broadcast as one flattened
+        tensor (the servers' /update_weights_from_distributed receives it)."""
+        started = time.perf_counter()
+        with PeakMemory(rank.device) as peak:
+            for flat in rank.weight_buckets(self.dtype, self.bucket_mb, device=str(rank.device)):
+                if flat is not None:
+                    if self.group is None:
+                        raise RuntimeError("nccl weight sync: rank 0 never joined the group")
+                    broadcast_bucket(self.group, [flat], flattened=True)
+                del flat
+        return None, {"perf/export_s": time.perf_counter() - started,
+                      **phase_metrics("sync", peak)}
