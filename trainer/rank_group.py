@@ -170,17 +170,16 @@ class RankGroup:
         self._wait(verb, refs)
         return ray.get(refs)
 
-    def async_export_weights(self, for_engines: bool = False) -> ray.ObjectRef:
+    def async_export_weights(self) -> ray.ObjectRef:
         """Gather the full weights (collective) and wait until every rank has done its
         part, through the fail-fast, bounded wait of every verb (``TrainerRankDied``,
-        ``TimeoutError``); return rank 0's state dict (numpy arrays ``for_engines``:
-        ``TrainerRank.export_engine_weights``) as a ref, never fetched into the driver.
-        ``async_`` names the ref it returns: the collective is over when it returns."""
-        verb = TrainerRank.export_engine_weights if for_engines else TrainerRank.export_weights
+        ``TimeoutError``); return rank 0's HF state dict as a ref, never fetched into the
+        driver. ``async_`` names the ref it returns: the collective is over when it
+        returns. The engines get weights by a transport (services/driver/transports/)."""
         receipts, weights = zip(*(_remote(worker, TrainerRank.export_with_receipt,
-                                          for_engines, num_returns=2)
+                                          num_returns=2)
                                   for worker in self.workers), strict=True)
-        self._wait(verb, list(receipts))
+        self._wait(TrainerRank.export_weights, list(receipts))
         return weights[0]
 
     def _on_rank0(self, verb: Verb, *args: Any) -> Any:

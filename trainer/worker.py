@@ -4,7 +4,7 @@
     rendezvous_address ─► rank 0 ───── hosts the store
     setup(addr, port) ──► all ranks ── _join_process_group ────────► setup (model, optimizer)
     checkpoint ─────────► all ranks ── save_checkpoint (+ memory)
-    export_with_receipt ► all ranks ── export_weights / export_engine_weights (tests, verify)
+    export_with_receipt ► all ranks ── export_weights (tests, verify, a state-dict copy)
 
 Ranks are roles. :class:`TrainerRank` is the base: build, step the optimizer, save and
 load shards, weights in and out, memory. A role is a small head that owns its model's
@@ -118,22 +118,11 @@ class TrainerRank(abc.ABC):
         return {"perf/checkpoint_s": time.perf_counter() - started,
                 **phase_metrics("checkpoint", peak)}
 
-    def export_engine_weights(self) -> dict[str, Any] | None:
-        """Collective: ``export_weights`` with each tensor as a numpy array (bf16 stays a
-        tensor), so Ray keeps it in shared memory once and an engine on the node reads
-        it in place; torch tensors are pickled and copied on both sides (SmolLM2, 540 MB:
-        0.2 s instead of 2.9 s)."""
-        state = self.export_weights()
-        if state is None:
-            return None
-        return {name: tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor
-                for name, tensor in state.items()}
-
-    def export_with_receipt(self, for_engines: bool) -> tuple[None, dict[str, Any] | None]:
+    def export_with_receipt(self) -> tuple[None, dict[str, torch.Tensor] | None]:
         """Collective: (a receipt, rank 0's weights) as two Ray returns. The group waits on
         the small receipt (an error there says this rank died or failed) and hands the
         weights on by reference, never fetching them into the driver."""
-        return None, self.export_engine_weights() if for_engines else self.export_weights()
+        return None, self.export_weights()
 
     # Backend verbs.
 
