@@ -419,11 +419,13 @@ class EnvironmentConfig(BaseModel):
     """Keyword arguments of the class; one instance is made per episode."""
     max_turns: int = Field(default=4, ge=1, le=64)
     """Most policy turns of an episode; the last one's observation is not shown."""
-    max_total_tokens: int = Field(default=512, gt=0)
+    max_total_tokens: int | None = Field(default=None, gt=0)
     """Most tokens an episode adds after its first observation (actions and
     observations together); a turn is cut at what is left, and an observation that does
     not fit ends the episode. Replaces sampling.max_new_tokens as the response budget
-    (the constant mode's max_response_len, the context check)."""
+    (the constant mode's max_response_len, the context check). None: the model's
+    context (an episode may fill what its prompt leaves; a prompt leaves room for one
+    turn of sampling.max_new_tokens)."""
     step_timeout_s: float = Field(default=30.0, gt=0)
     """Longest one reset or step may take; past it the episode ends with reward 0."""
     max_failures_per_rollout: int = Field(default=8, ge=0)
@@ -582,9 +584,10 @@ class RolloutConfig(BaseModel):
         return self
 
     @property
-    def max_response_tokens(self) -> int:
+    def max_response_tokens(self) -> int | None:
         """The most tokens a sample has after its prompt: sampling.max_new_tokens, or an
-        episode's environment.max_total_tokens."""
+        episode's environment.max_total_tokens; None: the model's context (resolved where
+        it is known: rollout/token_budget.response_budget)."""
         if self.environment is not None:
             return self.environment.max_total_tokens
         return self.sampling.max_new_tokens

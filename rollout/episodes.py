@@ -46,7 +46,7 @@ from typing import Any
 from rollout.config import EnvironmentConfig
 from rollout.engines.base import Generation
 from rollout.environments import load_environment_class
-from rollout.token_budget import turn_tokens
+from rollout.token_budget import episode_budget, turn_tokens
 from rollout.turns import TurnFormat
 
 Generate = Callable[[list[list[int]], int, int], list[Generation]]
@@ -161,7 +161,7 @@ def turn_calls(wants: list[int], caps: list[int]) -> list[tuple[int, list[int]]]
     return calls
 
 
-def _turn(live: list[Episode], generate: Generate, max_new_tokens: int, budget: int,
+def _turn(live: list[Episode], generate: Generate, max_new_tokens: int, budget: float,
           context: int | None, turn: int) -> list[Generation]:
     """One policy turn of every live episode, in order, within each one's budget."""
     wants = [turn_tokens(max_new_tokens, budget, len(e.response_ids)) for e in live]
@@ -193,7 +193,7 @@ async def _play(episodes: list[Episode], env_class: type, config: EnvironmentCon
             episode.end(failure)
             continue
         episode.env, episode.prompt_ids = env, fit_prompt(turns.first(observation), i)
-    budget = config.max_total_tokens
+    budget = episode_budget(config, context)  # unset: the model's context
     for turn in range(config.max_turns):
         for episode in episodes:  # a prompt over its budget can fill the context
             if not episode.ended and context is not None and context <= len(

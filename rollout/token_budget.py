@@ -5,11 +5,14 @@ episode, and a training session's ``sample``.
         GPT-2-style configs); the built-in models' are known without building them
         (tiny 256, smollm2-135m-instruct 8192). None: the model says none, nothing is checked
     R   the response budget: rollout.sampling.max_new_tokens, or with an environment the
-        episode's rollout.environment.max_total_tokens (actions and observations)
-    P   the prompt budget: min(rollout.max_prompt_tokens, C − R)
+        episode's rollout.environment.max_total_tokens (actions and observations); that
+        one unset (the default): C itself, the episode filling what its prompt leaves
+    P   the prompt budget: min(rollout.max_prompt_tokens, C − R); with R left to the
+        context, C − sampling.max_new_tokens (room for one whole turn)
 
     a job fits when  R < C  (room for a prompt of one token at least)
                 and  max_prompt_tokens + R ≤ C  (when max_prompt_tokens is set)
+    (R left to the context: the same, of sampling.max_new_tokens; C must be known)
     turn k of an episode that has used u of R and whose context holds c tokens:
         the policy may keep  min(sampling.max_new_tokens, R − u) ≥ 1  tokens, and the engine
         may generate at most  C − c  (a batch of episodes shares one max_new_tokens)
@@ -23,9 +26,10 @@ refuse (they all run services/runtime/preflight.py); the manager and the episode
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-from rollout.config import RolloutConfig
+from rollout.config import EnvironmentConfig, RolloutConfig
 from rollout.pretrained import SMOLLM2_NAME
 from rollout.problems import Problem
 
@@ -55,18 +59,51 @@ def model_context(model: str | Path) -> int | None:
     return None
 
 
-def response_field(config: RolloutConfig) -> str:
-    """The field that sets R."""
-    if config.environment is not None:
-        return "rollout.environment.max_total_tokens"
-    return "rollout.sampling.max_new_tokens"
+EPISODE_FIELD = "rollout.environment.max_total_tokens"
+UNKNOWN_CONTEXT = (f"{EPISODE_FIELD}: unset, it is the model's context, which the model "
+                   "does not state (no max_position_embeddings or n_positions in its "
+                   "config.json); set it")
+"""Why an episode budget left to the context cannot be resolved."""
+
+
+def _left_to_context(config: RolloutConfig) -> bool:
+    """An environment whose max_total_tokens is unset: R is the model's context."""
+    return config.environment is not None and config.environment.max_total_tokens is None
+
+
+def _reserved(config: RolloutConfig) -> tuple[str, int]:
+    """(field, tokens) the prompt budget leaves room for after a prompt: R, or one whole
+    turn (sampling.max_new_tokens) when R is left to the context."""
+    if config.environment is not None and config.environment.max_total_tokens is not None:
+        return EPISODE_FIELD, config.environment.max_total_tokens
+    return "rollout.sampling.max_new_tokens", config.sampling.max_new_tokens
+
+
+def response_budget(config: RolloutConfig, context: int | None) -> int:
+    """R as a number (the constant mode's max_response_len): the configured budget, or C
+    for an episode budget left to the context (TokenBudgetError when C is unknown)."""
+    if config.max_response_tokens is not None:
+        return config.max_response_tokens
+    if context is None:
+        raise TokenBudgetError(UNKNOWN_CONTEXT)
+    return context
+
+
+def episode_budget(config: EnvironmentConfig, context: int | None) -> float:
+    """R of one episode: max_total_tokens, or C when unset (then the context, not R, ends
+    the episode: each turn is capped by the room its context has left); unset with no
+    known C (a caller playing without one; a job's preflight refuses it): no bound but
+    max_turns, ``math.inf``."""
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens
+    return math.inf if context is None else context
 
 
 def budget_problem(config: RolloutConfig, context: int | None) -> str | None:
     """``field: numbers`` when R or max_prompt_tokens + R cannot fit C, else None."""
     if context is None:
-        return None
-    field, response = response_field(config), config.max_response_tokens
+        return UNKNOWN_CONTEXT if _left_to_context(config) else None
+    field, response = _reserved(config)
     if response >= context:
         relation = ">" if response > context else "="
         return (f"{field}: {response} {relation} the model's context {context}, leaving "
@@ -86,18 +123,18 @@ def prompt_budget(config: RolloutConfig, context: int | None) -> int | None:
     if problem is not None:
         raise TokenBudgetError(problem)
     budgets = [b for b in (config.max_prompt_tokens,
-                           None if context is None else context - config.max_response_tokens)
+                           None if context is None else context - _reserved(config)[1])
                if b is not None]
     return min(budgets) if budgets else None
 
 
-def turn_tokens(max_new_tokens: int, max_total_tokens: int, used: int) -> int:
+def turn_tokens(max_new_tokens: int, max_total_tokens: float, used: int) -> int:
     """min(sampling.max_new_tokens, R − u): what an episode's next turn may keep. An
     episode with nothing left has ended; asking for its turn is a bug, said as one."""
-    left = min(max_new_tokens, max_total_tokens - used)
+    left = int(min(max_new_tokens, max_total_tokens - used))
     if left <= 0:
         raise TokenBudgetError(
-            f"rollout.environment.max_total_tokens: an episode has used {used} of "
+            f"{EPISODE_FIELD}: an episode has used {used} of "
             f"{max_total_tokens} tokens and has no turn left")
     return left
 

@@ -418,8 +418,11 @@ class JobConfig(BaseModel):
     @property
     def max_response_len(self) -> int:
         """The most tokens of a response (resolves divisor: max_response_len): the
-        generation budget, or an episode's environment.max_total_tokens."""
-        return self.rollout.max_response_tokens
+        generation budget, or an episode's environment.max_total_tokens (unset: the
+        model's context, rollout/token_budget.response_budget)."""
+        from rollout.token_budget import model_context, response_budget
+
+        return response_budget(self.rollout, model_context(self.rollout.model))
 
     def objective_config(self) -> ObjectiveConfig:
         """The trainer's objective: every aggregation with `max_response_len` resolved to

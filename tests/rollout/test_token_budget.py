@@ -15,10 +15,13 @@ from rollout.episodes import turn_calls
 from rollout.problems import Problem
 from rollout.tiny import TINY_ARCHITECTURE
 from rollout.token_budget import (
+    UNKNOWN_CONTEXT,
     TokenBudgetError,
     budget_problem,
+    episode_budget,
     model_context,
     prompt_budget,
+    response_budget,
     sample_problem,
     turn_tokens,
 )
@@ -53,7 +56,7 @@ def test_the_prompt_budget_is_what_the_context_leaves() -> None:
 
 
 def test_a_budget_past_the_context_names_the_field_and_the_numbers() -> None:
-    over = rollout(environment=ENV)  # the default max_total_tokens, 512
+    over = rollout(environment={**ENV, "max_total_tokens": 512})  # an explicit one
     said = ("rollout.environment.max_total_tokens: 512 > the model's context 256, leaving "
             "no room for a prompt; set it below 256")
     assert budget_problem(over, 256) == said
@@ -69,6 +72,35 @@ def test_a_budget_past_the_context_names_the_field_and_the_numbers() -> None:
     assert budget_problem(rollout(sampling={"max_new_tokens": 64}, max_prompt_tokens=192),
                           256) is None
     assert budget_problem(over, 8192) is None and budget_problem(over, None) is None
+
+
+def test_an_unset_episode_budget_is_the_models_context() -> None:
+    """environment.max_total_tokens unset (the default) fits the demo model as it is: R is
+    the model's context (the constant mode's max_response_len), the prompt keeps room
+    for one whole turn, and an episode may fill what its prompt leaves; a context nobody
+    states is refused naming the field, and an explicit budget is still honoured."""
+    default = rollout(environment=ENV, sampling={"max_new_tokens": 64})
+    assert default.environment is not None and default.environment.max_total_tokens is None
+    assert budget_problem(default, 256) is None
+    assert response_budget(default, 256) == 256 and response_budget(default, 8192) == 8192
+    assert prompt_budget(default, 256) == 256 - 64
+    assert prompt_budget(rollout(environment=ENV, max_prompt_tokens=100), 256) == 100
+    assert episode_budget(default.environment, 256) == 256
+    assert turn_tokens(64, episode_budget(default.environment, 256), 250) == 6
+    assert budget_problem(rollout(environment=ENV, sampling={"max_new_tokens": 256}), 256) == (
+        "rollout.sampling.max_new_tokens: 256 = the model's context 256, leaving no room "
+        "for a prompt; set it below 256")
+    assert budget_problem(default, None) == UNKNOWN_CONTEXT
+    assert UNKNOWN_CONTEXT.startswith("rollout.environment.max_total_tokens: ")
+    with pytest.raises(TokenBudgetError, match="does not state"):
+        response_budget(default, None)
+    with pytest.raises(TokenBudgetError, match="does not state"):
+        prompt_budget(default, None)
+    explicit = rollout(environment={**ENV, "max_total_tokens": 100})
+    assert explicit.environment is not None
+    assert response_budget(explicit, 256) == episode_budget(explicit.environment, 256) == 100
+    assert response_budget(explicit, None) == 100 and budget_problem(explicit, None) is None
+    assert response_budget(rollout(sampling={"max_new_tokens": 64}), None) == 64
 
 
 def test_a_turn_keeps_what_its_episode_has_left() -> None:

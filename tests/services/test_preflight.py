@@ -196,12 +196,17 @@ def test_prompt_and_generation_budgets_past_the_context(tmp_path: Path) -> None:
 
 
 def test_budgets_of_a_built_in_model_are_checked_against_its_context() -> None:
-    """The tiny model's context is 256: the default episode budget (512) cannot fit, with
-    its field named, before anything is built; SmolLM2's 8192 holds it."""
+    """The tiny model's context is 256: an episode budget of 512 cannot fit, with its
+    field named, before anything is built; SmolLM2's 8192 holds it. The default budget
+    is the model's context: it fits, and is the constant mode's max_response_len."""
     env = "rollout.environment.class_path=rollout.environments.guess_number:GuessNumber"
-    assert problem(env) == (
+    assert problem(env, "rollout.environment.max_total_tokens=512") == (
         "rollout.environment.max_total_tokens: 512 > the model's context 256, leaving no "
         "room for a prompt; set it below 256")
+    assert preflight(parse_job_config("", [env])) == []
+    assert parse_job_config("", [env]).max_response_len == 256
+    assert parse_job_config("", [env, "rollout.model=smollm2-135m-instruct"]
+                            ).max_response_len == 8192
     assert problem("rollout.sampling.max_new_tokens=300") == (
         "rollout.sampling.max_new_tokens: 300 > the model's context 256, leaving no room "
         "for a prompt; set it below 256")

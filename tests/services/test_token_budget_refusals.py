@@ -1,6 +1,7 @@
 """A token budget past the model's context is refused where a user hands the config in,
 naming the field and the numbers: ``tally validate`` (exit 2) and a REST submission (422,
-nothing stored), on the demo model (tiny, context 256) whose context is known by name.
+nothing stored), on the demo model (tiny, context 256) whose context is known by name;
+the default episode budget (the model's context) fits it as it is.
 docs/environments.md's own example passes the same check as written."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests.services.controller_fakes import DEMO, DEMO_OVERRIDES, api_client
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = "rollout.environment.class_path=rollout.environments.guess_number:GuessNumber"
+OVER = "rollout.environment.max_total_tokens=512"
 SAID = ("rollout.environment.max_total_tokens: 512 > the model's context 256, leaving no "
         "room for a prompt; set it below 256")
 runner = CliRunner()
@@ -25,18 +27,19 @@ runner = CliRunner()
 
 def test_validate_refuses_an_episode_budget_past_the_demo_models_context() -> None:
     result = runner.invoke(app, ["validate", str(ROOT / "configs" / "demo.yaml"),
-                                 "--set", ENV])
+                                 "--set", ENV, "--set", OVER])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == SAID
-    fits = runner.invoke(app, ["validate", str(ROOT / "configs" / "demo.yaml"), "--set", ENV,
-                               "--set", "rollout.environment.max_total_tokens=128"])
-    assert fits.exit_code == 0, fits.output
+    for budget in ([], ["--set", "rollout.environment.max_total_tokens=128"]):
+        fits = runner.invoke(app, ["validate", str(ROOT / "configs" / "demo.yaml"), "--set",
+                                   ENV, *budget])  # the default: the model's context
+        assert fits.exit_code == 0, fits.output
 
 
 def test_a_rest_submission_past_the_context_is_422_naming_the_field(tmp_path: Path) -> None:
     api = api_client(tmp_path)
     response = api.post("/api/jobs", json={"config_yaml": DEMO,
-                                           "overrides": [*DEMO_OVERRIDES, ENV]})
+                                           "overrides": [*DEMO_OVERRIDES, ENV, OVER]})
     assert response.status_code == 422, response.text
     errors = response.json()["errors"]
     assert {"field": "rollout.environment.max_total_tokens",
