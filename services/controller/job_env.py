@@ -28,9 +28,8 @@ Kept, and why (anything else, every other ``TALLY_*`` included, is dropped):
   key grants W&B only, nothing of the controller's.
 - ``SSL_CERT_FILE``, ``SSL_CERT_DIR``, ``REQUESTS_CA_BUNDLE``: TLS trust for W&B and a
   controller behind HTTPS.
-- ``TALLY_CACHE_DIR`` (the tiny model's cache), ``TALLY_TEST_PLANTED_ERROR`` (the
-  verifiers' planted errors). ``TALLY_DATA_DIR`` and a job's ``TALLY_JOB_TOKEN`` come by
-  ``env_vars``, per job.
+- ``TALLY_CACHE_DIR`` (the tiny model's cache). ``TALLY_DATA_DIR`` and a job's
+  ``TALLY_JOB_TOKEN`` come by ``env_vars``, per job.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ KEPT = frozenset({
     "PYTHONDONTWRITEBYTECODE", "LD_LIBRARY_PATH", "HF_HOME", "HF_HUB_OFFLINE",
     "HF_HUB_CACHE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS",
     "XDG_CACHE_HOME", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
-    "TALLY_CACHE_DIR", "TALLY_TEST_PLANTED_ERROR"})
+    "TALLY_CACHE_DIR"})
 """Variables kept by name (the module doc says why)."""
 KEPT_PREFIXES = ("LC_", "RAY_", "HF_HUB_DISABLE_", "TRANSFORMERS_", "CUDA_", "NVIDIA_",
                  "NCCL_", "GLOO_", "PYTORCH_", "TORCH_", "TORCHINDUCTOR_", "TRITON_", "MKL_",
