@@ -4,7 +4,7 @@ engine is a trainer rank's own process, generating from the weights that rank ho
     services (this module)                          trainer
     ColocatedTrainerGroup ─ start_engines ─► ColocatedRank = engine verbs + FSDPWorker
                                                       │ reads the rank only through
-                                                      ▼ trainer/weight_source.WeightSource
+                                                      ▼ trainer/transports/base.WeightSource
                           EngineHost ── ColocatedEngine (services/driver/colocated_engine.py)
 
 Weights move by the in-process transport (services/driver/transports/in_process.py):
@@ -31,7 +31,7 @@ from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.group import TrainerGroup
 from trainer.memory import PeakMemory, phase_metrics
 from trainer.rank import master_dtype
-from trainer.weight_source import WeightSource
+from trainer.transports.base import WeightSource
 
 
 class EngineHost:

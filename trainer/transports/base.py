@@ -1,4 +1,8 @@
-"""What a weight sender reads from a policy rank, and the shape of a sender's steps."""
+"""What a weight transport reads from a policy rank: its buckets (``BucketSource``, the
+senders here) or, for an engine in the rank's own process, its full tensors by name
+(``WeightSource``, the colocated path composed in services/driver/colocated.py); and the
+shape of a sender's steps. The trainer imports nothing of an engine's: these few names
+are the whole of what the other side reads."""
 
 from __future__ import annotations
 
@@ -32,6 +36,22 @@ class BucketSource(Protocol):
 
     def full_model_bytes(self, dtype: str) -> float | None:
         """What a sync of the whole model would send where a sync sends less (LoRA)."""
+        ...
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """A rank whose full weights can be read by name, in its own process."""
+
+    config: TrainerConfig
+    model_path: str
+    device: torch.device
+    compute_dtype: torch.dtype
+
+    def engine_tensors(self, alias: bool, gather: bool = True
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective when ``gather``: every parameter (a tied one once) and buffer by
+        name, full; ``alias``: this rank's own storage (one rank only)."""
         ...
 
 

@@ -33,7 +33,7 @@ def _colocated(rank: int, port: int, model_path: str, batch: Any, synchronous: b
     from services.driver.colocated import ColocatedRank
     from services.driver.transports.in_process import InProcessSender
     from trainer.step_plan import plan_step
-    from trainer.weight_source import WeightSource
+    from trainer.transports.base import WeightSource
 
     config = TrainerConfig(dp_size=2, optimizer=OptimizerConfig(lr=5e-2, grad_clip=None))
     worker = ColocatedRank(config, ObjectiveConfig(), model_path, rank, total_steps=1)

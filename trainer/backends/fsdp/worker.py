@@ -42,7 +42,7 @@ from trainer.worker import in_eval_mode
 class FSDPWorker(PolicyRank, FSDPRank):
     """The policy's head on the FSDP2 rank (``FSDPRank``): log π_T and entropy at the
     loss mask's positions, the objective's pg/KL/entropy terms, the weight sync's
-    buckets, and (a ``WeightSource``, trainer/weight_source.py) its full tensors by name
+    buckets, and (a ``WeightSource``, trainer/transports/base.py) its full tensors by name
     for a colocated engine."""
 
     def _build_models(self) -> None:
