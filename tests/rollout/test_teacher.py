@@ -82,9 +82,10 @@ def test_a_managers_teachers_add_their_advantage_to_the_tasks_and_distill_replac
                        AdvantageConfig(type="distill", teacher=other_tiny_model_path,
                                        coef=0.5), False)
     try:
-        assert not grpo.teachers and not distill.teachers  # none before the first rollout
+        handed = [list(grpo.teachers), list(distill.teachers)]  # the gang's, started first
+        assert [len(teachers) for teachers in handed] == [2, 1]
         with_teacher, distilled = grpo.generate_batch(0), distill.generate_batch(0)
-        assert len(grpo.teachers) == 2 and len(distill.teachers) == 1
+        assert [grpo.teachers, distill.teachers] == handed  # used, none started by them
     finally:
         for manager in (grpo, distill):
             manager.shutdown()
