@@ -204,8 +204,8 @@ def actor_table(events: list[dict[str, Any]], windows: dict[int, tuple[float, fl
 def profile(args: argparse.Namespace) -> tuple[list[str], dict[str, float]]:
     """One run of the demo job under the clock: the report's lines and its summary."""
     from services.config.job import load_job_config
-    from services.driver.job import ensure_ray
     from services.driver.loop import run_job
+    from services.runtime.gang import ensure_ray
     from services.runtime.placement import local_head_cpus
 
     clock = PhaseClock()

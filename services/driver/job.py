@@ -16,10 +16,7 @@ from rollout.tiny import resolve_model_path
 from services.config.job import JobConfig
 from services.driver.colocated import ColocatedTrainerGroup
 from services.driver.run_dir import data_dir
-from services.runtime.gang import (
-    Roles,
-    ensure_ray,  # noqa: F401  (its old home, until verify/ moves)
-)
+from services.runtime.gang import Roles
 from services.runtime.placement import JobPlacement, phase_threads
 from services.runtime.quiet import QUIET_ENV
 from services.runtime.warmup import warm_start
