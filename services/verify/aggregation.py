@@ -13,6 +13,7 @@ from trainer.planted import Planted
 from trainer.verify import Layout
 
 if TYPE_CHECKING:
+    from rollout.batch import RolloutBatch
     from rollout.config import AdvantageConfig, RolloutConfig
     from services.config.job import JobConfig
 
@@ -64,16 +65,37 @@ def planted_by_layout(planted: Mapping[str, Planted], layouts: list[Layout]
     return by_name
 
 
+def draw_rollout(job: JobConfig, model_path: str) -> RolloutBatch:
+    """The verifier's one rollout (:func:`spread_rollout`), drawn by the job's rollout
+    manager handed its engines, teachers and reward actors (services/runtime/gang.py),
+    all stopped after."""
+    import ray
+
+    from rollout.manager import RolloutManagerActor
+    from services.runtime.gang import start_rollout_actors
+
+    rollout = spread_rollout(job.rollout)
+    actors = start_rollout_actors(rollout, model_path)
+    try:
+        manager = RolloutManagerActor.remote(
+            rollout, model_path, engines=actors.engines, owns_engines=True,
+            teachers=actors.teachers, reward_actors=actors.reward_actors)
+        try:
+            return ray.get(manager.generate_batch.remote(0))
+        finally:
+            ray.get(manager.shutdown.remote())
+    finally:
+        actors.stop()  # what the manager stopped already is a no-op
+
+
 def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None = None,
                        atol: float | None = None, planted: Mapping[str, Planted] | None = None,
                        echo: Echo = print) -> int:
     """Draw the rollout, compare every layout with ``layouts[0]`` and print the table
     (``echo``); 0 when every row is within tolerance, else 1. ``planted``: {layout: the
     errors its ranks make} (a test's; trainer/planted.py)."""
-    import ray
-
     from services.driver.job import job_model_path
-    from services.runtime.gang import ensure_ray
+    from services.runtime.gang import ray_started
     from services.runtime.quiet import quiet_transformers
     from services.verify.critic import critic_check
     from trainer.mini_batches import rollout_updates
@@ -81,15 +103,10 @@ def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None
 
     planted = planted_by_layout(planted or {}, layouts)
     needed = max(lay.dp_size * lay.cp_size * job.trainer.tp_size for lay in layouts) + 2
-    started = ensure_ray(max(os.cpu_count() or 1, needed))
-    try:
-        from rollout.manager import RolloutManagerActor
-
+    with ray_started(max(os.cpu_count() or 1, needed)):
         quiet_transformers()
         model_path = job_model_path(job, log=lambda *_: None)
-        manager = RolloutManagerActor.remote(spread_rollout(job.rollout), model_path)
-        batch = ray.get(manager.generate_batch.remote(0))
-        ray.get(manager.shutdown.remote())
+        batch = draw_rollout(job, model_path)
         if (needs_reward_spread(job.rollout.advantage)
                 and batch.metadata["rollout/zero_spread_filled"] == batch.num_prompts):
             echo("warning: no group of the rollout has reward spread, so every pg "
@@ -111,6 +128,3 @@ def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None
         failed = [row for row in rows if not row.ok]
         echo(f"{len(rows) - len(failed)}/{len(rows)} comparisons within tolerance")
         return 1 if failed else 0
-    finally:
-        if started:
-            ray.shutdown()

@@ -24,7 +24,14 @@ from trainer.config import (
     OptimizerConfig,
     TrainerConfig,
 )
-from trainer.planted import Planted, PlantedError, parse_planted
+from trainer.planted import (
+    NOTHING_PLANTED,
+    PLANTED_ON_EVERY_RANK,
+    Planted,
+    PlantedError,
+    parse_planted,
+    rank_planted,
+)
 from trainer.verify import (
     CUSTOM_MODE,
     Layout,
@@ -36,6 +43,7 @@ from trainer.verify import (
     perturbed,
     verify_layouts,
 )
+from trainer.worker import TrainerRank
 
 MODES = ("sample_mean", "token_mean", "prompt_mean", "constant")
 ROOT = Path(__file__).resolve().parents[2]
@@ -267,6 +275,35 @@ def test_planted_errors_are_refused_where_they_would_plant_nothing() -> None:
     with pytest.raises(ValueError, match=r"dp2cp2.*not among the layouts"):  # no Ray
         verify_layouts(CONFIG, OBJECTIVE, "unused", random_train_batch(50, 2, 2, seed=0),
                        layouts, planted={"dp2cp2": parse_planted("kl")})
+
+
+class BaseVerbsOnly(TrainerRank):
+    """A rank with the base's verbs only (a backend's are never called here)."""
+
+    def setup(self, master_addr: str, master_port: int) -> None: ...
+    def optimizer_step(self) -> dict[str, float]: return {}
+    def export_weights(self) -> None: ...
+    def load_weights(self, state_dict: dict[str, torch.Tensor] | None) -> None: ...
+    def save_checkpoint(self, path: str) -> None: ...
+    def load_checkpoint(self, path: str) -> None: ...
+
+
+def test_a_rank_makes_its_share_of_the_planted_errors_and_none_by_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The errors are handed in (``TrainerRank.plant``), never read from the environment:
+    a rank of the first DP×CP shard makes them all, any other the every-rank ones only,
+    and a rank nobody planted in makes none, whatever its environment says."""
+    planted = parse_planted("pg,local_tokens,prefix_mask,value")
+    assert rank_planted(planted, first_shard=True) == planted
+    assert rank_planted(planted, first_shard=False) == planted & PLANTED_ON_EVERY_RANK == {
+        PlantedError.LOCAL_TOKENS, PlantedError.PREFIX_MASK}
+    monkeypatch.setenv("TALLY_TEST_PLANTED_ERROR", "pg")  # the retired variable: ignored
+    ranks = [BaseVerbsOnly(CONFIG, OBJECTIVE, "unused", rank, 1) for rank in range(2)]
+    assert [rank.planted for rank in ranks] == [NOTHING_PLANTED, NOTHING_PLANTED]
+    for rank, (dp_rank, cp_rank) in zip(ranks, [(0, 0), (0, 1)], strict=True):
+        rank.dp_rank, rank.cp_rank = dp_rank, cp_rank
+        rank.plant(planted)
+    assert [rank.planted for rank in ranks] == [planted, planted & PLANTED_ON_EVERY_RANK]
 
 
 def test_the_verifier_asks_the_estimator_whether_it_needs_reward_spread() -> None:
