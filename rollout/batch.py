@@ -39,10 +39,13 @@ Derived on construction (whole-step metadata of the aggregation contract):
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from rollout.sample_record import SampleRecord
 
 
 class RolloutBatchError(ValueError):
@@ -163,7 +166,7 @@ class RolloutBatch:
     events: list[tuple[str, str]] = field(default_factory=list)
     """(kind, message) the job's events file gets with this rollout (an environment
     that failed in an episode)."""
-    samples: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[SampleRecord] = field(default_factory=list)
     """samples.jsonl records of some of the rollout's samples, as text (prompt, response,
     label, rewards; ``index``: the sample's row); a mini-batch carries none."""
     old_log_probs: torch.Tensor | None = None
@@ -309,7 +312,7 @@ class RolloutBatch:
         metadata: dict[str, float] | None = None,
         events: list[tuple[str, str]] | None = None,
         turn_rewards: list[list[tuple[int, float]]] | None = None,
-        samples: list[dict[str, Any]] | None = None,
+        samples: list[SampleRecord] | None = None,
     ) -> RolloutBatch:
         """Pad ragged per-sample lists into the tensor layout.
 

@@ -21,10 +21,10 @@ object store), or in-process inside a Ray driver.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -40,88 +40,31 @@ from rollout.engine_weights import EngineWeights
 from rollout.engines import check_engine_available, engine_actor_options, engine_class
 from rollout.engines.base import EpisodeTurn, Generation
 from rollout.environments import load_environment_class
-from rollout.episodes import EnvironmentFailures, Episode, run_episodes
 from rollout.prompts import PromptTooLong, fit_prompt
-from rollout.reward_parts import Rewarder, RewardScores, start_reward_actors
+from rollout.reward_parts import Rewarder, start_reward_actors
+from rollout.rollouts import (
+    EvalOutcome,
+    EvalRun,
+    Play,
+    Request,
+    Rollout,
+    StepStats,
+    build_rollout,
+    evaluate,
+)
+from rollout.rollouts.step import Group, build_batch, groups_of, training_records
 from rollout.shards import shard_bounds
 from rollout.teacher import Teacher
 from rollout.token_budget import model_context, prompt_budget
-from rollout.tokenizer import decode_responses, encode_prompt, encode_prompts, load_tokenizer
+from rollout.tokenizer import encode_prompt, encode_prompts, load_tokenizer
 from rollout.turns import TurnFormat
+
+__all__ = ["EvalOutcome", "EvalRun", "RolloutManager", "RolloutManagerActor", "start_engines",
+           "start_teachers"]
 
 ENCODED_PROMPTS = 65536
 """Records whose prompt ids the manager keeps (a small dataset's every record; a big one
 is encoded as drawn, its ids never all held)."""
-
-
-@dataclass
-class _Group:
-    """One record's G scored samples: one prompt and its responses, or G episodes of an
-    environment (each with its own first observation and holes in its loss mask)."""
-
-    prompt_ids: list[list[int]]
-    generations: list[Generation]
-    rewards: list[float]
-    masks: list[list[int]] | None = None
-    """Per response token: 1 the policy's, 0 the environment's; None: all the policy's."""
-    turn_rewards: list[list[tuple[int, float]]] | None = None
-    """Per episode: (response position, reward) of each environment step, on the last
-    token of its action (GAE's per-turn credit); None: one reward per response."""
-    parts: dict[str, list[float]] = field(default_factory=dict)
-    """Each reward part's values of the G samples (rollout.reward)."""
-    texts: list[str] = field(default_factory=list)
-    """The G responses as the rewards read them."""
-    label: str | None = None
-    record_prompt: Any = None
-    """The record's prompt as the dataset holds it (a string or chat messages)."""
-
-
-@dataclass(frozen=True)
-class EvalOutcome:
-    """One held-out prompt's evaluation: the greedy response's reward and length, and the
-    rewards of its sampled responses (for pass@k)."""
-
-    metadata: dict[str, Any]
-    greedy_reward: float
-    greedy_length: int
-    sample_rewards: list[float]
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    """samples.jsonl records of its responses, the greedy one first."""
-
-
-@dataclass(frozen=True)
-class EvalRun:
-    """One evaluation: the weight version the engines held and each prompt's outcome."""
-
-    weight_version: int
-    outcomes: list[EvalOutcome]
-
-
-@dataclass
-class _StepStats:
-    num_draws: int = 0
-    num_samples: int = 0
-    gen_tokens: int = 0
-    gen_time_s: float = 0.0
-    all_rewards: list[float] = field(default_factory=list)
-    prompts_truncated: int = 0
-    prompts_dropped: int = 0
-    episodes: list[Episode] = field(default_factory=list)
-    env_seconds: float = 0.0
-    reward_s: float = 0.0
-    """Seconds the rollout waited for rewards after its last response was generated."""
-    reward_busy_s: float = 0.0
-    reward_counts: dict[str, int] = field(default_factory=dict)
-    """``reward/<name>/<key>`` -> count over the rollout's draws (a judge's unparsed)."""
-    errors: dict[str, tuple[int, str | None]] = field(default_factory=dict)
-
-    def add_scores(self, scores: RewardScores) -> None:
-        self.reward_busy_s += scores.busy_s
-        for name, count in scores.counts.items():
-            self.reward_counts[name] = self.reward_counts.get(name, 0) + count
-        for name, (count, first) in scores.errors.items():
-            had, first_had = self.errors.get(name, (0, None))
-            self.errors[name] = (had + count, first_had or first)
 
 
 def start_engines(config: RolloutConfig, model_path: str,
@@ -222,33 +165,30 @@ class RolloutManager(EngineWeights):
         gen_start_time = time.time()  # wall clock: the driver compares it with training's
         num_prompts = self.config.num_prompts_per_rollout
         dynamic = self.config.dynamic_sampling
-        stats = _StepStats()
-        kept: list[_Group] = []
-        zero_spread: list[_Group] = []
-        play = self._episode_round if self.turns is not None else self._rollout_round
+        stats = StepStats()
+        kept: list[Group] = []
+        zero_spread: list[Group] = []
         for draw in range(dynamic.max_draws if dynamic.enabled else 1):
             if len(kept) == num_prompts:
                 break
-            groups = play(self._take_prompts(num_prompts - len(kept), stats), step, draw,
-                          stats)
+            groups = self._play(self._take_prompts(num_prompts - len(kept), stats), step,
+                                draw, stats)
             if dynamic.enabled:
-                spread, flat = split_by_spread([g.rewards for g in groups])
+                spread, flat = split_by_spread([[s.reward for s in g.samples] for g in groups])
                 kept += [groups[i] for i in spread]
                 zero_spread += [groups[i] for i in flat]
             else:
                 kept += groups
         num_filled = num_prompts - len(kept)
         kept += zero_spread[:num_filled]  # max_draws hit: see rollout/dynamic_sampling.py
-        if self.turns is None:  # an environment's episodes are scored by it, not the parts
-            self.rewarder.check_errors(stats.errors, stats.num_samples, step)
-        events = self._environment_events(stats, step)
+        own_metrics, events = self.rollout.finish(stats, step)  # raises past its limits
         metadata = {
-            **self._environment_metrics(stats),
+            **own_metrics,
             "rollout/num_draws": float(stats.num_draws),
             "rollout/zero_spread_groups": float(len(zero_spread)),
             "rollout/zero_spread_filled": float(num_filled),
             "rollout/generated_samples": float(stats.num_samples),
-            "rollout/generated_reward_mean": _mean(stats.all_rewards),
+            "rollout/generated_reward_mean": stats.reward_mean,
             "rollout/gen_tokens": float(stats.gen_tokens),
             "rollout/gen_time_s": stats.gen_time_s,
             "rollout/gen_tokens_per_s": stats.gen_tokens / max(stats.gen_time_s, 1e-9),
@@ -275,11 +215,11 @@ class RolloutManager(EngineWeights):
         ids = encode_prompt(self.tokenizer, record.prompt, self.apply_chat_template)
         return fit_prompt(ids, self.max_prompt_tokens, self.config.prompt_truncation, where)
 
-    def _take_prompts(self, count: int, stats: _StepStats
+    def _take_prompts(self, count: int, stats: StepStats
                       ) -> list[tuple[int, list[int]]]:
         """The next ``count`` records from the cursor with their prompt ids; a dropped
         prompt is replaced by the next one (a whole epoch of drops is an error)."""
-        if self.turns is not None:  # an environment writes each episode's prompt
+        if self.rollout.writes_prompts:  # an environment writes each episode's prompt
             return [(index, []) for index in self.cursor.take(count)]
         taken: list[tuple[int, list[int]]] = []
         while len(taken) < count:
@@ -314,201 +254,36 @@ class RolloutManager(EngineWeights):
                 self._encoded[index] = value
         return encoded
 
-    def _rollout_round(
-        self, taken: list[tuple[int, list[int]]], step: int, draw: int, stats: _StepStats
-    ) -> list[_Group]:
-        """Generate and score G responses for each of the given records."""
+    @functools.cached_property
+    def rollout(self) -> Rollout:
+        """How this job plays its samples, for training and evaluation alike: an
+        environment's episodes, or single-turn responses scored by rollout.reward."""
+        return build_rollout(self.config, self.rewarder, self.turns, self.tokenizer,
+                             self.max_prompt_tokens, self.context, self._generate,
+                             self._shards_as_done)
+
+    def _play(self, taken: list[tuple[int, list[int]]], step: int, draw: int,
+              stats: StepStats) -> list[Group]:
+        """G scored samples of each of the given records, one group each."""
         group_size = self.config.n_samples_per_prompt
-        records = [self.records[i] for i, _ in taken]
-        prompt_ids = [ids for _, ids in taken]
-        sample_prompts = [ids for ids in prompt_ids for _ in range(group_size)]
-        policy_prompts = [self.tokenizer.decode(ids, skip_special_tokens=False)
-                          for ids in prompt_ids]  # the prompt as the policy saw it
-        each = [j for j in range(len(records)) for _ in range(group_size)]
-        raw = [records[j].prompt for j in each]
-        labels = [records[j].label for j in each]
-        metadata = [records[j].metadata for j in each]
-        started = time.perf_counter()
-        generations: list[Generation] = []
-        texts: list[str] = []
-        pending = []  # each engine's shard is scored as soon as it is generated
-        for (a, b), shard in self._shards_as_done(sample_prompts, self.config.sampling,
-                                                  step, draw):
-            shard_texts = decode_responses(self.tokenizer, [g.token_ids for g in shard])
-            pending.append((a, shard, shard_texts, self.rewarder.submit(
-                [policy_prompts[j] for j in each[a:b]], raw[a:b], shard_texts, labels[a:b],
-                metadata[a:b])))
-        generated = time.perf_counter()
-        stats.gen_time_s += generated - started
-        pending.sort(key=lambda shard: shard[0])
-        for _, shard, shard_texts, _ in pending:
-            generations += shard
-            texts += shard_texts
-        scores = self.rewarder.collect([p for *_, p in pending])
-        stats.reward_s += time.perf_counter() - generated
-        stats.add_scores(scores)
-        stats.gen_tokens += sum(len(g.token_ids) for g in generations)
-        stats.num_draws += 1
-        stats.num_samples += len(generations)
-        stats.all_rewards += scores.total
-        rows = [slice(j * group_size, (j + 1) * group_size) for j in range(len(records))]
-        return [_Group([prompt_ids[j]] * group_size, generations[rows[j]],
-                       scores.total[rows[j]], parts={k: v[rows[j]] for k, v in
-                                                     scores.parts.items()},
-                       texts=texts[rows[j]], label=records[j].label,
-                       record_prompt=records[j].prompt)
-                for j in range(len(records))]
+        requests = [Request(self.records[i], ids, i) for i, ids in taken
+                    for _ in range(group_size)]
+        played = self.rollout.play([Play(requests, self.config.sampling, step, draw)],
+                                   training=True)
+        stats.add(played)
+        return groups_of(played.samples, group_size)
 
-    def _episode_round(self, taken: list[tuple[int, list[int]]], step: int, draw: int,
-                       stats: _StepStats) -> list[_Group]:
-        """G episodes of the environment for each of the given records."""
-        group_size = self.config.n_samples_per_prompt
-        indices = [i for i, _ in taken for _ in range(group_size)]
-        started = time.perf_counter()
-        episodes, env_seconds = self._play([self.records[i] for i in indices], indices,
-                                           self.config.sampling, step, draw)
-        stats.gen_time_s += time.perf_counter() - started - env_seconds
-        stats.env_seconds += env_seconds
-        stats.gen_tokens += sum(e.policy_tokens for e in episodes)
-        stats.num_draws += 1
-        stats.num_samples += len(episodes)
-        stats.episodes += episodes
-        stats.all_rewards += [e.reward for e in episodes]
-        return [
-            _Group([e.prompt_ids for e in group], [e.generation() for e in group],
-                   [e.reward for e in group], [e.response_mask for e in group],
-                   [e.turn_rewards for e in group],
-                   texts=decode_responses(self.tokenizer, [e.response_ids for e in group]),
-                   label=self.records[indices[j]].label,
-                   record_prompt=self.records[indices[j]].prompt)
-            for j, group in ((j, episodes[j:j + group_size])
-                             for j in range(0, len(episodes), group_size))
-        ]
-
-    def _play(self, records: list[PromptRecord], indices: list[int],
-              sampling: SamplingConfig, step: int | str, draw: int = 0
-              ) -> tuple[list[Episode], float]:
-        """One episode per record on the engines, every live one generating each turn."""
-        assert self.turns is not None and self.config.environment is not None
-
-        def generate(contexts: list[list[int]], max_new_tokens: int, turn: int
-                     ) -> list[Generation]:
-            turn_sampling = sampling.model_copy(update={"max_new_tokens": max_new_tokens})
-            episode_turn = EpisodeTurn(f"{step}:{draw}", turn,
-                                       turn + 1 == self.config.environment.max_turns)
-            return self._generate(contexts, turn_sampling,
-                                  step if turn == 0 else f"{step}:turn{turn}", draw,
-                                  episode_turn)
-
-        def fit(ids: list[int], i: int) -> list[int]:
-            fitted = fit_prompt(ids, self.max_prompt_tokens, self.config.prompt_truncation,
-                                f"the first observation of record {indices[i]}")
-            assert fitted is not None  # "drop" is refused with an environment
-            return fitted
-
-        return run_episodes(
-            [{"prompt": r.prompt, "label": r.label, "metadata": dict(r.metadata)}
-             for r in records],
-            self.config.environment, self.turns, generate, sampling.max_new_tokens, fit,
-            self.context)
-
-    def _environment_events(self, stats: _StepStats, step: int) -> list[tuple[str, str]]:
-        """One ``environment_failed`` event per failed episode; past
-        max_failures_per_rollout, EnvironmentFailures (the job stops with it)."""
-        environment = self.config.environment
-        if environment is None:
-            return []
-        failed = [e.failure for e in stats.episodes if e.failure is not None]
-        if len(failed) > environment.max_failures_per_rollout:
-            raise EnvironmentFailures(
-                f"rollout.environment.max_failures_per_rollout: {len(failed)} episodes of "
-                f"rollout step {step} failed in {environment.class_path}, above "
-                f"{environment.max_failures_per_rollout}; first: {failed[0]}")
-        return [("environment_failed", f"rollout step {step}: {environment.class_path}: "
-                 f"{failure}; the episode ends with reward 0") for failure in failed]
-
-    def _environment_metrics(self, stats: _StepStats) -> dict[str, float]:
-        """Per episode: turns, observations read and, where the environment counts them
-        (a ``tool_calls`` attribute), tool calls; per rollout: the seconds spent in the
-        environment, failures, and the policy's share of the response tokens."""
-        if not stats.episodes:
-            return {}
-        episodes = stats.episodes
-        response_tokens = sum(len(e.response_ids) for e in episodes)
-        counted = [e.tool_calls for e in episodes if e.tool_calls is not None]
-        return {
-            **({"env/tool_calls_mean": _mean(counted)} if counted else {}),
-            "env/turns_mean": _mean([e.turns for e in episodes]),
-            "env/observations_mean": _mean([e.observations for e in episodes]),
-            "env/seconds": stats.env_seconds,
-            "env/failures": float(sum(e.failure is not None for e in episodes)),
-            "env/done_fraction": _mean([e.env_done for e in episodes]),
-            "env/policy_token_share": (sum(e.policy_tokens for e in episodes)
-                                       / max(response_tokens, 1)),
-        }
-
-    def _build_batch(self, groups: list[_Group], metadata: dict[str, float],
-                     events: list[tuple[str, str]] | None = None, step: int = 0
-                     ) -> RolloutBatch:
-        group_size = self.config.n_samples_per_prompt
-        group_index = [
-            self.next_group_index + j for j, g in enumerate(groups) for _ in g.generations
-        ]
-        generations = [gen for g in groups for gen in g.generations]
-        rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-        lengths = [len(gen.token_ids) for gen in generations]
-        metadata = {
-            **metadata,
-            "rollout/reward_mean": float(rewards.mean()),
-            "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "rollout/response_length_mean": _mean(lengths),
-            "rollout/response_length_max": float(max(lengths)),
-            "rollout/truncated_fraction": _mean(
-                [gen.finish_reason == "length" for gen in generations]
-            ),
-            **_part_metrics(groups),
-        }
-        masks = ([m for g in groups for m in g.masks or []] if self.turns is not None
-                 else None)  # episodes' holes; else every response token counts
-        turn_rewards = ([t for g in groups for t in g.turn_rewards or []]
-                        if self.turns is not None else None)
-        batch = RolloutBatch.from_samples(
-            prompt_ids=[p for g in groups for p in g.prompt_ids],
-            response_ids=[gen.token_ids for gen in generations],
-            response_log_probs=[gen.log_probs for gen in generations],
-            rewards=rewards.tolist(),
-            advantages=[0.0] * len(generations),  # the estimator's, added below
-            group_index=group_index,
-            samples_per_prompt=group_size,
-            pad_token_id=self.pad_token_id,
-            response_masks=masks,
-            metadata=metadata,
-            events=events,
-            turn_rewards=turn_rewards,
-            samples=self._sample_records(groups, group_index, step),
-        )
+    def _build_batch(self, groups: list[Group], metadata: dict[str, float],
+                     events: list[tuple[str, str]], step: int) -> RolloutBatch:
+        """The step's batch (rollout/rollouts/step.py) with its advantages; the group
+        indices it used are taken."""
+        first = self.next_group_index
+        records = training_records(groups, first, step, self.samples_per_step,
+                                   self.tokenizer)
+        batch = build_batch(groups, first, self.config.n_samples_per_prompt,
+                            self.pad_token_id, metadata, events, records)
         self.next_group_index += len(groups)
         return self._with_advantages(batch)
-
-    def _sample_records(self, groups: list[_Group], group_index: list[int], step: int
-                        ) -> list[dict[str, Any]]:
-        """samples.jsonl records of the rollout's first ``samples_per_step`` samples
-        (their ``index`` in the batch; the driver adds each one's advantage)."""
-        records: list[dict[str, Any]] = []
-        for g in groups:
-            for k, gen in enumerate(g.generations):
-                if len(records) >= self.samples_per_step:
-                    return records
-                i = len(records)
-                records.append({
-                    "step": step, "index": i, "group": group_index[i],
-                    "prompt": self.tokenizer.decode(g.prompt_ids[k],
-                                                    skip_special_tokens=False),
-                    "record_prompt": g.record_prompt, "response": g.texts[k],
-                    "label": g.label, "reward": float(g.rewards[k]),
-                    "rewards": {name: values[k] for name, values in g.parts.items()},
-                    "response_tokens": len(gen.token_ids)})
-        return records
 
     def _with_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         """The estimator's advantages (none yet when it needs the critic's values: the
@@ -546,65 +321,26 @@ class RolloutManager(EngineWeights):
 
     def evaluate(self, dataset: DatasetConfig, num_prompts: int | None, num_samples: int,
                  temperature: float, step: int) -> EvalRun:
-        """Greedy and sampled responses to held-out prompts on the engines, scored by the
-        job's reward function, with the weight version they came from. Seeds derive from
-        (seed, "eval", step) and nothing of the training state changes, so training's
-        stream and a resume stay exact."""
+        """Greedy and sampled responses to held-out prompts on the engines, scored as in
+        training, with the weight version they came from (rollout/rollouts/
+        evaluation.py). Nothing of the training state changes, so training's stream and
+        a resume stay exact."""
         key = dataset.model_dump_json()
         if key not in self._eval_records:
             self._eval_records[key] = load_prompt_dataset(dataset)
         greedy = self.config.sampling.model_copy(update={"temperature": 0.0})
         sampled = self.config.sampling.model_copy(update={"temperature": temperature})
-        if self.turns is not None:
-            return self._evaluate_episodes(self._eval_records[key][:num_prompts], num_samples,
-                                           greedy, sampled, step)
-        fitted = [(r, self._encode(r, f"held-out record {i}"))
-                  for i, r in enumerate(self._eval_records[key][:num_prompts])]
-        records = [r for r, ids in fitted if ids is not None]
-        prompts = [ids for _, ids in fitted if ids is not None]
-        greedy_out = self._generate(prompts, greedy, f"eval:{step}:greedy")
-        sample_out = self._generate([p for p in prompts for _ in range(num_samples)], sampled,
-                                    f"eval:{step}:sampled") if num_samples else []
-        texts = decode_responses(self.tokenizer,
-                                 [g.token_ids for g in greedy_out + sample_out])
-        # greedy responses first, then each prompt's sampled ones
-        each = list(range(len(records))) + [j for j in range(len(records))
-                                             for _ in range(num_samples)]
-        policy_prompts = [self.tokenizer.decode(ids, skip_special_tokens=False)
-                          for ids in prompts]
-        scores = self.rewarder.score([policy_prompts[j] for j in each],
-                                     [records[j].prompt for j in each], texts,
-                                     [records[j].label for j in each],
-                                     [records[j].metadata for j in each], update_stats=False)
-        rewards, outputs = scores.total, greedy_out + sample_out
-        samples = [{"step": step, "eval": True, "greedy": i < len(records), "group": j,
-                    "prompt": policy_prompts[j], "record_prompt": records[j].prompt,
-                    "response": texts[i], "label": records[j].label, "reward": rewards[i],
-                    "rewards": {k: v[i] for k, v in scores.parts.items()},
-                    "response_tokens": len(outputs[i].token_ids)}
-                   for i, j in enumerate(each)]
-        sample_rewards = rewards[len(records):]
-        return EvalRun(self.weight_version, [
-            EvalOutcome(r.metadata, rewards[j], len(greedy_out[j].token_ids),
-                        sample_rewards[j * num_samples:(j + 1) * num_samples],
-                        [samples[j], *samples[len(records) + j * num_samples:
-                                              len(records) + (j + 1) * num_samples]])
-            for j, r in enumerate(records)])
+        return evaluate(self.rollout, self._eval_requests(self._eval_records[key][:num_prompts]),
+                        num_samples, greedy, sampled, step, self.weight_version,
+                        self.tokenizer)
 
-    def _evaluate_episodes(self, records: list[PromptRecord], num_samples: int,
-                           greedy: SamplingConfig, sampled: SamplingConfig, step: int
-                           ) -> EvalRun:
-        """:meth:`evaluate` with an environment: each outcome is an episode's reward (the
-        greedy one's length is its response's, observations included)."""
-        indices = list(range(len(records)))
-        greedy_out, _ = self._play(records, indices, greedy, f"eval:{step}:greedy")
-        sample_out, _ = self._play([r for r in records for _ in range(num_samples)],
-                                   [i for i in indices for _ in range(num_samples)], sampled,
-                                   f"eval:{step}:sampled") if num_samples else ([], 0.0)
-        return EvalRun(self.weight_version, [
-            EvalOutcome(r.metadata, greedy_out[j].reward, len(greedy_out[j].response_ids),
-                        [e.reward for e in sample_out[j * num_samples:(j + 1) * num_samples]])
-            for j, r in enumerate(records)])
+    def _eval_requests(self, records: list[PromptRecord]) -> list[Request]:
+        """Held-out records as requests with their prompt ids (one over its budget cut or
+        dropped by rollout.prompt_truncation), unless the rollout writes its own."""
+        if self.rollout.writes_prompts:
+            return [Request(r, [], i) for i, r in enumerate(records)]
+        fitted = [(i, r, self._encode(r, f"held-out record {i}")) for i, r in enumerate(records)]
+        return [Request(r, ids, i) for i, r, ids in fitted if ids is not None]
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                   step: int | str, draw: int = 0, turn: EpisodeTurn | None = None
@@ -682,20 +418,6 @@ class RolloutManager(EngineWeights):
             ray.kill(engine)
         self.engines = []
 
-
-def _mean(values: list[float] | list[int] | list[bool]) -> float:
-    return float(sum(values) / len(values)) if values else 0.0
-
-
-def _part_metrics(groups: list[_Group]) -> dict[str, float]:
-    """``reward/<name>/mean`` and ``/std`` of each reward part over the batch's samples."""
-    names = list(groups[0].parts) if groups else []
-    out: dict[str, float] = {}
-    for name in names:
-        values = torch.tensor([v for g in groups for v in g.parts[name]], dtype=torch.float64)
-        out[f"reward/{name}/mean"] = float(values.mean())
-        out[f"reward/{name}/std"] = float(values.std()) if len(values) > 1 else 0.0
-    return out
 
 
 RolloutManagerActor = ray.remote(num_cpus=0)(RolloutManager)

@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 
 from rollout.batch import RolloutBatch
 from rollout.confined import read_inside
+from rollout.sample_record import SampleRecord
 from services.config.job import ConfigError, ConfigProblem, JobConfig
 from services.driver.run_dir import CONFIG_FILE, LATEST_LINK, RunDir
 from services.driver.sinks import truncate_after
@@ -276,6 +277,7 @@ def _rollouts_as_data(batches: dict[int, RolloutBatch]
     tensors, header = {}, {}
     for step, batch in batches.items():
         header[str(step)] = {name: getattr(batch, name) for name in SCALAR_FIELDS}
+        header[str(step)]["samples"] = [record.to_json() for record in batch.samples]
         for name in _tensor_fields():
             value = getattr(batch, name)
             if value is not None:
@@ -293,6 +295,7 @@ def _read_rollouts(path: Path) -> dict[int, RolloutBatch]:
                          f"{str(err).strip()[:200]}); a checkpoint is data (safetensors + "
                          "JSON), never a pickle") from None
     return {int(step): RolloutBatch(  # (a checkpoint before samples.jsonl has none)
+        samples=[SampleRecord.from_json(row) for row in scalars.pop("samples", [])],
         **scalars, **{name: values.get(f"{step}/{name}") for name in _tensor_fields()})
         for step, scalars in header.items()}
 

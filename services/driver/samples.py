@@ -3,8 +3,9 @@
     {"step", "group", "prompt", "response", "label", "reward", "rewards": {part: value},
      "advantage", "response_tokens", ...}
 
-Training samples: the first ``logging.samples_per_step`` of each rollout step (the rollout
-manager hands them on as text, ``RolloutBatch.samples``), with the advantage they were
+Each line is a :class:`rollout.sample_record.SampleRecord` (its ``to_json``, which spells
+the keys). Training samples: the first ``logging.samples_per_step`` of each rollout step
+(the rollout manager hands them on as ``RolloutBatch.samples``), with the advantage they were
 trained with (the mean over the sample's response tokens of A_it, after GAE in a PPO
 job). Evaluation samples: every one, ``"eval": true``, ``step`` the weight version,
 ``greedy`` or sampled. ``prompt`` is the prompt as the policy saw it (its chat
@@ -14,26 +15,29 @@ after its checkpoint, as for metrics.jsonl.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rollout.batch import RolloutBatch
 from rollout.confined import read_inside
+from rollout.sample_record import SampleRecord
 from services.driver.run_dir import open_append
 
 
-def with_advantages(batch: RolloutBatch) -> list[dict[str, Any]]:
+def with_advantages(batch: RolloutBatch) -> list[SampleRecord]:
     """The batch's sample records, each with its advantage: mean of A_it over the
     sample's valid tokens (0 with none)."""
     records = []
     for record in batch.samples:  # a few rows: their masks only, not the batch's
-        i = int(record["index"])
+        i = int(record.index)
         valid = batch.loss_mask[i] > 0
         count = int(valid.sum())
         advantage = float(batch.advantages[i][valid].double().sum()) / count if count else 0.0
-        records.append({**record, "advantage": advantage})
+        records.append(dataclasses.replace(record, advantage=advantage))
     return records
 
 
@@ -45,13 +49,15 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def append_samples(path: Path, records: list[dict[str, Any]]) -> None:
+def append_samples(path: Path, records: Sequence[SampleRecord | dict[str, Any]]) -> None:
     """Append ``records`` to samples.jsonl (opened per write: a resume may have replaced
-    the file), never through a link (run_dir.open_append)."""
+    the file), never through a link (run_dir.open_append); a dict is a line as read back
+    (read_samples)."""
     if not records:
         return
+    rows = [r.to_json() if isinstance(r, SampleRecord) else r for r in records]
     with open_append(path) as out:
-        out.write("".join(json.dumps(_clean(r), ensure_ascii=False) + "\n" for r in records))
+        out.write("".join(json.dumps(_clean(r), ensure_ascii=False) + "\n" for r in rows))
 
 
 def read_samples(path: Path, step: int | None = None, evaluation: bool | None = None

@@ -1,0 +1,100 @@
+"""A rollout step's played samples, grouped, as one RolloutBatch and its sample records.
+
+    [Sample] × G per record ─► Group ─► RolloutBatch (rewards, masks, metrics) + SampleRecords
+
+Group indices are contiguous from the manager's next one; the batch's advantages are
+zeros here (the manager's estimator fills them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from rollout.batch import RolloutBatch
+from rollout.rollouts.base import Sample
+from rollout.sample_record import SampleRecord
+
+
+@dataclass(frozen=True)
+class Group:
+    """One record's G scored samples."""
+
+    samples: list[Sample]
+
+
+def groups_of(samples: list[Sample], group_size: int) -> list[Group]:
+    """Consecutive runs of ``group_size`` samples (a play's requests, each record G times)."""
+    return [Group(samples[j:j + group_size]) for j in range(0, len(samples), group_size)]
+
+
+def build_batch(groups: list[Group], first_group: int, group_size: int, pad_token_id: int,
+                metadata: dict[str, float], events: list[tuple[str, str]],
+                records: list[SampleRecord]) -> RolloutBatch:
+    """The step's RolloutBatch with the batch's reward and length metrics after
+    ``metadata``; zero advantages."""
+    samples = [s for g in groups for s in g.samples]
+    group_index = [first_group + j for j, g in enumerate(groups) for _ in g.samples]
+    generations = [s.generation for s in samples]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    lengths = [len(gen.token_ids) for gen in generations]
+    metadata = {
+        **metadata,
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "rollout/response_length_mean": _mean(lengths),
+        "rollout/response_length_max": float(max(lengths)),
+        "rollout/truncated_fraction": _mean([gen.finish_reason == "length"
+                                             for gen in generations]),
+        **_part_metrics(samples),
+    }
+    holes = all(s.mask is not None for s in samples)  # episodes; else every token counts
+    return RolloutBatch.from_samples(
+        prompt_ids=[s.prompt_ids for s in samples],
+        response_ids=[gen.token_ids for gen in generations],
+        response_log_probs=[gen.log_probs for gen in generations],
+        rewards=rewards.tolist(),
+        advantages=[0.0] * len(generations),  # the estimator's, added by the manager
+        group_index=group_index,
+        samples_per_prompt=group_size,
+        pad_token_id=pad_token_id,
+        response_masks=[s.mask for s in samples] if holes else None,
+        metadata=metadata,
+        events=events,
+        turn_rewards=[s.turn_rewards for s in samples] if holes else None,
+        samples=records,
+    )
+
+
+def training_records(groups: list[Group], first_group: int, step: int, limit: int,
+                     tokenizer: PreTrainedTokenizerBase) -> list[SampleRecord]:
+    """SampleRecords of the step's first ``limit`` samples (their ``index`` in the batch;
+    the driver adds each one's advantage)."""
+    records: list[SampleRecord] = []
+    for j, group in enumerate(groups):
+        for sample in group.samples:
+            if len(records) >= limit:
+                return records
+            records.append(SampleRecord(
+                step=step, index=len(records), group=first_group + j,
+                prompt=tokenizer.decode(sample.prompt_ids, skip_special_tokens=False),
+                record_prompt=sample.record.prompt, response=sample.text,
+                label=sample.record.label, reward=float(sample.reward),
+                rewards=dict(sample.parts), response_tokens=len(sample.generation.token_ids)))
+    return records
+
+
+def _mean(values: list[float] | list[int] | list[bool]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def _part_metrics(samples: list[Sample]) -> dict[str, float]:
+    """``reward/<name>/mean`` and ``/std`` of each reward part over the batch's samples."""
+    out: dict[str, float] = {}
+    for name in samples[0].parts if samples else []:
+        values = torch.tensor([s.parts[name] for s in samples], dtype=torch.float64)
+        out[f"reward/{name}/mean"] = float(values.mean())
+        out[f"reward/{name}/std"] = float(values.std()) if len(values) > 1 else 0.0
+    return out

@@ -1,0 +1,78 @@
+"""SampleRecord: one line of samples.jsonl, a sample as text for a person to read.
+
+    training   {"step", "index", "group", "prompt", "record_prompt", "response", "label",
+                "reward", "rewards": {part: value}, "response_tokens", "advantage"}
+    evaluation {"step", "eval": true, "greedy", "group", "prompt", "record_prompt",
+                "response", "label", "reward", "rewards", "response_tokens"}
+
+Made in rollout (the manager's training samples, an evaluation's every sample); the
+driver adds a training sample's advantage and writes the line (services/driver/
+samples.py); the controller and ``tally samples`` read the lines back as JSON objects.
+:meth:`SampleRecord.to_json` is the one place the line's keys and their order are
+spelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One sample as samples.jsonl shows it."""
+
+    step: int
+    """The rollout step (training) or the weight version evaluated."""
+    group: int
+    """Training: the group index in the batch; evaluation: the held-out prompt's number."""
+    prompt: str
+    """The prompt as the policy saw it (its chat template's text)."""
+    record_prompt: Any
+    """The prompt as the dataset holds it (a string or chat messages)."""
+    response: str
+    label: str | None
+    reward: float
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Each reward part's value ({} when an environment scores)."""
+    response_tokens: int = 0
+    index: int | None = None
+    """Training: the sample's row in its RolloutBatch; None for an evaluation's."""
+    greedy: bool | None = None
+    """Evaluation: the greedy response (else sampled); None for training's."""
+    advantage: float | None = None
+    """Training: mean of A_it over the sample's valid tokens, added by the driver."""
+
+    @property
+    def evaluation(self) -> bool:
+        return self.greedy is not None
+
+    def to_json(self) -> dict[str, Any]:
+        """The samples.jsonl object, keys in their written order."""
+        head: dict[str, Any] = ({"step": self.step, "eval": True, "greedy": self.greedy}
+                                if self.evaluation else {"step": self.step, "index": self.index})
+        row = {**head, "group": self.group, "prompt": self.prompt,
+               "record_prompt": self.record_prompt, "response": self.response,
+               "label": self.label, "reward": self.reward, "rewards": self.rewards,
+               "response_tokens": self.response_tokens}
+        if self.advantage is not None:
+            row["advantage"] = self.advantage
+        return row
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> SampleRecord:
+        """A samples.jsonl object read back (a written ``null`` stays None)."""
+        evaluation = bool(row.get("eval"))
+        return cls(step=row["step"], group=row["group"], prompt=row["prompt"],
+                   record_prompt=row.get("record_prompt"), response=row["response"],
+                   label=row.get("label"), reward=row["reward"],
+                   rewards=dict(row.get("rewards") or {}),
+                   response_tokens=row.get("response_tokens", 0),
+                   index=None if evaluation else row.get("index"),
+                   greedy=bool(row.get("greedy")) if evaluation else None,
+                   advantage=row.get("advantage"))
+
+    def __getitem__(self, key: str) -> Any:
+        """A field by its samples.jsonl key, as a line read back is read (eval metrics
+        take ``outcome.samples[0]["rewards"]`` of records and of rows alike)."""
+        return self.to_json()[key]
