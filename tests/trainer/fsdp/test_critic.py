@@ -16,7 +16,7 @@ from tests.distributed import run_ranks
 from tests.trainer.helpers import random_train_batch
 from trainer.aggregation import AGGREGATION_MODES, aggregate
 from trainer.config import AggregationConfig, LossConfig, ObjectiveConfig, TrainerConfig
-from trainer.planted import RANK_ENV
+from trainer.planted import NOTHING_PLANTED, Planted, PlantedError
 from trainer.step_plan import plan_step
 
 VALUE_CLIP = 0.2
@@ -82,7 +82,8 @@ LAYOUTS = {"dp1-padded": (1, 1, False, False), "dp1-prefix": (1, 1, True, True),
 
 
 def _critic_rank(rank: int, port: int, model_path: str, batch: RolloutBatch, dp: int, cp: int,
-                 packed: bool, prefix: bool) -> dict[str, object]:
+                 packed: bool, prefix: bool, planted: Planted = NOTHING_PLANTED
+                 ) -> dict[str, object]:
     from trainer.backends.fsdp.critic import FSDPCriticWorker
 
     config = TrainerConfig(dp_size=dp, cp_size=cp, dtype="float64", packing=packed,
@@ -92,6 +93,7 @@ def _critic_rank(rank: int, port: int, model_path: str, batch: RolloutBatch, dp:
     worker = FSDPCriticWorker(config, objectives[0], model_path, rank, total_steps=1,
                               value_clip=VALUE_CLIP)
     worker.setup("127.0.0.1", port)
+    worker.plant(planted)  # as the verifier injects its errors (none by default)
 
     def plan(objective: ObjectiveConfig):
         return plan_step(batch, objective, dp, cp, 24, packed=packed, shared_prefix=prefix)
@@ -104,8 +106,7 @@ def _critic_rank(rank: int, port: int, model_path: str, batch: RolloutBatch, dp:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_value_loss_gradient_equals_the_float64_reference(
-        tiny_model: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(RANK_ENV, raising=False)
+        tiny_model: str, layout: str) -> None:
     batch = critic_batch()
     reference = _reference(tiny_model, batch)
     dp, cp, packed, prefix = LAYOUTS[layout]
@@ -124,14 +125,14 @@ def test_value_loss_gradient_equals_the_float64_reference(
 
 
 @pytest.mark.slow
-def test_planted_value_error_moves_the_gradient(tiny_model: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 0's share doubled (``value`` planted) under DP 2: the gradient is off the
-    reference — what the verifier's ``value`` term must catch."""
-    monkeypatch.setenv(RANK_ENV, "value")  # the ranks' environment, as the verifier sets it
+def test_planted_value_error_moves_the_gradient(tiny_model: str) -> None:
+    """Rank 0's share doubled (``value`` planted, injected as the verifier does) under
+    DP 2: the gradient is off the reference — what the verifier's ``value`` term must
+    catch."""
     batch = critic_batch()
     reference = _reference(tiny_model, batch)
-    result = run_ranks(_critic_rank, 2, tiny_model, batch, 2, 1, True, False)[0]
+    result = run_ranks(_critic_rank, 2, tiny_model, batch, 2, 1, True, False,
+                       frozenset({PlantedError.VALUE}))[0]
     _, grads = result["grads"][0]
     _, expected = reference[AGGREGATION_MODES[0]]
     worst = max(float((grads[n] - expected[n]).abs().max()) for n in grads)
