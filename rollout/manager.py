@@ -1,18 +1,20 @@
 """RolloutManager: prompts in, one RolloutBatch per step out.
 
-    dataset ─► PromptCursor ─► P prompts × G ─► shards ─► engine actors (torch | sglang)
-                                                               │ token ids + log-probs
-    RolloutBatch ◄─ advantages ◄─ [dynamic sampling] ◄─ rewards ◄┘ (decoded, in prompt order)
+    dataset ─► PromptCursor ─► P prompts × G ─► Rollout.play ─► engine actors (torch | sglang)
+                                                 (rollout/rollouts/: single-turn | episodes)
+    RolloutBatch ◄─ advantages ◄─ [dynamic sampling] ◄─ scored samples ◄┘ (in prompt order)
          ▲  the estimator (rollout/advantages/) ◄─ teacher log-probs, when it or
             rollout.teacher needs them (distillation)
 
-One step draws P = N / G prompts, samples G responses for each (a group), scores them
-and calls the advantage estimator over the final batch, unless it needs the critic's
-values (the driver calls it then); a ``rollout.teacher`` beside it adds its per-token
-reverse-KL advantage (rollout/teacher.py). Group indices are contiguous and keep
-increasing across steps. Sampling seeds are a hash of (seed, step, round, engine rank):
-the only mutable state is the data cursor, the next group index and the weight version,
-which is what :meth:`state_dict` saves, so a resumed run continues exactly.
+One step draws P = N / G prompts and plays G samples of each (a group) through the one
+rollout interface, which scores them; evaluation plays held-out prompts through the same
+call. The manager then calls the advantage estimator over the final batch, unless it
+needs the critic's values (the driver calls it then); a ``rollout.teacher`` beside it
+adds its per-token reverse-KL advantage (rollout/teacher.py). Group indices are
+contiguous and keep increasing across steps. Sampling seeds are a hash of (seed, step,
+round, engine rank): the only mutable state is the data cursor, the next group index and
+the weight version, which is what :meth:`state_dict` saves, so a resumed run continues
+exactly.
 
 Use it as a Ray actor (:data:`RolloutManagerActor`, returned batches travel through the
 object store), or in-process inside a Ray driver.
