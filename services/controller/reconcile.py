@@ -123,7 +123,7 @@ class Reconciler:
                 "Ray has no record of this job any more (its Ray cluster was stopped or "
                 "restarted); metrics up to the last step received are kept"))
         else:
-            self.store.update_job(job.id, log_tail="")
+            self.store.update_run(job.id, log_tail="")
 
     def finalize(self, job: Run, info: RayJobInfo) -> None:
         """Ray says the job ended: last metrics, logs saved (the controller's copy), status, and
@@ -146,7 +146,7 @@ class Reconciler:
         said = driver_failure(self.settings, job.output_dir, since=job.created_at or 0.0)
         cause = failure_cause(logs, info.message, said) if failed else None  # one line
         if job.status in TERMINAL:  # the driver (or a cancel) got there first
-            self.store.update_job(job.id, log_tail=log_tail, error=job.error or cause)
+            self.store.update_run(job.id, log_tail=log_tail, error=job.error or cause)
             return
         self.store.transition(job.id, info.status, error=cause, log_tail=log_tail)
 
@@ -163,9 +163,9 @@ class Reconciler:
                 self.errors += 1
                 return
             if submission:
-                self.store.update_job(job.id, ray_submission_id=submission)
+                self.store.update_run(job.id, ray_submission_id=submission)
             elif job.status in TERMINAL:
-                self.store.update_job(job.id, log_tail="")
+                self.store.update_run(job.id, log_tail="")
 
     # ---- 3. queue ------------------------------------------------------------------------
 
@@ -258,7 +258,7 @@ class Reconciler:
             self.store.transition(job.id, "failed", error=f"{config_file} is missing")
             return True
         submission_id = job.ray_submission_id or f"tally-{job.id}"
-        self.store.update_job(job.id, ray_submission_id=submission_id)
+        self.store.update_run(job.id, ray_submission_id=submission_id)
         python = shlex.quote(self.settings.python)
         entrypoint = (f"{python} -m services.train {shlex.quote(str(config_file))} "
                       f"--output-dir {shlex.quote(job.output_dir)}")

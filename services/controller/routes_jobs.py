@@ -297,7 +297,7 @@ def ingest_metrics(job_id: str, batch: MetricsIngest, ctl: Ctl) -> IngestResult:
     accepted = ctl.store.add_metrics(job_id, rows)
     ctl.metrics.ingested.inc(accepted)
     if batch.ray_job_id and not job.ray_job_id:
-        ctl.store.update_job(job_id, ray_job_id=batch.ray_job_id, driver_pid=batch.driver_pid)
+        ctl.store.update_run(job_id, ray_job_id=batch.ray_job_id, driver_pid=batch.driver_pid)
     if job.status == "pending" and rows:  # the driver runs, whatever Ray said last
         ctl.store.transition(job_id, "running")
     return IngestResult(accepted=accepted)

@@ -49,10 +49,6 @@ def earlier(status: str) -> list[str]:
     return [before for before, after in ALLOWED.items() if status in after]
 
 
-def may_move(before: str, after: str) -> bool:
-    return after in ALLOWED[before]
-
-
 def session_word(status: str) -> str:
     """The word a session's routes use for run status ``status``."""
     return SESSION_WORDS[status]

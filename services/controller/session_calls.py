@@ -109,7 +109,7 @@ async def refresh(ctl: Controller, row: Run, address: str
                   "pending_calls": state["pending_calls"], "loss": last.get("loss", row.loss)}
     except (httpx.HTTPError, ValueError, KeyError, AttributeError):
         return None
-    await run_in_threadpool(ctl.store.update_job, row.id, **update)
+    await run_in_threadpool(ctl.store.update_run, row.id, **update)
     return state
 
 

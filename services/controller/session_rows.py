@@ -115,7 +115,7 @@ def poll_session(store: Store, backend: JobBackend, settings: Settings, row: Run
     or closed, its state saved) once it says so; failed once Ray says its job ended (the
     cause from its logs). The row as it is then; None while Ray cannot be asked."""
     if row.status not in ACTIVE:  # ended here before Ray confirmed it: nothing to save
-        return store.update_job(row.id, log_tail="")
+        return store.update_run(row.id, log_tail="")
     state = session_state(row.output_dir)
     if state.get("state") == "ended" and state.get("reason") in ("idle", "closed"):
         return end_session(store, row, "succeeded", saved_path=state.get("saved_path"))

@@ -279,7 +279,7 @@ class Store:
                                    .group_by(Run.status))
             return {status: count for status, count in rows}
 
-    def update_job(self, job_id: str, **values: Any) -> Run | None:
+    def update_run(self, job_id: str, **values: Any) -> Run | None:
         """Set fields of a run of any kind (its status: :meth:`advance`)."""
         with self._write() as session:
             job = session.get(Run, job_id)

@@ -91,7 +91,7 @@ def test_a_registered_folder_outside_the_roots_is_never_read_or_written(
     ctl.reconciler.tick()
     assert http.get(f"/api/jobs/{job['id']}/metrics").json()["steps"] == []
     # its Ray submission ends: the logs are not written into the foreign folder
-    ctl.store.update_job(job["id"], ray_submission_id="raysub")
+    ctl.store.update_run(job["id"], ray_submission_id="raysub")
     backend.jobs["raysub"] = {"status": "succeeded", "entrypoint": "", "env": {},
                               "logs": "from ray\n", "message": None}
     ctl.reconciler.tick()

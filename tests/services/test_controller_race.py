@@ -72,3 +72,26 @@ def test_a_transition_reports_whether_it_won(tmp_path: Path) -> None:
     assert not won and job is not None and (job.status, job.error) == ("succeeded", None)
     job, won = store.advance(job_id, "running")
     assert not won and job is not None and job.status == "succeeded"
+
+
+def test_a_job_and_a_session_move_by_one_state_machine(tmp_path: Path) -> None:
+    """Both kinds go forward only through Store.advance (run_states.py): a late 'pending'
+    never hides 'running', an end is final, and a session's words follow its status."""
+    from services.controller.routes_sessions import session_out
+
+    store = create_app(make_settings(tmp_path), backend=FakeBackend()).state.controller.store
+    now = time.time()
+    for run_id, kind in (("job1", "job"), ("ses1", "session")):
+        store.add_run(Run(id=run_id, kind=kind, name=run_id, status="queued",
+                          mode="sample_mean", source="controller", config_submitted="{}",
+                          config_resolved="{}", output_dir=f"/nonexistent/{run_id}",
+                          num_steps=2, created_at=now, updated_at=now))
+        assert store.advance(run_id, "running")[1]  # a skip forward
+        assert not store.advance(run_id, "pending")[1]  # never back
+        assert store.get_run(run_id).status == "running"
+        assert store.advance(run_id, "cancelled")[1]
+        assert not store.advance(run_id, "succeeded")[1]  # an end is final
+        assert not store.advance(run_id, "failed")[1]
+    assert store.get_job("job1").status == "cancelled" and store.get_job("ses1") is None
+    assert session_out(store.get_session("ses1"))["status"] == "ended"
+    assert store.get_session("job1") is None

@@ -45,7 +45,7 @@ def test_the_controller_rides_out_a_down_job_server(tmp_path: Path) -> None:
         body = {"config_yaml": DEMO, "overrides": DEMO_OVERRIDES}
         queued = api.post("/api/jobs", json=body).json()
         running = api.post("/api/jobs", json=body).json()  # Ray ran it when it went down
-        ctl.store.update_job(running["id"], ray_submission_id=f"tally-{running['id']}")
+        ctl.store.update_run(running["id"], ray_submission_id=f"tally-{running['id']}")
         ctl.store.transition(running["id"], "running")
         (Path(running["output_dir"]) / "driver.log").write_text("step 1/2\n")
         ctl.reconciler.tick()
