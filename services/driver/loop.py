@@ -91,6 +91,15 @@ class RunningJob:
         actors = Gang(config, model_path, job_roles(config, model_path),
                       on_wait=lambda message: (log(message),
                                                run_dir.write_event("waiting", message)))
+        try:
+            return cls._around(config, run_dir, actors)
+        except BaseException:  # e.g. a transport that cannot be built: nothing left running
+            actors.close()
+            raise
+
+    @classmethod
+    def _around(cls, config: JobConfig, run_dir: RunDir, actors: Gang) -> RunningJob:
+        """The job's parts around its started gang."""
         manager, call = actors.manager, actors.rollout_call
         evals = JsonlSink(run_dir.path, EVAL_FILE)
         return cls(
