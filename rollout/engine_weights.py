@@ -50,23 +50,6 @@ class EngineWeights:
         self.weight_version = version
         return version
 
-    def update_weight_buckets(self, buckets: list, version: int) -> int:
-        """Every engine loads weights ``version`` from the trainer's buckets: ``buckets``
-        is ``[ref]``, a ref to the list of bucket refs (fetched here: a few refs), each
-        engine reads the buckets from the object store itself."""
-        (ref,) = buckets
-        refs = ray.get(ref)
-        ray.get([engine.load_weight_buckets.remote(refs, version) for engine in self.engines])
-        self.weight_version = version
-        return version
-
-    def serve_staged_weights(self, version: int) -> int:
-        """Every colocated engine serves the weights its trainer rank staged as
-        ``version`` (queued, like a load, behind the rollouts asked for before it)."""
-        ray.get([engine.serve_engine_weights.remote(version) for engine in self.engines])
-        self.weight_version = version
-        return version
-
     def num_weight_ranks(self) -> int:
         """GPUs the SGLang servers add to a weight-update group, over all engines."""
         return sum(ray.get([engine.num_weight_ranks.remote() for engine in self.engines]))

@@ -43,7 +43,7 @@ from rollout.engines import check_engine_available, engine_actor_options, engine
 from rollout.engines.base import EpisodeTurn, Generation
 from rollout.environments import load_environment_class
 from rollout.prompts import PromptTooLong, fit_prompt
-from rollout.reward_parts import Rewarder, start_reward_actors
+from rollout.reward_parts import Rewarder
 from rollout.rollouts import (
     EvalOutcome,
     EvalRun,
@@ -98,23 +98,15 @@ class RolloutManager(EngineWeights):
     """Owns the engine actors, the teacher actors, the dataset cursor and the reward
     function."""
 
-    def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None,
-                 engine_placement: list[dict[str, Any]] | None = None,
-                 engines: list[Any] | None = None, owns_engines: bool | None = None,
-                 teachers: list[Any] | None = None,
-                 reward_actors: dict[str, list[Any]] | None = None,
-                 samples_per_step: int = 8) -> None:
-        """engine_placement: per-engine Ray options (e.g. a placement-group bundle) chosen
-        by the driver, which knows the whole job's layout; they override the defaults.
-        ``engines``: actors that answer the engine verbs, started by the caller (the
-        trainer ranks of the colocated fast path, or :func:`start_engines` run beside
-        this actor's own start); the manager starts none, and stops them only when
-        ``owns_engines`` (default: only the engines it started). ``teachers``: the
-        teacher actors of ``config.distillation`` (:func:`start_teachers`, placed by the
-        driver), which the manager stops; None: it starts its own with its first rollout
-        when there is a teacher. ``reward_actors``: the reward models' and judges' actors
-        by part name (rollout/reward_parts.start_reward_actors, placed by the driver),
-        which the manager stops; None: it starts its own. ``samples_per_step``: how many
+    def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None, *,
+                 engines: list[Any], teachers: list[Any], reward_actors: dict[str, list[Any]],
+                 owns_engines: bool = False, samples_per_step: int = 8) -> None:
+        """The manager is handed its actors and starts none (services/runtime/gang.py
+        starts every actor of a program). ``engines``: actors that answer the engine verbs
+        (engines, or the trainer ranks of the colocated fast path); the manager stops them
+        in ``shutdown`` only when ``owns_engines``. ``teachers``: the teacher actors of
+        ``config.distillation`` (one at least when there is a teacher). ``reward_actors``:
+        the reward models' and judges' actors by part name. ``samples_per_step``: how many
         of a rollout's samples it hands on as text (samples.jsonl)."""
         check_engine_available(config)
         self.config = config
@@ -131,10 +123,6 @@ class RolloutManager(EngineWeights):
         self.records: list[PromptRecord] = load_prompt_dataset(config.dataset)
         self.cursor = PromptCursor(len(self.records), config.dataset.seed, config.dataset.shuffle)
         self.samples_per_step = samples_per_step
-        if reward_actors is None:
-            from rollout.tiny import resolve_model_path
-
-            reward_actors = start_reward_actors(config.reward_parts, resolve_model_path)
         self.reward_actors = reward_actors
         self.rewarder = Rewarder(config.reward_parts, reward_actors)
         self.turns: TurnFormat | None = None
@@ -147,15 +135,12 @@ class RolloutManager(EngineWeights):
         self._eval_records: dict[str, list[PromptRecord]] = {}  # held-out sets, loaded once
         self._encoded: dict[int, tuple[int, list[int] | None]] = {}
         """Record index -> (its prompt's full length, the ids it trains on; None: dropped)."""
-        self.owns_engines = engines is None if owns_engines is None else owns_engines
-        if engines is None:
-            engines = start_engines(config, model_path, engine_placement)
+        self.owns_engines = owns_engines
         self.engines = engines
         self.teacher = config.distillation
         self.estimator = build_estimator(config.advantage)  # a user's class imports here
-        self.teachers: list[Any] = list(teachers or [])
-        """The driver's, or the manager's own started with its first rollout (an
-        evaluation or ``tally eval`` needs none)."""
+        self.teachers: list[Any] = list(teachers)
+        """Empty where nothing here trains (an evaluation, ``tally eval``)."""
         ray.get([actor.ping.remote() for actor in [*self.engines, *self.teachers,
                                                    *self._reward_actor_list()]])
 
@@ -306,9 +291,8 @@ class RolloutManager(EngineWeights):
         assert self.teacher is not None
         started = time.perf_counter()
         if not self.teachers:
-            from rollout.tiny import resolve_model_path
-
-            self.teachers = start_teachers(self.teacher, resolve_model_path(self.teacher.model))
+            raise RuntimeError("rollout.distillation names a teacher but this manager was "
+                               "handed no teacher actor (services/runtime/gang.py starts them)")
         shares = shard_bounds(batch.num_samples, len(self.teachers))
         temperature = self.config.sampling.temperature
         refs = [teacher.log_probs.remote(batch.input_ids[a:b], batch.prompt_lengths[a:b],

@@ -71,8 +71,3 @@ class SampleRecord:
                    index=None if evaluation else row.get("index"),
                    greedy=bool(row.get("greedy")) if evaluation else None,
                    advantage=row.get("advantage"))
-
-    def __getitem__(self, key: str) -> Any:
-        """A field by its samples.jsonl key, as a line read back is read (eval metrics
-        take ``outcome.samples[0]["rewards"]`` of records and of rows alike)."""
-        return self.to_json()[key]

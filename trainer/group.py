@@ -112,18 +112,6 @@ class TrainerGroup(RolloutGroup):
             return [self._on_rank0(PolicyRank.send_weights, step, sender, *args)]
         return self._call(PolicyRank.send_weights, step, sender, *args)
 
-    def async_export_weight_buckets(self, dtype: str, bucket_mb: float
-                                    ) -> tuple[ray.ObjectRef, dict[str, float]]:
-        """A ref to the list of rank 0's bucket refs and the sync's metrics: the object
-        store's sync as a session still asks for it (services/sessions/runtime.py); a
-        session that sends through services/driver/transports/object_store.py makes this
-        go."""
-        from trainer.transports.object_store import ObjectStoreSender
-
-        answers = self.send_weights(ObjectStoreSender.send, ObjectStoreSender(dtype, bucket_mb),
-                                    -1)
-        return ray.put(list(answers[0][0].buckets)), most([m for _, m in answers])
-
 
 class CriticGroup(RolloutGroup):
     """The critic's group (PPO): its ranks' values V [N, S] and the value loss's steps."""

@@ -108,9 +108,6 @@ class ColocatedRank(FSDPWorker):
         self.host.engine.serve(version)
         return version
 
-    serve_engine_weights = receive_weights
-    """The name the manager's ``serve_staged_weights`` calls."""
-
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int,
                  turn: EpisodeTurn | None = None) -> list[Generation]:
         """The engine verb: one response per prompt from the weights served."""

@@ -77,7 +77,7 @@ def eval_metrics(outcomes: Sequence[EvalOutcome], config: EvalConfig) -> dict[st
                       sum(r >= config.correct_reward for r in o.sample_rewards), k)
             for o in outcomes) / len(outcomes)
         metrics["eval/k"] = float(k)
-    greedy_parts = [o.samples[0]["rewards"] for o in outcomes if o.samples]
+    greedy_parts = [o.samples[0].rewards for o in outcomes if o.samples]
     if len(greedy_parts) == len(outcomes) and len(greedy_parts[0]) > 1:  # several parts
         for name in greedy_parts[0]:  # e.g. a rule's correctness beside a reward model
             metrics[f"eval/reward/{name}/mean"] = (sum(p[name] for p in greedy_parts)

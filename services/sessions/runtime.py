@@ -26,6 +26,7 @@ import torch
 from rollout.problems import Problem, problems_detail
 from services.config.job import JobConfig
 from services.driver.run_dir import CHECKPOINTS_DIR
+from services.driver.transports.object_store import ObjectStoreTransport
 from services.runtime.gang import Gang, Roles
 from services.runtime.placement import JobPlacement
 from services.sessions.group import CallUndone, GradientsLost, SessionGroup
@@ -287,9 +288,11 @@ class TrainingSession:
         if self.engine_version == self.step:
             return
         engine = self.config.rollout.engine
-        buckets, _ = self.trainer.async_export_weight_buckets(
-            getattr(engine, "dtype", "float32"), self.config.trainer.weight_sync.bucket_mb)
-        ray.get(self.engine.load_weight_buckets.remote(ray.get(buckets), self.step))
+        transport = ObjectStoreTransport(self.trainer, self.engine,
+                                         getattr(engine, "dtype", "float32"),
+                                         self.config.trainer.weight_sync.bucket_mb)
+        loaded, _ = transport.send_weights(self.step)
+        ray.get(loaded)
         self.engine_version = self.step
 
     def save(self, name: str) -> dict[str, Any]:

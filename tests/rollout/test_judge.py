@@ -78,18 +78,18 @@ def test_a_judge_in_the_gang_scores_what_its_engine_answers(judged: tuple,
     part = config.reward_parts[1]
     engine = JudgeEngine(TorchEngineConfig(num_threads=1, prefix_cache_mb=0),
                          tiny_model_path, tiny_model_path)
-    requests = [judge_request(part.template, s["record_prompt"], s["response"], s["label"])
+    requests = [judge_request(part.template, s.record_prompt, s.response, s.label)
                 for s in batch.samples]
     answers, _ = engine.answer(requests, part.max_new_tokens)
     expected = [parse_score(a, PARSE) for a in answers]
     assert None in expected and any(e is not None for e in expected)  # both kinds seen
-    assert [s["rewards"]["judge"] for s in batch.samples] == [
+    assert [s.rewards["judge"] for s in batch.samples] == [
         0.0 if e is None else e for e in expected]
     assert batch.metadata["reward/judge/unparsed"] == float(sum(
         e is None for e in expected))
     for sample in batch.samples:
-        assert sample["reward"] == sample["rewards"]["exact_match"] + \
-            0.5 * sample["rewards"]["judge"]
+        assert sample.reward == sample.rewards["exact_match"] + \
+            0.5 * sample.rewards["judge"]
 
 
 class _ChatServer(ChatHandler):

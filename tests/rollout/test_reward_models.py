@@ -70,29 +70,29 @@ def test_logged_rewards_are_transformers_scores_of_the_logged_text(
     chat_tokenizer = AutoTokenizer.from_pretrained(chat_rm)
     batch = ray.get(manager.generate_batch.remote(0))
     samples = batch.samples
-    assert len(samples) == 8 and [s["index"] for s in samples] == list(range(8))
+    assert len(samples) == 8 and [s.index for s in samples] == list(range(8))
     moments = RunningMoments()
-    moments.update([s["rewards"]["rm"] for s in samples])
+    moments.update([s.rewards["rm"] for s in samples])
     for sample in samples:
-        rewards = sample["rewards"]
+        rewards = sample.rewards
         assert rewards["rm"] == pytest.approx(_transformers_score(
-            tiny_rm, sample["prompt"] + sample["response"]), abs=1e-4)
+            tiny_rm, sample.prompt + sample.response), abs=1e-4)
         chat_text = chat_tokenizer.apply_chat_template(
-            [{"role": "user", "content": sample["record_prompt"]},
-             {"role": "assistant", "content": sample["response"]}], tokenize=False)
+            [{"role": "user", "content": sample.record_prompt},
+             {"role": "assistant", "content": sample.response}], tokenize=False)
         assert rewards["chat_rm"] == pytest.approx(_transformers_score(chat_rm, chat_text),
                                                    abs=1e-4)
         assert rewards["exact_match"] == float(
-            sample["response"].strip() == sample["label"].strip())
+            sample.response.strip() == sample.label.strip())
         # the normalised part: the same RM's scores, standardised by this rollout's
         assert rewards["rm_norm"] == pytest.approx(
             (rewards["rm"] - moments.mean) / moments.std, abs=1e-6)
         # the weights combine exactly: r = Σ w_k r_k, in the parts' order
-        assert sample["reward"] == (0.5 * rewards["exact_match"] + 2.0 * rewards["rm"]
+        assert sample.reward == (0.5 * rewards["exact_match"] + 2.0 * rewards["rm"]
                                     - 1.0 * rewards["chat_rm"] + 0.25 * rewards["rm_norm"])
-        assert batch.rewards[sample["index"]] == torch.tensor(sample["reward"])
-    assert len({round(s["rewards"]["chat_rm"], 6) for s in samples}) > 1  # not constant
-    parts = [s["rewards"]["rm"] for s in samples]
+        assert batch.rewards[sample.index] == torch.tensor(sample.reward)
+    assert len({round(s.rewards["chat_rm"], 6) for s in samples}) > 1  # not constant
+    parts = [s.rewards["rm"] for s in samples]
     assert batch.metadata["reward/rm/mean"] == pytest.approx(sum(parts) / len(parts))
     assert batch.metadata["reward/chat_rm/std"] > 0
     assert batch.metadata["perf/reward_busy_s"] > 0
@@ -108,7 +108,7 @@ def test_running_normalisation_is_saved_and_restored(manager: ray.actor.ActorHan
     after = ray.get(manager.generate_batch.remote(1))
     ray.get(manager.load_state_dict.remote(state))
     again = ray.get(manager.generate_batch.remote(1))
-    assert [s["rewards"] for s in again.samples] == [s["rewards"] for s in after.samples]
+    assert [s.rewards for s in again.samples] == [s.rewards for s in after.samples]
 
 
 def test_running_moments_merge_equals_one_pass() -> None:

@@ -45,7 +45,7 @@ def test_records_write_the_lines_samples_jsonl_always_held_and_read_back(tmp_pat
     for record, row in zip([trained, EVALUATION], rows, strict=True):  # what the API serves
         served = SampleOut.model_validate(row).model_dump(exclude_unset=True)
         assert served == record.to_json()
-        assert record["rewards"] == row["rewards"]  # a record reads like its line
+        assert record.rewards == row["rewards"]
 
 
 def test_a_non_finite_reward_is_written_as_null(tmp_path: Path) -> None:

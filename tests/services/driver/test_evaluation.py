@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from rollout.manager import EvalOutcome, EvalRun
+from rollout.sample_record import SampleRecord
 from services.config.job import ConfigError, parse_job_config
 from services.driver.config import EvalConfig
 from services.driver.evaluation import (
@@ -53,16 +54,21 @@ def test_accuracy_pass_at_k_and_levels() -> None:
 
 
 def test_each_reward_part_is_averaged_over_the_greedy_responses() -> None:
+    def record(rewards: dict[str, float], greedy: bool) -> SampleRecord:
+        return SampleRecord(step=0, group=0, prompt="", record_prompt="", response="",
+                            label=None, reward=sum(rewards.values()), rewards=rewards,
+                            greedy=greedy)
+
     def scored(correct: float, rm: float) -> EvalOutcome:
-        greedy = {"reward": 0.1 * rm, "rewards": {"correct": correct, "rm": rm}}
-        sampled = {"reward": 9.0, "rewards": {"correct": 9.0, "rm": 9.0}}
+        greedy = record({"correct": correct, "rm": rm}, True)
+        sampled = record({"correct": 9.0, "rm": 9.0}, False)
         return EvalOutcome({}, 0.1 * rm, 3, [9.0], [greedy, sampled])
 
     config = EvalConfig(enabled=True, num_samples=1, k=1)
     metrics = eval_metrics([scored(1.0, 2.0), scored(0.0, 4.0)], config)
     assert metrics["eval/reward/correct/mean"] == 0.5
     assert metrics["eval/reward/rm/mean"] == 3.0
-    one_part = eval_metrics([EvalOutcome({}, 1.0, 3, [1.0], [{"rewards": {"boxed": 1.0}}])],
+    one_part = eval_metrics([EvalOutcome({}, 1.0, 3, [1.0], [record({"boxed": 1.0}, True)])],
                             config)
     assert not [k for k in one_part if k.startswith("eval/reward/")]
 
