@@ -25,7 +25,7 @@ from services.controller.store import MIGRATIONS, Store
 from services.controller.tables import Run
 from services.driver.run_dir import JOB_CONFIG_FILE
 from services.sessions.server import write_state
-from tests.services.controller_fakes import DEMO, DEMO_OVERRIDES, api_client
+from tests.services.controller.fakes import DEMO, DEMO_OVERRIDES, api_client
 
 TOKEN = "k3y"
 SECRET = "TALLY_API_TOKEN=s3cret-of-the-controller"

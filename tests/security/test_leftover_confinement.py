@@ -25,7 +25,7 @@ from services.sessions.server import (
     take_secret,
     write_state,
 )
-from tests.services.controller_fakes import DEMO, DEMO_OVERRIDES, api_client
+from tests.services.controller.fakes import DEMO, DEMO_OVERRIDES, api_client
 
 TOKEN = "k3y"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -1,8 +1,8 @@
 """Security probes on the real controller app (in-process, ``fastapi.testclient``; Ray is
-the in-memory job server of tests/services/controller_fakes.py) and the session server's
+the in-memory job server of tests/services/controller/fakes.py) and the session server's
 own app: forged and cross-session tokens, a token after its session ended, an oversize
 body. The probes that need a live session (a request id replayed with other content) run
-in tests/services/test_sessions.py, on its shared sessions."""
+in tests/services/sessions/test_sessions.py, on its shared sessions."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from services.clients.training_split import merge_answers, split_data
 from services.controller.auth import session_token
 from services.controller.settings import Settings
 from services.sessions.server import create_app as session_app
-from tests.services.controller_fakes import api_client
+from tests.services.controller.fakes import api_client
 
 SESSION = {"config": {"rollout": {"model": "tiny"}}}
 STEP = {"adam": {"lr": 1e-3}}

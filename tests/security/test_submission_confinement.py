@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from rollout.config_paths import marked_paths, path_kind
 from services.config.job import JobConfig
 from services.train_rm.config import RewardModelConfig as TrainRmConfig
-from tests.services.controller_fakes import api_client
+from tests.services.controller.fakes import api_client
 
 OUTSIDE = "/etc"
 """A folder outside every root that holds something (its listing must never be said)."""

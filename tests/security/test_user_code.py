@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services.controller_fakes import DEMO, DEMO_OVERRIDES, api_client
+from tests.services.controller.fakes import DEMO, DEMO_OVERRIDES, api_client
 
 MARKING = """from pathlib import Path
 Path({marker!r}).write_text("imported")  # module top-level code: runs only where imported

@@ -30,8 +30,8 @@ SMALL = ["rollout.global_batch_size=32", "rollout.n_samples_per_prompt=8",
 
 
 # A short run that learns (and is evaluated): tests/services/driver/test_loop.py.
-# Exact resume of an in-job restart: tests/services/test_recovery.py; of a newest
-# checkpoint that cannot be read: tests/services/test_resume_fallback.py.
+# Exact resume of an in-job restart: tests/e2e/test_recovery.py; of a newest
+# checkpoint that cannot be read: tests/e2e/test_resume_fallback.py.
 
 
 def test_half_written_checkpoint_is_never_loaded(ray_cluster: None, tmp_path: Path) -> None:

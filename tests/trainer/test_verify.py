@@ -3,7 +3,7 @@ the gradients and terms of padded DP=1 for every update of a rollout, mode and t
 for a custom reducer's dense weights; its tolerance judges a term against its own scale;
 the ``verify-aggregation`` program fails (exit code 1) on a ×2 and on each subtle error
 planted in it (injected as ``{layout: Planted}``, trainer/planted.py; the README command
-passing: tests/services/test_cli.py)."""
+passing: tests/services/cli/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_every_update_of_a_rollout_matches_across_layouts(ray_cluster: None, tin
     Two modes, the two whose normaliser a mini-batch cuts: token_mean
     (the mini-batch's tokens over all ranks) and prompt_mean (its groups); every mode's
     weighting under each layout is checked on one update by the README's command
-    (tests/services/test_cli.py) and the planted-error run."""
+    (tests/services/cli/test_cli.py) and the planted-error run."""
     from transformers import AutoConfig
 
     from trainer.mini_batches import rollout_updates

@@ -1,7 +1,7 @@
 """Where a job's actors go on one node: the placement strategy of ``trainer.allow_cross_node``
 (services/runtime/placement.py for a job's group, trainer/group.py for a group of ranks alone).
 Ranks on two nodes — the refusal after placement, PACK spreading them — need a second
-node: tests/services/test_multinode.py's cluster."""
+node: tests/e2e/test_multinode.py's cluster."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ray.util.placement_group import placement_group_table, remove_placement_gro
 
 from services.config.job import load_job_config
 from services.runtime.placement import reserve_job
-from tests.services.controller_fakes import DEMO_OVERRIDES
+from tests.services.controller.fakes import DEMO_OVERRIDES
 from tests.services.driver.clean_run import ROOT
 from trainer.group import TrainerGroup
 

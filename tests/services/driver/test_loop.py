@@ -21,7 +21,7 @@ from services.driver.job import job_model_path
 from services.driver.loop import RunningJob, run_job, train_optimizer_steps
 from services.driver.metrics import optimizer_steps_summary
 from services.driver.sinks import JsonlSink, read_metrics
-from tests.services.controller_fakes import DEMO_OVERRIDES
+from tests.services.controller.fakes import DEMO_OVERRIDES
 from tests.services.driver.clean_run import CleanRun, assert_same_training, clean_config
 from tests.services.driver.test_wandb_sink import finished_run_records, history_of
 from tests.services.test_train import ROOT, SMALL

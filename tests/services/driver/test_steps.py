@@ -14,7 +14,7 @@ import pytest
 
 from services.driver.loop import run_job
 from services.train import train_from_cli
-from tests.services.controller_fakes import DEMO_OVERRIDES
+from tests.services.controller.fakes import DEMO_OVERRIDES
 from tests.services.driver.clean_run import NUM_UPDATES, ROOT, CleanRun, clean_config, rows
 
 pytestmark = pytest.mark.slow

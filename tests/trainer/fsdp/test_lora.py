@@ -114,7 +114,7 @@ def test_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(
         tiny_model: str, tmp_path: Path) -> None:
     """Two steps at DP 2 then a save, one more step after loading it at DP 1 (DCP
     reshards): the adapters of three steps in one go, up to the rounding of a sum over two
-    ranks (bit for bit at one DP size: tests/services/test_lora_job.py). The checkpoint
+    ranks (bit for bit at one DP size: tests/e2e/test_lora_job.py). The checkpoint
     holds adapters and their AdamW state only, and peft's adapter folder."""
     from safetensors import safe_open
     from torch.distributed.checkpoint import FileSystemReader
