@@ -141,8 +141,13 @@ class LossConfig(BaseModel):
     """Truncated importance sampling: weight each token by min(π_trainer/π_rollout, cap)."""
     kl_coef: float = Field(default=0.0, ge=0)
     """Coefficient of the KL-to-reference loss term; 0 disables the reference model."""
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    """KL estimator (Schulman's k1/k2/k3; low_var_kl is k3 clamped to [-10, 10])."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl", "k3+"] = "k3+"
+    """KL estimator (Schulman's k1/k2/k3; low_var_kl is k3 clamped to [-10, 10]; k3+ is
+    k3's value with k2's gradient). As a loss (kl_coef > 0) only k2 and k3+ descend
+    KL(π‖ref): k1's expected gradient is 0, k3's is the forward KL's (trainer/losses/kl.py)."""
+    allow_biased_kl_gradient: bool = False
+    """Accept k3/low_var_kl as a loss term although its expected gradient is ∇KL(ref‖π),
+    not ∇KL(π‖ref) (parity with DeepSeek-style GRPO recipes)."""
     kl_aggregation: TermAggregationConfig | None = None
     """Aggregation of the KL term; defaults to the pg term's built-in mode and divisor."""
     entropy_coef: float = Field(default=0.0, ge=0)
@@ -165,6 +170,20 @@ class LossConfig(BaseModel):
                              f"policy_loss={self.policy_loss}")
         if self.class_path is not None and not _REDUCER_PATH.match(self.class_path):
             raise ValueError(f"class_path: expected 'module:Class', got {self.class_path!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _kl_estimator_descends_reverse_kl(self) -> LossConfig:
+        if self.kl_coef == 0 or self.kl_estimator in ("k2", "k3+"):
+            return self
+        if self.kl_estimator == "k1":
+            raise ValueError("kl_estimator: k1 as a loss term (kl_coef > 0) has expected "
+                             "gradient 0, no regularisation; use k3+ or k2")
+        if not self.allow_biased_kl_gradient:
+            raise ValueError(f"kl_estimator: {self.kl_estimator} as a loss term (kl_coef > 0) "
+                             "has the expected gradient of the forward KL(ref‖π), not of "
+                             "KL(π‖ref); use k3+ (its value, k2's gradient) or set "
+                             "allow_biased_kl_gradient: true")
         return self
 
 

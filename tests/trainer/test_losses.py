@@ -72,7 +72,7 @@ def test_masked_overflow_gives_finite_gradients_everywhere() -> None:
     rollout = torch.tensor([[0.0, -1.0, 0.0, -90.0]])
     mask = torch.tensor([[0.0, 1.0, 0.0, 1.0]])
     config = LossConfig(tis_cap=2.0, dual_clip_c=3.0)
-    for estimator in ("k1", "k2", "k3", "low_var_kl"):
+    for estimator in ("k1", "k2", "k3", "low_var_kl", "k3+"):
         kl = kl_penalty(log_probs, ref, estimator, mask)
         pg = policy_gradient_loss(log_probs, old, -torch.ones(1, 4), config, mask, rollout)
         (kl.sum() + pg.pg_loss.sum()).backward()

@@ -217,6 +217,23 @@ def test_validate_runs_every_check_and_starts_nothing(
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.parametrize(("overrides", "exit_code"), [
+    (["kl_estimator=k1"], 2), (["kl_estimator=k3"], 2), (["kl_estimator=low_var_kl"], 2),
+    (["kl_estimator=k1", "allow_biased_kl_gradient=true"], 2),
+    (["kl_estimator=k3", "allow_biased_kl_gradient=true"], 0),
+    (["kl_estimator=k2"], 0), (["kl_estimator=k3+"], 0), ([], 0)])
+def test_validate_refuses_a_kl_loss_without_the_reverse_kl_gradient(
+        overrides: list[str], exit_code: int) -> None:
+    """trainer/losses/kl.py: as a loss, k1's expected gradient is 0 and k3's the forward
+    KL's; the refusal names the field and says why."""
+    sets = [a for o in ["kl_coef=0.1", *overrides] for a in ("--set", f"trainer.loss.{o}")]
+    result = runner.invoke(app, ["validate", str(ROOT / "configs" / "demo.yaml"), *sets])
+    assert result.exit_code == exit_code, result.output
+    if exit_code:
+        assert "trainer.loss: kl_estimator: " in result.stderr
+        assert "expected gradient" in result.stderr
+
+
 def test_resume_and_no_resume_together_are_refused(tmp_path: Path) -> None:
     result = runner.invoke(app, ["train", str(ROOT / "configs" / "demo.yaml"), "--resume",
                                  "auto", "--no-resume", "--output-dir", str(tmp_path / "j")])
