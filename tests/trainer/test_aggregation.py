@@ -230,3 +230,36 @@ def test_call_coefficients_refuse_uneven_groups_and_a_constant_without_divisor()
         call_coefficients(counts, torch.tensor([4, 4, 9]), "prompt_mean")
     with pytest.raises(ValueError, match="divisor"):
         call_coefficients(counts, torch.arange(3), "constant")
+
+
+@pytest.mark.parametrize(("mode", "whole_sample", "whole_group", "beside_full"), [
+    ("sample_mean", 1.0, 1.0, 1.0),
+    ("token_mean", 0.5, 0.5, 0.5),
+    ("prompt_mean", 2 / 3, 1.0, 0.5),
+    ("constant", 0.5, 0.5, 0.5),
+])
+def test_what_a_fraction_of_a_token_does_in_each_mode(
+        mode: str, whole_sample: float, whole_group: float, beside_full: float) -> None:
+    """What docs/loss-aggregation.md says a weight of 0.5 does: inside a sample, half a
+    full token's say in every mode; a whole sample (or group) of halves loses say only
+    where the mode does not divide by that sample's (group's) own token count."""
+    groups = torch.tensor([0, 0, 1, 1])
+
+    def say(mask: torch.Tensor) -> torch.Tensor:
+        """Each sample's share of J's weight, over samples 0, 1 and 2 (group 1)."""
+        return token_weights(mask, groups, mode, divisor=4.0).sum(dim=-1)
+
+    full = torch.ones(4, 4, dtype=torch.float64)
+    inside = full.clone()
+    inside[0, :2] = 0.5
+    weights = token_weights(inside, groups, mode, divisor=4.0)
+    assert weights[0, 0] / weights[0, 2] == pytest.approx(0.5)  # every mode
+    one = full.clone()
+    one[0] = 0.5  # sample 0 all at 0.5; sample 2 (other group) full
+    shares = say(one)
+    assert shares[0] / shares[2] == pytest.approx(whole_sample)
+    assert shares[0] / shares[1] == pytest.approx(beside_full)  # its full group mate
+    group = full.clone()
+    group[:2] = 0.5  # group 0 all at 0.5
+    shares = say(group)
+    assert (shares[0] + shares[1]) / (shares[2] + shares[3]) == pytest.approx(whole_group)
