@@ -71,9 +71,9 @@ is encoded as drawn, its ids never all held)."""
 
 def start_engines(config: RolloutConfig, model_path: str,
                   engine_placement: list[dict[str, Any]] | None = None) -> list[Any]:
-    """The engine actors of ``config.engine``, started (not waited for). A driver calls
-    this itself, beside the manager's own start, when it can: an actor's process start
-    and imports take seconds, and the manager's would otherwise come first."""
+    """The engine actors of ``config.engine``, started (not waited for). Called by the
+    gang (services/runtime/gang.py), which hands them to the manager: the manager starts
+    no actor itself."""
     actor_class = ray.remote(engine_class(config.engine))
     placement = engine_placement or [{} for _ in range(config.engine.num_engines)]
     tokenizer_path = config.tokenizer or model_path
