@@ -113,6 +113,25 @@ class AggregationConfig(TermAggregationConfig):
         return self
 
 
+class KLControllerConfig(BaseModel):
+    r"""β of the KL in the reward (``kl_placement: reward``).
+
+    fixed: β = kl_coef throughout. adaptive (Ziegler et al. 2019, as TRL's and verl's
+    AdaptiveKLController), after each step with mean per-sample KL e over n samples:
+
+        β ← β · (1 + clip((e − target) / target, −0.2, 0.2) · n / horizon)
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed β, or Ziegler et al.'s proportional controller toward ``target``."""
+    target: float = Field(default=6.0, gt=0)
+    """The KL per sample (nats, summed over its response tokens) the adaptive β aims at."""
+    horizon: int = Field(default=10000, gt=0)
+    """Samples over which the adaptive β closes the gap to ``target``."""
+
+
 class LossConfig(BaseModel):
     """The per-token loss terms and how each is aggregated."""
 
@@ -148,6 +167,13 @@ class LossConfig(BaseModel):
     allow_biased_kl_gradient: bool = False
     """Accept k3/low_var_kl as a loss term although its expected gradient is ∇KL(ref‖π),
     not ∇KL(π‖ref) (parity with DeepSeek-style GRPO recipes)."""
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """Where the KL to the reference enters: ``loss``, a term of the objective with
+    coefficient kl_coef (estimator kl_estimator); ``reward``, −β·k1 per token added to the
+    token rewards before advantages, so GAE and the critic see it (β starts at kl_coef and
+    follows kl_controller; kl_estimator does not apply there)."""
+    kl_controller: KLControllerConfig = Field(default_factory=lambda: KLControllerConfig())
+    """How β moves with kl_placement: reward (fixed, or Ziegler et al.'s adaptive rule)."""
     kl_aggregation: TermAggregationConfig | None = None
     """Aggregation of the KL term; defaults to the pg term's built-in mode and divisor."""
     entropy_coef: float = Field(default=0.0, ge=0)
@@ -174,6 +200,14 @@ class LossConfig(BaseModel):
 
     @model_validator(mode="after")
     def _kl_estimator_descends_reverse_kl(self) -> LossConfig:
+        if self.kl_placement == "reward":
+            if self.kl_coef == 0:
+                raise ValueError("kl_coef: kl_placement: reward needs kl_coef > 0 (the "
+                                 "initial β of the per-token reward −β·k1)")
+            return self
+        if self.kl_controller.type != "fixed":
+            raise ValueError("kl_controller: an adaptive β moves the KL in the reward; set "
+                             "kl_placement: reward or kl_controller.type: fixed")
         if self.kl_coef == 0 or self.kl_estimator in ("k2", "k3+"):
             return self
         if self.kl_estimator == "k1":
