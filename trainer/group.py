@@ -3,10 +3,10 @@ critic's (``CriticGroup``), over the rank mechanics of ``RankGroup`` (trainer/ra
 
 The group makes the step plan (aggregation coefficients from whole-step metadata,
 micro-batch assignment) once, hands it to every rank inside the call, and calls the same
-verb on every rank. Each group offers its role's verbs only: log-probs and the weights
-out (one verb, ``send_weights``, whatever the transport) for the policy, values for the
-critic (the reward model's group: trainer/reward_model_group.py; a session's
-transactions: services/sessions/calls.py).
+verb on every rank. Each group offers its role's verbs only: log-probs (its own and the
+reference's) and the weights out (one verb, ``send_weights``, whatever the transport) for
+the policy, values for the critic (the reward model's group:
+trainer/reward_model_group.py; a session's transactions: services/sessions/calls.py).
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ class TrainerGroup(RolloutGroup):
     def log_probs(self, batch: RolloutBatch) -> Any:
         """log π_T [N, S] of every response token under the current policy (no update)."""
         return self._call(PolicyRank.log_probs, ray.put(batch), ray.put(self.plan(batch)))[0]
+
+    def reference_log_probs(self, batch: RolloutBatch) -> Any:
+        """log π_ref,T [N, S] of every response token under the frozen reference (the KL
+        in the reward's k1; needs ``kl_coef > 0``)."""
+        return self._call(PolicyRank.reference_log_probs, ray.put(batch),
+                          ray.put(self.plan(batch)))[0]
 
     def send_weights(self, step: SenderStep, sender: Any, *args: Any,
                      rank0: bool = False) -> list[Any]:

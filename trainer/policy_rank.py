@@ -11,6 +11,7 @@ Backends: ``backends/fsdp/worker.py`` (FSDPWorker), ``backends/megatron/worker.p
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,34 @@ class PolicyRank(BatchRank):
     def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
         """Collective, no update: log π_T [N, S] of every response token under the current
         policy, aligned with ``input_ids`` and 0 off the loss mask; rank 0 returns it."""
+
+    @torch.no_grad()
+    def reference_log_probs(self, batch: RolloutBatch, plan: StepPlan
+                            ) -> torch.Tensor | None:
+        """Collective, no update: log π_ref,T [N, S] of every response token under the
+        frozen reference (the KL in the reward's k1, rollout/kl_reward.py), as
+        :meth:`log_probs` computes π_T's (same precision, temperature, layout); rank 0
+        returns it. Needs the reference, loaded when ``kl_coef > 0``."""
+        with self._reference() as reference:
+            # Each backend's log_probs reads self.model: the reference stands in for the
+            # call, its own train/eval mode restored after (log_probs sets eval, then train).
+            policy, was_training = self.model, reference.training
+            self.model = reference
+            try:
+                return self.log_probs(batch, plan)
+            finally:
+                self.model = policy
+                reference.train(was_training)
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The KL reference: the rank's frozen copy (``ref_model``); a backend whose
+        reference is something else (FSDP's LoRA base, adapters off) overrides it."""
+        reference = getattr(self, "ref_model", None)
+        if reference is None:
+            raise RuntimeError("no reference model on this rank: the KL's reference is "
+                               "loaded when trainer.loss.kl_coef > 0")
+        yield reference
 
     def send_weights(self, step: SenderStep, sender: Any, *args: Any) -> Any:
         """One step of a weight transport's rank side (trainer/transports/): ``step``

@@ -12,6 +12,11 @@ that: they ask the estimator, never its name.
     needs_token_rewards  .token_rewards [N, S]: each turn's reward on its last token
     needs_reward_spread  a group whose rewards are all equal gets advantage 0
     uses_rewards         False: rewards are logged, but do not train (distillation)
+
+With the KL in the reward (``trainer.loss.kl_placement: reward``, rollout/kl_reward.py)
+the driver hands :meth:`AdvantageEstimator.apply` ``kl_penalty`` [N, S] = β·k1 per token,
+and every estimator's rewards arrive penalised: ``.token_rewards`` r_it − β·k1_it,
+``.rewards`` r_i − β·Σ_t k1_it (``.kl_penalty`` itself too, for a user's own use).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+from rollout.kl_reward import penalized_rewards, penalized_token_rewards
 
 if TYPE_CHECKING:
     from rollout.batch import RolloutBatch
@@ -32,7 +39,7 @@ class AdvantageInputs:
     estimator declared it needs them."""
 
     rewards: torch.Tensor
-    """[N] float32: each sample's reward."""
+    """[N] float32: each sample's reward (less β·Σ_t k1 with the KL in the reward)."""
     group_index: torch.Tensor
     """[N] int64: samples of one prompt share it."""
     loss_mask: torch.Tensor
@@ -44,7 +51,10 @@ class AdvantageInputs:
     teacher_log_probs: torch.Tensor | None = None
     """[N, S]: the teacher's log-prob of each sampled token (``needs_teacher``)."""
     token_rewards: torch.Tensor | None = None
-    """[N, S] float64: rewards placed on tokens (``needs_token_rewards``)."""
+    """[N, S] float64: rewards placed on tokens (``needs_token_rewards``), less β·k1."""
+    kl_penalty: torch.Tensor | None = None
+    """[N, S] float64: β·k1 of each token with the KL in the reward (already taken off
+    ``rewards`` and ``token_rewards``); None otherwise."""
 
 
 class AdvantageEstimator:
@@ -61,23 +71,32 @@ class AdvantageEstimator:
         raise NotImplementedError(f"{type(self).__name__} does not implement __call__")
 
     def inputs(self, batch: RolloutBatch, values: torch.Tensor | None = None,
-               teacher_log_probs: torch.Tensor | None = None) -> AdvantageInputs:
-        """What this estimator declared it reads, from ``batch`` and what was scored."""
+               teacher_log_probs: torch.Tensor | None = None,
+               kl_penalty: torch.Tensor | None = None) -> AdvantageInputs:
+        """What this estimator declared it reads, from ``batch`` and what was scored;
+        ``kl_penalty`` (β·k1 [N, S]) is taken off the rewards it reads."""
         for name, needed, given in (("values", self.needs_critic, values),
                                     ("teacher_log_probs", self.needs_teacher,
                                      teacher_log_probs)):
             if needed and given is None:
                 raise ValueError(f"{type(self).__name__} needs {name}; none were given")
+        rewards = batch.rewards
+        token_rewards = batch.placed_rewards() if self.needs_token_rewards else None
+        if kl_penalty is not None:
+            kl_penalty = torch.where(batch.loss_mask > 0, kl_penalty.to(torch.float64), 0.0)
+            rewards = penalized_rewards(rewards, kl_penalty)
+            if token_rewards is not None:
+                token_rewards = penalized_token_rewards(token_rewards, kl_penalty)
         return AdvantageInputs(
-            rewards=batch.rewards, group_index=batch.group_index, loss_mask=batch.loss_mask,
+            rewards=rewards, group_index=batch.group_index, loss_mask=batch.loss_mask,
             log_probs=batch.rollout_log_probs,
             values=values if self.needs_critic else None,
             teacher_log_probs=teacher_log_probs if self.needs_teacher else None,
-            token_rewards=batch.placed_rewards() if self.needs_token_rewards else None)
+            token_rewards=token_rewards, kl_penalty=kl_penalty)
 
     def apply(self, batch: RolloutBatch, **scored: Any) -> RolloutBatch:
         """``batch`` with this estimator's A added to its advantages (a rollout.teacher's
-        term may already be there); ``scored``: values, teacher_log_probs."""
+        term may already be there); ``scored``: values, teacher_log_probs, kl_penalty."""
         advantages = self.checked(self(self.inputs(batch, **scored)), batch.loss_mask)
         return dataclasses.replace(batch, advantages=batch.advantages + advantages)
 

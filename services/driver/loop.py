@@ -37,6 +37,7 @@ from rollout.advantages import AdvantageEstimator, build_estimator
 from rollout.batch import RolloutBatch
 from services.config.job import JobConfig
 from services.driver import checkpoint
+from services.driver.advantages import KLInReward, driver_advantages
 from services.driver.evaluation import Evaluation
 from services.driver.job import driver_threads, job_model_path, job_roles, with_threads
 from services.driver.metrics import (
@@ -81,6 +82,8 @@ class RunningJob:
     """updates.jsonl: one row per optimizer step."""
     estimator: AdvantageEstimator
     """rollout.advantage's: the manager calls it, unless it needs the critic's values."""
+    kl: KLInReward | None = None
+    """The KL in the reward (trainer.loss.kl_placement: reward) and its β, checkpointed."""
     checkpointed: dict[str, float] = field(default_factory=dict)
     """The last checkpoint's time and peak memory, for the next row (a checkpoint is
     written after its step's row)."""
@@ -116,7 +119,8 @@ class RunningJob:
                 lambda ref: call(ref, "evaluate"),
                 lambda ref: bool(ray.wait([ref], timeout=0)[0]), evals.write,
                 lambda samples: append_samples(run_dir.samples_file, samples)),
-            JsonlSink(run_dir.path, UPDATES_FILE), build_estimator(config.rollout.advantage))
+            JsonlSink(run_dir.path, UPDATES_FILE), build_estimator(config.rollout.advantage),
+            KLInReward.of(config.trainer.loss))
 
     def close(self) -> None:
         self.updates.close()
@@ -136,10 +140,11 @@ def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
     job.evaluation.start(version=step)  # queued after the load of weights `step`
     evaluated = job.evaluation.collect(wait=not config.rollout.async_steps)
     batch, batch_ref = job.pipeline.take(step, lookahead)
-    if job.estimator.needs_critic:  # PPO: the critic's values, then the estimator (GAE)
-        assert job.actors.critic is not None  # preflight: it needs critic.enabled
-        batch, batch_ref = job.estimator.apply(batch, values=job.actors.critic.values(batch)
-                                               ), None
+    # PPO: the critic's values, then GAE; the KL in the reward: β·k1, then the estimator
+    if (scored := driver_advantages(batch, job.estimator, job.kl, job.actors.trainer,
+                                    job.actors.critic, config.num_updates_per_rollout > 1)
+            ) is not None:
+        batch, batch_ref = scored, None
     for kind, message in batch.events:  # e.g. an environment that failed in an episode
         job.run_dir.write_event(kind, message)
     append_samples(job.run_dir.samples_file, with_advantages(batch))
@@ -176,7 +181,8 @@ def train_optimizer_steps(job: RunningJob, step: int, batch: RolloutBatch,
     policy_steps = critic is None or step >= config.critic.warmup_steps
     updates = rollout_updates(batch, config.rollout.global_batch_size,
                               config.trainer.ppo_epochs, config.trainer.seed, step)
-    if len(updates) > 1 and config.trainer.loss.old_log_probs == "trainer" and policy_steps:
+    if (len(updates) > 1 and config.trainer.loss.old_log_probs == "trainer" and policy_steps
+            and batch.old_log_probs is None):  # the KL in the reward may have them
         batch = batch.with_old_log_probs(trainer.log_probs(batch))  # π at the start
         batch_ref = None  # the stored batch has no old log-probs
     per_update = []
@@ -202,6 +208,8 @@ def save_checkpoint(job: RunningJob, step: int) -> Path:
     root = job.run_dir.checkpoints_dir
     staging = trainer_checkpoint.staging_path(root, step)
     job.checkpointed = job.actors.trainer.save_checkpoint(str(staging))
+    if job.kl is not None:  # β, beside the driver's state
+        job.kl.save(staging)
     if job.actors.critic is not None:  # its own shards, committed with the policy's
         job.actors.critic.save_checkpoint(str(staging / trainer_checkpoint.CRITIC_DIR))
     rollout_state = job.actors.rollout_call(job.actors.manager.state_dict.remote(),
@@ -225,6 +233,8 @@ def restore(job: RunningJob, latest: Path | None, log: Callable[[str], None]) ->
         return 0
     state = checkpoint.load_driver_state(latest)
     job.actors.trainer.load_checkpoint(str(latest))
+    if job.kl is not None:
+        job.kl.load(latest, log)
     if job.actors.critic is not None:
         critic_part = latest / trainer_checkpoint.CRITIC_DIR
         if critic_part.is_dir():
