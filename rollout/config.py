@@ -326,9 +326,18 @@ class AdvantageConfig(BaseModel):
     critic_lam: float = Field(default=1.0, ge=0.0, le=1.0)
     """gae only: λ of the critic's targets (VAPO's decoupled GAE: 1.0, unbiased
     Monte-Carlo returns, while the policy uses ``lam``)."""
-    normalize: bool = False
-    """gae only: whiten the advantages with the step's mean and std over every valid
-    token of the rollout (global statistics, never a rank's or a mini-batch's)."""
+    normalize: bool | None = None
+    """gae only: whiten the advantages with the rollout's mean and std over every valid
+    token (global statistics, never a rank's or a mini-batch's); None: on for gae (as
+    verl and TRL always do), off for every other type."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gae_whitens_by_default(cls, data: object) -> object:
+        # Resolved here, so a validated config holds a bool and a dumped one says it.
+        if isinstance(data, dict) and data.get("normalize") is None:
+            return {**data, "normalize": data.get("type", "grpo") == "gae"}
+        return data
 
     @model_validator(mode="after")
     def _gae_settings_are_gae(self) -> AdvantageConfig:

@@ -4,7 +4,8 @@ the moments (n, Σ x, Σ x²), from which
     μ = Σ x / n,   σ² = (Σ x² − n μ²) / (n − 1),   whiten(x) = (x − μ) / (σ + ε)
 
 so GAE's whitening uses the whole rollout's statistics, never one rank's or one
-mini-batch's (a rollout split over ranks reduces its moments by a sum).
+mini-batch's (a rollout split over ranks reduces its moments by a sum:
+:func:`whiten_over_ranks`, which production's GAE and the verifier's layouts both call).
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ def whiten(advantages: torch.Tensor, loss_mask: torch.Tensor, moments: torch.Ten
     mean, std = moments_mean_std(moments)
     return torch.where(loss_mask > 0, (advantages.to(torch.float64) - mean) / (std + eps),
                        0.0)
+
+
+def whiten_over_ranks(advantages: torch.Tensor, loss_mask: torch.Tensor,
+                      rank_moments: torch.Tensor, eps: float) -> torch.Tensor:
+    """GAE's whitening: :func:`whiten` by the moments of every rank summed.
+    ``rank_moments`` [..., 3]: each rank's (n, Σ A, Σ A²) of the tokens it holds (the
+    driver's whole rollout is one rank: ``token_moments(A, m)``; a verifier's layout
+    [dp, cp, 3]). Summing, never one rank's own, is what makes μ and σ the rollout's."""
+    return whiten(advantages, loss_mask, rank_moments.reshape(-1, 3).sum(dim=0), eps)
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor,
