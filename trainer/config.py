@@ -132,32 +132,87 @@ class KLControllerConfig(BaseModel):
     """Samples over which the adaptive β closes the gap to ``target``."""
 
 
+class RolloutCorrectionConfig(BaseModel):
+    r"""Off-policy correction of the gap between the engine's sampler π_rollout and the
+    trainer's π_old (trainer/losses/rollout_correction.py). With δ_t = log π_old(a_t) −
+    log π_rollout(a_t) over a sample's valid tokens, the weight w is
+
+        token: w_t = exp(δ_t)    sequence: w_i = exp(Σ_t δ_t)    geometric: w_i = exp(mean_t δ_t)
+
+    truncate: ℓ_t ← sg(min(w, high))·ℓ_t (TIS); mask: ℓ_t ← 1[low ≤ w ≤ high]·ℓ_t, a token
+    (token level) or a whole sample (sequence, geometric) outside [low, high] gets weight 0
+    (IcePop). importance_sampling's own ratio is π_θ/π_rollout: there π_old is π_θ."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    level: Literal["token", "sequence", "geometric"] = "token"
+    """token: each token's ratio; sequence: the product over the sample's valid tokens
+    (verl's rollout_corr sequence mode); geometric: its geometric mean (GSPO's)."""
+    mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: multiply ℓ by min(w, high) (detached); mask: weight 0 where w is outside
+    [low, high]."""
+    low: float | None = Field(default=None, ge=0)
+    """mode: mask only, the smallest weight kept; default 1 / high."""
+    high: float = Field(default=2.0, gt=0)
+    """truncate: the cap on w; mask: the largest weight kept."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RolloutCorrectionConfig:
+        if self.low is not None and self.mode != "mask":
+            raise ValueError(f"low: only mode: mask takes a lower bound, but mode={self.mode}")
+        if self.mode == "mask" and self.lower_bound >= self.high:
+            raise ValueError(f"low: must be below high ({self.high:g}), got "
+                             f"{self.lower_bound:g}")
+        return self
+
+    @property
+    def lower_bound(self) -> float:
+        """The smallest weight mode mask keeps (low, or 1 / high)."""
+        return self.low if self.low is not None else 1.0 / self.high
+
+
+GSPO_EPS_CLIP = (3e-4, 4e-4)
+"""(eps_clip, eps_clip_high) of policy_loss: gspo when neither is set (the GSPO paper's)."""
+
+
 class LossConfig(BaseModel):
     """The per-token loss terms and how each is aggregated."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    policy_loss: Literal["ppo", "importance_sampling", "cross_entropy", "custom"] = "ppo"
+    policy_loss: Literal["ppo", "gspo", "cispo", "importance_sampling", "cross_entropy",
+                         "custom"] = "ppo"
     """The pg term's per-token loss (trainer/losses/, one file each): ppo (the clipped
-    surrogate), importance_sampling (REINFORCE weighted by π/π_rollout, truncated at
-    tis_cap when set), cross_entropy (−log π of the target: SFT, advantages unused) or
-    custom (your own class, `class_path`)."""
+    surrogate), gspo (PPO's clip on the sequence ratio exp(mean_t log π/π_old), GSPO's
+    token form; eps_clip/eps_clip_high default 3e-4/4e-4), cispo (REINFORCE weighted by
+    the detached ratio π/π_old truncated at 1 + eps_clip_high: every token keeps a
+    gradient), importance_sampling (REINFORCE weighted by π/π_rollout, which
+    rollout_correction truncates or masks), cross_entropy (−log π of the target: SFT,
+    advantages unused, never corrected) or custom (your own class, `class_path`)."""
     class_path: str | None = None
     """With policy_loss: custom, `module:Class` of your policy loss, a subclass of
     trainer.losses.PolicyLoss (docs/extending.md); imported in the job only."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the custom policy loss's constructor (policy_loss: custom)."""
     eps_clip: float = Field(default=0.2, gt=0)
-    """PPO lower clip: the ratio is kept ≥ 1 − eps_clip."""
+    """PPO/GSPO lower clip: the ratio is kept ≥ 1 − eps_clip (gspo's default 3e-4 when
+    neither eps_clip nor eps_clip_high is set)."""
     eps_clip_high: float | None = Field(default=None, gt=0)
-    """PPO upper clip (DAPO's clip-higher); defaults to eps_clip."""
+    """PPO/GSPO upper clip (DAPO's clip-higher), CISPO's truncation 1 + eps_clip_high;
+    defaults to eps_clip (gspo's to 4e-4 when neither is set)."""
     dual_clip_c: float | None = Field(default=None, gt=1)
-    """Dual-clip constant c > 1 bounding the loss for negative advantages; off when unset."""
+    """Dual-clip constant c > 1 bounding the loss for negative advantages (ppo); off when
+    unset."""
     old_log_probs: Literal["trainer", "rollout"] = "trainer"
     """Denominator of the PPO ratio: the trainer's own log-probs before the update, or the
     rollout engine's (then the ratio also absorbs engine/trainer mismatch)."""
     tis_cap: float | None = Field(default=None, gt=0)
-    """Truncated importance sampling: weight each token by min(π_trainer/π_rollout, cap)."""
+    """Truncated importance sampling, the legacy spelling of rollout_correction {level:
+    token, mode: truncate, high: tis_cap}: weight each token by min(π_old/π_rollout, cap)."""
+    rollout_correction: RolloutCorrectionConfig | None = None
+    """Off-policy correction of the engine/trainer gap π_old/π_rollout per token, per
+    sequence or by its geometric mean, truncated or masked (IcePop); off when unset
+    (and tis_cap unset)."""
     kl_coef: float = Field(default=0.0, ge=0)
     """Coefficient of the KL-to-reference loss term; 0 disables the reference model."""
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl", "k3+"] = "k3+"
@@ -181,6 +236,39 @@ class LossConfig(BaseModel):
     entropy_aggregation: TermAggregationConfig | None = None
     """Aggregation of the entropy term; defaults to the pg term's built-in mode and
     divisor."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_clip_defaults(cls, data: object) -> object:
+        """policy_loss: gspo clips a sequence ratio, whose spread is far smaller than a
+        token's: the paper's ε_low = 3e-4, ε_high = 4e-4 unless the user set either."""
+        if (isinstance(data, dict) and data.get("policy_loss") == "gspo"
+                and "eps_clip" not in data and "eps_clip_high" not in data):
+            low, high = GSPO_EPS_CLIP
+            return {**data, "eps_clip": low, "eps_clip_high": high}
+        return data
+
+    @model_validator(mode="after")
+    def _one_rollout_correction(self) -> LossConfig:
+        if self.tis_cap is not None and self.rollout_correction is not None:
+            raise ValueError("rollout_correction: tis_cap is the legacy spelling of "
+                             "rollout_correction {level: token, mode: truncate, high: "
+                             f"{self.tis_cap:g}}}; set one of them")
+        if self.dual_clip_c is not None and self.policy_loss in ("gspo", "cispo"):
+            raise ValueError(f"dual_clip_c: only policy_loss: ppo has a dual clip, but "
+                             f"policy_loss={self.policy_loss}")
+        if self.rollout_correction is not None and self.policy_loss == "cross_entropy":
+            raise ValueError("rollout_correction: policy_loss: cross_entropy (SFT) has no "
+                             "behaviour policy to correct; remove rollout_correction")
+        return self
+
+    @property
+    def correction(self) -> RolloutCorrectionConfig | None:
+        """The off-policy correction in force: rollout_correction, or tis_cap's
+        {level: token, mode: truncate, high: tis_cap}, or None."""
+        if self.tis_cap is not None:
+            return RolloutCorrectionConfig(level="token", mode="truncate", high=self.tis_cap)
+        return self.rollout_correction
 
     @model_validator(mode="after")
     def _custom_policy_loss(self) -> LossConfig:

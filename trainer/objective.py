@@ -11,6 +11,10 @@ over the policy's terms (trainer/terms.py), ℓ_pg from the configured policy lo
 over micro-batches and ranks gives the step's J exactly. The logged sums (``LOGGED_SUMS`` then one
 ``pg_loss/<mode>`` per aggregation mode) are unscaled Σ w·ℓ in float64; summed over
 micro-batches and ranks they are each term's exact J (:func:`step_metrics`).
+
+A sequence quantity (GSPO's ratio, a sequence-level rollout correction) is reduced over
+the pieces of its sample before it is used: :func:`sample_sums`, over the CP group the
+backend hands in (``cp_group``), each packed slot or padded row on its own.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from trainer.aggregation import local_weighted_sum
 from trainer.config import LossConfig
 from trainer.losses import PolicyLossInputs, build_policy_loss, kl_penalty
+from trainer.losses.rollout_correction import corrected_terms
 from trainer.micro_batch import MicroBatch
 from trainer.planted import (
     NOTHING_PLANTED,
@@ -33,8 +38,11 @@ from trainer.terms import ENTROPY, KL, PG, POLICY_TERM_NAMES, POLICY_TERMS
 
 LOGGED_SUMS = (*(term.logged for term in POLICY_TERMS), "clipped_tokens", "valid_tokens",
                "log_prob_abs_diff", "ratio_abs_dev",
-               *(f"magnitude/{term.logged}" for term in POLICY_TERMS))
-"""``magnitude/<term>`` = Σ|w·ℓ|: the scale a difference in that term is judged against."""
+               *(f"magnitude/{term.logged}" for term in POLICY_TERMS),
+               "mismatch_k1", "correction_weight", "correction_dropped")
+"""``magnitude/<term>`` = Σ|w·ℓ|: the scale a difference in that term is judged against.
+``mismatch_k1`` = Σ m·(log π_rollout − log π_trainer), ``correction_weight`` = Σ m·W and
+``correction_dropped`` = Σ m·1[dropped] (trainer/losses/rollout_correction.py)."""
 
 
 @dataclass
@@ -55,6 +63,30 @@ def _sample_slots(micro: MicroBatch) -> torch.Tensor:
     if micro.sequence_ids is not None:
         return micro.sequence_ids.to(mask.device)
     return torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+
+
+def sample_sums(values: torch.Tensor, micro: MicroBatch, cp_group: object | None = None
+                ) -> torch.Tensor:
+    """[b, s] -> [b, s]: each token holds its sample's total of ``values`` over every token
+    of the sample, on every CP rank of ``cp_group`` (None: this shard holds the whole
+    sample, cp 1). A sample is a packed row's slot (``sequence_ids``) or a padded row.
+    Collective over ``cp_group`` (every CP rank holds the same rows and slots); detached,
+    summed in float64 so that no layout's order of addition shows."""
+    with torch.no_grad():
+        slots = _sample_slots(micro).to(values.device)
+        if micro.sequence_ids is None:
+            num_samples = values.shape[0]
+        elif micro.layout is not None:
+            num_samples = micro.layout.num_slots
+        else:
+            num_samples = int(slots.max()) + 1
+        totals = torch.zeros(num_samples, dtype=torch.float64, device=values.device)
+        totals.index_add_(0, slots.reshape(-1), values.detach().double().reshape(-1))
+        if cp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(totals, group=cp_group)
+        return totals[slots].to(values.dtype)
 
 
 def observation_tokens(micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,12 +156,15 @@ def term_coefficients(loss: LossConfig, gradient_of: str = "all") -> dict[str, f
 def micro_batch_objective(
     token: TokenLogProbs, micro: MicroBatch, loss: LossConfig, mode_names: list[str],
     planted: Planted = NOTHING_PLANTED, gradient_of: str = "all",
+    cp_group: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ w·ℓ of the terms for backward, the logged sums [len(LOGGED_SUMS) + modes]).
 
     A KL or entropy sum is always logged (entropy needs no reference model); it enters
     the backward only with a coefficient > 0. ``planted``: the errors this rank makes
-    (a test's, trainer/planted.py: ``TrainerRank.planted``), handed in by the backend."""
+    (a test's, trainer/planted.py: ``TrainerRank.planted``), handed in by the backend.
+    ``cp_group``: the CP group when cp > 1 (sequence sums are reduced over it), else None;
+    every CP rank calls this for the same micro-batch."""
     mask = micro.loss_mask
     weights = _planted_weights(micro, planted) if planted else micro.weights
     if "observation_tokens" in planted:  # a planted error (tests): holes trained too
@@ -140,8 +175,9 @@ def micro_batch_objective(
         old = micro.old_log_probs
     else:  # the one update of a rollout: the old policy is this one, ρ = 1 exactly
         old = token.log_probs.detach()
-    pg = build_policy_loss(loss)(PolicyLossInputs(
-        token.log_probs, old, micro.advantages, mask, micro.rollout_log_probs))
+    pg, correction = corrected_terms(build_policy_loss(loss), PolicyLossInputs(
+        token.log_probs, old, micro.advantages, mask, micro.rollout_log_probs,
+        per_sample_sum=lambda values: sample_sums(values, micro, cp_group)))
     kl = torch.zeros_like(pg.pg_loss)
     if token.ref_log_probs is not None:
         kl = kl_penalty(token.log_probs, token.ref_log_probs, loss.kl_estimator, mask)
@@ -163,6 +199,9 @@ def micro_batch_objective(
             ((pg.ratio - 1).abs() * mask).sum(),
             *[local_weighted_sum(per_token[term.name].abs(), weights[term.name].abs())
               for term in POLICY_TERMS],
+            (-mismatch * mask).sum(),
+            (mask if correction is None else correction.weight * mask).sum(),
+            (0 * mask if correction is None else correction.dropped * mask).sum(),
             *[local_weighted_sum(pg.pg_loss, weights[k]) for k in mode_names],
         ]).detach().double()
     return objective, sums
@@ -177,4 +216,9 @@ def step_metrics(totals: torch.Tensor, mode_names: list[str]) -> dict[str, float
     values["mismatch/log_prob_abs_diff"] = values.pop("log_prob_abs_diff") / num_valid
     # Mean |ρ − 1| per valid token: 0 on a rollout's first update, growing after it.
     values["ratio/mean_abs_dev"] = values.pop("ratio_abs_dev") / num_valid
+    # k1 of KL(π_rollout ‖ π_trainer) on the engine's samples: E_rollout[log π_r − log π_t].
+    values["mismatch/kl"] = values.pop("mismatch_k1") / num_valid
+    values["rollout_correction/weight_mean"] = values.pop("correction_weight") / num_valid
+    values["rollout_correction/masked_fraction"] = (values.pop("correction_dropped")
+                                                    / num_valid)
     return values

@@ -1,13 +1,14 @@
-r"""``ppo``: the clipped surrogate (Schulman et al. 2017), with clip-higher, dual clip and TIS.
+r"""``ppo``: the clipped surrogate (Schulman et al. 2017), with clip-higher and dual clip.
 
 With r_t = log π_θ(a_t) − log π_old(a_t), ρ_t = exp(r_t), advantage A_t:
 
     ℓ_t = max(−A_t·ρ_t, −A_t·clip(ρ_t, 1 − ε_low, 1 + ε_high))     ε_low = eps_clip,
                                                                   ε_high = eps_clip_high
     dual clip (dual_clip_c = c > 1, Ye et al. 2020): for A_t < 0, ℓ_t ← min(ℓ_t, −A_t·c)
-    TIS (tis_cap): ℓ_t ← sg(min(π_old / π_rollout, cap)) · ℓ_t
 
-A token counts as clipped where the clipped branch is strictly the larger.
+A token counts as clipped where the clipped branch is strictly the larger. TIS (tis_cap)
+and the other off-policy corrections multiply ℓ_t by their weight of π_old/π_rollout
+(trainer/losses/rollout_correction.py, ``old_policy``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from trainer.losses.base import PolicyLoss, PolicyLossInputs, PolicyLossTerms, s
 
 
 class PPO(PolicyLoss):
+    rollout_correction = "old_policy"
+
     def __call__(self, inputs: PolicyLossInputs) -> PolicyLossTerms:
         config, mask, advantages = self.config, inputs.loss_mask, inputs.advantages
         ratio = safe_exp_log_ratio(inputs.log_probs - inputs.old_log_probs, mask)
@@ -29,9 +32,5 @@ class PPO(PolicyLoss):
         if config.dual_clip_c is not None:
             dual_bound = -advantages * config.dual_clip_c
             loss = torch.where(advantages < 0, torch.minimum(loss, dual_bound), loss)
-        if config.tis_cap is not None and inputs.rollout_log_probs is not None:
-            tis_weight = safe_exp_log_ratio(inputs.old_log_probs - inputs.rollout_log_probs,
-                                            mask)
-            loss = loss * tis_weight.clamp(max=config.tis_cap).detach()
         loss = torch.where(mask > 0, loss, torch.zeros_like(loss))
         return PolicyLossTerms(pg_loss=loss, clipped=was_clipped, ratio=ratio.detach())

@@ -17,12 +17,16 @@ from trainer.config import (
     LossConfig,
 )
 from trainer.losses.base import PolicyLoss
+from trainer.losses.cispo import CISPO
 from trainer.losses.cross_entropy import CrossEntropy
+from trainer.losses.gspo import GSPO
 from trainer.losses.importance_sampling import ImportanceSampling
 from trainer.losses.ppo import PPO
 
 POLICY_LOSSES: dict[str, type[PolicyLoss]] = {
     "ppo": PPO,
+    "gspo": GSPO,
+    "cispo": CISPO,
     "importance_sampling": ImportanceSampling,
     "cross_entropy": CrossEntropy,
 }

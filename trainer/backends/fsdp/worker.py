@@ -102,6 +102,8 @@ class FSDPWorker(PolicyRank, FSDPRank):
                         ) -> dict[str, float]:
         scale = sum_reduction_factor(self.config.world_size)  # FSDP averages; we SUM
         mode_names = plan.mode_metric_names
+        # a sample's sequence sums (GSPO, sequence corrections) span its CP shards
+        cp_group = self.cp_group if self.config.cp_size > 1 else None
         totals = None
         self.model.train()
         for samples in plan.micro_batches[self.dp_rank]:
@@ -110,7 +112,7 @@ class FSDPWorker(PolicyRank, FSDPRank):
             objective, sums = micro_batch_objective(self._token_log_probs(micro), micro,
                                                     self.config.loss, mode_names,
                                                     self.planted,
-                                                    self.objective.gradient_of)
+                                                    self.objective.gradient_of, cp_group)
             if backward:
                 (objective * scale).backward()
             totals = sums.cpu() if totals is None else totals + sums.cpu()

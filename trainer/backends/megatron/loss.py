@@ -110,6 +110,16 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, shape:
         return log_probs, log_normaliser - weighted / normaliser
 
 
+def _cp_group() -> object | None:
+    """The CP group a sample's sequence sums (GSPO, sequence corrections) are reduced
+    over, None without CP (trainer/objective.py: ``sample_sums``)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
+
+
 def loss_func(micro: MicroBatch, ref_log_probs: torch.Tensor | None, loss_cfg: LossConfig,
               objective: ObjectiveConfig, shape: ModelShape, scale: int, mode_names: list[str],
               planted_terms: frozenset[str], logits: torch.Tensor
@@ -124,5 +134,5 @@ def loss_func(micro: MicroBatch, ref_log_probs: torch.Tensor | None, loss_cfg: L
                                                   objective.temperature, entropy=entropy_grad)
     token = TokenLogProbs(log_probs, entropy, ref_log_probs)
     loss, sums = micro_batch_objective(token, micro, loss_cfg, mode_names, planted_terms,
-                                       objective.gradient_of)
+                                       objective.gradient_of, _cp_group())
     return loss * scale, {"sums": sums}
