@@ -123,9 +123,10 @@ def _ppo(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float,
 
 
 def _gspo_token_ratio(lp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl/SkyRL's GSPO-token ratio sg[s_i] · π_t / sg[π_t], s_i = exp(mean_t log ρ)."""
+    """verl/SkyRL's GSPO-token ratio sg[s_i] · π_t / sg[π_t], s_i = exp(mean_t log ρ)
+    (both clamp its log at 10)."""
     seq = ((lp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return torch.exp(lp - lp.detach() + seq.detach()[:, None])
+    return torch.exp(torch.clamp(lp - lp.detach() + seq.detach()[:, None], max=10.0))
 
 
 def trl(loss_type: str, level: str = "token", eps: float = 0.2, eps_high: float | None = None
@@ -203,7 +204,7 @@ def skyrl(reduction: str, loss_type: str = "regular", low: float = 0.2, high: fl
         if loss_type in ("regular", "dual_clip"):
             loss = _ppo(ratio, adv, low, high, 3.0 if loss_type == "dual_clip" else None)
         elif loss_type == "gspo":
-            loss = _ppo(_gspo_token_ratio(lp, old, mask).clamp(max=torch.e ** 10), adv, low, high)
+            loss = _ppo(_gspo_token_ratio(lp, old, mask), adv, low, high)
         else:  # cispo (cispo_anchor: old)
             loss = -adv * ratio.clamp(1 - low, 1 + high).detach() * lp
         return (loss * mask).sum()
