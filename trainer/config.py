@@ -133,9 +133,10 @@ class KLControllerConfig(BaseModel):
 
 
 class RolloutCorrectionConfig(BaseModel):
-    r"""Off-policy correction of the gap between the engine's sampler π_rollout and the
-    trainer's π_old (trainer/losses/rollout_correction.py). With δ_t = log π_old(a_t) −
-    log π_rollout(a_t) over a sample's valid tokens, the weight w is
+    r"""Off-policy correction of π_old/π_rollout (trainer/losses/rollout_correction.py).
+
+    The engine's sampler π_rollout is not the trainer's π_old. With δ_t = log π_old(a_t)
+    − log π_rollout(a_t) over a sample's valid tokens, the weight w is
 
         token: w_t = exp(δ_t)    sequence: w_i = exp(Σ_t δ_t)    geometric: w_i = exp(mean_t δ_t)
 
@@ -149,8 +150,8 @@ class RolloutCorrectionConfig(BaseModel):
     """token: each token's ratio; sequence: the product over the sample's valid tokens
     (verl's rollout_corr sequence mode); geometric: its geometric mean (GSPO's)."""
     mode: Literal["truncate", "mask"] = "truncate"
-    """truncate: multiply ℓ by min(w, high) (detached); mask: weight 0 where w is outside
-    [low, high]."""
+    """truncate: multiply ℓ by min(w, high) (detached); mask: multiply ℓ by w where
+    low ≤ w ≤ high and by 0 elsewhere (IcePop)."""
     low: float | None = Field(default=None, ge=0)
     """mode: mask only, the smallest weight kept; default 1 / high."""
     high: float = Field(default=2.0, gt=0)

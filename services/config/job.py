@@ -139,14 +139,17 @@ class JobConfig(BaseModel):
     @classmethod
     def _async_corrects_staleness(cls, data: object, handler: Any) -> JobConfig:
         """With rollout.async_steps ≥ 1 samples come from weights up to k versions old:
-        TIS through the rollout log-probs is on (trainer.loss.tis_cap 2.0 unless set).
+        TIS through the rollout log-probs is on (trainer.loss.tis_cap 2.0, i.e.
+        rollout_correction {level: token, mode: truncate, high: 2}, unless the user set
+        tis_cap or rollout_correction).
         Said where it is set: the resolved config holds it and :meth:`warnings` names it
         (the driver logs it and writes it as an event at start)."""
         rollout = data.get("rollout") if isinstance(data, dict) else None
         trainer = (data.get("trainer") or {}) if isinstance(data, dict) else None
         loss = (trainer.get("loss") or {}) if isinstance(trainer, dict) else None
         implied = (isinstance(rollout, dict) and bool(rollout.get("async_steps"))
-                   and isinstance(loss, dict) and "tis_cap" not in loss)
+                   and isinstance(loss, dict) and "tis_cap" not in loss
+                   and "rollout_correction" not in loss)
         if implied:
             data = {**data, "trainer": {**trainer, "loss": {**loss, "tis_cap": ASYNC_TIS_CAP}}}
         config = handler(data)
@@ -385,8 +388,10 @@ class JobConfig(BaseModel):
         probably not what the user meant."""
         loss = self.trainer.loss
         said = list(self._implied)
-        if self.rollout.async_steps and loss.old_log_probs == "rollout" and loss.tis_cap:
-            said.append(ConfigProblem("trainer.loss.tis_cap", (
+        if (self.rollout.async_steps and loss.old_log_probs == "rollout"
+                and loss.correction is not None and loss.policy_loss != "importance_sampling"):
+            field = "tis_cap" if loss.tis_cap is not None else "rollout_correction"
+            said.append(ConfigProblem(f"trainer.loss.{field}", (
                 "has no effect with trainer.loss.old_log_probs: rollout (π_old is the "
                 "engine's, so the TIS weight π_old/π_rollout is 1); staleness is then "
                 "corrected by the PPO ratio π/π_rollout, clipped by eps_clip")))
