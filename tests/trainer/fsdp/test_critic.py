@@ -50,7 +50,7 @@ def _reference(model_path: str, batch: RolloutBatch) -> dict[str, object]:
     """Every sample through the value model alone (no packing, no padding, float64);
     ℓ = ½ max((V − R)², (V_old + clip(V − V_old, ±ε) − R)²) per token; J of each mode by
     trainer.aggregation.aggregate; its gradient by autograd."""
-    from trainer.backends.fsdp.model import load_value_model
+    from trainer.backends.fsdp.value_model import load_value_model
 
     torch.manual_seed(0)  # the seed the ranks set before building (TrainerConfig.seed)
     model = load_value_model(model_path, torch.float64, torch.device("cpu"))

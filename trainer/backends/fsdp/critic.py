@@ -4,7 +4,7 @@ machinery every role's rank shares, backends/fsdp/rank.py).
 The critic is a trainer group of its own in the job's gang, built from ``critic:``: its
 own ranks (DP × CP), optimizer, schedule and checkpoint shards. Its model is
 ``AutoModelForTokenClassification`` with one label (the policy's decoder and a fresh
-value head by default: ``backends/fsdp/model.load_value_model``); V_it is the head's
+value head by default: ``backends/fsdp/value_model.py``); V_it is the head's
 output at the position before token t, where the policy's logits for token t are. Two
 verbs differ from the policy rank's: ``values`` (V of every response token, gathered
 back into the batch's layout) and the objective of ``forward_backward``, the clipped
@@ -23,6 +23,7 @@ from rollout.batch import RolloutBatch
 from trainer.aggregation import sum_reduction_factor
 from trainer.backends.fsdp import model as fsdp
 from trainer.backends.fsdp.rank import FSDPRank
+from trainer.backends.fsdp.value_model import load_value_model
 from trainer.config import ObjectiveConfig, TrainerConfig
 from trainer.micro_batch import MicroBatch, gather_log_probs, slice_for_plan
 from trainer.step_plan import StepPlan
@@ -52,7 +53,7 @@ class FSDPCriticWorker(BatchRank, FSDPRank):
         self.value_clip = value_clip
 
     def _build(self) -> torch.nn.Module:
-        model = fsdp.load_value_model(self.model_path, self.compute_dtype, self.device)
+        model = load_value_model(self.model_path, self.compute_dtype, self.device)
         self.attention = fsdp.configure_attention(model, self.config, self.compute_dtype)
         return fsdp.shard_model(model, self.compute_dtype, self.config.world_size)
 

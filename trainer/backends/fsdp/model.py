@@ -50,25 +50,6 @@ def load_model(model_path: str, compute_dtype: torch.dtype, device: torch.device
     return model.to(device)
 
 
-def load_value_model(model_path: str, compute_dtype: torch.dtype, device: torch.device
-                     ) -> PreTrainedModel:
-    """The critic: ``AutoModelForTokenClassification`` with one label (a scalar value per
-    position) from a local folder, master-weight dtype. A causal LM's folder gives its
-    decoder and a fresh value head (``score``, initialised by the seed set before);
-    a folder saved from a critic keeps its head. No dropout (classifier_dropout 0): a
-    value is a function of the weights, as the exact value loss needs."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
-
-    config = AutoConfig.from_pretrained(model_path, num_labels=1)
-    config.classifier_dropout = 0.0
-    model = AutoModelForTokenClassification.from_pretrained(
-        model_path, config=config, dtype=master_dtype(compute_dtype))
-    model.config.use_cache = False
-    if compute_dtype == torch.float64:
-        keep_norms_in_float64(model)
-    return model.to(device)
-
-
 def keep_norms_in_float64(model: torch.nn.Module) -> int:
     """Let Hugging Face's RMSNorms (Llama, Qwen, Mistral: ``weight · x/√(mean x² + ε)``
     with ``variance_epsilon``) compute in float64 instead of their fp32 upcast, which
