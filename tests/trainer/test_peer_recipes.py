@@ -315,6 +315,22 @@ def test_the_worked_batch_tells_the_configs_apart() -> None:
     assert ((ratio < 0.8) | (ratio > 1.2)).sum() >= 5 and (ratio > 5).any()
 
 
+@pytest.mark.parametrize(("row_id", "wrong"), [
+    ("trl-gspo", {"policy_loss": "ppo", "eps_clip": 3e-4, "eps_clip_high": 4e-4}),
+    ("trl-cispo", {"policy_loss": "cispo", "eps_clip_high": 5.0}),  # TRL's ε as Tally's
+    ("verl-cispo", {"policy_loss": "ppo", "eps_clip_high": 0.28}),
+])
+def test_the_worked_batch_tells_the_policy_losses_apart(row_id: str, wrong: dict[str, Any]
+                                                        ) -> None:
+    """A token ratio where the row needs the sequence one, a cap one off, PPO for CISPO:
+    each gives another gradient on this batch."""
+    row = next(r for r in ROWS if r.id == row_id)
+    if row.policy_loss not in POLICY_LOSSES:
+        pytest.skip(f"trainer.loss.policy_loss: {row.policy_loss} is not in the registry yet")
+    _, _, g_tally, g_peer = _both(row, loss=wrong)
+    assert (g_tally - g_peer).abs().max() > 1e-4
+
+
 def _docs_ids(text: str) -> list[str]:
     """The id in the first column of every row of docs/recipes.md's tables."""
     return re.findall(r"^\| `([a-z]+-[\w-]+)` \|", text, flags=re.MULTILINE)
