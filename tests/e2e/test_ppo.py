@@ -50,6 +50,9 @@ def test_a_resumed_ppo_job_with_a_critic_trains_what_the_whole_run_does(
     whole = assert_resumes_exactly(config, tmp_path, stop_at=1)  # β resumed: rows equal
     history = [row["metrics"] for row in rows(whole / "metrics.jsonl")]
     assert_beta_follows_ziegler(history, num_samples=32)
+    # Until the policy's first step (after the critic's warm-up) π_old is the reference:
+    # the reference's log-probs (its own verb) agree with the policy's to the bit.
+    assert [row["kl/mean"] for row in history[:2]] == [0.0, 0.0] != history[2]["kl/mean"]
     assert all("critic/explained_variance" in row for row in history)
     assert "pg_loss" not in history[0] and "pg_loss" in history[1]  # the warm-up step
     assert all(row["critic/value_loss"] > 0 and "critic/grad_norm" in row
