@@ -570,9 +570,26 @@ class CriticConfig(BaseModel):
     """Context-parallel ranks of the critic; None: the policy's trainer.cp_size."""
     warmup_steps: int = Field(default=0, ge=0)
     """The first this many rollout steps train the critic only (the policy waits for
-    values worth following)."""
+    values worth following); with ``warmup_until_explained_variance``, at most this many
+    (0: no bound)."""
+    warmup_until_explained_variance: float | None = Field(default=None, le=1.0,
+                                                          allow_inf_nan=False)
+    """The policy waits (critic-only rollout steps) until a rollout's logged
+    ``critic/explained_variance`` reaches this, then trains from that rollout on for
+    good; ``warmup_steps`` > 0 bounds the wait. None: ``warmup_steps`` alone decides."""
     aggregation: AggregationMode | None = None
     """How the value loss of a step is aggregated; None: the job's aggregation.mode."""
+    custom_reducer: str | None = None
+    """The critic's own `module:function` returning per-token weights of the value loss
+    (as aggregation.custom_reducer does for pg); None: ``aggregation``'s mode. The
+    policy's aggregation.custom_reducer never reaches the critic."""
+
+    @model_validator(mode="after")
+    def _critic_reducer_path(self) -> CriticConfig:
+        if self.custom_reducer is not None and not _REDUCER_PATH.match(self.custom_reducer):
+            raise ValueError(
+                f"custom_reducer: expected 'module:function', got {self.custom_reducer!r}")
+        return self
 
     def trainer_config(self, policy: TrainerConfig) -> TrainerConfig:
         """The critic group's trainer config: the policy's layout defaults, devices,
@@ -586,9 +603,11 @@ class CriticConfig(BaseModel):
         return TrainerConfig.model_validate(data)
 
     def aggregation_config(self, job: AggregationConfig) -> AggregationConfig:
-        """The value loss's aggregation: the job's, or ``aggregation``'s mode (constant
-        divides by max_response_len)."""
+        """The value loss's aggregation: the job's mode, or ``aggregation``'s (constant
+        divides by max_response_len), with the critic's own ``custom_reducer`` — never
+        the job's."""
         if self.aggregation is None or self.aggregation == job.mode:
-            return job
+            return job.model_copy(update={"custom_reducer": self.custom_reducer})
         return AggregationConfig(mode=self.aggregation, divisor=MAX_RESPONSE_LEN
-                                 if self.aggregation == "constant" else None)
+                                 if self.aggregation == "constant" else None,
+                                 custom_reducer=self.custom_reducer)

@@ -3,6 +3,11 @@
     lr(s) = lr · s / warmup                                   for s < warmup
     lr(s) = lr                                                constant
     lr(s) = lr · (m + (1 − m) · ½(1 + cos(π · progress)))     cosine, m = min_lr_ratio
+
+s counts the optimizer steps of the schedule's own role: the scheduler moves with its
+optimizer's steps only, so PPO's policy, which sits out the critic's warm-up, starts its
+warm-up at its first step, and its horizon (``total_steps``) is the steps it takes:
+:func:`schedule_steps`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ def lr_factor(step: int, config: OptimizerConfig, total_steps: int) -> float:
     progress = min(1.0, (step - config.warmup_steps) / decay_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine
+
+
+def schedule_steps(num_rollouts: int, updates_per_rollout: int,
+                   rollouts_sat_out: int = 0) -> int:
+    """The optimizer steps a role's schedule spans: ``updates_per_rollout`` for each
+    rollout it trains on, the first ``rollouts_sat_out`` excepted (the policy: the
+    critic's ``warmup_steps``; a critic steps on every rollout). At least 1."""
+    return max(1, (num_rollouts - min(rollouts_sat_out, num_rollouts)) * updates_per_rollout)
 
 
 def build_scheduler(

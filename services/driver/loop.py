@@ -38,6 +38,7 @@ from rollout.batch import RolloutBatch
 from services.config.job import JobConfig
 from services.driver import checkpoint
 from services.driver.advantages import KLInReward, driver_advantages
+from services.driver.critic_warmup import EXPLAINED_VARIANCE, WAITING, CriticWarmup
 from services.driver.evaluation import Evaluation
 from services.driver.job import driver_threads, job_model_path, job_roles, with_threads
 from services.driver.metrics import (
@@ -84,6 +85,8 @@ class RunningJob:
     """rollout.advantage's: the manager calls it, unless it needs the critic's values."""
     kl: KLInReward | None = None
     """The KL in the reward (trainer.loss.kl_placement: reward) and its β, checkpointed."""
+    warmup: CriticWarmup = field(default_factory=CriticWarmup)
+    """When the policy starts to train beside the critic (services/driver/critic_warmup.py)."""
     checkpointed: dict[str, float] = field(default_factory=dict)
     """The last checkpoint's time and peak memory, for the next row (a checkpoint is
     written after its step's row)."""
@@ -120,7 +123,9 @@ class RunningJob:
                 lambda ref: bool(ray.wait([ref], timeout=0)[0]), evals.write,
                 lambda samples: append_samples(run_dir.samples_file, samples)),
             JsonlSink(run_dir.path, UPDATES_FILE), build_estimator(config.rollout.advantage),
-            KLInReward.of(config.trainer.loss))
+            KLInReward.of(config.trainer.loss),
+            CriticWarmup(config.critic.warmup_steps,
+                         config.critic.warmup_until_explained_variance))
 
     def close(self) -> None:
         self.updates.close()
@@ -176,9 +181,11 @@ def train_optimizer_steps(job: RunningJob, step: int, batch: RolloutBatch,
     each with its own exact J; a mini-batch with no valid token is skipped and reported
     (``skipped`` in updates.jsonl, ``updates/skipped`` in the row), never stepped. The
     critic, when there is one, steps on the same mini-batches at the same time, on its
-    own ranks (``critic/*``); during its ``warmup_steps`` it steps alone."""
+    own ranks (``critic/*``); during its warm-up it steps alone (critic_warmup.py: the
+    policy's optimizer and schedule do not move)."""
     config, trainer, critic = job.config, job.actors.trainer, job.actors.critic
-    policy_steps = critic is None or step >= config.critic.warmup_steps
+    policy_steps = critic is None or job.warmup.policy_trains(
+        step, batch.metadata.get(EXPLAINED_VARIANCE))
     updates = rollout_updates(batch, config.rollout.global_batch_size,
                               config.trainer.ppo_epochs, config.trainer.seed, step)
     if (len(updates) > 1 and config.trainer.loss.old_log_probs == "trainer" and policy_steps
@@ -195,6 +202,8 @@ def train_optimizer_steps(job: RunningJob, step: int, batch: RolloutBatch,
             else {})
         if critic_step is not None:
             metrics |= critic_metrics(critic_step())
+        if critic is not None:
+            metrics[WAITING] = float(not policy_steps)
         job.updates.write(step * config.num_updates_per_rollout + update.index,
                           {**metrics, "rollout": float(step), "update": float(update.index),
                            "epoch": float(update.epoch)})
@@ -247,6 +256,7 @@ def restore(job: RunningJob, latest: Path | None, log: Callable[[str], None]) ->
     job.weights.wait()
     job.pipeline.load_state_dict(state.in_flight)
     checkpoint.truncate_rows_after(job.run_dir, state.step, job.config.num_updates_per_rollout)
+    job.warmup.restore(row["metrics"] for row in read_metrics(job.run_dir.metrics_file))
     log(f"resumed from {latest} (rollout step {state.step} done)")
     return state.step + 1
 
