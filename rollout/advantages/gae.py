@@ -95,20 +95,22 @@ class GAE(AdvantageEstimator):
         return whiten_over_ranks(advantages, mask, moments, self.eps)
 
     def apply(self, batch: RolloutBatch, rank_moments: RankMoments | None = None,
-              **scored: Any) -> RolloutBatch:
+              truncated: torch.Tensor | None = None, **scored: Any) -> RolloutBatch:
         """The batch with the critic's ``values`` [N, S] (V at the rollout), A added to
         its advantages, the critic's targets R (``returns``) and the rollout's
         ``critic/explained_variance`` (of V before this step's updates),
         ``critic/returns_mean`` and ``critic/advantages_{mean,std}`` (before whitening).
         ``rank_moments``: the whitening's statistics of each rank (default: the batch's
-        own, which on the driver is the whole rollout)."""
+        own, which on the driver is the whole rollout); ``truncated`` [N] bool: responses
+        cut at the length limit, bootstrapped with V_{K+1} = V_K (None: none is)."""
         inputs = self.inputs(batch, **scored)  # refuses a call without the values
         assert inputs.values is not None and inputs.token_rewards is not None
         mask = batch.loss_mask
         values = torch.where(mask > 0, inputs.values.to(torch.float32), 0.0)
-        raw = gae(inputs.token_rewards, values, mask, self.gamma, self.lam)  # __call__'s
+        raw = gae(inputs.token_rewards, values, mask, self.gamma, self.lam, truncated)
         raw_mean, raw_std = moments_mean_std(token_moments(raw, mask))
-        returns = gae(inputs.token_rewards, values, mask, self.gamma, self.critic_lam)
+        returns = gae(inputs.token_rewards, values, mask, self.gamma, self.critic_lam,
+                      truncated)
         returns = torch.where(mask > 0, returns + values.double(), 0.0)
         returns_mean, _ = moments_mean_std(token_moments(returns, mask))
         advantages = self.checked(self._whitened(raw, mask, rank_moments), mask)

@@ -172,8 +172,8 @@ def _planted(function: Callable, line: str, replacement: str) -> Callable:
 
 PLANTED = {
     "critic-targets-from-lam": (
-        "returns = gae(inputs.token_rewards, values, mask, self.gamma, self.critic_lam)",
-        "returns = gae(inputs.token_rewards, values, mask, self.gamma, self.lam)"),
+        "returns = gae(inputs.token_rewards, values, mask, self.gamma, self.critic_lam,",
+        "returns = gae(inputs.token_rewards, values, mask, self.gamma, self.lam,"),
     "normalize-ignored": (
         "advantages = self.checked(self._whitened(raw, mask, rank_moments), mask)",
         "advantages = self.checked(raw, mask)"),
@@ -208,3 +208,21 @@ def test_the_whitening_reduces_the_moments_every_rank_hands() -> None:
     torch.testing.assert_close(split.advantages, whole.advantages, rtol=1e-6, atol=1e-6)
     first = with_gae(batch, values, DECOUPLED, rank_moments=lambda raw: halves(raw)[0])
     assert (first.advantages - whole.advantages).abs().max() > 1e-3
+
+
+def test_a_cut_response_bootstraps_from_its_last_value() -> None:
+    """``truncated`` samples take V_{K+1} = V_K (the critic's estimate of what the cut
+    took away), in A and in R; the others keep V_{K+1} = 0."""
+    batch, values = _ppo_batch(4)
+    cut = torch.tensor([i % 2 == 0 for i in range(batch.num_samples)])
+    estimator = GAE(gamma=0.9, lam=0.7, critic_lam=1.0, normalize=True, eps=EPS)
+    out = estimator.apply(batch, truncated=cut, values=values)
+    want_a, want_r, _, _ = _reference(batch, values, 0.9, 0.7, 1.0, True, EPS,
+                                      bootstrap=cut.tolist())
+    torch.testing.assert_close(out.advantages.double(), batch.advantages.double() + want_a,
+                               rtol=1e-5, atol=1e-6)
+    assert out.returns is not None
+    torch.testing.assert_close(out.returns.double(), want_r, rtol=1e-5, atol=1e-6)
+    plain = estimator.apply(batch, values=values)
+    moved = (out.returns - plain.returns).abs().amax(dim=1) > 1e-6
+    assert moved.tolist() == cut.tolist()  # only the cut samples' targets change
