@@ -1,5 +1,5 @@
-"""The verifier commands: ``verify-aggregation`` (the program: services/verify/) and
-``aggregation-demo``."""
+"""The verifier commands: ``verify-aggregation`` and ``verify-objective`` (the programs:
+services/verify/) and ``aggregation-demo``."""
 
 from __future__ import annotations
 
@@ -35,6 +35,17 @@ def verify_aggregation(
     except ValueError as err:
         raise Refused(f"error: {err}") from None
     return run(job, parsed, rtol, atol, echo=typer.echo)
+
+
+def verify_objective(config: ConfigArg, set_: SetOpt = None) -> int:
+    """Each loss term's exact expected J and ∇J through production's per-token code against
+    autograd of its documented formula, on a tiny float64 model over a small vocabulary
+    (no Ray, CPU, seconds); exit 1 when any row differs by more than 1e-10."""
+    from services.verify.objective import verify_objective as run
+
+    job = load_job(config, set_)
+    return run(job.trainer.loss, job.rollout.sampling.temperature, job.critic.value_clip,
+               echo=typer.echo)
 
 
 def aggregation_demo(dp: int = 2, cp: int = 2) -> int:

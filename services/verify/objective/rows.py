@@ -1,0 +1,222 @@
+r"""The rows of ``tally verify-objective``: one per term and variant, each production's exact
+expected J and ∇J (production.py) against the documented formula's (formulas.py).
+
+    pg/<loss> on-policy      ρ = 1, samples from π: the policy gradient theorem
+    pg/<loss> off-policy     samples from π_old ≠ π (an update after the first)
+    pg/<loss> <variant>      e.g. ppo's dual clip, off-policy
+    correction/<level>-<mode> <loss>   engine μ ≠ π_old, the rollout correction's weight
+    correction/tis_cap ppo   the legacy spelling
+    kl/<estimator>           samples from π, the reference π_ref
+    entropy
+    value clip=ε, value unclipped, bt
+
+Each policy row is taken at every temperature the check runs (the worst error counts).
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.verify.objective import formulas
+from services.verify.objective.formulas import POLICY_FORMULAS, Policies, PolicyFormula
+from services.verify.objective.production import (
+    Production,
+    pair_term,
+    policy_objective,
+    value_objective,
+)
+from services.verify.objective.setting import Setting, enumerate_outcomes, outcome_log_probs
+from trainer.config import LossConfig
+from trainer.losses import POLICY_LOSSES
+
+DEFAULT_CORRECTION_HIGH = 2.0
+"""The correction rows' bound when the job sets none (π_old/μ spans about [0.3, 3])."""
+Reference = Callable[[Policies], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PolicyCheck:
+    """One policy row: the production config and term, and its documented reference."""
+
+    name: str
+    term: str
+    """The term production isolates (``gradient_of``): pg, kl or entropy."""
+    family: str
+    """What the row checks, for the planted errors' tests: pg, correction, kl, entropy."""
+    loss: LossConfig
+    length: int
+    situation: str
+    """on-policy (μ = π_old = π), off-policy (μ = π_old ≠ π), corrected (μ ≠ π_old ≠ π)."""
+    reference: Reference
+
+
+def loss_variant(loss: LossConfig, **fields: Any) -> LossConfig:
+    """The job's loss settings (only those it set) with ``fields``, no KL or correction
+    unless asked (a row isolates one term; kl_coef 0 accepts any estimator)."""
+    base = loss.model_dump(exclude_unset=True)
+    for name in ("class_path", "kwargs", "tis_cap", "rollout_correction", "dual_clip_c",
+                 "kl_placement", "kl_controller", "kl_estimator", "kl_coef",
+                 "allow_biased_kl_gradient"):
+        base.pop(name, None)
+    return LossConfig.model_validate({**base, **fields})
+
+
+def _corrections(loss: LossConfig, name: str) -> Iterator[tuple[str, dict[str, Any], str,
+                                                               str, float, float]]:
+    """(row label, config fields, level, mode, low, high) of each correction row."""
+    job = getattr(loss, "correction", None)
+    high = job.high if job is not None else (loss.tis_cap or DEFAULT_CORRECTION_HIGH)
+    if "rollout_correction" not in LossConfig.model_fields:  # production has tis_cap only
+        yield "tis_cap", {"tis_cap": high}, "token", "truncate", 0.0, high
+        return
+    all_kinds = name in ("ppo", "importance_sampling")  # one loss of each kind
+    for level in ("token", "sequence", "geometric") if all_kinds else ("token",):
+        for mode in ("truncate", "mask") if all_kinds else ("truncate",):
+            low = (job.low if job is not None and job.low is not None else 1 / high)
+            fields = {"level": level, "mode": mode, "high": high}
+            if mode == "mask":
+                fields["low"] = low
+            yield (f"{level}-{mode}", {"rollout_correction": fields}, level, mode,
+                   low if mode == "mask" else 0.0, high)
+    if name == "ppo":
+        yield "tis_cap", {"tis_cap": high}, "token", "truncate", 0.0, high
+
+
+def _on_policy_reference(formula: PolicyFormula, loss: LossConfig, length: int) -> Reference:
+    if not formula.policy_gradient:
+        return lambda p: formulas.expected_pg(p, loss, formula)
+    # the value as documented (cispo's is not −Σπ·A), the gradient the policy gradient
+    # theorem's, ÷L for a length-normalised (sequence) ratio
+    return lambda p: formulas.documented(formulas.expected_pg(p, loss, formula),
+                                         formulas.policy_gradient(p) / length)
+
+
+def policy_checks(loss: LossConfig, echo: Callable[[str], None]) -> list[PolicyCheck]:
+    """Every policy-side row, iterating production's registries (a policy loss without a
+    documented formula here is skipped with a note)."""
+    checks = []
+    for name in POLICY_LOSSES:
+        formula = POLICY_FORMULAS.get(name)
+        if formula is None:
+            echo(f"note: policy loss {name!r} has no documented formula in "
+                 "services/verify/objective/formulas.py; skipped")
+            continue
+        length = 2 if formula.sequence_level else 1
+        plain = loss_variant(loss, policy_loss=name)
+        checks.append(PolicyCheck(f"pg/{name} on-policy", "pg", "pg", plain, length,
+                                  "on-policy", _on_policy_reference(formula, plain, length)))
+        off = formula.off_policy or (lambda p, c, f=formula: formulas.expected_pg(p, c, f))
+        variants = {"off-policy": {}, **{f"{v} off-policy": fields
+                                          for v, fields in formula.variants.items()}}
+        for label, fields in variants.items():
+            config = loss_variant(loss, policy_loss=name, **fields)
+            if "dual_clip_c" in fields and loss.dual_clip_c is not None:
+                config = loss_variant(loss, policy_loss=name, dual_clip_c=loss.dual_clip_c)
+            reference = ((lambda p, c=config, o=off: o(p, c)) if not fields else
+                         (lambda p, c=config, f=formula: formulas.expected_pg(p, c, f)))
+            checks.append(PolicyCheck(f"pg/{name} {label}", "pg", "pg", config, length,
+                                      "off-policy", reference))
+        if formula.correction is None:
+            continue
+        for label, fields, level, mode, low, high in _corrections(loss, name):
+            config = loss_variant(loss, policy_loss=name, **fields)
+            row_length = max(length, 1 if level == "token" else 2)
+
+            def reference(p: Policies, c: LossConfig = config, f: PolicyFormula = formula,
+                          lv: str = level, md: str = mode, lo: float = low,
+                          hi: float = high) -> torch.Tensor:
+                behaviour = p.log_old if f.correction == "old_policy" else p.log_pi
+                weight = formulas.correction_weight(p, lv, md, lo, hi, behaviour)
+                return formulas.expected_pg(p, c, f, weight)
+
+            checks.append(PolicyCheck(f"correction/{label} {name}", "pg", "correction",
+                                      config, row_length, "corrected", reference))
+    estimators = typing.get_args(LossConfig.model_fields["kl_estimator"].annotation)
+    for estimator in estimators:
+        kl = formulas.KL_FORMULAS.get(estimator)
+        if kl is None:
+            echo(f"note: kl estimator {estimator!r} has no documented expected gradient in "
+                 "services/verify/objective/formulas.py; skipped")
+            continue
+        checks.append(PolicyCheck(f"kl/{estimator}", "kl", "kl",
+                                  loss_variant(loss, kl_estimator=estimator), 1,
+                                  "on-policy", kl))
+    checks.append(PolicyCheck("entropy", "entropy", "entropy", loss_variant(loss), 1,
+                              "on-policy", formulas.negative_entropy))
+    return checks
+
+
+def _gradients(value: torch.Tensor, parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    # the rows share the policy's forwards (Setting's cache): keep their graphs
+    grads = torch.autograd.grad(value, parameters, allow_unused=True, retain_graph=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                      for p, g in zip(parameters, grads, strict=True)])
+
+
+def compare(production: torch.Tensor, reference: torch.Tensor,
+            parameters: list[torch.nn.Parameter]) -> tuple[float, float, float, float]:
+    """(J_reference, max |∇reference|, max |∇production − ∇reference|,
+    |J_production − J_reference|)."""
+    reference_grad = _gradients(reference, parameters)
+    gap = (_gradients(production, parameters) - reference_grad).abs().max()
+    return (float(reference.detach()), float(reference_grad.abs().max()), float(gap),
+            float((production - reference).detach().abs()))
+
+
+def run_policy_check(check: PolicyCheck, setting: Setting, production: Production,
+                     temperature: float) -> tuple[float, float, float, float]:
+    """One policy row at one temperature: :func:`compare`'s four numbers."""
+    length = check.length
+    outcomes = enumerate_outcomes(setting.contexts, length)
+    log_pi = setting.outcome_log_probs("policy", length, temperature)
+    old, engine, ref = (setting.outcome_log_probs(name, length, temperature)
+                        for name in ("old", "engine", "reference"))
+    if check.situation == "on-policy":
+        old = mu = log_pi.detach()
+    else:
+        mu = old if check.situation == "off-policy" else engine
+    if check.loss.old_log_probs == "rollout":  # the ratio's denominator is the engine's
+        old = mu
+    advantages = setting.data(mu.shape[:2], salt=length)
+    policies = Policies(log_pi, old, mu, ref, advantages)
+    produced = policy_objective(
+        production, setting, outcomes, check.loss, check.term, temperature,
+        sampling=mu.reshape(-1, length), advantages=advantages.reshape(-1),
+        old_model=None if check.situation == "on-policy" else "old")
+    return compare(produced, check.reference(policies), list(setting.policy.parameters()))
+
+
+def run_value_check(setting: Setting, production: Production, temperature: float,
+                    value_clip: float | None) -> tuple[float, float, float, float]:
+    """The critic's clipped value loss over one-token outcomes sampled from π."""
+    contexts = setting.contexts
+    outcomes = enumerate_outcomes(contexts, 1)
+    with torch.no_grad():
+        probability = outcome_log_probs(setting.policy, contexts, 1, temperature)[..., 0].exp()
+    values = setting.critic(contexts).logits[:, -1, 0].double()[:, None].expand_as(probability)
+    old_values = values.detach() + setting.data(values.shape[:1], salt=21, std=0.3)[:, None]
+    returns = values.detach() + setting.data(values.shape, salt=22, std=0.5)
+    produced = value_objective(production, setting, outcomes, probability.reshape(-1),
+                               returns.reshape(-1), old_values.reshape(-1), value_clip)
+    reference = formulas.value_loss(values, old_values, returns, probability, value_clip)
+    return compare(produced, reference, list(setting.critic.parameters()))
+
+
+def run_pair_check(setting: Setting, production: Production) -> tuple[float, float, float, float]:
+    """Bradley–Terry over every pair of one-token outcomes of a context, the one with the
+    higher hidden utility chosen."""
+    outcomes = enumerate_outcomes(setting.contexts, 1)
+    utility = setting.data((outcomes.num_rows,), salt=31)
+    width = outcomes.num_rows // setting.contexts.shape[0]
+    pairs = [(i, j) for i in range(outcomes.num_rows) for j in range(outcomes.num_rows)
+             if i // width == j // width and utility[i] > utility[j]]
+    chosen, rejected = (torch.tensor(side) for side in zip(*pairs, strict=True))
+    produced = pair_term(production, setting, outcomes, chosen, rejected)
+    scores = setting.critic(outcomes.input_ids).logits[:, -1, 0]
+    reference = formulas.bradley_terry(scores[chosen], scores[rejected])
+    return compare(produced, reference, list(setting.critic.parameters()))
