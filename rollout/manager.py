@@ -100,14 +100,18 @@ class RolloutManager(EngineWeights):
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int | None = None, *,
                  engines: list[Any], teachers: list[Any], reward_actors: dict[str, list[Any]],
-                 owns_engines: bool = False, samples_per_step: int = 8) -> None:
+                 owns_engines: bool = False, samples_per_step: int = 8,
+                 estimator_in_driver: bool = False) -> None:
         """The manager is handed its actors and starts none (services/runtime/gang.py
         starts every actor of a program). ``engines``: actors that answer the engine verbs
         (engines, or the trainer ranks of the colocated fast path); the manager stops them
         in ``shutdown`` only when ``owns_engines``. ``teachers``: the teacher actors of
         ``config.distillation`` (one at least when there is a teacher). ``reward_actors``:
         the reward models' and judges' actors by part name. ``samples_per_step``: how many
-        of a rollout's samples it hands on as text (samples.jsonl)."""
+        of a rollout's samples it hands on as text (samples.jsonl).
+        ``estimator_in_driver``: the driver applies an estimator that reads the rewards,
+        since its inputs need the trainer's actors (the KL in the reward); the manager
+        still adds a teacher's term."""
         check_engine_available(config)
         self.config = config
         self.seed = config.seed if seed is None else seed
@@ -139,6 +143,14 @@ class RolloutManager(EngineWeights):
         self.engines = engines
         self.teacher = config.distillation
         self.estimator = build_estimator(config.advantage)  # a user's class imports here
+        if estimator_in_driver and self.estimator.needs_teacher and self.estimator.uses_rewards:
+            raise ValueError(
+                f"trainer.loss.kl_placement: {type(self.estimator).__name__} reads the "
+                "rewards and a teacher's log-probs, which only the manager holds, while the "
+                "driver puts the KL in the rewards; use trainer.loss.kl_placement: loss")
+        self.estimator_in_driver = (self.estimator.needs_critic or (
+            estimator_in_driver and self.estimator.uses_rewards))
+        """The driver applies the estimator (the critic's values, the KL in the reward)."""
         self.teachers: list[Any] = list(teachers)
         """Empty where nothing here trains (an evaluation, ``tally eval``)."""
         ray.get([actor.ping.remote() for actor in [*self.engines, *self.teachers,
@@ -276,12 +288,12 @@ class RolloutManager(EngineWeights):
         """The estimator's advantages (none yet when it needs the critic's values: the
         driver's), and a rollout.teacher's reverse-KL term on top of them."""
         if self.teacher is None:
-            return batch if self.estimator.needs_critic else self.estimator.apply(batch)
+            return batch if self.estimator_in_driver else self.estimator.apply(batch)
         teacher, metadata = self._teacher_log_probs(batch)
         batch = dataclasses.replace(batch, metadata={**batch.metadata, **metadata})
         if self.estimator.needs_teacher:  # the teacher's term is the estimator's own
             return self.estimator.apply(batch, teacher_log_probs=teacher)
-        if not self.estimator.needs_critic:
+        if not self.estimator_in_driver:
             batch = self.estimator.apply(batch)
         return Distill(self.teacher.coef).apply(batch, teacher_log_probs=teacher)
 

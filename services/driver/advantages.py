@@ -9,8 +9,9 @@
 
 The estimator declares what it reads (rollout/advantages/base.py); the driver hands it
 what it declared and, with ``trainer.loss.kl_placement: reward``, the penalty, which its
-inputs take off the rewards. The manager computed the advantages of an estimator that
-needs no critic without the KL; those are taken back out and computed again with it.
+inputs take off the rewards. The manager leaves such an estimator to the driver
+(``estimator_in_driver``, set by the gang) and adds only a teacher's term; ``apply`` adds
+the estimator's advantages to it.
 """
 
 from __future__ import annotations
@@ -96,21 +97,8 @@ def driver_advantages(batch: RolloutBatch, estimator: AdvantageEstimator,
     if estimator.needs_critic:
         assert critic is not None  # preflight: it needs critic.enabled
         scored["values"] = critic.values(batch)
-    elif scored:  # the manager's advantages, made without the KL, come back out
-        batch = dataclasses.replace(batch, advantages=batch.advantages - manager_part(
-            batch, estimator))
     if not scored and not metadata:
         return None
     batch = estimator.apply(batch, **scored) if scored else batch
     return dataclasses.replace(batch, metadata={**batch.metadata, **metadata})
 
-
-def manager_part(batch: RolloutBatch, estimator: AdvantageEstimator) -> torch.Tensor:
-    """The advantages the manager added to ``batch`` (its estimator on the batch alone:
-    the same call, so the same float32 values)."""
-    if estimator.needs_teacher:
-        raise ValueError(f"{type(estimator).__name__} reads the rewards and a teacher's "
-                         "log-probs: the driver holds no teacher's log-probs to compute its "
-                         "advantages again with the KL in the reward; use "
-                         "trainer.loss.kl_placement: loss")
-    return estimator.checked(estimator(estimator.inputs(batch)), batch.loss_mask)

@@ -315,7 +315,9 @@ class Gang:
         return manager.remote(self.config.rollout, self.model_path, engines=self.engines,
                               owns_engines=owns_engines, teachers=self.teachers,
                               reward_actors=self.reward_actors,
-                              samples_per_step=self.config.logging.samples_per_step)
+                              samples_per_step=self.config.logging.samples_per_step,
+                              estimator_in_driver=self.config.trainer.loss.kl_placement
+                              == "reward")
 
     def _start_group(self, role: str, build: GroupFactory, started: contextlib.ExitStack
                      ) -> Any:

@@ -209,3 +209,20 @@ def test_construction_errors_need_no_actor(
     with pytest.raises(EngineUnavailableError, match=r"engine\.type: 'sglang' launches"):
         RolloutManager(RolloutConfig(engine=SGLangEngineConfig()), tiny_model_path,
                        engines=[], teachers=[], reward_actors={})
+
+
+def test_with_the_kl_in_the_reward_the_estimator_is_left_to_the_driver(
+        tiny_model_path: str) -> None:
+    from rollout.advantages import GRPO
+    from tests.rollout.test_kl_reward import kl_case
+
+    batch = kl_case(3).batch
+
+    def advantages(estimator_in_driver: bool) -> torch.Tensor:
+        manager = RolloutManager(RolloutConfig(), tiny_model_path, engines=[], teachers=[],
+                                 reward_actors={}, estimator_in_driver=estimator_in_driver)
+        return manager._with_advantages(batch).advantages
+
+    assert torch.equal(advantages(False), GRPO().apply(batch).advantages)
+    assert (GRPO().apply(batch).advantages != 0).any()
+    assert torch.equal(advantages(True), batch.advantages)  # the driver adds GRPO's with β·k1

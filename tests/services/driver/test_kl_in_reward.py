@@ -1,9 +1,9 @@
 """``driver_advantages`` (what rollout_step calls) with the KL in the reward, against
-float64 references written here: GRPO's advantages over r_i − β·Σ_t k1 (after the
-manager's own, made without the KL, are taken back out), GAE's advantages and the
+float64 references written here: GRPO's advantages over r_i − β·Σ_t k1 (the manager
+leaves the estimator to the driver then: ``estimator_in_driver``), GAE's advantages and the
 critic's targets over the token rewards r − β·k1; π_old from the trainer or the engine;
 ``kl/beta``, ``kl/mean`` and β's next value; β through a checkpoint folder exactly. A
-planted error (the manager's advantages left in) fails the check. The policy and critic
+planted error (a manager that applied the estimator anyway) fails the check. The policy and critic
 groups are stand-ins that hand back fixed log-probs and values; the real verbs run in
 tests/e2e/test_ppo.py."""
 
@@ -18,7 +18,6 @@ import torch
 
 from rollout.advantages import GAE, GRPO, Distill
 from rollout.batch import RolloutBatch
-from services.driver import advantages as advantages_module
 from services.driver.advantages import KL_CONTROLLER_STATE, KLInReward, driver_advantages
 from tests.rollout.test_kl_reward import (
     Case,
@@ -102,7 +101,7 @@ def check_grpo(case: Case, got: RolloutBatch) -> None:
 def test_grpo_trains_on_rewards_less_the_kl_and_beta_moves() -> None:
     case = kl_case(3)
     estimator, kl, policy = GRPO(), kl_in_reward(), Policy(case)
-    from_manager = estimator.apply(case.batch)  # as rollout/manager.py hands it over
+    from_manager = case.batch  # rollout/manager.py leaves the estimator to the driver
     got = driver_advantages(from_manager, estimator, kl, policy, None, several_updates=False)
     assert got is not None
     check_grpo(case, got)
@@ -117,12 +116,9 @@ def test_grpo_trains_on_rewards_less_the_kl_and_beta_moves() -> None:
     assert again is not None and again.metadata["kl/beta"] == moved != BETA
 
 
-def test_the_managers_advantages_left_in_fail_the_check(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_manager_that_applied_the_estimator_too_fails_the_check() -> None:
     case = kl_case(3)
     estimator = GRPO()
-    monkeypatch.setattr(advantages_module, "manager_part",
-                        lambda batch, _: torch.zeros_like(batch.advantages))
     got = driver_advantages(estimator.apply(case.batch), estimator, kl_in_reward(),
                             Policy(case), None, several_updates=False)
     assert got is not None
@@ -157,7 +153,7 @@ def test_the_engines_log_probs_are_pi_old_with_old_log_probs_rollout() -> None:
     case = kl_case(5)
     engine = dataclasses.replace(case.batch, rollout_log_probs=case.old)
     policy, estimator = Policy(case), GRPO()
-    got = driver_advantages(estimator.apply(engine), estimator, kl_in_reward("rollout"),
+    got = driver_advantages(engine, estimator, kl_in_reward("rollout"),
                             policy, None, several_updates=True)
     assert got is not None and got.old_log_probs is None
     assert policy.calls == ["reference_log_probs"]
