@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.verify.objective.planted import PLANTED_ERRORS, planted_production
+
+if TYPE_CHECKING:
+    from services.verify.objective.setting import Setting
 
 TOLERANCE = 1e-10
 """Largest |Δ| of any gradient entry or of J (float64)."""
@@ -51,8 +55,9 @@ def check_temperatures(temperature: float) -> tuple[float, ...]:
 
 def results(loss: object, temperature: float, value_clip: float | None,
             planted: Iterable[str] = (), echo: Callable[[str], None] = print,
-            seed: int = 0) -> list[Result]:
-    """Every row's Result (``planted``: errors put into production's functions, tests)."""
+            setting: Setting | None = None) -> list[Result]:
+    """Every row's Result (``planted``: errors put into production's functions, tests;
+    ``setting``: one already built, else the seed-0 one)."""
     from services.verify.objective.rows import (
         policy_checks,
         run_pair_check,
@@ -62,7 +67,7 @@ def results(loss: object, temperature: float, value_clip: float | None,
     from services.verify.objective.setting import build_setting
 
     production = planted_production(frozenset(planted))
-    setting = build_setting(seed)
+    setting = setting if setting is not None else build_setting()
     out = []
     for check in policy_checks(loss, echo):  # type: ignore[arg-type]
         runs = [run_policy_check(check, setting, production, t)
@@ -80,12 +85,12 @@ def results(loss: object, temperature: float, value_clip: float | None,
 
 def verify_objective(loss: object, temperature: float, value_clip: float | None,
                      planted: Iterable[str] = (), echo: Callable[[str], None] = print,
-                     seed: int = 0) -> int:
+                     setting: Setting | None = None) -> int:
     """Print one row per term and variant; 0 when every row is within TOLERANCE, else 1."""
     temperatures = ", ".join(f"{t:g}" for t in check_temperatures(temperature))
     echo(f"exact expected J and ∇J, production vs documented formula, float64; "
          f"T = {temperatures}; tolerance {TOLERANCE:.0e}")
-    rows = results(loss, temperature, value_clip, planted, echo, seed)
+    rows = results(loss, temperature, value_clip, planted, echo, setting)
     width = max(len(row.name) for row in rows)
     echo(f"{'term':<{width}}  {'J':>10}  {'max|∇J|':>9}  {'max|Δ∇J|':>9}  {'|ΔJ|':>9}")
     for row in rows:
