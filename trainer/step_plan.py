@@ -22,7 +22,7 @@ from rollout.batch import RolloutBatch
 from trainer.aggregation import AGGREGATION_MODES, custom_reducer_weights, sample_coefficients
 from trainer.config import ObjectiveConfig, TermAggregationConfig, TrainerConfig
 from trainer.context_parallel import padded_length
-from trainer.terms import PG, PLANNED_TERMS
+from trainer.terms import PLANNED_TERMS
 
 MODE_METRIC_PREFIX = "pg_loss/"
 
@@ -250,11 +250,16 @@ def plan_step(
 
     coefficients: dict[str, torch.Tensor] = {}
     dense_weights: dict[str, torch.Tensor] = {}
+    reduced: torch.Tensor | None = None  # a custom reducer's weights, computed once
     for term in PLANNED_TERMS:  # each term under its own aggregation (ObjectiveConfig)
         aggregation = getattr(objective, str(term.aggregation))
-        if term is PG and objective.pg.custom_reducer is not None:
-            dense_weights[PG.name] = custom_reducer_weights(objective.pg.custom_reducer,
-                                                            batch.loss_mask, batch.group_index)
+        if term.aggregation == "pg" and objective.pg.custom_reducer is not None:
+            # pg's, and the critic's value term (planned under the pg field: its reducer
+            # is critic.custom_reducer there, trainer/config.py CriticConfig)
+            if reduced is None:
+                reduced = custom_reducer_weights(objective.pg.custom_reducer,
+                                                 batch.loss_mask, batch.group_index)
+            dense_weights[term.name] = reduced
         else:
             coefficients[term.name] = coefficients_of(aggregation)
     divisor = objective.mode_metric_divisor

@@ -380,8 +380,17 @@ class JobConfig(BaseModel):
 
     @property
     def num_optimizer_steps(self) -> int:
-        """What the LR schedule counts."""
+        """Optimizer steps of the whole job: what a critic's LR schedule spans."""
         return self.num_steps * self.num_updates_per_rollout
+
+    @property
+    def policy_schedule_steps(self) -> int:
+        """What the policy's LR schedule spans: its own optimizer steps, the rollouts of the
+        critic's warm-up (``critic.warmup_steps``, which train the critic only) left out."""
+        from trainer.optim import schedule_steps
+
+        warmup = self.critic.warmup_steps if self.critic.enabled else 0
+        return schedule_steps(self.num_steps, self.num_updates_per_rollout, warmup)
 
     def warnings(self) -> list[ConfigProblem]:
         """Settings a rule chose for the user, and options that would be inert: valid, but

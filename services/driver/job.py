@@ -78,7 +78,7 @@ def job_roles(config: JobConfig, model_path: str) -> Roles:
     def policy(placement: JobPlacement | None) -> TrainerGroup:
         assert placement is not None  # a job's gang is placed
         return group(config.trainer, config.objective_config(), model_path,
-                     config.num_optimizer_steps, env_vars=QUIET_ENV, placement=placement.group)
+                     config.policy_schedule_steps, env_vars=QUIET_ENV, placement=placement.group)
 
     def critic(placement: JobPlacement | None) -> CriticGroup:
         """PPO's critic (trainer/backends/fsdp/critic.py): its ranks in their bundles after

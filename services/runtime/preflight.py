@@ -112,9 +112,10 @@ def preflight(config: JobConfig, local_head: bool = False,
 
 def _user_code(config: JobConfig, load: bool) -> list[Callable[[], object]]:
     """One check per ``module:attr`` of the user's (``rollout.environment.class_path``,
-    ``aggregation.custom_reducer``; the reward parts': :func:`_reward_code`). ``load``: imported
-    and checked for what it must be (an environment a subclass of
-    rollout.environments.Environment, the rest callables): user code runs in the job only.
+    ``aggregation.custom_reducer``, ``critic.custom_reducer``; the reward parts':
+    :func:`_reward_code`). ``load``: imported and checked for what it must be (an
+    environment a subclass of rollout.environments.Environment, the rest callables): user
+    code runs in the job only.
     Else located and parsed, never run: the controller imports no user module."""
     named: list[tuple[str, str, bool]] = []  # the reward parts': _reward_code
     if config.rollout.environment is not None:
@@ -122,6 +123,8 @@ def _user_code(config: JobConfig, load: bool) -> list[Callable[[], object]]:
                       "rollout.environment.class_path", True))
     if config.aggregation.custom_reducer is not None:
         named.append((config.aggregation.custom_reducer, "aggregation.custom_reducer", False))
+    if config.critic.enabled and config.critic.custom_reducer is not None:
+        named.append((config.critic.custom_reducer, "critic.custom_reducer", False))
     if load:
         return [partial(load_environment_class if is_env else check_object, path, field)
                 for path, field, is_env in named]

@@ -42,9 +42,6 @@ def test_warmup_until_explained_variance_is_at_most_one() -> None:
         load_job_config(PPO, ["critic.warmup_until_explained_variance=1.5"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trainer/step_plan.py weighs only the pg term by objective.pg.custom_reducer; the "
-    "value term (planned under the same field) needs `term.aggregation == 'pg'` there"))
 def test_the_critics_reducer_weighs_its_value_loss() -> None:
     import torch
 

@@ -545,3 +545,15 @@ def test_a_dumped_config_of_every_advantage_validates_again_unchanged(advantage:
     config = load_job_config(ROOT / "configs" / "demo.yaml", [advantage])
     assert JobConfig.model_validate(config.model_dump()) == config
     assert JobConfig.model_validate_json(config.model_dump_json()) == config
+
+
+def test_the_policys_schedule_leaves_out_the_critics_warmup_rollouts() -> None:
+    config = parse_job_config("num_steps: 5\nrollout: {rollout_batch_size: 4, "
+                              "global_batch_size: 8, n_samples_per_prompt: 4, "
+                              "advantage: {type: gae}}\ntrainer: {ppo_epochs: 2}\n"
+                              "critic: {enabled: true, warmup_steps: 2}\n")
+    assert config.num_updates_per_rollout == 4  # 2 mini-batches x 2 epochs
+    assert config.num_optimizer_steps == 5 * 4  # the critic steps on every rollout
+    assert config.policy_schedule_steps == (5 - 2) * 4
+    no_critic = parse_job_config("num_steps: 5\n")
+    assert no_critic.policy_schedule_steps == no_critic.num_optimizer_steps

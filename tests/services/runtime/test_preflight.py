@@ -129,6 +129,9 @@ def test_custom_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert problem("aggregation.custom_reducer=other_rewards:weights") == (
         "aggregation.custom_reducer: module 'other_rewards' has no callable 'weights' "
         "(it defines: other)")
+    critic = ["rollout.advantage.type=gae", "critic.enabled=true"]
+    assert problem(*critic, "critic.custom_reducer=missing_reducers:weights") == \
+        f"critic.custom_reducer: cannot import module 'missing_reducers': {NOT_ON_PATH}"
     ok = ["aggregation.custom_reducer=tests.trainer.reducers:discounted_group_mean",
           *reward, f"{field}=tests.rollout.reward_fns:length_reward"]
     assert preflight(parse_job_config("", ok)) == []
