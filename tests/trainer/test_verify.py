@@ -431,3 +431,23 @@ def test_verify_aggregation_checks_the_critic_and_exits_1_on_its_planted_errors(
         for term in ("pg", "kl", "entropy", "value")}
     failed = {(r[1], r[3]) for r in rows if r[-1] == "FAIL"}
     assert failed == {(mode, term) for mode in MODES for term in ("pg", "value")}
+
+
+@pytest.mark.slow  # the demo's warm start and four layouts on Ray actors
+def test_gspo_with_a_sequence_correction_is_exact_under_every_layout(
+        ray_cluster: None, shared_data_dir: Path) -> None:
+    """GSPO's sequence ratio and a sequence-level rollout correction need a sample's whole
+    response, which packing and CP split (trainer/objective.py: sample_sums): the
+    verify-aggregation program passes over padded, packed, shared-prefix and CP 2 layouts.
+    Two PPO epochs, so the second update's policy has moved off π_old (s_i ≠ 1) and the
+    correction's π_old/π_rollout is the perturbed policy's."""
+    layouts = "dp1cp1-padded,dp2cp1-packed,dp2cp1-prefix,dp1cp2"
+    code, output = _verified("demo.yaml", layouts, [
+        "rollout.global_batch_size=16", "trainer.ppo_epochs=2",
+        "trainer.loss.policy_loss=gspo", "trainer.loss.rollout_correction.level=sequence"],
+        {})
+    assert code == 0, output
+    rows = [line.split() for line in output.splitlines() if line.startswith("dp")]
+    assert {(r[0], r[2]) for r in rows} == {(lay, update) for lay in layouts.split(",")[1:]
+                                           for update in ("0", "1")}
+    assert all(r[-1] == "ok" for r in rows) and len(rows) == 3 * 2 * len(MODES) * 3
