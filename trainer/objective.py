@@ -149,8 +149,11 @@ def term_coefficients(loss: LossConfig, gradient_of: str = "all") -> dict[str, f
     1 for the one term the verifier isolates (0 for the others)."""
     if gradient_of != "all":
         return {term: float(term == gradient_of) for term in POLICY_TERM_NAMES}
-    return {term.name: 1.0 if term.coefficient is None else float(getattr(loss, term.coefficient))
-            for term in POLICY_TERMS}
+    coefficients = {term.name: 1.0 if term.coefficient is None
+                    else float(getattr(loss, term.coefficient)) for term in POLICY_TERMS}
+    if loss.kl_placement == "reward":  # the KL is in the rewards (rollout/kl_reward.py)
+        coefficients[KL.name] = 0.0
+    return coefficients
 
 
 def micro_batch_objective(

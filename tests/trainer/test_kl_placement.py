@@ -5,16 +5,12 @@ still logged; the KL as a loss term does change them (so the comparison can fail
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.trainer.test_policy_losses import _objective_run
 from trainer.config import LossConfig
 
 
-@pytest.mark.xfail(strict=True, reason="trainer/objective.py term_coefficients still "
-                   "weighs the KL by kl_coef under kl_placement: reward (a change "
-                   "reported in issue 54; remove this mark with it)")
 def test_the_kl_in_the_reward_is_no_term_of_the_objective() -> None:
     in_reward = _objective_run(LossConfig(kl_coef=0.1, entropy_coef=0.01,
                                           kl_placement="reward"))
