@@ -28,6 +28,10 @@ shifts to next-token prediction itself (the log-prob of token t comes from logit
     values             [N, S] float32  optional: the critic's V of each response token at
                                        the rollout (PPO with a critic), 0 elsewhere
     returns            [N, S] float32  optional: the critic's targets R_it (GAE), 0 elsewhere
+    truncated          [N]    bool     the response was cut at the length limit (the engine
+                                       stopped at max_new_tokens; an episode ended by its
+                                       token budget, the context or max_turns, not by its
+                                       environment); GAE may bootstrap it. None given: none
 
 Derived on construction (whole-step metadata of the aggregation contract):
 
@@ -173,6 +177,9 @@ class RolloutBatch:
     token_rewards: torch.Tensor | None = None
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    """[N] bool (module docstring); always a tensor once built (None: no sample cut, as
+    in a checkpoint written before the field)."""
     sample_token_counts: torch.Tensor = field(init=False)
     group_ids: torch.Tensor = field(init=False)
     prompt_mask_sums: torch.Tensor = field(init=False)
@@ -195,6 +202,13 @@ class RolloutBatch:
             actual = tuple(getattr(self, name).shape)
             if actual != shape:
                 raise RolloutBatchError(f"{name}: expected shape {shape}, got {actual}")
+        truncated = (torch.zeros(num_samples, dtype=torch.bool) if self.truncated is None
+                     else self.truncated)
+        if truncated.dtype != torch.bool or tuple(truncated.shape) != (num_samples,):
+            raise RolloutBatchError(f"truncated: expected a bool tensor of shape "
+                                    f"{(num_samples,)}, got {truncated.dtype} "
+                                    f"{tuple(truncated.shape)}")
+        object.__setattr__(self, "truncated", truncated)
         for name in OPTIONAL_TOKEN_FIELDS:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (num_samples, seq_len):
@@ -313,6 +327,7 @@ class RolloutBatch:
         events: list[tuple[str, str]] | None = None,
         turn_rewards: list[list[tuple[int, float]]] | None = None,
         samples: list[SampleRecord] | None = None,
+        truncated: list[bool] | None = None,
     ) -> RolloutBatch:
         """Pad ragged per-sample lists into the tensor layout.
 
@@ -321,6 +336,7 @@ class RolloutBatch:
         ``advantages``: one per sample, or one per response token of each sample.
         ``turn_rewards``: per sample, (response position, reward) of each environment
         step, placed there in ``token_rewards`` (they sum to the sample's reward).
+        ``truncated``: per sample, whether its response was cut at the length limit.
         """
         num_samples = len(prompt_ids)
         for name, values in (
@@ -329,6 +345,7 @@ class RolloutBatch:
             ("rewards", rewards),
             ("advantages", advantages),
             ("group_index", group_index),
+            ("truncated", truncated if truncated is not None else group_index),
         ):
             if len(values) != num_samples:
                 raise RolloutBatchError(f"{name}: {len(values)} entries for {num_samples} samples")
@@ -397,4 +414,6 @@ class RolloutBatch:
             events=list(events or []),
             token_rewards=token_rewards,
             samples=list(samples or []),
+            truncated=(torch.tensor(truncated, dtype=torch.bool) if truncated is not None
+                       else None),
         )

@@ -330,6 +330,12 @@ class AdvantageConfig(BaseModel):
     """gae only: whiten the advantages with the rollout's mean and std over every valid
     token (global statistics, never a rank's or a mini-batch's); None: on for gae (as
     verl and TRL always do), off for every other type."""
+    bootstrap_truncated: bool = False
+    """gae only: a response cut at the length limit (finish reason "length"; an episode
+    ended by environment.max_total_tokens, the context or max_turns) is bootstrapped
+    with the critic's value at its last token, V_{K+1} = V_K, instead of 0 (an ended
+    episode), in the advantages and in the critic's targets; false: every response
+    ends with 0 (docs/ppo.md)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -343,7 +349,7 @@ class AdvantageConfig(BaseModel):
     def _gae_settings_are_gae(self) -> AdvantageConfig:
         # By value (a dumped config holds the defaults and is validated again).
         for name, unused in (("gamma", 1.0), ("lam", 0.95), ("critic_lam", 1.0),
-                             ("normalize", False)):
+                             ("normalize", False), ("bootstrap_truncated", False)):
             if getattr(self, name) != unused and self.type != "gae":
                 raise ValueError(f"{name}: only applies to type=gae, not type={self.type}")
         return self

@@ -11,6 +11,9 @@ that: they ask the estimator, never its name.
     needs_teacher        .teacher_log_probs [N, S] (the manager's teacher scores first)
     needs_token_rewards  .token_rewards [N, S]: each turn's reward on its last token
     needs_reward_spread  a group whose rewards are all equal gets advantage 0
+    needs_truncation     .truncated [N] bool: responses cut at the length limit (the
+                         batch's; an instance may set it from its settings: GAE's
+                         ``bootstrap_truncated``)
     uses_rewards         False: rewards are logged, but do not train (distillation)
 
 With the KL in the reward (``trainer.loss.kl_placement: reward``, rollout/kl_reward.py)
@@ -55,6 +58,8 @@ class AdvantageInputs:
     kl_penalty: torch.Tensor | None = None
     """[N, S] float64: β·k1 of each token with the KL in the reward (already taken off
     ``rewards`` and ``token_rewards``); None otherwise."""
+    truncated: torch.Tensor | None = None
+    """[N] bool: the responses cut at the length limit (``needs_truncation``)."""
 
 
 class AdvantageEstimator:
@@ -65,6 +70,8 @@ class AdvantageEstimator:
     needs_token_rewards: ClassVar[bool] = False
     needs_reward_spread: ClassVar[bool] = False
     uses_rewards: ClassVar[bool] = True
+    needs_truncation: bool = False
+    """Not a ClassVar: whether an estimator reads the cut flags may be a setting."""
 
     def __call__(self, inputs: AdvantageInputs) -> torch.Tensor:
         """A [N, S] of ``inputs`` (module docstring)."""
@@ -92,7 +99,8 @@ class AdvantageEstimator:
             log_probs=batch.rollout_log_probs,
             values=values if self.needs_critic else None,
             teacher_log_probs=teacher_log_probs if self.needs_teacher else None,
-            token_rewards=token_rewards, kl_penalty=kl_penalty)
+            token_rewards=token_rewards, kl_penalty=kl_penalty,
+            truncated=batch.truncated if self.needs_truncation else None)
 
     def apply(self, batch: RolloutBatch, **scored: Any) -> RolloutBatch:
         """``batch`` with this estimator's A added to its advantages (a rollout.teacher's

@@ -2,8 +2,9 @@ r"""PPO with a learned critic: GAE per token. For sample i, take its valid token
 (m_it > 0) in order, k = 1 … K (an environment's observation tokens, m = 0, are skipped:
 the time axis is the policy's own tokens); r_k is the reward placed on token k (the
 task's reward on the last token, an environment step's on the last token of its action),
-V_k the critic's value at it, V_{K+1} = 0 (with ``bootstrap``, for a response cut at the
-length limit: V_{K+1} = V_K, the critic's estimate of what the cut took away):
+V_k the critic's value at it, V_{K+1} = 0 (with ``bootstrap_truncated``, for a response
+cut at the length limit, the batch's ``truncated``: V_{K+1} = V_K, the critic's estimate
+of what the cut took away, where 0 would tell the critic the episode ended there):
 
     δ_k = r_k + γ · V_{k+1} − V_k
     A_k = δ_k + γλ · A_{k+1}                     (A_{K+1} = 0)
@@ -74,13 +75,21 @@ class GAE(AdvantageEstimator):
     needs_token_rewards: ClassVar[bool] = True
 
     def __init__(self, gamma: float = 1.0, lam: float = 0.95, critic_lam: float = 1.0,
-                 normalize: bool = False, eps: float = 1e-6) -> None:
+                 normalize: bool = False, eps: float = 1e-6,
+                 bootstrap_truncated: bool = False) -> None:
         self.gamma, self.lam, self.critic_lam = gamma, lam, critic_lam
         self.normalize, self.eps = normalize, eps
+        self.bootstrap_truncated = bootstrap_truncated
+
+    @property
+    def needs_truncation(self) -> bool:  # type: ignore[override]  # a setting here
+        """With ``bootstrap_truncated`` its inputs carry the batch's cut flags."""
+        return self.bootstrap_truncated
 
     def __call__(self, inputs: AdvantageInputs) -> torch.Tensor:
         assert inputs.values is not None and inputs.token_rewards is not None
-        raw = gae(inputs.token_rewards, inputs.values, inputs.loss_mask, self.gamma, self.lam)
+        raw = gae(inputs.token_rewards, inputs.values, inputs.loss_mask, self.gamma, self.lam,
+                  inputs.truncated)
         return self._whitened(raw, inputs.loss_mask, None).to(torch.float32)
 
     def _whitened(self, advantages: torch.Tensor, mask: torch.Tensor,
@@ -102,9 +111,11 @@ class GAE(AdvantageEstimator):
         ``critic/returns_mean`` and ``critic/advantages_{mean,std}`` (before whitening).
         ``rank_moments``: the whitening's statistics of each rank (default: the batch's
         own, which on the driver is the whole rollout); ``truncated`` [N] bool: responses
-        cut at the length limit, bootstrapped with V_{K+1} = V_K (None: none is)."""
+        cut at the length limit, bootstrapped with V_{K+1} = V_K (None: the batch's own
+        ``truncated`` with ``bootstrap_truncated``, else none is)."""
         inputs = self.inputs(batch, **scored)  # refuses a call without the values
         assert inputs.values is not None and inputs.token_rewards is not None
+        truncated = truncated if truncated is not None else inputs.truncated
         mask = batch.loss_mask
         values = torch.where(mask > 0, inputs.values.to(torch.float32), 0.0)
         raw = gae(inputs.token_rewards, values, mask, self.gamma, self.lam, truncated)

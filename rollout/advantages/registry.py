@@ -27,7 +27,7 @@ BUILTIN: dict[str, tuple[type[AdvantageEstimator], tuple[str, ...]]] = {
     "reinforce_pp": (ReinforcePP, ("eps",)),
     "reward": (Reward, ()),
     "distill": (Distill, ("coef",)),
-    "gae": (GAE, ("gamma", "lam", "critic_lam", "normalize", "eps")),
+    "gae": (GAE, ("gamma", "lam", "critic_lam", "normalize", "eps", "bootstrap_truncated")),
 }
 """Each built-in type's class and the AdvantageConfig fields it is constructed with."""
 CLASS_PATH_FIELD = "rollout.advantage.class_path"

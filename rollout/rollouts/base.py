@@ -82,6 +82,17 @@ class Sample:
     """Per response token: 1 the policy's, 0 the environment's; None: all the policy's."""
     turn_rewards: list[tuple[int, float]] | None = None
     """(response position, reward) of each environment step; None: one reward."""
+    truncated: bool | None = None
+    """The response was cut at the length limit, not ended by the policy or its
+    environment (GAE's ``bootstrap_truncated`` reads it). None: the engine's finish
+    reason says, "length" (max_new_tokens) being a cut; an episode's is set by
+    episodic.py (its ending by a budget, the context or max_turns). Resolved on
+    construction, a bool after."""
+
+    def __post_init__(self) -> None:
+        if self.truncated is None:
+            object.__setattr__(self, "truncated",
+                               self.generation.finish_reason == "length")
 
     @property
     def policy_tokens(self) -> int:

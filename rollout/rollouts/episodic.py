@@ -44,7 +44,8 @@ class Episodic(Rollout):
             texts = decode_responses(self.turns.tokenizer, [e.response_ids for e in episodes])
             played.samples += [
                 Sample(r.record, e.prompt_ids, e.generation(), e.reward, text,
-                       mask=e.response_mask, turn_rewards=e.turn_rewards)
+                       mask=e.response_mask, turn_rewards=e.turn_rewards,
+                       truncated=cut_short(e))
                 for r, e, text in zip(play.requests, episodes, texts, strict=True)]
         return played
 
@@ -86,6 +87,14 @@ class Episodic(Rollout):
         events = [("environment_failed", f"rollout step {step}: {self.config.class_path}: "
                    f"{failure}; the episode ends with reward 0") for failure in failed]
         return environment_metrics(stats), events
+
+
+def cut_short(episode: Episode) -> bool:
+    """The episode was cut at a limit: it ended without its environment saying done
+    (its token budget, the model's context, max_turns, or a next observation with no
+    room left) and without failing. A failed episode ends with reward 0 by rule
+    (rollout/episodes.py), an outcome of its own, not a cut for GAE to bootstrap."""
+    return not episode.env_done and episode.failure is None
 
 
 def _record(request: Request) -> dict:

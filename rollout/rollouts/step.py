@@ -46,8 +46,7 @@ def build_batch(groups: list[Group], first_group: int, group_size: int, pad_toke
         "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
         "rollout/response_length_mean": _mean(lengths),
         "rollout/response_length_max": float(max(lengths)),
-        "rollout/truncated_fraction": _mean([gen.finish_reason == "length"
-                                             for gen in generations]),
+        "rollout/truncated_fraction": _mean([bool(s.truncated) for s in samples]),
         **_part_metrics(samples),
     }
     holes = all(s.mask is not None for s in samples)  # episodes; else every token counts
@@ -65,6 +64,7 @@ def build_batch(groups: list[Group], first_group: int, group_size: int, pad_toke
         events=events,
         turn_rewards=[s.turn_rewards for s in samples] if holes else None,
         samples=records,
+        truncated=[bool(s.truncated) for s in samples],
     )
 
 

@@ -11,7 +11,10 @@ The estimator declares what it reads (rollout/advantages/base.py); the driver ha
 what it declared and, with ``trainer.loss.kl_placement: reward``, the penalty, which its
 inputs take off the rewards. The manager leaves such an estimator to the driver
 (``estimator_in_driver``, set by the gang) and adds only a teacher's term; ``apply`` adds
-the estimator's advantages to it.
+the estimator's advantages to it. What the batch itself carries the estimator's inputs
+read there: GAE with ``bootstrap_truncated`` declares ``needs_truncation`` and reads the
+batch's ``truncated`` flags (responses cut at the length limit), so the driver, the
+verifier's ``with_gae`` and a test all bootstrap the same samples.
 """
 
 from __future__ import annotations
