@@ -408,6 +408,11 @@ class TeacherConfig(BaseModel):
     """Samples per teacher forward pass."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The teacher's compute dtype; auto: float32 on CPU, bfloat16 on a GPU."""
+    placement: Literal["advantage", "reward"] = "advantage"
+    """Where the teacher's per-token term coef · (log π_teacher − log π_old) goes:
+    advantage (added to the estimator's advantages; a critic never sees it) or reward
+    (added to the token rewards before advantages, so GAE and the critic credit it;
+    ``advantage.type: gae`` only; rollout/teacher_reward.py)."""
 
 
 class DynamicSamplingConfig(BaseModel):
@@ -564,6 +569,16 @@ class RolloutConfig(BaseModel):
         if self.teacher is not None and self.advantage.type == "distill":
             raise ValueError("teacher: advantage.type distill names its own teacher "
                              "(advantage.teacher); rollout.teacher adds one to another type")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_in_reward_needs_gae(self) -> RolloutConfig:
+        # Only GAE reads token rewards among the built-ins; the others sum a sample's.
+        if (self.teacher is not None and self.teacher.placement == "reward"
+                and self.advantage.type != "gae"):
+            raise ValueError(f"teacher.placement: reward puts the teacher's term in the "
+                             f"token rewards, which only advantage.type gae reads, not "
+                             f"{self.advantage.type}; use placement: advantage")
         return self
 
     @model_validator(mode="after")

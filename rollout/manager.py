@@ -57,6 +57,7 @@ from rollout.rollouts import (
 from rollout.rollouts.step import Group, build_batch, groups_of, training_records
 from rollout.shards import shard_bounds
 from rollout.teacher import Teacher
+from rollout.teacher_reward import with_teacher_in_rewards
 from rollout.token_budget import model_context, prompt_budget
 from rollout.tokenizer import encode_prompt, encode_prompts, load_tokenizer
 from rollout.turns import TurnFormat
@@ -286,13 +287,18 @@ class RolloutManager(EngineWeights):
 
     def _with_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         """The estimator's advantages (none yet when it needs the critic's values: the
-        driver's), and a rollout.teacher's reverse-KL term on top of them."""
+        driver's), and a rollout.teacher's reverse-KL term: on top of them, or with
+        ``placement: reward`` in the token rewards the estimator reads (GAE's, in the
+        driver: rollout/teacher_reward.py)."""
         if self.teacher is None:
             return batch if self.estimator_in_driver else self.estimator.apply(batch)
         teacher, metadata = self._teacher_log_probs(batch)
         batch = dataclasses.replace(batch, metadata={**batch.metadata, **metadata})
         if self.estimator.needs_teacher:  # the teacher's term is the estimator's own
             return self.estimator.apply(batch, teacher_log_probs=teacher)
+        if self.teacher.placement == "reward":
+            batch = with_teacher_in_rewards(batch, teacher, self.teacher.coef)
+            return batch if self.estimator_in_driver else self.estimator.apply(batch)
         if not self.estimator_in_driver:
             batch = self.estimator.apply(batch)
         return Distill(self.teacher.coef).apply(batch, teacher_log_probs=teacher)
