@@ -183,18 +183,21 @@ class Session:
         raise AssertionError("unreachable")
 
     def forward_backward(self, data: list[dict[str, Any]], loss_fn: str = "cross_entropy",
-                         aggregation: str | dict[str, Any] = "sample_mean"
-                         ) -> Future[dict[str, Any]]:
+                         aggregation: str | dict[str, Any] = "sample_mean",
+                         **loss_settings: Any) -> Future[dict[str, Any]]:
         """Accumulate the gradient of ``data`` under ``loss_fn``; the step's denominators
-        are applied at ``optim_step``. → {"loss", "logprobs", "metrics"}"""
-        return self._post("forward_backward", {"data": data, "loss_fn": loss_fn,
-                                               "aggregation": _aggregation(aggregation)})
+        are applied at ``optim_step``. ``loss_settings``: this call's ``kl_estimator``
+        and ``rollout_correction`` (the jobs' trainer.loss names). → {"loss", "logprobs",
+        "metrics"}"""
+        return self._post("forward_backward", _loss_body(data, loss_fn, aggregation,
+                                                         loss_settings))
 
     def forward(self, data: list[dict[str, Any]], loss_fn: str = "cross_entropy",
-                aggregation: str | dict[str, Any] = "sample_mean") -> Future[dict[str, Any]]:
-        """The loss and log-probs of ``data``, no gradient. → {"loss", "logprobs"}"""
-        return self._post("forward", {"data": data, "loss_fn": loss_fn,
-                                      "aggregation": _aggregation(aggregation)})
+                aggregation: str | dict[str, Any] = "sample_mean",
+                **loss_settings: Any) -> Future[dict[str, Any]]:
+        """The loss and log-probs of ``data``, no gradient (``loss_settings`` as
+        :meth:`forward_backward`'s). → {"loss", "logprobs"}"""
+        return self._post("forward", _loss_body(data, loss_fn, aggregation, loss_settings))
 
     def optim_step(self, lr: float, betas: tuple[float, float] | None = None,
                    eps: float | None = None, weight_decay: float | None = None,
@@ -245,6 +248,14 @@ class Session:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def _loss_body(data: list[dict[str, Any]], loss_fn: str, aggregation: str | dict[str, Any],
+               settings: dict[str, Any]) -> dict[str, Any]:
+    """A forward(_backward) body; ``policy_loss`` among ``settings`` names the pg term in
+    place of ``loss_fn`` (the same field under the jobs' name)."""
+    named = {} if "policy_loss" in settings else {"loss_fn": loss_fn}
+    return {"data": data, **named, "aggregation": _aggregation(aggregation), **settings}
 
 
 def _aggregation(value: str | dict[str, Any]) -> dict[str, Any]:

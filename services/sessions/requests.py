@@ -23,11 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout.batch import RolloutBatch
 from rollout.config import SamplingConfig
 from rollout.problems import Problem
-from trainer.config import AGGREGATION_MODES, AggregationMode
+from trainer.config import AGGREGATION_MODES, AggregationMode, RolloutCorrectionConfig
 
-LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
-NEEDS_ADVANTAGES: tuple[LossFn, ...] = ("importance_sampling", "ppo")
-NEEDS_LOGPROBS: tuple[LossFn, ...] = ("importance_sampling", "ppo")
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "gspo", "cispo"]
+"""A call's pg term: a built-in policy loss of trainer/losses/ by its job name."""
+NEEDS_ADVANTAGES: tuple[LossFn, ...] = ("importance_sampling", "ppo", "gspo", "cispo")
+NEEDS_LOGPROBS: tuple[LossFn, ...] = ("importance_sampling", "ppo", "gspo", "cispo")
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "k3+"]
 MAX_DATA = 4096
 MAX_TOKENS = 32768
 
@@ -79,8 +81,27 @@ class ForwardBackward(BaseModel):
 
     data: list[Datum] = Field(min_length=1, max_length=MAX_DATA)
     loss_fn: LossFn = "cross_entropy"
+    """The pg term (Tinker's name); ``policy_loss`` is the jobs' name for it."""
+    policy_loss: LossFn | None = None
+    """``trainer.loss.policy_loss`` per call: the same as ``loss_fn`` (give either, or both
+    equal)."""
+    kl_estimator: KLEstimator | None = None
+    """``trainer.loss.kl_estimator`` for this call (None: the session's); refused as the
+    session's config refuses it (k1, or k3 without allow_biased_kl_gradient, with a KL)."""
+    rollout_correction: RolloutCorrectionConfig | None = None
+    """``trainer.loss.rollout_correction`` for this call (None: the session's)."""
     aggregation: Aggregation = Aggregation()
     request_id: str | None = _request_id()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_policy_loss(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("policy_loss") is None:
+            return data
+        if "loss_fn" in data and data["loss_fn"] != data["policy_loss"]:
+            raise ValueError(f"policy_loss: is {data['policy_loss']} but loss_fn is "
+                             f"{data['loss_fn']}; they name the same term: give one")
+        return {**data, "loss_fn": data["policy_loss"]}  # one name from here on
 
 
 class Adam(BaseModel):

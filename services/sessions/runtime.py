@@ -22,8 +22,10 @@ from typing import Any
 
 import ray
 import torch
+from pydantic import ValidationError
 
 from rollout.problems import Problem, problems_detail
+from services.config.errors import validation_error
 from services.config.job import JobConfig
 from services.driver.run_dir import CHECKPOINTS_DIR
 from services.driver.transports.object_store import ObjectStoreTransport
@@ -76,13 +78,31 @@ def _mode_text(mode: str | None, divisor: float | None) -> str:
     return f"mode {mode}" + ("" if divisor is None else f" (L={divisor:g})")
 
 
-def loss_for(base: LossConfig, loss_fn: str) -> LossConfig:
-    """The session's loss terms with ``loss_fn`` as the pg term; PPO's ratio is to the
-    sampling log-probs (the datums carry no other old policy)."""
-    update: dict[str, Any] = {"policy_loss": loss_fn}
-    if loss_fn == "ppo":
+def loss_for(base: LossConfig, request: ForwardBackward) -> LossConfig:
+    """The session's loss terms with the call's pg term (``loss_fn``/``policy_loss``) and,
+    where it names them, its ``kl_estimator`` and ``rollout_correction``; a ratio is to the
+    sampling log-probs (the datums carry no other old policy). Validated as a job's
+    ``trainer.loss`` is (a clip range left at ppo's default is another loss's default, so
+    gspo takes its own), a refusal a 422 naming the field."""
+    update: dict[str, Any] = {"policy_loss": request.loss_fn}
+    if request.loss_fn in ("ppo", "gspo", "cispo"):
         update["old_log_probs"] = "rollout"
-    return base.model_copy(update=update)
+    if request.kl_estimator is not None:
+        update["kl_estimator"] = request.kl_estimator
+    if request.rollout_correction is not None:
+        update["rollout_correction"] = request.rollout_correction.model_dump()
+        update["tis_cap"] = None  # the call's correction replaces the session's
+    settings = base.model_dump(exclude_unset=True)
+    if request.loss_fn != base.policy_loss:  # a clip range left at the default is the
+        default = LossConfig.model_fields  # new loss's default (gspo's is its own)
+        for name in ("eps_clip", "eps_clip_high"):
+            if settings.get(name, default[name].default) == default[name].default:
+                settings.pop(name, None)
+    try:
+        return LossConfig.model_validate({**settings, **update})
+    except ValidationError as err:  # the call's settings, as a job's trainer.loss is told
+        refused = validation_error(err, "forward_backward", LossConfig).problems
+        raise SessionError(422, [Problem(p.field, p.message) for p in refused]) from err
 
 
 def session_objective(config: JobConfig) -> ObjectiveConfig:
@@ -123,7 +143,8 @@ class TrainingSession:
         self.tokens = 0
         self.samples_drawn = 0
         self.pending = PendingStep()
-        self.loss_fn: str | None = None
+        self.loss: LossConfig | None = None
+        """The loss terms the ranks hold (the last call's: ``loss_for``)."""
         self.last: dict[str, Any] = {}
         self.last_call = time.monotonic()
         self.ended: str | None = None
@@ -135,10 +156,11 @@ class TrainingSession:
 
     # ---- the verbs ----------------------------------------------------------------------
 
-    def _use_loss(self, loss_fn: str) -> None:
-        if loss_fn != self.loss_fn:
-            self.trainer.use_loss(loss_for(self.config.trainer.loss, loss_fn))
-            self.loss_fn = loss_fn
+    def _use_loss(self, request: ForwardBackward) -> None:
+        loss = loss_for(self.config.trainer.loss, request)
+        if loss != self.loss:
+            self.trainer.use_loss(loss)
+            self.loss = loss
 
     def _prepare(self, request: ForwardBackward, for_step: bool) -> tuple[Any, Any, float]:
         """(batch, plan with the call's c'_i, the call's D) of a checked request."""
@@ -160,7 +182,7 @@ class TrainingSession:
         plan = self.trainer.plan(batch)
         plan = replace(plan, coefficients={"pg": coefficients, "kl": coefficients,
                                            "entropy": coefficients})
-        self._use_loss(request.loss_fn)
+        self._use_loss(request)
         return batch, plan, denominator
 
     def _objective(self, sums: dict[str, float], denominator: float) -> float:

@@ -214,3 +214,53 @@ def test_the_client_datum_carries_per_token_advantages_and_fractional_weights() 
     assert datum([5, 6], [7, 8], advantage=0.5)["advantages"] == [0.5, 0.5, 0.5]
     with pytest.raises(ValueError, match="2 advantage values for 3 response tokens"):
         datum([5], [7, 8, 9], advantage=[1.0, 2.0])
+
+
+def test_policy_loss_is_loss_fn_under_the_jobs_name_and_both_must_agree() -> None:
+    datum = make_datum()
+    named = ForwardBackward.model_validate({"data": [datum], "policy_loss": "cispo"})
+    assert named.loss_fn == "cispo"
+    same = ForwardBackward.model_validate({"data": [datum], "policy_loss": "gspo",
+                                           "loss_fn": "gspo"})
+    assert same.loss_fn == "gspo"
+    with pytest.raises(ValidationError, match="policy_loss: is gspo but loss_fn is ppo"):
+        ForwardBackward.model_validate({"data": [datum], "policy_loss": "gspo",
+                                        "loss_fn": "ppo"})
+
+
+def test_a_calls_loss_settings_are_validated_as_a_jobs_trainer_loss() -> None:
+    from services.sessions.runtime import SessionError, loss_for
+    from trainer.config import LossConfig
+
+    datum = make_datum()
+
+    def call(**fields: object) -> ForwardBackward:
+        return ForwardBackward.model_validate({"data": [datum], **fields})
+
+    gspo = loss_for(LossConfig(), call(policy_loss="gspo"))
+    assert (gspo.eps_clip, gspo.eps_clip_high, gspo.old_log_probs) == (3e-4, 4e-4, "rollout")
+    own = loss_for(LossConfig(eps_clip=0.1), call(policy_loss="gspo"))
+    assert own.eps_clip == 0.1  # the session's own setting stands
+    corrected = loss_for(LossConfig(tis_cap=2.0), call(
+        loss_fn="importance_sampling", rollout_correction={"level": "geometric",
+                                                           "mode": "mask", "high": 3.0}))
+    assert corrected.tis_cap is None and corrected.rollout_correction is not None
+    assert corrected.rollout_correction.level == "geometric"
+    assert loss_for(LossConfig(kl_coef=0.1), call(loss_fn="ppo", kl_estimator="k2")
+                    ).kl_estimator == "k2"
+    with pytest.raises(SessionError) as refused:
+        loss_for(LossConfig(kl_coef=0.1), call(loss_fn="ppo", kl_estimator="k1"))
+    assert refused.value.status == 422
+    [problem] = refused.value.problems
+    assert problem.field == "kl_estimator" and "expected gradient 0" in problem.message
+
+
+def test_a_round_tripped_session_config_still_gives_gspo_its_own_clip_range() -> None:
+    from services.sessions.runtime import loss_for
+    from trainer.config import LossConfig
+
+    round_trip = LossConfig.model_validate(LossConfig().model_dump())  # every field set
+    call = ForwardBackward.model_validate({"data": [make_datum()], "policy_loss": "gspo"})
+    gspo = loss_for(round_trip, call)
+    assert (gspo.eps_clip, gspo.eps_clip_high) == (3e-4, 4e-4)
+    assert loss_for(LossConfig.model_validate({"eps_clip": 0.05}), call).eps_clip == 0.05

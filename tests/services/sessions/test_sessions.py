@@ -6,6 +6,7 @@ the client and the README's example loop run."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import subprocess
@@ -225,6 +226,41 @@ def post(controller: ControllerProcess, session_id: str, verb: str, body: dict
          ) -> httpx.Response:
     return httpx.post(f"{controller.url}/api/sessions/{session_id}/{verb}", json=body,
                       timeout=300)
+
+
+def gspo_call_loss(data: list[dict], logprobs: list[list[float]], eps_low: float,
+                   eps_high: float) -> float:
+    """GSPO's J of one sample_mean call, written out (Zheng et al. 2025, token form):
+    s_i = exp(mean over the valid targets of log π − log π_sample), each target's loss
+    max(−A·s_i, −A·clip(s_i)), weighed by m/M_i and averaged over the N samples."""
+    total = 0.0
+    for sample, new in zip(data, logprobs, strict=True):
+        valid = [t for t, w in enumerate(sample["weights"]) if w > 0]
+        log_ratio = sum(new[t] - sample["logprobs"][t] for t in valid) / len(valid)
+        s = math.exp(log_ratio)
+        clipped = min(max(s, 1 - eps_low), 1 + eps_high)
+        size = sum(sample["weights"])
+        total += sum(sample["weights"][t] / size * max(-sample["advantages"][t] * s,
+                                                      -sample["advantages"][t] * clipped)
+                     for t in valid)
+    return total / len(data)
+
+
+def test_a_call_names_its_policy_loss_and_correction_as_a_job_does(shared) -> None:
+    """``policy_loss``, ``kl_estimator`` and ``rollout_correction`` per call, the jobs'
+    names: a gspo call's J is GSPO's formula over the log-probs it returns (its own clip
+    range, 3e-4 / 4e-4, since the session set none), and a bad setting is a 422 naming
+    the field."""
+    data = random_data(8, seed=11)
+    answer = shared.forward(data, policy_loss="gspo", kl_estimator="k2",
+                            rollout_correction={"level": "sequence", "mode": "mask"}).result()
+    want = gspo_call_loss(data, answer["logprobs"], 3e-4, 4e-4)
+    assert answer["loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)
+    ppo = shared.forward(data, "ppo").result()["loss"]
+    assert abs(ppo - want) > 1e-4  # the policy loss named reached the ranks
+    status, detail = detail_of(shared.forward(data, "ppo", rollout_correction={
+        "mode": "truncate", "low": 0.5}))
+    assert status == 422 and "rollout_correction" in detail and "low" in detail
 
 
 def test_a_call_failed_on_rank_1_is_undone_and_a_repeated_request_id_applies_once(
