@@ -20,11 +20,14 @@ from services.verify.objective.planted import PLANTED_ERRORS, planted_production
 
 if TYPE_CHECKING:
     from services.verify.objective.setting import Setting
+    from trainer.config import LossConfig
 
 TOLERANCE = 1e-10
 """Largest |Δ| of any gradient entry or of J (float64)."""
 SECOND_TEMPERATURE = 0.7
 """Added when the job samples at T = 1, where a dropped temperature would not show."""
+DEFAULT_VALUE_CLIP = 0.2
+"""The clipped value row's ε when the job's critic has none (``critic.value_clip: null``)."""
 
 __all__ = ["PLANTED_ERRORS", "TOLERANCE", "Result", "check_temperatures", "verify_objective"]
 
@@ -53,7 +56,7 @@ def check_temperatures(temperature: float) -> tuple[float, ...]:
     return (temperature,) if temperature != 1.0 else (1.0, SECOND_TEMPERATURE)
 
 
-def results(loss: object, temperature: float, value_clip: float | None,
+def results(loss: LossConfig, temperature: float, value_clip: float | None,
             planted: Iterable[str] = (), echo: Callable[[str], None] = print,
             setting: Setting | None = None) -> list[Result]:
     """Every row's Result (``planted``: errors put into production's functions, tests;
@@ -69,21 +72,20 @@ def results(loss: object, temperature: float, value_clip: float | None,
     production = planted_production(frozenset(planted))
     setting = setting if setting is not None else build_setting()
     out = []
-    for check in policy_checks(loss, echo):  # type: ignore[arg-type]
+    for check in policy_checks(loss, echo):
         runs = [run_policy_check(check, setting, production, t)
                 for t in check_temperatures(temperature)]
         out.append(Result(check.name, check.family, runs[0][0],
                           *(max(r[i] for r in runs) for i in range(1, 4))))
-    clips = {f"value clip={value_clip:g}" if value_clip is not None else "value clip=0.2":
-             value_clip if value_clip is not None else 0.2, "value unclipped": None}
-    for name, clip in clips.items():
+    epsilon = value_clip if value_clip is not None else DEFAULT_VALUE_CLIP
+    for name, clip in ((f"value clip={epsilon:g}", epsilon), ("value unclipped", None)):
         out.append(Result(name, "value", *run_value_check(setting, production, temperature,
                                                           clip)))
     out.append(Result("bt", "bt", *run_pair_check(setting, production)))
     return out
 
 
-def verify_objective(loss: object, temperature: float, value_clip: float | None,
+def verify_objective(loss: LossConfig, temperature: float, value_clip: float | None,
                      planted: Iterable[str] = (), echo: Callable[[str], None] = print,
                      setting: Setting | None = None) -> int:
     """Print one row per term and variant; 0 when every row is within TOLERANCE, else 1."""

@@ -51,7 +51,7 @@ def _unbounded(loss: Any) -> Any:
     update: dict[str, Any] = {}
     if loss.tis_cap is not None:
         update["tis_cap"] = UNBOUNDED
-    correction = getattr(loss, "rollout_correction", None)
+    correction = loss.rollout_correction
     if correction is not None:
         bounds = {"high": UNBOUNDED, "low": 0.0 if correction.mode == "mask" else None}
         update["rollout_correction"] = correction.model_copy(update=bounds)

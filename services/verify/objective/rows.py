@@ -68,19 +68,17 @@ def loss_variant(loss: LossConfig, **fields: Any) -> LossConfig:
 
 def _corrections(loss: LossConfig, name: str) -> Iterator[tuple[str, dict[str, Any], str,
                                                                str, float, float]]:
-    """(row label, config fields, level, mode, low, high) of each correction row."""
-    job = getattr(loss, "correction", None)
-    high = job.high if job is not None else (loss.tis_cap or DEFAULT_CORRECTION_HIGH)
-    if "rollout_correction" not in LossConfig.model_fields:  # production has tis_cap only
-        yield "tis_cap", {"tis_cap": high}, "token", "truncate", 0.0, high
-        return
-    all_kinds = name in ("ppo", "importance_sampling")  # one loss of each kind
+    """(row label, config fields, level, mode, low, high) of each correction row: every
+    level and mode for one loss of each kind (ppo: old_policy, importance_sampling:
+    own_ratio), token truncation for the others, and ppo under the legacy tis_cap."""
+    job = loss.correction
+    high = job.high if job is not None else DEFAULT_CORRECTION_HIGH
+    low = job.low if job is not None and job.low is not None else 1 / high
+    all_kinds = name in ("ppo", "importance_sampling")
     for level in ("token", "sequence", "geometric") if all_kinds else ("token",):
         for mode in ("truncate", "mask") if all_kinds else ("truncate",):
-            low = (job.low if job is not None and job.low is not None else 1 / high)
-            fields = {"level": level, "mode": mode, "high": high}
-            if mode == "mask":
-                fields["low"] = low
+            fields = {"level": level, "mode": mode, "high": high,
+                      **({"low": low} if mode == "mask" else {})}
             yield (f"{level}-{mode}", {"rollout_correction": fields}, level, mode,
                    low if mode == "mask" else 0.0, high)
     if name == "ppo":
@@ -96,46 +94,57 @@ def _on_policy_reference(formula: PolicyFormula, loss: LossConfig, length: int) 
                                          formulas.policy_gradient(p) / length)
 
 
+def _correction_reference(config: LossConfig, formula: PolicyFormula, level: str, mode: str,
+                          low: float, high: float) -> Reference:
+    def reference(p: Policies) -> torch.Tensor:
+        behaviour = p.log_old if formula.correction == "old_policy" else p.log_pi
+        weight = formulas.correction_weight(p, level, mode, low, high, behaviour)
+        return formulas.expected_pg(p, config, formula, weight)
+    return reference
+
+
+def loss_checks(loss: LossConfig, name: str, formula: PolicyFormula) -> list[PolicyCheck]:
+    """The rows of one policy loss: on- and off-policy, its variants, its corrections."""
+    length = 2 if formula.sequence_level else 1
+    plain = loss_variant(loss, policy_loss=name)
+    off = formula.off_policy or (lambda p, c: formulas.expected_pg(p, c, formula))
+    checks = [
+        PolicyCheck(f"pg/{name} on-policy", "pg", "pg", plain, length, "on-policy",
+                    _on_policy_reference(formula, plain, length)),
+        PolicyCheck(f"pg/{name} off-policy", "pg", "pg", plain, length, "off-policy",
+                    lambda p: off(p, plain))]
+    for variant, fields in formula.variants.items():
+        # the job's own value of a variant's field when it sets one
+        config = loss_variant(loss, policy_loss=name, **{
+            key: getattr(loss, key) if getattr(loss, key) is not None else value
+            for key, value in fields.items()})
+        checks.append(PolicyCheck(
+            f"pg/{name} {variant} off-policy", "pg", "pg", config, length, "off-policy",
+            lambda p, c=config: formulas.expected_pg(p, c, formula)))
+    if formula.correction is not None:
+        for label, fields, level, mode, low, high in _corrections(loss, name):
+            config = loss_variant(loss, policy_loss=name, **fields)
+            checks.append(PolicyCheck(
+                f"correction/{label} {name}", "pg", "correction", config,
+                max(length, 1 if level == "token" else 2), "corrected",
+                _correction_reference(config, formula, level, mode, low, high)))
+    return checks
+
+
 def policy_checks(loss: LossConfig, echo: Callable[[str], None]) -> list[PolicyCheck]:
-    """Every policy-side row, iterating production's registries (a policy loss without a
-    documented formula here is skipped with a note)."""
+    """Every policy-side row, iterating production's registries (a policy loss or KL
+    estimator without a documented formula here is skipped with a note)."""
     checks = []
+    if loss.policy_loss not in POLICY_LOSSES:  # custom: the user's class documents itself
+        echo(f"note: the job's policy loss {loss.policy_loss!r} ({loss.class_path}) has no "
+             "documented formula here; the built-in losses are checked instead")
     for name in POLICY_LOSSES:
         formula = POLICY_FORMULAS.get(name)
         if formula is None:
             echo(f"note: policy loss {name!r} has no documented formula in "
                  "services/verify/objective/formulas.py; skipped")
             continue
-        length = 2 if formula.sequence_level else 1
-        plain = loss_variant(loss, policy_loss=name)
-        checks.append(PolicyCheck(f"pg/{name} on-policy", "pg", "pg", plain, length,
-                                  "on-policy", _on_policy_reference(formula, plain, length)))
-        off = formula.off_policy or (lambda p, c, f=formula: formulas.expected_pg(p, c, f))
-        variants = {"off-policy": {}, **{f"{v} off-policy": fields
-                                          for v, fields in formula.variants.items()}}
-        for label, fields in variants.items():
-            config = loss_variant(loss, policy_loss=name, **fields)
-            if "dual_clip_c" in fields and loss.dual_clip_c is not None:
-                config = loss_variant(loss, policy_loss=name, dual_clip_c=loss.dual_clip_c)
-            reference = ((lambda p, c=config, o=off: o(p, c)) if not fields else
-                         (lambda p, c=config, f=formula: formulas.expected_pg(p, c, f)))
-            checks.append(PolicyCheck(f"pg/{name} {label}", "pg", "pg", config, length,
-                                      "off-policy", reference))
-        if formula.correction is None:
-            continue
-        for label, fields, level, mode, low, high in _corrections(loss, name):
-            config = loss_variant(loss, policy_loss=name, **fields)
-            row_length = max(length, 1 if level == "token" else 2)
-
-            def reference(p: Policies, c: LossConfig = config, f: PolicyFormula = formula,
-                          lv: str = level, md: str = mode, lo: float = low,
-                          hi: float = high) -> torch.Tensor:
-                behaviour = p.log_old if f.correction == "old_policy" else p.log_pi
-                weight = formulas.correction_weight(p, lv, md, lo, hi, behaviour)
-                return formulas.expected_pg(p, c, f, weight)
-
-            checks.append(PolicyCheck(f"correction/{label} {name}", "pg", "correction",
-                                      config, row_length, "corrected", reference))
+        checks.extend(loss_checks(loss, name, formula))
     estimators = typing.get_args(LossConfig.model_fields["kl_estimator"].annotation)
     for estimator in estimators:
         kl = formulas.KL_FORMULAS.get(estimator)

@@ -80,8 +80,7 @@ def test_the_variants_the_rows_name_are_active(clean: dict[str, Result]) -> None
     pairs = [(name, name.replace("-truncate ", "-mask ")) for name in value
              if name.startswith("correction/") and "-truncate " in name
              and name.replace("-truncate ", "-mask ") in value]
-    if "rollout_correction" in LossConfig.model_fields:  # else tis_cap is the only one
-        assert len(pairs) == 6  # token, sequence, geometric × ppo, importance_sampling
+    assert len(pairs) == 6  # token, sequence, geometric × ppo, importance_sampling
     for truncate, mask in pairs:
         assert abs(value[truncate] - value[mask]) > 1e-4
     assert abs(value["kl/k2"] - value["kl/k3+"]) > 1e-3  # k2's value is not KL's
@@ -125,3 +124,17 @@ def test_the_command_exits_0_on_the_demo_and_prints_a_row_per_term() -> None:
     lines = outcome.output.splitlines()
     assert lines[-1].split()[0].split("/")[0] == lines[-1].split()[0].split("/")[1]
     assert any(line.startswith("kl/k3+") and line.endswith("ok") for line in lines)
+
+
+def test_a_registry_entry_without_a_formula_is_skipped_with_a_note(
+        demo_job: JobConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.verify.objective import rows
+
+    monkeypatch.setitem(rows.POLICY_LOSSES, "made_up", POLICY_LOSSES["ppo"])
+    notes: list[str] = []
+    checks = rows.policy_checks(demo_job.trainer.loss, notes.append)
+    assert notes == ["note: policy loss 'made_up' has no documented formula in "
+                     "services/verify/objective/formulas.py; skipped"]
+    assert not any("made_up" in check.name for check in checks)
+    assert {check.name for check in checks} >= {f"pg/{name} on-policy" for name in POLICY_LOSSES
+                                                if name != "made_up"}
