@@ -62,7 +62,8 @@ def test_every_builtin_type_resolves_with_its_settings() -> None:
     assert vars(build_estimator(configs["grpo"])) == {"normalize_std": False, "eps": 0.5}
     assert vars(build_estimator(configs["distill"])) == {"coef": 0.5}
     assert vars(build_estimator(configs["gae"])) == {
-        "gamma": 0.9, "lam": 0.8, "critic_lam": 1.0, "normalize": True, "eps": 1e-6}
+        "gamma": 0.9, "lam": 0.8, "critic_lam": 1.0, "normalize": True, "eps": 1e-6,
+        "bootstrap_truncated": False}
 
 
 def test_what_each_builtin_declares_it_needs() -> None:
