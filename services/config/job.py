@@ -34,6 +34,7 @@ from services.config.errors import ConfigError, ConfigProblem, validation_error
 from services.config.errors import error_field as error_field  # where the controller finds it
 from services.driver.config import EvalConfig, LoggingConfig
 from trainer.config import (
+    GSPO_EPS_CLIP,
     LORA_ALL_LINEAR,
     AggregationConfig,
     CriticConfig,
@@ -423,11 +424,13 @@ class JobConfig(BaseModel):
         if self.num_updates_per_rollout > 1 or loss.old_log_probs == "rollout":
             return said
         why = ("has no effect: with one update per rollout and old_log_probs: trainer the "
-               "PPO ratio is exactly 1 (set rollout.rollout_batch_size or "
+               f"{loss.policy_loss} ratio is exactly 1 (set rollout.rollout_batch_size or "
                "trainer.ppo_epochs for several updates)")
+        gspo_default = loss.policy_loss == "gspo" and loss.eps_clip_high == GSPO_EPS_CLIP[1]
         return said + [ConfigProblem(f"trainer.loss.{name}", why)
                        for name in ("eps_clip_high", "dual_clip_c")
-                       if getattr(loss, name) is not None]
+                       if getattr(loss, name) is not None
+                       and not (name == "eps_clip_high" and gspo_default)]
 
     @property
     def max_response_len(self) -> int:

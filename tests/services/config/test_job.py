@@ -298,7 +298,11 @@ def test_options_inert_with_one_update_per_rollout_warn() -> None:
     warnings = parse_job_config(text).warnings()
     assert [w.field for w in warnings] == ["trainer.loss.eps_clip_high",
                                            "trainer.loss.dual_clip_c"]
-    assert "PPO ratio is exactly 1" in warnings[0].message
+    assert "ppo ratio is exactly 1" in warnings[0].message
+    # gspo's own clip default is no setting of the user's: nothing to warn about
+    assert parse_job_config("trainer: {loss: {policy_loss: gspo}}\n").warnings() == []
+    own = parse_job_config("trainer: {loss: {policy_loss: gspo, eps_clip_high: 0.01}}\n")
+    assert [w.field for w in own.warnings()] == ["trainer.loss.eps_clip_high"]
     several = parse_job_config(text + "rollout: {rollout_batch_size: 16}\n")
     assert several.warnings() == []
     rollout_ratio = parse_job_config(
