@@ -3,7 +3,8 @@ mapping (services/runtime/exit_codes.py: 2 refused before anything started, 1 ra
 
     jobs.py         train, demo, validate, eval, warmup, schema
     rm.py           train-rm
-    verify.py       verify-aggregation, aggregation-demo (the programs: services/verify/)
+    verify.py       verify-aggregation, verify-objective, aggregation-demo (the programs:
+                    services/verify/)
     models.py       import-model
     checkpoints.py  export, checkpoint verify
     controller.py   serve, submit, jobs, status, logs, samples, cancel
@@ -43,6 +44,7 @@ def main(version: Annotated[bool, typer.Option(
 for _name, _command in (
         ("train", jobs.train), ("train-rm", rm.train_rm), ("validate", jobs.validate),
         ("eval", jobs.eval_command), ("verify-aggregation", verify.verify_aggregation),
+        ("verify-objective", verify.verify_objective),
         ("import-model", models.import_model_command), ("export", checkpoints.export_command),
         ("warmup", jobs.warmup), ("schema", jobs.schema),
         ("aggregation-demo", verify.aggregation_demo), ("demo", jobs.demo),
