@@ -164,3 +164,12 @@ def test_readme_first_commands_with_num_steps_cut_to_2_then_ppo_epochs_and_expor
         config = (tmp_path / folder / "config.json").read_text()
         assert f'"torch_dtype": "{dtype}"' in config
         assert (tmp_path / folder / "model.safetensors").is_file()
+
+
+def test_readme_verify_objective_block_verbatim(tmp_path: Path) -> None:
+    """The README's verify-objective block as written: every term holds, exit 0."""
+    block = block_with("tally verify-objective")
+    result = run_in_venv(block, tmp_path, 300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "terms hold to their formula" in result.stdout
+    assert " ok" in result.stdout and "FAIL" not in result.stdout
