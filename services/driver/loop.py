@@ -35,6 +35,7 @@ import ray
 
 from rollout.advantages import AdvantageEstimator, build_estimator
 from rollout.batch import RolloutBatch
+from rollout.remote import RemoteOutage
 from services.config.job import JobConfig
 from services.driver import checkpoint
 from services.driver.advantages import KLInReward, driver_advantages
@@ -414,14 +415,18 @@ ACTOR_NAMES = {"RolloutManager": "the rollout manager"}
 
 def failure(err: BaseException) -> tuple[str, bool]:
     """One line that says why the job's actors failed, and whether it is a fault a
-    restart may get past: a process killed, a node lost or a call past its timeout is;
-    an exception raised by an actor's constructor, setup or verb is not (its cause, in
-    Python's words, is the line)."""
+    restart may get past: a process killed, a node lost, a call past its timeout or a
+    remote reward endpoint down for a step (RemoteOutage) is; any other exception raised
+    by an actor's constructor, setup or verb is not (its cause, in Python's words, is the
+    line)."""
     cause = err.__cause__ if isinstance(err, TrainerRankDied) else err
     if isinstance(cause, ray.exceptions.RayTaskError) and not isinstance(
             cause.cause, ray.exceptions.RayError):
         said = "; ".join(str(cause.cause).strip().splitlines())
-        return f"{_actor_of(str(cause))} failed: {type(cause.cause).__name__}: {said}", False
+        # A remote reward endpoint that stayed down is outside the job: a restart may
+        # find it back, so it is a fault (rollout/remote.py); any other raise is not.
+        return (f"{_actor_of(str(cause))} failed: {type(cause.cause).__name__}: {said}",
+                isinstance(cause.cause, RemoteOutage))
     text = ANSI.sub("", str(cause))
     if (isinstance(cause, ray.exceptions.RayActorError) and cause.actor_init_failed
             and not any(word in text for word in FAULT_WORDS)):
