@@ -4,7 +4,10 @@
 ``prompt`` is a string or a list of chat messages (``{"role", "content"}``), ``chosen``
 and ``rejected`` are the two responses to it, the first preferred. An optional ``kind``
 (a string) names the sort of pair (e.g. how the rejected response is wrong) so held-out
-accuracy can be reported per kind; other keys are ignored. A file is read whole before
+accuracy can be reported per kind. When the run names a margin column (``data.margin``,
+``"margin"`` by default), every record has it: a finite number m, the margin by which the
+chosen response should win (−log σ(r⁺ − r⁻ − m), TRL's ``RewardTrainer`` column);
+without one, a ``margin`` key is ignored like any other. A file is read whole before
 anything starts: the first bad record is refused in one line naming the file, the line
 and the field (``data/pairs.jsonl line 7: missing "chosen"``).
 """
@@ -12,6 +15,7 @@ and the field (``data/pairs.jsonl line 7: missing "chosen"``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,9 @@ class PreferencePair:
     """The pair's kind, when the file says (per-kind held-out accuracy)."""
     where: str = ""
     """``<path> line <n>``: where the record is, for what is said about it later."""
+    margin: float = 0.0
+    """m in −log σ(r⁺ − r⁻ − m) (trainer/bradley_terry.py): the record's margin column, 0
+    when the run reads none."""
 
 
 def _messages_problem(prompt: list[Any]) -> str | None:
@@ -46,8 +53,25 @@ def _messages_problem(prompt: list[Any]) -> str | None:
     return None
 
 
-def parse_pair(line: str, where: str) -> PreferencePair:
-    """One JSONL line as a pair; PreferenceDataError starting with ``where``."""
+def _margin(record: dict[str, Any], key: str, where: str) -> float:
+    if key not in record:
+        raise PreferenceDataError(f'{where}: missing "{key}" (the margin column, '
+                                  "data.margin)")
+    value = record[key]
+    try:  # bool is an int to Python, not a margin; a huge int overflows a float
+        margin = float(value) if isinstance(value, int | float) and not isinstance(
+            value, bool) else math.nan
+    except OverflowError:
+        margin = math.nan
+    if not math.isfinite(margin):
+        raise PreferenceDataError(f'{where}: "{key}" (the margin) must be a finite number, '
+                                  f"got {json.dumps(value)[:40]}")
+    return margin
+
+
+def parse_pair(line: str, where: str, margin_key: str | None = None) -> PreferencePair:
+    """One JSONL line as a pair, its margin read from ``margin_key`` when given;
+    PreferenceDataError starting with ``where``."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -75,13 +99,16 @@ def parse_pair(line: str, where: str) -> PreferencePair:
     if kind is not None and not isinstance(kind, str):
         raise PreferenceDataError(f'{where}: "kind" must be a string, got '
                                   f"{type(kind).__name__}")
-    return PreferencePair(prompt, record["chosen"], record["rejected"], kind, where)
+    margin = 0.0 if margin_key is None else _margin(record, margin_key, where)
+    return PreferencePair(prompt, record["chosen"], record["rejected"], kind, where, margin)
 
 
-def read_preference_pairs(path: str | Path, field: str = "") -> list[PreferencePair]:
+def read_preference_pairs(path: str | Path, field: str = "",
+                          margin_key: str | None = None) -> list[PreferencePair]:
     """Every record of a JSONL file (blank lines skipped), or PreferenceDataError in one
     line: ``<path> line <n>: <what is wrong>`` (``field``: the config field that named the
-    file, said when the file is missing or holds no pair)."""
+    file, said when the file is missing or holds no pair; ``margin_key``: the margin
+    column every record must have, None: no margin)."""
     path = Path(path)
     named = f"{field}: " if field else ""
     if not path.is_file():
@@ -93,7 +120,7 @@ def read_preference_pairs(path: str | Path, field: str = "") -> list[PreferenceP
         except UnicodeDecodeError:
             raise PreferenceDataError(f"{path} line {number}: not UTF-8 text") from None
         if line.strip():
-            pairs.append(parse_pair(line, f"{path} line {number}"))
+            pairs.append(parse_pair(line, f"{path} line {number}", margin_key))
     if not pairs:
         raise PreferenceDataError(f"{named}{path}: holds no preference pair")
     return pairs

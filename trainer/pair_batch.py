@@ -3,7 +3,8 @@ to DP ranks and micro-batches) and one micro-batch's rows.
 
 Row 2p of a :class:`PairBatch` is pair p's chosen sequence, row 2p + 1 its rejected one.
 The plan never splits a pair: both sequences go to one micro-batch of one DP rank, so a
-pair's Bradley–Terry term is computed where both of its scores are (trainer/bradley_terry.py).
+pair's loss term (Bradley–Terry with its margin, and centring) is computed where both of
+its scores are (trainer/bradley_terry.py); a pair's margin travels with it.
 
 Ranks get pairs by longest-first greedy balancing of their tokens; each rank's pairs, in
 batch order, fill micro-batches of at most ``max_tokens`` tokens: real tokens of one
@@ -33,6 +34,9 @@ class PairBatch:
     """int64 [2P, S]: row 2p pair p's chosen, row 2p + 1 its rejected, right-padded."""
     lengths_N: torch.Tensor
     """int64 [2P]: tokens of each sequence (≥ 1); its score is read at lengths − 1."""
+    margin_P: torch.Tensor | None = None
+    """float64 [P]: pair p's margin m_p in −log σ(r⁺ − r⁻ − m_p) (trainer/bradley_terry.py);
+    None: every margin 0."""
 
     def __post_init__(self) -> None:
         ids, lengths = self.input_ids_NS, self.lengths_N
@@ -41,22 +45,30 @@ class PairBatch:
                              f"{tuple(ids.shape)} and {tuple(lengths.shape)}")
         if ids.shape[0] and (int(lengths.min()) < 1 or int(lengths.max()) > ids.shape[1]):
             raise ValueError("pair batch: every length is between 1 and the row width")
+        margin = self.margin_P
+        if margin is not None and (margin.shape != (self.num_pairs,)
+                                   or margin.dtype != torch.float64
+                                   or not bool(torch.isfinite(margin).all())):
+            raise ValueError(f"pair batch: margin is finite float64 [P = {self.num_pairs}], "
+                             f"got {margin.dtype} {tuple(margin.shape)}")
 
     @property
     def num_pairs(self) -> int:
         return self.input_ids_NS.shape[0] // 2
 
     @classmethod
-    def from_sequences(cls, pairs: list[tuple[list[int], list[int]]], pad_id: int
-                       ) -> PairBatch:
-        """(chosen ids, rejected ids) per pair, right-padded with ``pad_id``."""
+    def from_sequences(cls, pairs: list[tuple[list[int], list[int]]], pad_id: int,
+                       margins: list[float] | None = None) -> PairBatch:
+        """(chosen ids, rejected ids) per pair, right-padded with ``pad_id``; ``margins``:
+        each pair's m_p (None: all 0)."""
         sequences = [ids for pair in pairs for ids in pair]
         lengths = torch.tensor([len(ids) for ids in sequences], dtype=torch.int64)
         width = int(lengths.max()) if len(sequences) else 1
         input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)
         for row, ids in enumerate(sequences):
             input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        return cls(input_ids, lengths)
+        margin = None if margins is None else torch.tensor(margins, dtype=torch.float64)
+        return cls(input_ids, lengths, margin)
 
 
 @dataclass(frozen=True)
@@ -128,19 +140,24 @@ class PairMicroBatch:
     score_cols: torch.Tensor
     weight: float
     """1, or 0 for an empty micro-batch (pair 0 run for nothing)."""
+    margin: torch.Tensor | None = None
+    """float64 [k]: these pairs' margins m_p, in order (None: all 0)."""
 
     def to(self, device: torch.device) -> PairMicroBatch:
         return PairMicroBatch(self.input_ids.to(device), self.position_ids.to(device),
                               None if self.layout is None else self.layout.to(device),
                               self.score_rows.to(device), self.score_cols.to(device),
-                              self.weight)
+                              self.weight,
+                              None if self.margin is None else self.margin.to(device))
 
 
 def slice_pairs(batch: PairBatch, pairs: tuple[int, ...], packed: bool) -> PairMicroBatch:
-    """The rows of ``pairs`` (empty: pair 0 with weight 0), packed or padded."""
+    """The rows of ``pairs`` (empty: pair 0 with weight 0), packed or padded, with their
+    margins."""
     index = torch.tensor([s for p in (pairs or (0,)) for s in (2 * p, 2 * p + 1)])
     lengths = batch.lengths_N[index]
     weight = 1.0 if pairs else 0.0
+    margin = None if batch.margin_P is None else batch.margin_P[index[0::2] // 2]
     if packed:
         layout = RowLayout.build(lengths)
         row = torch.cat([batch.input_ids_NS[i, :n] for i, n in zip(index.tolist(),
@@ -148,8 +165,8 @@ def slice_pairs(batch: PairBatch, pairs: tuple[int, ...], packed: bool) -> PairM
                                                                    strict=True)])
         ends = torch.cumsum(lengths, 0) - 1
         return PairMicroBatch(row[None], layout.position_T[None], layout,
-                              torch.zeros_like(ends), ends, weight)
+                              torch.zeros_like(ends), ends, weight, margin)
     width = int(lengths.max())
     positions = torch.arange(width)[None].expand(len(index), -1).contiguous()
     return PairMicroBatch(batch.input_ids_NS[index, :width], positions, None,
-                          torch.arange(len(index)), lengths - 1, weight)
+                          torch.arange(len(index)), lengths - 1, weight, margin)

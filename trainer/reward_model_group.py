@@ -22,10 +22,15 @@ class RewardModelGroup(RankGroup):
     """One actor per DP rank training a one-label sequence classifier on pairs."""
 
     def __init__(self, config: TrainerConfig, model_path: str, total_steps: int,
-                 pad_token_id: int, env_vars: dict[str, str] | None = None) -> None:
+                 pad_token_id: int, env_vars: dict[str, str] | None = None,
+                 center_rewards_coefficient: float = 0.0) -> None:
+        """``center_rewards_coefficient``: c of the centring term (trainer/bradley_terry.py);
+        each pair's margin comes with the batch."""
         super().__init__(config, ObjectiveConfig(), model_path, total_steps,
                          env_vars=env_vars, worker=REWARD_MODEL_WORKER,
-                         worker_kwargs={"pad_token_id": pad_token_id})
+                         worker_kwargs={"pad_token_id": pad_token_id,
+                                        "center_rewards_coefficient":
+                                            center_rewards_coefficient})
 
     def plan_pairs(self, batch: PairBatch) -> PairPlan:
         return plan_pairs(batch.lengths_N, self.config.dp_size,

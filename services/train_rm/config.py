@@ -1,6 +1,7 @@
 """The configuration of ``tally train-rm``: one reward-model training run, validated
-before anything starts. Imports only pydantic, PyYAML and the packages' ``config``
-modules (no torch, no Ray); problems name their field as a job config's do.
+before anything starts. Imports only pydantic, PyYAML, the packages' ``config`` modules
+and the record keys of rollout/preference_pairs.py (no torch, no Ray); problems name
+their field as a job config's do.
 
 The ranks take the policy trainer's own schema (``trainer:``, trainer/config.py) for
 their layout, precision, micro-batching and optimizer; what has no meaning for a reward
@@ -13,9 +14,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rollout.config_paths import FILE, MODEL, OUTPUT
+from rollout.preference_pairs import REQUIRED
 from services.config.errors import validation_error
 from services.config.job import apply_override, job_mapping, load_yaml, read_config_text
 from trainer.config import LossConfig, TrainerConfig
@@ -32,6 +42,26 @@ class PreferenceDataConfig(BaseModel):
     test: str | None = Field(default=None, min_length=1, json_schema_extra=FILE)
     """Held-out pairs: their accuracy and loss every eval_every steps and at the end
     (null: no evaluation)."""
+    margin: StrictBool | str = False
+    """Each pair's margin m in −log σ(r⁺ − r⁻ − m) (TRL's RewardTrainer): true reads
+    every record's "margin" key, a string names the key; every record must then have a
+    finite number there (false: no margin, m = 0)."""
+
+    @field_validator("margin")
+    @classmethod
+    def _margin_is_a_column(cls, value: bool | str) -> bool | str:
+        if isinstance(value, str) and (not value.strip() or value in (*REQUIRED, "kind")):
+            raise ValueError(f"{value!r} cannot be the margin column: give true (the "
+                             "\"margin\" key) or the name of a key that holds the margin, "
+                             f"not empty or one of {', '.join(REQUIRED)}, kind")
+        return value
+
+    @property
+    def margin_key(self) -> str | None:
+        """The key every record's margin is read from (None: no margin)."""
+        if isinstance(self.margin, str):
+            return self.margin
+        return "margin" if self.margin else None
 
 
 class RewardModelConfig(BaseModel):
@@ -51,6 +81,11 @@ class RewardModelConfig(BaseModel):
     same setting (the output folder's tally_reward_model.json says it)."""
     data: PreferenceDataConfig
     """Train and held-out preference pairs."""
+    center_rewards_coefficient: float = Field(default=0.0, ge=0, le=1e6,
+                                              allow_inf_nan=False)
+    """c: adds c · mean over the step's pairs of (r⁺ + r⁻)² to the loss, pulling each
+    pair's mean score to 0 (TRL's center_rewards_coefficient; Eisenstein et al. 2023 use
+    0.01); 0: no centring term."""
     max_length: int = Field(default=512, ge=2, le=1_048_576)
     """Tokens of one scored text at most: a longer one keeps its last max_length tokens
     (the end, where the score is read), as the reward actor does."""

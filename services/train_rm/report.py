@@ -20,12 +20,18 @@ EVAL_SCORES_FILE = "eval_scores.jsonl"
 """The final model's score of each held-out pair: {"pair", "kind", "chosen", "rejected"}."""
 
 
-def held_out_metrics(scores: torch.Tensor, kinds: list[str | None]) -> dict[str, float]:
-    """``eval/loss``, ``eval/accuracy``, ``eval/margin``, mean scores, and
+def held_out_metrics(scores: torch.Tensor, kinds: list[str | None],
+                     margins: list[float] | None = None,
+                     center_rewards_coefficient: float = 0.0) -> dict[str, float]:
+    """``eval/loss`` (the training loss: each pair's margin, the centring term with
+    coefficient ``center_rewards_coefficient``), ``eval/loss/bradley_terry``,
+    ``eval/accuracy``, ``eval/margin``, mean scores, ``eval/score/centring`` and
     ``eval/accuracy/<kind>`` for each kind of pair the file names, from every held-out
-    sequence's score [2P]."""
+    sequence's score [2P] (``margins``: each pair's, None: all 0)."""
     chosen, rejected = scores[0::2], scores[1::2]
-    _, sums = pair_objective(chosen, rejected, len(kinds))
+    margin = None if margins is None else torch.tensor(margins, dtype=torch.float64)
+    _, sums = pair_objective(chosen, rejected, len(kinds), margin=margin,
+                             center_coefficient=center_rewards_coefficient)
     metrics = pair_metrics(sums, len(kinds), prefix="eval/")
     correct = (chosen > rejected).double()
     for kind in sorted({k for k in kinds if k is not None}):

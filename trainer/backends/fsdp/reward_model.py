@@ -10,7 +10,8 @@ transformers' own forward pools the head's output at one position per row; to sc
 packed rows the rank runs the same decoder and head and reads every sequence's last
 token itself (:func:`token_scores`): the same number, r(x) of rollout/reward_text.py.
 
-Verbs: ``pair_train_step`` (the Bradley–Terry loss of trainer/bradley_terry.py,
+Verbs: ``pair_train_step`` (the Bradley–Terry loss of trainer/bradley_terry.py, with each
+pair's margin and the centring term c · mean (r⁺ + r⁻)² over the step's pairs,
 backpropagated, gradients summed over DP, one optimizer step), ``pair_scores`` (every
 sequence's score, no update), ``pair_gradients`` (tests: the summed gradients) and
 ``save_reward_model`` (a Hugging Face folder).
@@ -74,12 +75,15 @@ class FSDPRewardModelWorker(FSDPRank):
     Bradley–Terry loss on whole pairs; its verbs are the pair verbs only."""
 
     def __init__(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
-                 rank: int, total_steps: int, pad_token_id: int = 0) -> None:
+                 rank: int, total_steps: int, pad_token_id: int = 0,
+                 center_rewards_coefficient: float = 0.0) -> None:
         if config.lora is not None or config.loss.kl_coef > 0 or config.cp_size != 1:
             raise ValueError("reward model: its trainer config has no LoRA, no KL term and "
                              "cp_size 1")
         super().__init__(config, objective, model_path, rank, total_steps)
         self.pad_token_id = pad_token_id
+        self.center_rewards_coefficient = center_rewards_coefficient
+        """c of the centring term (trainer/bradley_terry.py)."""
 
     def _build(self) -> torch.nn.Module:
         model = load_reward_model(self.model_path, self.compute_dtype, self.device,
@@ -98,14 +102,16 @@ class FSDPRewardModelWorker(FSDPRank):
 
     def _pair_sums(self, batch: PairBatch, plan: PairPlan, backward: bool) -> torch.Tensor:
         """PAIR_SUMS over every rank's pairs; with ``backward`` each micro-batch's
-        w · Σ −log σ(Δ) backpropagated (gradients summed over DP)."""
+        w · Σ ℓ_p backpropagated (gradients summed over DP); ℓ_p holds the pair's margin
+        and the centring term, both divided by the step's P (never this rank's count)."""
         scale = sum_reduction_factor(self.config.world_size)  # FSDP averages; we SUM
         totals = torch.zeros(len(PAIR_SUMS), dtype=torch.float64)
         for pairs in plan.micro_batches[self.dp_rank]:
             micro = slice_pairs(batch, pairs, plan.packed).to(self.device)
             scores = self._scores(micro)
             objective, sums = pair_objective(scores[0::2], scores[1::2], plan.num_pairs,
-                                             micro.weight)
+                                             micro.weight, micro.margin,
+                                             self.center_rewards_coefficient)
             if backward:
                 (objective * scale).backward()
             totals += sums.cpu()
