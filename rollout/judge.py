@@ -2,9 +2,10 @@
 each response, greedily, and its answer parsed into a score.
 
     template.format(prompt, response, label) ─► judge (a user message under its chat
-        template) ─► greedy answer ─► parse: ``0-10`` (first whole number 0…10, / 10),
-                                            ``yes-no`` (first word: yes 1, no 0)
-                                            or a regex (its first group, a float)
+        template) ─► greedy answer ─► parse (rollout/judge_parse.py): ``0-10`` (the last
+                                            number standing as a score, / 10), ``yes-no``
+                                            (first word: yes 1, no 0), a regex (its first
+                                            group, a finite float, within {min, max})
 
 The judge runs in torch engine actors of the job's gang (:class:`JudgeEngine`: the
 rollout engine with one more verb), or on an SGLang server at ``url`` through its
@@ -15,7 +16,6 @@ does not parse scores 0 and is counted (``reward/<name>/unparsed``).
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -23,11 +23,9 @@ from typing import Any
 
 from rollout.config import SamplingConfig
 from rollout.engines.torch_engine import TorchEngine
-from rollout.reward_config import BUILT_IN_PARSE, YES_NO_PARSE, JudgeConfig
+from rollout.judge_parse import parse_score as parse_score  # its home; kept importable here
+from rollout.reward_config import JudgeConfig
 from rollout.tokenizer import decode_responses, encode_prompts
-
-_ZERO_TO_TEN = re.compile(r"(?<![\d.])(10|[0-9])(?![\d.])")
-_FIRST_WORD = re.compile(r"\W*(\w+)")
 
 
 def judge_request(template: str, prompt: Any, response: str, label: str | None) -> str:
@@ -37,24 +35,6 @@ def judge_request(template: str, prompt: Any, response: str, label: str | None) 
         str(m.get("content", "")) for m in prompt)
     return template.format(prompt=text, response=response, label="" if label is None
                            else label)
-
-
-def parse_score(answer: str, parse: str) -> float | None:
-    """The score in a judge's answer; None when it does not parse."""
-    if parse == BUILT_IN_PARSE:
-        found = _ZERO_TO_TEN.search(answer)
-        return int(found.group(1)) / 10.0 if found else None
-    if parse == YES_NO_PARSE:
-        first = _FIRST_WORD.match(answer)
-        word = first.group(1).lower() if first else ""
-        return {"yes": 1.0, "no": 0.0}.get(word)
-    found = re.search(parse, answer)
-    if found is None or found.group(1) is None:
-        return None
-    try:
-        return float(found.group(1))
-    except ValueError:
-        return None
 
 
 class JudgeEngine(TorchEngine):

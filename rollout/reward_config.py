@@ -137,6 +137,38 @@ class RewardModelConfig(_Part):
     rollout's included (saved in checkpoints: a resume continues them)."""
 
 
+def _check_score_regex(regex: str, field: str) -> None:
+    """ValueError naming ``field`` unless ``regex`` compiles with a group (the score)."""
+    try:
+        groups = re.compile(regex).groups
+    except re.error as err:
+        raise ValueError(f"{field}: not a regex: {err}") from None
+    if groups < 1:
+        raise ValueError(f"{field}: {regex!r} has no group; its first group is the score, "
+                         "e.g. 'Score: ([0-9.]+)'")
+
+
+class JudgeParse(BaseModel):
+    """A judge's score read by a regex and checked against its range
+    (``parse: {regex, min, max}``)."""
+
+    model_config = _FROZEN
+
+    regex: str
+    """Its first group is the score (a float)."""
+    min: float = Field(allow_inf_nan=False)
+    """The lowest valid score; a lower one leaves the sample unscored."""
+    max: float = Field(allow_inf_nan=False)
+    """The highest valid score; a higher one leaves the sample unscored."""
+
+    @model_validator(mode="after")
+    def _regex_and_range(self) -> JudgeParse:
+        _check_score_regex(self.regex, "parse.regex")
+        if not self.min < self.max:
+            raise ValueError(f"parse.max: {self.max} is not above parse.min {self.min}")
+        return self
+
+
 class JudgeConfig(_Part):
     """A generative judge (rollout/judge.py): a language model asked, greedily, to grade
     each response by ``template``; its answer is parsed into the score."""
@@ -149,10 +181,13 @@ class JudgeConfig(_Part):
                      "Is the answer correct? Reply with a score from 0 to 10.")
     """The judge's prompt; {prompt}, {response} and {label} are filled in (literal braces
     are doubled: {{ }}). Sent as a user message when the judge has a chat template."""
-    parse: str = BUILT_IN_PARSE
-    """``0-10`` (the first whole number 0…10 of the answer, / 10), ``yes-no`` (the first
-    word: yes 1, no 0), or a regex whose first group is the score (a float). An answer
-    that does not parse scores 0 and counts in ``reward/<name>/unparsed``."""
+    parse: str | JudgeParse = BUILT_IN_PARSE
+    """``0-10`` (the last number of the answer that stands as a score, 0…10, / 10:
+    ``7.``, ``8/10``, ``Score: 9``), ``yes-no`` (the first word: yes 1, no 0), a regex
+    whose first group is the score (a finite float), or ``{regex, min, max}`` (the same,
+    inside [min, max]); rollout/judge_parse.py. An answer that does not parse, or whose
+    score is not finite or out of range, leaves the sample unscored (advantage 0, out of
+    its group's baseline) and counts in ``reward/<name>/unparsed``."""
     max_new_tokens: int = Field(default=16, gt=0)
     """Longest judge answer, greedy."""
     url: str | None = None
@@ -179,14 +214,8 @@ class JudgeConfig(_Part):
         except (KeyError, IndexError, ValueError) as err:
             raise ValueError(f"template: only {{prompt}}, {{response}} and {{label}} are "
                              f"filled in (double a literal brace): {err!r}") from None
-        if self.parse not in (BUILT_IN_PARSE, YES_NO_PARSE):
-            try:
-                groups = re.compile(self.parse).groups
-            except re.error as err:
-                raise ValueError(f"parse: not a regex: {err}") from None
-            if groups < 1:
-                raise ValueError(f"parse: {self.parse!r} has no group; its first group is "
-                                 "the score, e.g. 'Score: ([0-9.]+)'")
+        if isinstance(self.parse, str) and self.parse not in (BUILT_IN_PARSE, YES_NO_PARSE):
+            _check_score_regex(self.parse, "parse")
         if self.url is not None and not re.match(r"^https?://", self.url):
             raise ValueError(f"url: expected http://host:port, got {self.url!r}")
         return self

@@ -19,11 +19,11 @@ from services.runtime.gang import start_rollout_actors
 from tests.rollout.chat_server import ChatHandler, serving
 
 
-def test_built_in_parse_reads_the_first_whole_number_up_to_ten() -> None:
+def test_built_in_parse_reads_the_last_number_up_to_ten() -> None:
     assert parse_score("I'd give it 7/10.", "0-10") == 0.7
     assert parse_score("Score: 10", "0-10") == 1.0
     assert parse_score("0", "0-10") == 0.0
-    assert parse_score("about 7.5", "0-10") is None  # not a whole number
+    assert parse_score("about 7.5", "0-10") == 0.75  # tests/rollout/test_judge_parse.py
     assert parse_score("42 is wrong", "0-10") is None
     assert parse_score("no idea", "0-10") is None
 
