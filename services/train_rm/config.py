@@ -128,8 +128,9 @@ class RewardModelConfig(BaseModel):
             raise ValueError("trainer.shared_prefix: a pair's two texts are packed whole; "
                              "remove trainer.shared_prefix")
         if trainer.loss != LossConfig():
-            raise ValueError("trainer.loss: the loss of train-rm is Bradley-Terry's, with "
-                             "no terms to set; remove trainer.loss")
+            raise ValueError("trainer.loss: the loss of train-rm is Bradley-Terry's, its "
+                             "only terms data.margin and center_rewards_coefficient; "
+                             "remove trainer.loss")
         if trainer.ppo_epochs != 1:
             raise ValueError("trainer.ppo_epochs: train-rm passes over its data num_epochs "
                              "times; remove trainer.ppo_epochs")
