@@ -8,22 +8,22 @@ each response, greedily, and its answer parsed into a score.
                                             group, a finite float, within {min, max})
 
 The judge runs in torch engine actors of the job's gang (:class:`JudgeEngine`: the
-rollout engine with one more verb), or on an SGLang server at ``url`` through its
-OpenAI-compatible chat endpoint (the server applies the chat template). An answer that
+rollout engine with one more verb), or on an OpenAI-compatible server at ``url`` through
+its chat endpoint (the server applies the chat template; retries, backoff, the key and
+the concurrency limit are rollout/remote.py's). An answer that
 does not parse scores 0 and is counted (``reward/<name>/unparsed``).
 """
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rollout.config import SamplingConfig
 from rollout.engines.torch_engine import TorchEngine
 from rollout.judge_parse import parse_score as parse_score  # its home; kept importable here
+from rollout.remote import CallTally, RemoteSettings, post_json, read_api_key
 from rollout.reward_config import JudgeConfig
 from rollout.tokenizer import decode_responses, encode_prompts
 
@@ -53,19 +53,41 @@ class JudgeEngine(TorchEngine):
         return answers, time.perf_counter() - started
 
 
-def ask_server(config: JudgeConfig, requests: list[str], workers: int = 8) -> list[str]:
-    """Each request's greedy answer from the SGLang server at ``config.url``
-    (``/v1/chat/completions``), each call bounded by ``config.timeout_s``."""
+def chat_endpoint(url: str) -> str:
+    """The chat endpoint of a server's base URL (``http://host:port`` or ``…/v1``)."""
+    base = url.rstrip("/")
+    return f"{base}/chat/completions" if base.endswith("/v1") else \
+        f"{base}/v1/chat/completions"
+
+
+def ask_server(config: JudgeConfig, requests: list[str], workers: int | None = None,
+               tally: CallTally | None = None) -> list[str | None]:
+    """Each request's greedy answer from the OpenAI-compatible server at ``config.url``
+    (``/v1/chat/completions``, model ``server_model``, the key of ``api_key_env`` or
+    ``api_key_file`` as a bearer token) through rollout/remote.py: each call bounded by
+    ``timeout_s``, retried ``max_retries`` times with backoff, at most
+    ``max_concurrency`` in flight. A call that still fails answers None (its sample is
+    unscored), counted in ``tally``."""
     assert config.url is not None
+    settings = RemoteSettings(
+        chat_endpoint(config.url), config.timeout_s, config.max_retries, config.backoff_s,
+        config.max_concurrency, read_api_key(config.api_key_env, config.api_key_file,
+                                             f"reward {config.part_name}"))
+    tally = tally if tally is not None else CallTally()
 
-    def one(request: str) -> str:
-        body = json.dumps({"model": "default", "temperature": 0.0,
-                           "max_tokens": config.max_new_tokens,
-                           "messages": [{"role": "user", "content": request}]}).encode()
-        call = urllib.request.Request(f"{config.url.rstrip('/')}/v1/chat/completions",
-                                      data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(call, timeout=config.timeout_s) as reply:
-            return str(json.load(reply)["choices"][0]["message"]["content"] or "")
+    def one(request: str) -> str | None:
+        reply = post_json(settings, {
+            "model": config.server_model, "temperature": 0.0,
+            "max_tokens": config.max_new_tokens,
+            "messages": [{"role": "user", "content": request}]}, tally, num_samples=1)
+        if reply is None:
+            return None
+        try:
+            return str(reply["choices"][0]["message"]["content"] or "")
+        except (KeyError, IndexError, TypeError):  # a 200 that is no chat completion
+            tally.failed(1, f"{settings.url}: a reply without choices[0].message.content",
+                         refused=True)
+            return None
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    with ThreadPoolExecutor(max_workers=workers or config.max_concurrency) as pool:
         return list(pool.map(one, requests))

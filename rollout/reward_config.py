@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from rollout.config_paths import FOLDER, MODEL
+from rollout.config_paths import FILE, FOLDER, MODEL
 
 _FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -27,6 +27,15 @@ BUILT_IN_PARSE = "0-10"
 """The judge's built-in parse: the first whole number 0…10 of its answer, divided by 10."""
 YES_NO_PARSE = "yes-no"
 """The judge's other built-in parse: an answer whose first word is yes scores 1, no 0."""
+
+
+def _check_key_source(api_key_env: str | None, api_key_file: str | None) -> None:
+    """A remote part's key: one source at most, an environment variable by its name."""
+    if api_key_env is not None and api_key_file is not None:
+        raise ValueError("api_key_file: give api_key_env or api_key_file, not both")
+    if api_key_env is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", api_key_env):
+        raise ValueError(f"api_key_env: {api_key_env!r} is not an environment variable's "
+                         "name (the key itself never goes in a config)")
 
 
 class _Part(BaseModel):
@@ -191,10 +200,27 @@ class JudgeConfig(_Part):
     max_new_tokens: int = Field(default=16, gt=0)
     """Longest judge answer, greedy."""
     url: str | None = None
-    """An SGLang server (``http://host:port``) that serves the judge model; None: torch
-    engine actors in the job's gang."""
+    """An OpenAI-compatible server (``http://host:port``: SGLang, vLLM, a hosted API)
+    serving the judge model at ``/v1/chat/completions``; None: torch engine actors in the
+    job's gang."""
     timeout_s: float = Field(default=120.0, gt=0)
     """Longest one request to ``url`` may take."""
+    server_model: str = "default"
+    """The ``model`` a request to ``url`` names (SGLang answers to ``default``; another
+    OpenAI-compatible server to its model's name)."""
+    api_key_env: str | None = None
+    """An environment variable, where the job runs, holding the key sent to ``url`` as
+    ``Authorization: Bearer``; the key itself never goes in a config."""
+    api_key_file: str | None = Field(default=None, json_schema_extra=FILE)
+    """A file holding that key instead (chmod 600: one readable by group or others is
+    refused)."""
+    max_retries: int = Field(default=3, ge=0, le=20)
+    """Tries again of a request to ``url`` that timed out, found no server, or got 429 or
+    5xx (never another 4xx); a request still failing leaves its sample unscored."""
+    backoff_s: float = Field(default=1.0, ge=0.0, le=600.0)
+    """Wait before retry k (0-based): backoff_s · 2^k · U[0.5, 1]."""
+    max_concurrency: int = Field(default=8, ge=1, le=1024)
+    """Requests to ``url`` in flight at once."""
     num_actors: int = Field(default=1, ge=1)
     """Judge engine actors (without url)."""
     num_cpus: float = Field(default=1.0, ge=0.0)
@@ -220,9 +246,55 @@ class JudgeConfig(_Part):
             raise ValueError(f"url: expected http://host:port, got {self.url!r}")
         return self
 
+    @model_validator(mode="after")
+    def _one_key_source(self) -> JudgeConfig:
+        _check_key_source(self.api_key_env, self.api_key_file)
+        return self
+
+
+class HttpRewardConfig(_Part):
+    """A scalar reward endpoint (rollout/reward_parts/http.py), OpenRLHF's
+    ``remote_rm_url``: each batch of samples POSTed as ``{"query": [prompt + response],
+    "prompts", "responses", "labels"}``, answered ``{"rewards": [one float each]}`` (or
+    the bare list). A call that still fails after its retries leaves its samples
+    unscored; more than ``max_unscored_fraction`` of a step unscored restarts the job
+    from its checkpoint."""
+
+    type: Literal["http"] = "http"
+    """A remote reward endpoint."""
+    url: str
+    """The endpoint POSTed to, whole (``http://host:5000/get_reward``)."""
+    batch_size: int = Field(default=32, ge=1, le=4096)
+    """Samples per request."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Longest one request may take."""
+    max_retries: int = Field(default=3, ge=0, le=20)
+    """Tries again of a request that timed out, found no server, or got 429 or 5xx
+    (never another 4xx)."""
+    backoff_s: float = Field(default=1.0, ge=0.0, le=600.0)
+    """Wait before retry k (0-based): backoff_s · 2^k · U[0.5, 1]."""
+    max_concurrency: int = Field(default=4, ge=1, le=1024)
+    """Requests in flight at once."""
+    api_key_env: str | None = None
+    """An environment variable, where the job runs, holding the key sent as
+    ``Authorization: Bearer``; the key itself never goes in a config."""
+    api_key_file: str | None = Field(default=None, json_schema_extra=FILE)
+    """A file holding that key instead (chmod 600: one readable by group or others is
+    refused)."""
+    max_unscored_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Largest share of a step's samples its failed requests may leave unscored; more
+    fails the step as a fault that restarts the job from its last checkpoint."""
+
+    @model_validator(mode="after")
+    def _url_and_key(self) -> HttpRewardConfig:
+        if not re.match(r"^https?://[^/\s]+", self.url):
+            raise ValueError(f"url: expected http://host:port/path, got {self.url!r}")
+        _check_key_source(self.api_key_env, self.api_key_file)
+        return self
+
 
 def part_kind(value: Any) -> str:
-    """A part's kind (a dict or a config): rule, model, judge or class; its registry key
+    """A part's kind (a dict or a config): rule, model, judge, class or http; its registry key
     (rollout/reward_parts). ``type: custom`` is a class part when it names a
     ``class_path`` (else the function rule it has always been: that key keeps its
     meaning)."""
@@ -231,15 +303,17 @@ def part_kind(value: Any) -> str:
     kind = get("type", "exact_match")
     if kind == "custom" and get("class_path") is not None:
         return "class"
-    return kind if kind in ("model", "judge") else "rule"
+    return kind if kind in ("model", "judge", "http") else "rule"
 
 
 RewardPartConfig = Annotated[
     Annotated[RewardConfig, Tag("rule")] | Annotated[RewardModelConfig, Tag("model")]
-    | Annotated[JudgeConfig, Tag("judge")] | Annotated[CustomPartConfig, Tag("class")],
+    | Annotated[JudgeConfig, Tag("judge")] | Annotated[CustomPartConfig, Tag("class")]
+    | Annotated[HttpRewardConfig, Tag("http")],
     Discriminator(part_kind),
 ]
-"""One reward part's config: a rule, a reward model, a judge or a user's class."""
+"""One reward part's config: a rule, a reward model, a judge, a user's class or a remote
+endpoint."""
 RewardPart = RewardPartConfig
 """The config union's former name (rollout/config.py imports it); the scoring interface
 of that name is rollout.reward_parts.RewardPart."""

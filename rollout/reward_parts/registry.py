@@ -10,12 +10,14 @@ from typing import Any
 from rollout.reward_config import part_kind
 from rollout.reward_parts.base import RewardPart
 from rollout.reward_parts.custom import CustomPart
+from rollout.reward_parts.http import HttpPart
 from rollout.reward_parts.judge import JudgePart
 from rollout.reward_parts.model import ModelPart
 from rollout.reward_parts.rules import RulePart
 
 PART_TYPES: dict[str, type[RewardPart]] = {
-    "rule": RulePart, "model": ModelPart, "judge": JudgePart, "class": CustomPart}
+    "rule": RulePart, "model": ModelPart, "judge": JudgePart, "class": CustomPart,
+    "http": HttpPart}
 """Kind -> the part class built from a config of that kind."""
 
 

@@ -4,8 +4,9 @@ and it starts one actor per bundle; scored in two shards it gives one value per 
 each None or a finite float, the same as scored in one shard and as a reference computed
 apart; it reports the counts it declares, under metric names it declares.
 
-Rules, functions, a user's class and a judge served at ``url`` (a loopback server
-speaking the OpenAI chat protocol) score without Ray. A reward model and a judge in the
+Rules, functions, a user's class, a judge served at ``url`` (a loopback server
+speaking the OpenAI chat protocol) and a ``type: http`` endpoint (a loopback reward
+server) score without Ray. A reward model and a judge in the
 gang start their actors on a local Ray head (marked slow); their reference is the
 in-process scorer the actors wrap (rollout/reward_model.RewardModel, rollout/judge.py)."""
 
@@ -24,7 +25,7 @@ from rollout.reward_parts.base import PartScores, RewardPart
 from rollout.reward_parts.rewarder import Rewarder
 from services.config.job import JobConfig
 from services.runtime.placement import job_bundles, reward_bundles
-from tests.rollout.chat_server import ChatHandler, serving
+from tests.rollout.chat_server import ChatHandler, RewardHandler, serving
 
 RESPONSES = ["abc", " abc\n", "it is 7", "\\boxed{4}", "4", "yes?"]
 LABELS: list[str | None] = ["abc", "abc", "7", "4", "4", None]
@@ -32,7 +33,7 @@ PROMPTS = ["say abc", "say abc", "3+4?", "2+2?", "2+2?", "anything"]
 SHARD = RewardShard(PROMPTS, PROMPTS, RESPONSES, LABELS, [{} for _ in RESPONSES])
 SPLIT = 2  # the first shard's size
 
-FAST = ["exact_match", "numeric", "boxed", "function", "custom", "judge_url"]
+FAST = ["exact_match", "numeric", "boxed", "function", "custom", "judge_url", "http"]
 SLOW = ["model", "judge_gang"]
 
 
@@ -49,6 +50,19 @@ class _YesNoJudge(ChatHandler):
 @pytest.fixture(scope="module")
 def judge_url() -> Iterator[str]:
     with serving(_YesNoJudge) as url:
+        yield url
+
+
+class _LengthRewards(RewardHandler):
+    """A reward endpoint: the response's length, less one without a label."""
+
+    def reward(self, prompt: str, response: str, label: str | None) -> float:
+        return len(response) - float(label is None)
+
+
+@pytest.fixture(scope="module")
+def reward_url() -> Iterator[str]:
+    with serving(_LengthRewards) as url:
         yield url
 
 
@@ -72,6 +86,8 @@ def _config(kind: str, request: pytest.FixtureRequest) -> dict[str, Any]:
                            "class_path": "tests.rollout.reward_classes:ExactMatch"},
         "judge_url": lambda: {"type": "judge", "parse": "yes-no", "timeout_s": 10,
                               "url": request.getfixturevalue("judge_url")},
+        "http": lambda: {"type": "http", "batch_size": 4, "timeout_s": 10,
+                         "url": request.getfixturevalue("reward_url") + "/score"},
         "model": lambda: {"type": "model", "path": request.getfixturevalue("reward_model"),
                           "num_cpus": 0, "num_actors": 2, "batch_size": 2},
         "judge_gang": lambda: {"type": "judge", "parse": r"([0-9])", "max_new_tokens": 4,
@@ -104,6 +120,7 @@ def _reference(kind: str, config: Any) -> list[float | None]:
         "function": [float(len(r)) for r in RESPONSES],
         "custom": [1.0, 1.0, 0.0, 0.0, 1.0, None],
         "judge_url": [1.0, 1.0, None, 0.0, 0.0, None],
+        "http": [len(r) - float(lb is None) for r, lb in zip(RESPONSES, LABELS, strict=True)],
     }[kind]
 
 
