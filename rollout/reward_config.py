@@ -253,12 +253,13 @@ class JudgeConfig(_Part):
 
 
 class HttpRewardConfig(_Part):
-    """A scalar reward endpoint (rollout/reward_parts/http.py), OpenRLHF's
-    ``remote_rm_url``: each batch of samples POSTed as ``{"query": [prompt + response],
-    "prompts", "responses", "labels"}``, answered ``{"rewards": [one float each]}`` (or
-    the bare list). A call that still fails after its retries leaves its samples
-    unscored; more than ``max_unscored_fraction`` of a step unscored restarts the job
-    from its checkpoint."""
+    """A remote scalar reward endpoint (rollout/reward_parts/http.py).
+
+    OpenRLHF's ``remote_rm_url`` shape: each batch of samples POSTed as ``{"query":
+    [prompt + response], "prompts", "responses", "labels"}``, answered ``{"rewards":
+    [one float each]}`` (or the bare list). A call that still fails after its retries
+    leaves its samples unscored; more than ``max_unscored_fraction`` of a step unscored
+    restarts the job from its checkpoint."""
 
     type: Literal["http"] = "http"
     """A remote reward endpoint."""
