@@ -118,7 +118,12 @@ def test_the_server_path_sends_greedy_chat_requests_and_keeps_their_order() -> N
         assert all(s["temperature"] == 0.0 and s["max_tokens"] == 9 for s in seen)
 
 
-def test_a_dead_server_is_an_error_within_the_timeout() -> None:
-    config = JudgeConfig(url="http://127.0.0.1:9", timeout_s=2)
-    with pytest.raises(OSError):
-        ask_server(config, ["hi {response}"])
+def test_a_dead_server_leaves_the_sample_unscored_after_its_retries() -> None:
+    """Refused connections are retried (rollout/remote.py), then the answer is None: an
+    unscored sample, not an error (tests/rollout/test_remote_rewards.py has the rest)."""
+    from rollout.remote import CallTally
+
+    config = JudgeConfig(url="http://127.0.0.1:9", timeout_s=2, backoff_s=0.01)
+    tally = CallTally()
+    assert ask_server(config, ["hi {response}"], tally=tally) == [None]
+    assert tally.counts() == {"failed_calls": 1, "retries": config.max_retries}
