@@ -14,7 +14,8 @@ shifts to next-token prediction itself (the log-prob of token t comes from logit
     loss_mask          [N, S] float32  m_it in [0, 1] on response tokens (1: counts whole,
                                        a fraction: counts that much), 0 elsewhere
     rollout_log_probs  [N, S] float32  the engine's log-prob of each response token, 0 elsewhere
-    rewards            [N]    float32
+    rewards            [N]    float32  an unscored sample's (``scored`` False) is 0.0, a fill
+                                       value nothing reads as a reward
     advantages         [N, S] float32  A_it of each response token, 0 elsewhere; a per-sample
                                        advantage [N] given to the constructor is a row of
                                        equal values over its response (one code path)
@@ -32,6 +33,11 @@ shifts to next-token prediction itself (the log-prob of token t comes from logit
                                        stopped at max_new_tokens; an episode ended by its
                                        token budget, the context or max_turns, not by its
                                        environment); GAE may bootstrap it. None given: none
+    scored             [N]    bool     every reward part scored the sample; False: unscored
+                                       (a judge's answer that did not parse, a remote call
+                                       that failed), missing rather than zero: advantage 0,
+                                       out of its group's baseline and statistics
+                                       (rollout/advantages/). None given: all scored
 
 Derived on construction (whole-step metadata of the aggregation contract):
 
@@ -180,6 +186,9 @@ class RolloutBatch:
     truncated: torch.Tensor | None = None
     """[N] bool (module docstring); always a tensor once built (None: no sample cut, as
     in a checkpoint written before the field)."""
+    scored: torch.Tensor | None = None
+    """[N] bool (module docstring); always a tensor once built (None: every sample
+    scored, as in a checkpoint written before the field)."""
     sample_token_counts: torch.Tensor = field(init=False)
     group_ids: torch.Tensor = field(init=False)
     prompt_mask_sums: torch.Tensor = field(init=False)
@@ -209,6 +218,16 @@ class RolloutBatch:
                                     f"{(num_samples,)}, got {truncated.dtype} "
                                     f"{tuple(truncated.shape)}")
         object.__setattr__(self, "truncated", truncated)
+        scored = torch.ones(num_samples, dtype=torch.bool) if self.scored is None \
+            else self.scored
+        if scored.dtype != torch.bool or tuple(scored.shape) != (num_samples,):
+            raise RolloutBatchError(f"scored: expected a bool tensor of shape "
+                                    f"{(num_samples,)}, got {scored.dtype} "
+                                    f"{tuple(scored.shape)}")
+        if (self.rewards[~scored] != 0).any():
+            raise RolloutBatchError("rewards: an unscored sample's reward is the fill value "
+                                    "0.0 (its reward is missing, not a number to train on)")
+        object.__setattr__(self, "scored", scored)
         for name in OPTIONAL_TOKEN_FIELDS:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (num_samples, seq_len):
@@ -328,6 +347,7 @@ class RolloutBatch:
         turn_rewards: list[list[tuple[int, float]]] | None = None,
         samples: list[SampleRecord] | None = None,
         truncated: list[bool] | None = None,
+        scored: list[bool] | None = None,
     ) -> RolloutBatch:
         """Pad ragged per-sample lists into the tensor layout.
 
@@ -337,6 +357,8 @@ class RolloutBatch:
         ``turn_rewards``: per sample, (response position, reward) of each environment
         step, placed there in ``token_rewards`` (they sum to the sample's reward).
         ``truncated``: per sample, whether its response was cut at the length limit.
+        ``scored``: per sample, whether every reward part scored it (an unscored one's
+        reward is given as 0.0, the fill value).
         """
         num_samples = len(prompt_ids)
         for name, values in (
@@ -346,6 +368,7 @@ class RolloutBatch:
             ("advantages", advantages),
             ("group_index", group_index),
             ("truncated", truncated if truncated is not None else group_index),
+            ("scored", scored if scored is not None else group_index),
         ):
             if len(values) != num_samples:
                 raise RolloutBatchError(f"{name}: {len(values)} entries for {num_samples} samples")
@@ -416,4 +439,5 @@ class RolloutBatch:
             samples=list(samples or []),
             truncated=(torch.tensor(truncated, dtype=torch.bool) if truncated is not None
                        else None),
+            scored=torch.tensor(scored, dtype=torch.bool) if scored is not None else None,
         )

@@ -1,9 +1,15 @@
 """SampleRecord: one line of samples.jsonl, a sample as text for a person to read.
 
     training   {"step", "index", "group", "prompt", "record_prompt", "response", "label",
-                "reward", "rewards": {part: value}, "response_tokens", "advantage"}
+                "reward", "rewards": {part: value}, "response_tokens", "judge_answers",
+                "advantage"}
     evaluation {"step", "eval": true, "greedy", "group", "prompt", "record_prompt",
-                "response", "label", "reward", "rewards", "response_tokens"}
+                "response", "label", "reward", "rewards", "response_tokens",
+                "judge_answers"}
+
+An unscored sample (a reward part's value None) writes ``null`` for that part and for
+its training ``reward``; ``judge_answers`` ({part: the judge's raw answer}, null where
+the call failed) is written only for samples a judge graded.
 
 Made in rollout (the manager's training samples, an evaluation's every sample); the
 driver adds a training sample's advantage and writes the line (services/driver/
@@ -32,9 +38,11 @@ class SampleRecord:
     """The prompt as the dataset holds it (a string or chat messages)."""
     response: str
     label: str | None
-    reward: float
-    rewards: dict[str, float] = field(default_factory=dict)
-    """Each reward part's value ({} when an environment scores)."""
+    reward: float | None
+    """The sample's reward; None: unscored (missing, not zero)."""
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    """Each reward part's value, None where it left the sample unscored ({} when an
+    environment scores)."""
     response_tokens: int = 0
     index: int | None = None
     """Training: the sample's row in its RolloutBatch; None for an evaluation's."""
@@ -42,6 +50,8 @@ class SampleRecord:
     """Evaluation: the greedy response (else sampled); None for training's."""
     advantage: float | None = None
     """Training: mean of A_it over the sample's valid tokens, added by the driver."""
+    judge_answers: dict[str, str | None] = field(default_factory=dict)
+    """A judge part's name -> its raw answer (None: the call failed); {}: no judge."""
 
     @property
     def evaluation(self) -> bool:
@@ -55,6 +65,8 @@ class SampleRecord:
                "record_prompt": self.record_prompt, "response": self.response,
                "label": self.label, "reward": self.reward, "rewards": self.rewards,
                "response_tokens": self.response_tokens}
+        if self.judge_answers:
+            row["judge_answers"] = self.judge_answers
         if self.advantage is not None:
             row["advantage"] = self.advantage
         return row
@@ -70,4 +82,5 @@ class SampleRecord:
                    response_tokens=row.get("response_tokens", 0),
                    index=None if evaluation else row.get("index"),
                    greedy=bool(row.get("greedy")) if evaluation else None,
-                   advantage=row.get("advantage"))
+                   advantage=row.get("advantage"),
+                   judge_answers=dict(row.get("judge_answers") or {}))

@@ -20,6 +20,13 @@ With the KL in the reward (``trainer.loss.kl_placement: reward``, rollout/kl_rew
 the driver hands :meth:`AdvantageEstimator.apply` ``kl_penalty`` [N, S] = β·k1 per token,
 and every estimator's rewards arrive penalised: ``.token_rewards`` r_it − β·k1_it,
 ``.rewards`` r_i − β·Σ_t k1_it (``.kl_penalty`` itself too, for a user's own use).
+
+An **unscored** sample (``.scored`` False: a reward part could not score it, the batch's
+``scored``) has no reward, not a zero one: every estimator that uses rewards leaves it out
+of its statistics (a group's baseline and spread: :func:`group_stats` over the scored
+members; a batch's whitening) and :meth:`AdvantageEstimator.apply` sets its advantage to
+0 whatever the estimator returned (a user's own included). A group none of whose samples
+was scored has advantage 0 throughout.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ class AdvantageInputs:
     ``rewards`` and ``token_rewards``); None otherwise."""
     truncated: torch.Tensor | None = None
     """[N] bool: the responses cut at the length limit (``needs_truncation``)."""
+    scored: torch.Tensor | None = None
+    """[N] bool: every reward part scored the sample (module docstring); None: all were."""
 
 
 class AdvantageEstimator:
@@ -100,12 +109,21 @@ class AdvantageEstimator:
             values=values if self.needs_critic else None,
             teacher_log_probs=teacher_log_probs if self.needs_teacher else None,
             token_rewards=token_rewards, kl_penalty=kl_penalty,
-            truncated=batch.truncated if self.needs_truncation else None)
+            truncated=batch.truncated if self.needs_truncation else None,
+            scored=batch.scored)
+
+    def trained_mask(self, loss_mask: torch.Tensor, scored: torch.Tensor | None
+                     ) -> torch.Tensor:
+        """``loss_mask`` where this estimator's advantages may be non-zero: an unscored
+        sample's row is 0 when the estimator uses rewards (a teacher's term does not)."""
+        return scored_mask(loss_mask, scored) if self.uses_rewards else loss_mask
 
     def apply(self, batch: RolloutBatch, **scored: Any) -> RolloutBatch:
         """``batch`` with this estimator's A added to its advantages (a rollout.teacher's
-        term may already be there); ``scored``: values, teacher_log_probs, kl_penalty."""
-        advantages = self.checked(self(self.inputs(batch, **scored)), batch.loss_mask)
+        term may already be there), 0 for an unscored sample; ``scored``: values,
+        teacher_log_probs, kl_penalty."""
+        advantages = self.checked(self(self.inputs(batch, **scored)),
+                                  self.trained_mask(batch.loss_mask, batch.scored))
         return dataclasses.replace(batch, advantages=batch.advantages + advantages)
 
     def checked(self, advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -128,14 +146,31 @@ def per_token(advantages_N: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tens
     return torch.where(loss_mask > 0, advantages_N.to(torch.float32)[:, None], 0.0)
 
 
-def group_stats(rewards: torch.Tensor, group_index: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample (μ_g, σ_g) of the sample's group: σ Bessel-corrected (TRL, verl)."""
-    _, dense, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
-    counts_f = counts.to(rewards.dtype)
+def scored_mask(loss_mask: torch.Tensor, scored: torch.Tensor | None) -> torch.Tensor:
+    """``loss_mask`` [N, S] with the rows of unscored samples 0 (``scored`` [N] bool; None:
+    every sample scored)."""
+    if scored is None:
+        return loss_mask
+    return torch.where(scored.bool()[:, None], loss_mask, torch.zeros_like(loss_mask))
+
+
+def group_stats(rewards: torch.Tensor, group_index: torch.Tensor,
+                scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample (μ_g, σ_g) of the sample's group over its scored members S_g (all of
+    them when ``scored`` is None): n_g = |S_g|, μ_g = Σ_{j∈S_g} r_j / n_g,
+    σ_g² = Σ_{j∈S_g} (r_j − μ_g)² / (n_g − 1), Bessel-corrected (TRL, verl); 0 when
+    n_g is 0 (μ) or ≤ 1 (σ). An unscored sample's own reward never enters."""
+    _, dense, _ = torch.unique(group_index, return_inverse=True, return_counts=True)
+    weight = (torch.ones_like(rewards) if scored is None
+              else scored.bool().to(rewards.dtype))
+    rewards = torch.where(weight > 0, rewards, 0.0)  # an unscored one, any value, adds 0
+    num_groups = int(dense.max()) + 1 if dense.numel() else 0
+    counts_f = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, dense, weight)
     sums = torch.zeros_like(counts_f).index_add_(0, dense, rewards)
-    means = sums / counts_f
-    squares = torch.zeros_like(counts_f).index_add_(0, dense, (rewards - means[dense]) ** 2)
-    # Bessel's correction; a singleton group has no spread (and must not divide by 0).
-    stds = torch.where(counts > 1, (squares / (counts_f - 1).clamp(min=1)).sqrt(), 0.0)
+    means = sums / counts_f.clamp(min=1)
+    squares = torch.zeros_like(counts_f).index_add_(
+        0, dense, weight * (rewards - means[dense]) ** 2)
+    # Bessel's correction; a group of one scored sample has no spread (and must not
+    # divide by 0).
+    stds = torch.where(counts_f > 1, (squares / (counts_f - 1).clamp(min=1)).sqrt(), 0.0)
     return means[dense], stds[dense]

@@ -16,6 +16,12 @@ return, unbiased for the critic, while the policy keeps lam < 1 to lower its var
 With ``normalize`` (AdvantageConfig: on by default for gae) A is whitened with the whole
 rollout's moments, reduced over every rank (rollout/advantages/whitening.py
 ``whiten_over_ranks``).
+
+An unscored sample (a reward part could not score it: the batch's ``scored``) has no
+reward to propagate: its A is 0 on every token and its tokens stay out of the whitening
+moments and the ``critic/*`` statistics; its critic target is its own value, R_k = V_k,
+so the value loss is told nothing about it (a reward of 0 would teach the critic a
+return it never saw).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from rollout.advantages.base import AdvantageEstimator, AdvantageInputs
+from rollout.advantages.base import AdvantageEstimator, AdvantageInputs, scored_mask
 from rollout.advantages.whitening import (
     explained_variance,
     moments_mean_std,
@@ -90,7 +96,8 @@ class GAE(AdvantageEstimator):
         assert inputs.values is not None and inputs.token_rewards is not None
         raw = gae(inputs.token_rewards, inputs.values, inputs.loss_mask, self.gamma, self.lam,
                   inputs.truncated)
-        return self._whitened(raw, inputs.loss_mask, None).to(torch.float32)
+        mask = scored_mask(inputs.loss_mask, inputs.scored)
+        return torch.where(mask > 0, self._whitened(raw, mask, None), 0.0).to(torch.float32)
 
     def _whitened(self, advantages: torch.Tensor, mask: torch.Tensor,
                   rank_moments: RankMoments | None) -> torch.Tensor:
@@ -112,17 +119,19 @@ class GAE(AdvantageEstimator):
         ``rank_moments``: the whitening's statistics of each rank (default: the batch's
         own, which on the driver is the whole rollout); ``truncated`` [N] bool: responses
         cut at the length limit, bootstrapped with V_{K+1} = V_K (None: the batch's own
-        ``truncated`` with ``bootstrap_truncated``, else none is)."""
+        ``truncated`` with ``bootstrap_truncated``, else none is). An unscored sample
+        (module docstring): A 0, R = V, out of every statistic."""
         inputs = self.inputs(batch, **scored)  # refuses a call without the values
         assert inputs.values is not None and inputs.token_rewards is not None
         truncated = truncated if truncated is not None else inputs.truncated
-        mask = batch.loss_mask
-        values = torch.where(mask > 0, inputs.values.to(torch.float32), 0.0)
+        values = torch.where(batch.loss_mask > 0, inputs.values.to(torch.float32), 0.0)
+        mask = scored_mask(batch.loss_mask, batch.scored)  # the scored samples' tokens
         raw = gae(inputs.token_rewards, values, mask, self.gamma, self.lam, truncated)
         raw_mean, raw_std = moments_mean_std(token_moments(raw, mask))
         returns = gae(inputs.token_rewards, values, mask, self.gamma, self.critic_lam,
                       truncated)
         returns = torch.where(mask > 0, returns + values.double(), 0.0)
+        returns = torch.where(batch.loss_mask > mask, values.double(), returns)  # unscored
         returns_mean, _ = moments_mean_std(token_moments(returns, mask))
         advantages = self.checked(self._whitened(raw, mask, rank_moments), mask)
         return dataclasses.replace(

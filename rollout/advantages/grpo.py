@@ -1,12 +1,15 @@
-r"""GRPO: a group baseline. Sample i of group g has reward r_i; μ_g and σ_g are the mean
-and standard deviation (Bessel-corrected, 0 for a group of one) of the rewards in g,
+r"""GRPO: a group baseline. Sample i of group g has reward r_i; S_g are the group's
+scored samples (all of them unless a reward part left some unscored); μ_g and σ_g are the
+mean and standard deviation (Bessel-corrected, 0 for one sample) of the rewards in S_g,
 ε = ``eps``; every token of the sample gets
 
     A_i = (r_i − μ_g) / (σ_g + ε)      normalize_std=True   (GRPO)
     A_i =  r_i − μ_g                   normalize_std=False  (Dr. GRPO)
+    A_i = 0                            i unscored (missing, not a zero reward)
 
-A group whose rewards are all equal has A_i = 0: it carries no signal, which is why
-dynamic sampling drops such groups.
+so a group with an unscored member gets exactly GRPO over its scored members (TRL treats
+an unscorable sample so). A group whose scored rewards are all equal has A_i = 0: it
+carries no signal, which is why dynamic sampling drops such groups.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ from rollout.advantages.base import AdvantageEstimator, AdvantageInputs, group_s
 
 
 def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor,
-                    normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO (or Dr. GRPO with normalize_std=False) advantages, shape [N]."""
+                    normalize_std: bool = True, eps: float = 1e-6,
+                    scored: torch.Tensor | None = None) -> torch.Tensor:
+    """GRPO (or Dr. GRPO with normalize_std=False) advantages, shape [N]; ``scored`` [N]
+    bool (None: all): an unscored sample gets 0 and stays out of μ_g and σ_g."""
     rewards = rewards.to(torch.float64)  # the sums are exact enough to hand-check
-    mean, std = group_stats(rewards, group_index)
+    mean, std = group_stats(rewards, group_index, scored)
     centered = rewards - mean
     out = centered / (std + eps) if normalize_std else centered
+    if scored is not None:
+        out = torch.where(scored.bool(), out, 0.0)
     return out.to(torch.float32)
 
 
@@ -38,5 +45,5 @@ class GRPO(AdvantageEstimator):
 
     def __call__(self, inputs: AdvantageInputs) -> torch.Tensor:
         advantages = grpo_advantages(inputs.rewards, inputs.group_index, self.normalize_std,
-                                     self.eps)
+                                     self.eps, inputs.scored)
         return per_token(advantages, inputs.loss_mask)

@@ -9,7 +9,8 @@ them instead of testing their type.
       start_actors(resolve, options)       the gang starts them, in part order
       bind(actors)                         the manager: its actors, the user's class
       submit(shard) -> handle              as soon as a shard is generated
-      collect(handles) -> PartScores       values None (unscorable) or finite floats
+      collect(handles) -> PartScores       values None (unscored) or finite floats; a
+                                           judge's raw answers beside them
       check_errors(...)                    a rollout's error budget
       metric_names(), state_dict()         logged metrics; running state for resume
 """
@@ -43,22 +44,31 @@ class PartScores:
     """One part's scores of some samples and what it cost."""
 
     values: list[float | None]
-    """Per sample: a finite float, or None when the part could not score it."""
+    """Per sample: a finite float, or None when the part could not score it (the sample
+    is then unscored: missing, never a zero reward; rollout/reward_parts/rewarder.py)."""
     busy_s: float = 0.0
     """Seconds its actors (or server) spent."""
     num_errors: int = 0
     """Samples whose scoring raised and fell back on ``default_on_error`` (rules)."""
     first_error: str | None = None
     counts: dict[str, int] = field(default_factory=dict)
-    """Counts logged as ``reward/<name>/<key>`` (a judge's ``unparsed``)."""
+    """Counts logged as ``reward/<name>/<key>`` (a judge's ``unparsed``; a part that may
+    leave samples unscored counts them as ``unscored``)."""
+    answers: list[str | None] | None = None
+    """Per sample, the text its value was read from (a judge's raw answer, None where the
+    call failed), kept in samples.jsonl; None: the part has none."""
 
     def __add__(self, other: PartScores) -> PartScores:
         counts = dict(self.counts)
         for key, count in other.counts.items():
             counts[key] = counts.get(key, 0) + count
+        answers = None
+        if self.answers is not None or other.answers is not None:
+            answers = [*(self.answers or [None] * len(self.values)),
+                       *(other.answers or [None] * len(other.values))]
         return PartScores(self.values + other.values, self.busy_s + other.busy_s,
                           self.num_errors + other.num_errors,
-                          self.first_error or other.first_error, counts)
+                          self.first_error or other.first_error, counts, answers)
 
 
 class RewardPart(ABC):

@@ -1,6 +1,9 @@
 """An LLM judge (``type: judge``, rollout/judge.py): torch engine actors in the gang, or
-an SGLang server at ``url`` asked from a thread here. An answer that does not parse is
-an unscorable sample (None), counted as ``reward/<name>/unparsed``."""
+a server at ``url`` asked from a thread here. An answer that does not parse
+(rollout/judge_parse.py: no score, not finite, out of range) is an unscored sample
+(None), counted as ``reward/<name>/unparsed``; a call to ``url`` that failed (no answer)
+is unscored too. ``reward/<name>/unscored`` counts both. Each raw answer is kept
+(:attr:`PartScores.answers`, samples.jsonl's ``judge_answers``)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ class JudgePart(RewardPart):
     """A language model grading each response by ``template``; its answer parsed."""
 
     config: JudgeConfig
-    count_names: ClassVar[tuple[str, ...]] = ("unparsed",)
+    count_names: ClassVar[tuple[str, ...]] = ("unparsed", "unscored")
 
     def __init__(self, config: JudgeConfig) -> None:
         super().__init__(config)
@@ -63,8 +66,9 @@ class JudgePart(RewardPart):
         if self.config.url is not None and self._server is None:
             self._server = ThreadPoolExecutor(max_workers=2)
 
-    def submit(self, shard: RewardShard) -> Callable[[], tuple[list[str], float]]:
-        """A call that waits for (the answers, the seconds the actors spent)."""
+    def submit(self, shard: RewardShard) -> Callable[[], tuple[list[str | None], float]]:
+        """A call that waits for (the answers, None where a call to ``url`` failed; the
+        seconds the actors spent)."""
         from rollout.judge import ask_server, judge_request
 
         requests = [judge_request(self.config.template, p, r, label) for p, r, label in
@@ -78,16 +82,20 @@ class JudgePart(RewardPart):
                                          strict=False)]
         return lambda: gather(refs)
 
-    def collect(self, handles: list[Callable[[], tuple[list[str], float]]],
+    def collect(self, handles: list[Callable[[], tuple[list[str | None], float]]],
                 update_stats: bool = True) -> PartScores:
-        from rollout.judge import parse_score
+        from rollout.judge_parse import parse_score
 
-        answers: list[str] = []
+        answers: list[str | None] = []
         busy_s = 0.0
         for wait in handles:
             shard, seconds = wait()
             answers += shard
             busy_s += seconds
-        values = [parse_score(answer, self.config.parse) for answer in answers]
-        return PartScores(values, busy_s,
-                          counts={"unparsed": sum(v is None for v in values)})
+        values = [None if answer is None else parse_score(answer, self.config.parse)
+                  for answer in answers]
+        unparsed = sum(a is not None and v is None for a, v in zip(answers, values,
+                                                                   strict=True))
+        return PartScores(values, busy_s, answers=answers,
+                          counts={"unparsed": unparsed,
+                                  "unscored": sum(v is None for v in values)})

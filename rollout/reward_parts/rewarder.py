@@ -2,11 +2,17 @@
 
     r = Σ_k weight_k · r_k        (one part: r = weight · r_1)
 
-A part's None (a sample it could not score: a judge's unparsed answer, a custom part's
-None) adds nothing to the sum and is 0 in the part's values, counted in its
-``reward/<name>/<count>``. The manager asks for a shard's scores as soon as its responses
-are generated (:meth:`Rewarder.submit`: actors work while other engines still generate)
-and combines them once all shards are in (:meth:`Rewarder.collect`).
+A part's None (a sample it could not score: a judge's unparsed answer or failed call, a
+custom part's None) makes the sample **unscored**: missing, never a zero reward. The
+part's values keep the None (samples.jsonl writes null), ``scored`` is False, and the
+sample's ``total`` is a placeholder (the parts that did score, summed) that nothing
+trains on: the step's batch carries ``scored`` (rollout/batch.py), its advantage is 0
+and it stays out of its group's baseline and statistics (rollout/advantages/). The part
+counts it (``reward/<name>/unscored``).
+
+The manager asks for a shard's scores as soon as its responses are generated
+(:meth:`Rewarder.submit`: actors work while other engines still generate) and combines
+them once all shards are in (:meth:`Rewarder.collect`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ class RewardScores:
     """A batch's rewards: the weighted total, each part's values, what went wrong."""
 
     total: list[float]
-    parts: dict[str, list[float]]
+    """Σ weight · value over the parts that scored the sample (an unscored one's is a
+    placeholder: see ``scored``)."""
+    parts: dict[str, list[float | None]]
+    """Part -> each sample's value, None where it left the sample unscored."""
+    scored: list[bool] = field(default_factory=list)
+    """Per sample: every part scored it (False: unscored, module docstring)."""
+    answers: dict[str, list[str | None]] = field(default_factory=dict)
+    """Part -> each sample's raw text (a judge's answer), for the parts that have one."""
     errors: dict[str, tuple[int, str | None]] = field(default_factory=dict)
     """Part -> (samples whose scoring raised and fell back on its default, the first
     error)."""
@@ -55,14 +68,18 @@ class Rewarder:
         size = None
         for k, part in enumerate(self.parts):
             result = part.collect([handles[k] for handles in pendings], update_stats)
-            scores.parts[part.name] = [0.0 if v is None else v for v in result.values]
+            scores.parts[part.name] = list(result.values)
+            if result.answers is not None:
+                scores.answers[part.name] = list(result.answers)
             scores.errors[part.name] = (result.num_errors, result.first_error)
             scores.counts.update({f"reward/{part.name}/{key}": count
                                   for key, count in result.counts.items()})
             scores.busy_s += result.busy_s
             size = len(result.values)
-        scores.total = [sum(p.weight * scores.parts[p.name][i] for p in self.parts)
-                        for i in range(size or 0)]
+        values = [[scores.parts[p.name][i] for p in self.parts] for i in range(size or 0)]
+        scores.scored = [all(v is not None for v in row) for row in values]
+        scores.total = [sum(p.weight * v for p, v in zip(self.parts, row, strict=True)
+                            if v is not None) for row in values]
         return scores
 
     def score(self, policy_prompts: list[str], raw_prompts: list[Any], responses: list[str],

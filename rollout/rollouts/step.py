@@ -3,7 +3,10 @@
     [Sample] × G per record ─► Group ─► RolloutBatch (rewards, masks, metrics) + SampleRecords
 
 Group indices are contiguous from the manager's next one; the batch's advantages are
-zeros here (the manager's estimator fills them).
+zeros here (the manager's estimator fills them). A sample a reward part left unscored (its
+value None: rollout/reward_parts/rewarder.py) is missing, not zero: the batch marks it
+(``scored`` False, reward the fill value 0.0), the reward metrics are over the scored
+samples only, ``rollout/unscored_samples`` counts it and its record's reward is null.
 """
 
 from __future__ import annotations
@@ -38,12 +41,17 @@ def build_batch(groups: list[Group], first_group: int, group_size: int, pad_toke
     samples = [s for g in groups for s in g.samples]
     group_index = [first_group + j for j, g in enumerate(groups) for _ in g.samples]
     generations = [s.generation for s in samples]
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    scored = [is_scored(s) for s in samples]
+    rewards = torch.tensor([s.reward if ok else 0.0 for s, ok in zip(samples, scored,
+                                                                      strict=True)],
+                           dtype=torch.float32)
+    kept = rewards[torch.tensor(scored, dtype=torch.bool)]
     lengths = [len(gen.token_ids) for gen in generations]
     metadata = {
         **metadata,
-        "rollout/reward_mean": float(rewards.mean()),
-        "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "rollout/reward_mean": float(kept.mean()) if len(kept) else 0.0,
+        "rollout/reward_std": float(kept.std()) if len(kept) > 1 else 0.0,
+        "rollout/unscored_samples": float(len(samples) - len(kept)),
         "rollout/response_length_mean": _mean(lengths),
         "rollout/response_length_max": float(max(lengths)),
         "rollout/truncated_fraction": _mean([bool(s.truncated) for s in samples]),
@@ -65,6 +73,7 @@ def build_batch(groups: list[Group], first_group: int, group_size: int, pad_toke
         turn_rewards=[s.turn_rewards for s in samples] if holes else None,
         samples=records,
         truncated=[bool(s.truncated) for s in samples],
+        scored=scored,
     )
 
 
@@ -81,9 +90,17 @@ def training_records(groups: list[Group], first_group: int, step: int, limit: in
                 step=step, index=len(records), group=first_group + j,
                 prompt=tokenizer.decode(sample.prompt_ids, skip_special_tokens=False),
                 record_prompt=sample.record.prompt, response=sample.text,
-                label=sample.record.label, reward=float(sample.reward),
-                rewards=dict(sample.parts), response_tokens=len(sample.generation.token_ids)))
+                label=sample.record.label,
+                reward=float(sample.reward) if is_scored(sample) else None,
+                rewards=dict(sample.parts), response_tokens=len(sample.generation.token_ids),
+                # a judge's raw answers, once Sample carries them (rollouts/base.py)
+                judge_answers=dict(getattr(sample, "answers", None) or {})))
     return records
+
+
+def is_scored(sample: Sample) -> bool:
+    """Every reward part scored it (a part's None: unscored); an environment's always."""
+    return all(value is not None for value in sample.parts.values())
 
 
 def _mean(values: list[float] | list[int] | list[bool]) -> float:
@@ -91,10 +108,12 @@ def _mean(values: list[float] | list[int] | list[bool]) -> float:
 
 
 def _part_metrics(samples: list[Sample]) -> dict[str, float]:
-    """``reward/<name>/mean`` and ``/std`` of each reward part over the batch's samples."""
+    """``reward/<name>/mean`` and ``/std`` of each reward part over the batch's samples it
+    scored (its None left out; 0 when it scored none)."""
     out: dict[str, float] = {}
     for name in samples[0].parts if samples else []:
-        values = torch.tensor([s.parts[name] for s in samples], dtype=torch.float64)
-        out[f"reward/{name}/mean"] = float(values.mean())
+        values = torch.tensor([v for s in samples if (v := s.parts[name]) is not None],
+                              dtype=torch.float64)
+        out[f"reward/{name}/mean"] = float(values.mean()) if len(values) else 0.0
         out[f"reward/{name}/std"] = float(values.std()) if len(values) > 1 else 0.0
     return out
