@@ -8,8 +8,11 @@ out of the whitening. A planted error (unscored counted as a zero reward) fails.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import pickle
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,3 +271,17 @@ def test_training_records_write_null_for_an_unscored_reward() -> None:
     records = training_records(groups, 0, 1, 12, Decode())  # type: ignore[arg-type]
     assert [r.reward is None for r in records] == [i in UNSCORED for i in range(12)]
     assert records[2].rewards == {"rule": 0.25, "judge": None}
+
+
+def test_the_flags_travel_through_pickle_and_the_driver_checkpoint(tmp_path: Path) -> None:
+    from services.driver.checkpoint import DriverState, load_driver_state, save_driver_state
+
+    batch = _batch()
+    for loaded in (pickle.loads(pickle.dumps(batch)),
+                   pickle.loads(pickle.dumps(batch, protocol=5))):
+        assert torch.equal(loaded.scored, batch.scored)
+    save_driver_state(tmp_path, DriverState(3, {}, {4: batch}))
+    restored = load_driver_state(tmp_path).in_flight[4]
+    assert torch.equal(restored.scored, batch.scored)  # type: ignore[arg-type]
+    old = dataclasses.replace(batch, scored=None, rewards=torch.ones(len(REWARDS)))
+    assert old.scored is not None and old.scored.all()  # a checkpoint before the field
