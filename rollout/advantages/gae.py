@@ -103,7 +103,7 @@ class GAE(AdvantageEstimator):
                   rank_moments: RankMoments | None) -> torch.Tensor:
         """A whitened when ``normalize``, by the moments of every rank: on the driver the
         inputs are the whole rollout, one "rank" (``rank_moments`` None); the verifier
-        hands its layout's reduction."""
+        hands its layout's reduction (over the tokens of ``mask``: the scored samples')."""
         if not self.normalize:
             return advantages
         moments = (token_moments(advantages, mask) if rank_moments is None
