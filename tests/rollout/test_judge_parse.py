@@ -43,6 +43,12 @@ ZERO_TO_TEN: list[tuple[str, float | None]] = [
     ("1,000 reasons", None),
     ("I'd give it a 5, maybe 6.", 0.6),
     ("Score: 4\n", 0.4),
+    # a marked score (a label or /10) outranks a later bare number
+    ("Score: 7. There were 3 mistakes in 2 steps.", 0.7),
+    ("8/10 - though 2 steps are terse", 0.8),
+    ("Rating: 6\nThe answer cites 4 facts.", 0.6),
+    ("The final score is **9**; 1 typo.", 0.9),
+    ("Grade = 5 (out of 10)", 0.5),
 ]
 
 
