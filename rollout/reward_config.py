@@ -116,8 +116,8 @@ class CustomPartConfig(_Part):
 class RewardModelConfig(_Part):
     """A learned reward model (rollout/reward_model.py): a Hugging Face
     ``AutoModelForSequenceClassification`` folder with one label, served by reward actors
-    in the job's gang. The score of a sample is the logit at the last token of
-    ``reward_text`` (rollout/reward_text.py) in the RM's own tokenizer."""
+    in the job's gang. The score of a sample is the logit at the last of its ids in the
+    RM's own tokenizer (rollout/reward_text.py: the one tokenization train-rm shares)."""
 
     type: Literal["model"] = "model"
     """A reward model."""
@@ -125,9 +125,11 @@ class RewardModelConfig(_Part):
     """Local folder of the reward model (``tally train-rm`` writes one)."""
     tokenizer: str | None = Field(default=None, json_schema_extra=FOLDER)
     """Local tokenizer folder; None: the reward model's own."""
-    chat_template: bool = False
-    """Score the RM tokenizer's chat template over [user: prompt, assistant: response];
-    False: the prompt as the policy saw it followed by the response."""
+    chat_template: bool | None = None
+    """Score ``apply_chat_template([user: prompt, assistant: response], tokenize=True)``
+    in the RM's tokenizer; False: the record's prompt followed by the response, special
+    tokens added once. None: the folder's tally_reward_model.json (train-rm writes it),
+    else False; a value that contradicts that file is refused."""
     num_actors: int = Field(default=1, ge=1)
     """Reward actors; a rollout's samples are split between them."""
     num_cpus: float = Field(default=1.0, ge=0.0)
@@ -139,8 +141,14 @@ class RewardModelConfig(_Part):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype; auto: float32 on CPU, bfloat16 on a GPU."""
     max_length: int | None = Field(default=None, gt=0)
-    """Longest text in the RM's tokens; a longer one keeps its last max_length tokens
-    (the end, where the score is read). None: the RM's context."""
+    """Longest text in the RM's tokens (longer ones: ``truncation``). None: the folder's
+    tally_reward_model.json, else the RM's context; a value that contradicts that file
+    is refused."""
+    truncation: Literal["left", "right", "refuse"] = "left"
+    """A text over max_length: left keeps its leading special tokens and template prefix
+    (BOS, system prompt) and its end, where the score is read (as train-rm does); right
+    keeps its first max_length tokens; refuse leaves the sample unscored. Counted in
+    ``reward/<name>/truncated``."""
     normalize: bool = False
     """Score (r − μ) / σ with the running mean and std of every raw score so far, this
     rollout's included (saved in checkpoints: a resume continues them)."""

@@ -1,5 +1,10 @@
 """A learned reward model (``type: model``): actors in the job's gang serve
-rollout/reward_model.py; a shard's texts are split between them.
+rollout/reward_model.py; a shard's samples are split between them. Each scores the
+record's prompt and the response in the one tokenization train-rm shares
+(rollout/reward_text.py), with the folder's tally_reward_model.json settings
+(rollout/reward_model_info.py: unset ones taken, contradicting ones refused at preflight).
+Texts over ``max_length`` are counted (``reward/<name>/truncated``); under
+``truncation: refuse`` they are unscored (None, counted in ``reward/<name>/unscored``).
 
 A score may be normalised, r = (s − μ) / σ, with μ, σ the running mean and std of every
 raw score so far (this rollout's included; Chan's merge of (n, mean, M2), saved in the
@@ -12,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rollout.reward_config import RewardModelConfig
 from rollout.reward_parts.base import PartScores, RewardPart, RewardShard
@@ -69,6 +74,7 @@ class ModelPart(RewardPart):
     """Reward actors (AutoModelForSequenceClassification, one label) in the gang."""
 
     config: RewardModelConfig
+    count_names: ClassVar[tuple[str, ...]] = ("truncated", "unscored")
 
     def __init__(self, config: RewardModelConfig) -> None:
         super().__init__(config)
@@ -81,19 +87,23 @@ class ModelPart(RewardPart):
 
     def check(self, field: str) -> None:
         from rollout.reward_checks import check_local_folder, check_reward_model
+        from rollout.reward_model_info import served_config
 
         check_local_folder(self.config.path, f"{field}.path", "reward-model")
         if self.config.tokenizer is not None:
             check_local_folder(self.config.tokenizer, f"{field}.tokenizer", "tokenizer")
-        check_reward_model(self.config, field)
+        # what training wrote: unset settings taken, contradicting ones refused
+        check_reward_model(served_config(self.config, field), field)
 
     def start_actors(self, resolve: Callable[[str], str],
                      options: list[dict[str, Any]]) -> list[Any]:
         import ray
 
         from rollout.reward_model import RewardModel
+        from rollout.reward_model_info import served_config
 
-        config = self.config.model_copy(update={  # a worker's cwd may not be the caller's
+        # the folder's settings filled in; a worker's cwd may not be the caller's
+        config = served_config(self.config).model_copy(update={
             "path": str(Path(self.config.path).expanduser().resolve()),
             "tokenizer": self.config.tokenizer
             and str(Path(self.config.tokenizer).expanduser().resolve())})
@@ -105,19 +115,31 @@ class ModelPart(RewardPart):
         self.actors = actors
 
     def submit(self, shard: RewardShard) -> list[Any]:
-        prompts = shard.raw_prompts if self.config.chat_template else shard.policy_prompts
+        # the record's prompt, as train-rm's pairs hold it: never the policy's templated
+        # text (its special tokens would be added a second time)
+        prompts = shard.raw_prompts
         return [actor.score.remote(prompts[a:b], shard.responses[a:b]) for actor, (a, b)
                 in zip(self.actors, actor_shards(len(shard), len(self.actors)),
                        strict=False)]
 
     def collect(self, handles: list[list[Any]], update_stats: bool = True) -> PartScores:
-        values, busy_s = gather([ref for refs in handles for ref in refs])
-        values = [float(v) for v in values]
+        import ray
+
+        values: list[float | None] = []
+        busy_s, truncated = 0.0, 0
+        for scores, busy, over in ray.get([ref for refs in handles for ref in refs]):
+            values += [None if v is None else float(v) for v in scores]
+            busy_s += busy
+            truncated += over
         if self.moments is not None:
+            scored = [v for v in values if v is not None]
             if update_stats:
-                self.moments.update(values)
-            values = self.moments.normalize(values)
-        return PartScores(list(values), busy_s)
+                self.moments.update(scored)
+            normal = iter(self.moments.normalize(scored))
+            values = [None if v is None else next(normal) for v in values]
+        unscored = sum(v is None for v in values)  # refused: over max_length
+        return PartScores(values, busy_s,
+                          counts={"truncated": truncated, "unscored": unscored})
 
     def state_dict(self) -> Any:
         m = self.moments

@@ -1,5 +1,8 @@
-"""Preference pairs on their way to the ranks: tokenized once by rollout/reward_text.py's
-definition, then cut into steps.
+"""Preference pairs on their way to the ranks: tokenized once by rollout/reward_text.py
+(the one tokenization the reward actors share: ``apply_chat_template(tokenize=True)`` or
+the text with special tokens added once; over max_length, left truncation keeping the
+leading special tokens and template prefix), then cut into steps. A sequence's score is
+read at its last id (trainer/pair_batch.py), whatever the pad token.
 
 Order: epoch e visits every train pair once in a shuffled order that depends only on
 (seed, e); step s takes positions s·P … s·P + P − 1 of the epochs laid end to end, so
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.preference_pairs import PreferenceDataError, PreferencePair
-from rollout.reward_text import reward_input_ids
+from rollout.reward_text import encode_reward
 from trainer.pair_batch import PairBatch
 
 
@@ -27,7 +30,7 @@ class TokenizedPairs:
     kinds: list[str | None]
     """Each pair's ``kind`` (None when the file gives none)."""
     num_truncated: int
-    """Texts longer than max_length, cut to their last max_length tokens."""
+    """Texts longer than max_length, cut by left truncation (rollout/reward_text.py)."""
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -47,15 +50,13 @@ def tokenize_pairs(pairs: list[PreferencePair], tokenizer: Any, chat_template: b
     for pair in pairs:
         sides = []
         for field, response in (("chosen", pair.chosen), ("rejected", pair.rejected)):
-            ids = reward_input_ids(tokenizer, pair.prompt, response, chat_template,
-                                   max_length)
-            if not ids:
+            encoded = encode_reward(tokenizer, pair.prompt, response, chat_template,
+                                    max_length, "left")
+            if not encoded.ids:
                 raise PreferenceDataError(f'{pair.where}: "{field}": its text has no token '
                                           "to score")
-            if len(ids) == max_length:  # cut, or exactly as long: tokenized again to say
-                truncated += len(reward_input_ids(tokenizer, pair.prompt, response,
-                                                  chat_template)) > max_length
-            sides.append(ids)
+            truncated += encoded.truncated
+            sides.append(encoded.ids)
         sequences.append((sides[0], sides[1]))
     return TokenizedPairs(sequences, [pair.kind for pair in pairs], truncated)
 

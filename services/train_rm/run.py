@@ -25,15 +25,17 @@ from typing import Any
 import yaml
 
 from rollout.preference_pairs import PreferenceDataError, read_preference_pairs
+from rollout.reward_model_info import INFO_FILE
 from services.config.errors import ConfigError, ConfigProblem
 from services.driver.run_dir import FINAL_MODEL_DIR, METRICS_FILE  # every program's names
 from services.train_rm.config import RewardModelConfig, load_reward_model_config
 from services.train_rm.data import TokenizedPairs, step_indices, tokenize_pairs
 
 RUN_CONFIG_FILE = "config.yaml"
-REWARD_MODEL_INFO = "tally_reward_model.json"
+REWARD_MODEL_INFO = INFO_FILE
 """In the final folder: how its scores are to be read (chat_template, max_length), so a
-reward actor scores the text the model was trained on."""
+reward actor scores the ids the model was trained on (rollout/reward_model_info.py reads
+it; truncation is left, the actor's default)."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,6 @@ def _refused(source: str, field: str, message: str) -> ConfigError:
 def prepare(config_path: str | Path, overrides: list[str], output_dir: Path | None = None
             ) -> Prepared:
     """The run, ready (module docstring); ConfigError or PreferenceDataError otherwise."""
-    from transformers import AutoTokenizer
-
     from rollout.pretrained import ModelImportError
     from rollout.tiny import resolve_model_path
     from rollout.token_budget import model_context
@@ -78,12 +78,8 @@ def prepare(config_path: str | Path, overrides: list[str], output_dir: Path | No
     if (folder / METRICS_FILE).exists() or (folder / FINAL_MODEL_DIR).exists():
         raise _refused(source, "output_dir", f"{folder} already holds a train-rm run; "
                                              "choose another folder or remove it")
-    # The tokenizer transformers itself loads from the folder: what the reward actors
-    # (rollout/reward_model.py) and a user's AutoTokenizer read back from final_model/.
-    # (For the tiny model's character tokenizer that is not rollout.tokenizer's loader.)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
-        tokenizer.eos_token_id)
+    tokenizer = reward_tokenizer(model_path)
+    pad_id = tokenizer.pad_token_id
     if pad_id is None:
         raise _refused(source, "model", f"{model_path}: its tokenizer has neither a pad "
                                         "nor an end-of-sequence token")
@@ -101,6 +97,21 @@ def prepare(config_path: str | Path, overrides: list[str], output_dir: Path | No
     return Prepared(config, model_path, tokenizer, int(pad_id), tokenized["train"],
                     tokenized.get("test"), folder,
                     config.total_steps(len(tokenized["train"])))
+
+
+def reward_tokenizer(model_path: str) -> Any:
+    """The tokenizer transformers itself loads from the folder (what the reward actors,
+    rollout/reward_model.py, and a user's AutoTokenizer read back from final_model/; for
+    the tiny model's character tokenizer that is not rollout.tokenizer's loader), its pad
+    token set to its EOS when it has none, as TRL does: the tokenizer's pad token and the
+    model config's (the ranks set it from this id) are one, saved together. No score is
+    read by it: training and serving read each sequence's last id."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def rank_threads(model_path: str, world_size: int) -> int:

@@ -56,11 +56,13 @@ def manager(ray_cluster: None, tiny_model_path: str, reward_models: tuple[str, s
     ray.kill(actor)
 
 
-def _transformers_score(folder: str, text: str) -> float:
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+def _transformers_score(folder: str, ids: list[int]) -> float:
+    """transformers' forward of ``ids`` alone, read at the last id (no pad token in the
+    config: transformers then reads the last token)."""
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    model.config.pad_token_id = None
     with torch.no_grad():
-        return float(model(**tokenizer(text, return_tensors="pt")).logits[0, 0])
+        return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
 
 
 @pytest.mark.slow  # a manager, its engine and four reward actors on Ray
@@ -68,6 +70,7 @@ def test_logged_rewards_are_transformers_scores_of_the_logged_text(
         manager: ray.actor.ActorHandle, reward_models: tuple[str, str]) -> None:
     tiny_rm, chat_rm = reward_models
     chat_tokenizer = AutoTokenizer.from_pretrained(chat_rm)
+    tiny_tokenizer = AutoTokenizer.from_pretrained(tiny_rm)
     batch = ray.get(manager.generate_batch.remote(0))
     samples = batch.samples
     assert len(samples) == 8 and [s.index for s in samples] == list(range(8))
@@ -75,12 +78,15 @@ def test_logged_rewards_are_transformers_scores_of_the_logged_text(
     moments.update([s.rewards["rm"] for s in samples])
     for sample in samples:
         rewards = sample.rewards
-        assert rewards["rm"] == pytest.approx(_transformers_score(
-            tiny_rm, sample.prompt + sample.response), abs=1e-4)
-        chat_text = chat_tokenizer.apply_chat_template(
+        # no template: the record's prompt and the response, one BOS (the policy's
+        # prompt text already starts with one: it is not what is scored)
+        plain = list(tiny_tokenizer(sample.record_prompt + sample.response)["input_ids"])
+        assert plain.count(tiny_tokenizer.bos_token_id) == 1
+        assert rewards["rm"] == pytest.approx(_transformers_score(tiny_rm, plain), abs=1e-4)
+        chat_ids = chat_tokenizer.apply_chat_template(
             [{"role": "user", "content": sample.record_prompt},
-             {"role": "assistant", "content": sample.response}], tokenize=False)
-        assert rewards["chat_rm"] == pytest.approx(_transformers_score(chat_rm, chat_text),
+             {"role": "assistant", "content": sample.response}], tokenize=True)["input_ids"]
+        assert rewards["chat_rm"] == pytest.approx(_transformers_score(chat_rm, chat_ids),
                                                    abs=1e-4)
         assert rewards["exact_match"] == float(
             sample.response.strip() == sample.label.strip())
@@ -96,6 +102,7 @@ def test_logged_rewards_are_transformers_scores_of_the_logged_text(
     assert batch.metadata["reward/rm/mean"] == pytest.approx(sum(parts) / len(parts))
     assert batch.metadata["reward/chat_rm/std"] > 0
     assert batch.metadata["perf/reward_busy_s"] > 0
+    assert batch.metadata["reward/rm/truncated"] == 0  # every text fits the RM's context
 
 
 @pytest.mark.slow

@@ -1,14 +1,24 @@
-"""The text a reward model scores, and its tokens: one definition (rollout/reward_text.py),
-the same as transformers' pooling on a right-padded, left-truncated batch."""
+"""The ids a reward model scores (rollout/reward_text.py): the chat template's own
+``apply_chat_template(tokenize=True)`` ids, or the text with special tokens added once;
+over max_length, left truncation keeps the leading special tokens and the template's
+prefix, right keeps the start, refuse raises."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from rollout.reward_text import prompt_messages, reward_input_ids, reward_text
+from rollout.reward_text import (
+    RewardTextTooLong,
+    encode_reward,
+    kept_prefix,
+    plain_text,
+    prompt_messages,
+    reward_input_ids,
+)
 from rollout.tiny import resolve_model_path
 from rollout.tokenizer import load_tokenizer
+
+CHAT = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "2+2="}]
 
 
 @pytest.fixture(scope="module")
@@ -16,53 +26,75 @@ def tiny_tokenizer():
     return load_tokenizer(resolve_model_path("tiny"))
 
 
-def test_plain_text_is_prompt_then_response(tiny_tokenizer) -> None:
-    assert reward_text(tiny_tokenizer, "2+2=", "4", chat_template=False) == "2+2=4"
-    messages = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "2+2="}]
-    assert reward_text(tiny_tokenizer, messages, "4", chat_template=False) == "Be brief. 2+2=4"
+def test_plain_text_is_prompt_then_response() -> None:
+    assert plain_text("2+2=", "4") == "2+2=4"
+    assert plain_text(CHAT, "4") == "Be brief. 2+2=4"
     assert prompt_messages("hi") == [{"role": "user", "content": "hi"}]
-    assert prompt_messages(messages) == messages and prompt_messages(messages) is not messages
+    assert prompt_messages(CHAT) == CHAT and prompt_messages(CHAT) is not CHAT
 
 
-def test_chat_template_gets_the_assistant_turn(tiny_tokenizer, smollm2_path) -> None:
-    # the tiny model's template: <bos> then every message's content
-    assert reward_text(tiny_tokenizer, "2+2=", "4", chat_template=True) == "<bos>2+2=4"
+def test_template_ids_are_apply_chat_template_ids_one_bos(tiny_tokenizer) -> None:
+    """The tiny template writes ``{{ bos_token }}`` and the tokenizer adds BOS too: the
+    ids hold one BOS, exactly apply_chat_template(tokenize=True)'s."""
+    want = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}],
+        tokenize=True)["input_ids"]
+    ids = reward_input_ids(tiny_tokenizer, "2+2=", "4", chat_template=True)
+    assert ids == list(want) == tiny_tokenizer("2+2=4")["input_ids"]
+    assert ids.count(tiny_tokenizer.bos_token_id) == 1
+
+
+def test_plain_ids_add_special_tokens_once(tiny_tokenizer) -> None:
+    bos = tiny_tokenizer.bos_token_id
+    want = tiny_tokenizer("abcde")["input_ids"]
+    assert want[0] == bos and want.count(bos) == 1
+    assert reward_input_ids(tiny_tokenizer, "abc", "de", chat_template=False) == want
+    # a prompt that already holds the BOS text (a templated policy prompt): not re-added
+    assert reward_input_ids(tiny_tokenizer, "<bos>abc", "de", chat_template=False) == want
+    # the pad token is an id like any other: read where it stands, never dropped
+    padded = reward_input_ids(tiny_tokenizer, "abc", "de<pad>", chat_template=False)
+    assert padded == [*want, tiny_tokenizer.pad_token_id]
+
+
+def test_left_truncation_keeps_bos_and_the_end(tiny_tokenizer) -> None:
+    ids = reward_input_ids(tiny_tokenizer, "abcdefgh", "ij", chat_template=False)
+    encoded = encode_reward(tiny_tokenizer, "abcdefgh", "ij", False, max_length=4)
+    assert encoded.ids == [ids[0], *ids[-3:]] and encoded.truncated
+    assert encoded.num_tokens == len(ids) == 11
+    right = encode_reward(tiny_tokenizer, "abcdefgh", "ij", False, 4, truncation="right")
+    assert right.ids == ids[:4]
+    with pytest.raises(RewardTextTooLong, match="11 tokens, more than max_length 4"):
+        encode_reward(tiny_tokenizer, "abcdefgh", "ij", False, 4, truncation="refuse")
+    fits = encode_reward(tiny_tokenizer, "abcdefgh", "ij", False, 11, truncation="refuse")
+    assert fits.ids == ids and not fits.truncated
+
+
+def test_left_truncation_keeps_the_template_prefix(smollm2_path) -> None:
+    """SmolLM2: the kept prefix is its template up to the question (its system prompt
+    included); the rest is the end of the text, where the score is read."""
     smol = load_tokenizer(smollm2_path)
-    text = reward_text(smol, [{"role": "user", "content": "2+2?"}], "4", chat_template=True)
-    assert text == smol.apply_chat_template([{"role": "user", "content": "2+2?"},
-                                             {"role": "assistant", "content": "4"}],
-                                            tokenize=False)
-    assert text.endswith("<|im_start|>assistant\n4<|im_end|>\n")
-    assert reward_text(smol, "2+2?", "4", chat_template=True) == text  # a string: one user turn
+    question = "Tom has " + "many " * 40 + "apples. How many?"
+    ids = reward_input_ids(smol, question, "Seven.", chat_template=True)
+    keep = kept_prefix(smol, ids, question, "Seven.", True)
+    assert smol.decode(ids[:keep]).endswith("<|im_start|>user\n")
+    assert "You are a helpful AI assistant" in smol.decode(ids[:keep])
+    cut = encode_reward(smol, question, "Seven.", True, max_length=keep + 10)
+    assert cut.ids == ids[:keep] + ids[-10:] and cut.truncated
+    assert smol.decode(cut.ids[-10:]).endswith("Seven.<|im_end|>\n")
+    # a system message of the record's own is part of the prefix too
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]
+    chat_ids = reward_input_ids(smol, chat, "Seven.", chat_template=True)
+    assert smol.decode(chat_ids[:kept_prefix(smol, chat_ids, chat, "Seven.", True)]
+                       ).endswith("Be brief.<|im_end|>\n<|im_start|>user\n")
+    # a prefix longer than max_length keeps only its leading special tokens
+    short = encode_reward(smol, question, "Seven.", True, max_length=5)
+    assert short.ids == ids[:1] + ids[-4:] and ids[0] == smol.convert_tokens_to_ids(
+        "<|im_start|>")
 
 
-def test_ids_keep_the_end_and_drop_trailing_pads(tiny_tokenizer) -> None:
-    ids = reward_input_ids(tiny_tokenizer, "abc", "de", chat_template=False)
-    assert ids == tiny_tokenizer("abcde")["input_ids"] and ids[0] == tiny_tokenizer.bos_token_id
-    assert reward_input_ids(tiny_tokenizer, "abc", "de", False, max_length=3) == ids[-3:]
-    padded = reward_input_ids(tiny_tokenizer, "abc", "de<pad><pad>", chat_template=False)
-    assert padded == ids  # <pad> is the tokenizer's pad token: not where r is read
+def test_no_template_is_refused(tiny_tokenizer) -> None:
+    from transformers import PreTrainedTokenizerFast
 
-
-def test_transformers_pooling_of_a_padded_batch_reads_the_same_token(tiny_tokenizer) -> None:
-    """What a reward actor does (these ids right-padded into one batch with an attention
-    mask, AutoModelForSequenceClassification's own pooling) scores each text as its ids
-    alone, read at the last token; a trailing pad token and truncation change nothing."""
-    from transformers import AutoModelForSequenceClassification
-
-    pad = tiny_tokenizer.pad_token_id
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        resolve_model_path("tiny"), num_labels=1, pad_token_id=pad)
-    texts = [("What is 2+2?", "4"), ("A longer prompt than the others, cut", " on the left."),
-             ("x", "y<pad>")]
-    rows = [reward_input_ids(tiny_tokenizer, p, r, False, max_length=20) for p, r in texts]
-    width = max(len(row) for row in rows)
-    input_ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
-    attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
-    with torch.no_grad():
-        batched = model(input_ids=input_ids, attention_mask=attention).logits[:, 0]
-        for row, score in zip(rows, batched, strict=True):
-            alone = model(input_ids=torch.tensor([row])).logits[0, 0]
-            assert torch.allclose(score, alone, atol=1e-5), row
-    assert len(rows[1]) == 20 and rows[1][-1] == tiny_tokenizer("x.")["input_ids"][-1]
+    bare = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer)
+    with pytest.raises(ValueError, match="has no chat template"):
+        reward_input_ids(bare, "a", "b", chat_template=True)
