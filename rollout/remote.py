@@ -203,6 +203,8 @@ def post_json(settings: RemoteSettings, body: Any, tally: CallTally, num_samples
             with gate, urllib.request.urlopen(request, timeout=settings.timeout_s) as reply:
                 return json.loads(reply.read())
         except (OSError, http.client.HTTPException, ValueError) as err:
+            if isinstance(err, urllib.error.HTTPError):
+                err.close()  # its body is not read: free the connection now
             retry = _retryable(err) and attempt < settings.max_retries
             if not retry:
                 refused = isinstance(err, urllib.error.HTTPError) and not _retryable(err)
