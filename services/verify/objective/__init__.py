@@ -81,7 +81,9 @@ def results(loss: LossConfig, temperature: float, value_clip: float | None,
     for name, clip in ((f"value clip={epsilon:g}", epsilon), ("value unclipped", None)):
         out.append(Result(name, "value", *run_value_check(setting, production, temperature,
                                                           clip)))
-    out.append(Result("bt", "bt", *run_pair_check(setting, production)))
+    out.append(Result("bt", "bt", *run_pair_check(setting, production, with_margin=False)))
+    out.append(Result("bt margin+centring", "bt",
+                      *run_pair_check(setting, production, with_margin=True)))
     return out
 
 

@@ -28,7 +28,7 @@ KL estimators (docs/loss-aggregation.md's table), expected gradient as a loss te
 k1 → 0, k2 → ∇KL(π‖ref), k3 and low_var_kl → ∇KL(ref‖π), k3+ → ∇KL(π‖ref), with
 KL(π‖ref) = Σ π (log π − log ref). Entropy's contribution −H = Σ π log π (a bonus).
 Value (trainer/value_loss.py): ½·max((V−R)², (clip(V, V_old ± ε) − R)²). Bradley–Terry
-(trainer/bradley_terry.py): −(1/P) Σ log σ(r_chosen − r_rejected).
+(trainer/bradley_terry.py): −(1/P) Σ log σ(r⁺ − r⁻ − m) + c·(1/P) Σ (r⁺ + r⁻)².
 """
 
 from __future__ import annotations
@@ -225,6 +225,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return (probability * 0.5 * squared).sum()
 
 
-def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """−(1/P) Σ log σ(r⁺ − r⁻), with −log σ(x) = log(1 + e^{−x})."""
-    return torch.log1p(torch.exp(-(chosen - rejected))).mean()
+def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor,
+                  margin: torch.Tensor | None = None, center: float = 0.0) -> torch.Tensor:
+    """−(1/P) Σ log σ(r⁺ − r⁻ − m) + c·(1/P) Σ (r⁺ + r⁻)² (TRL's margin and centring),
+    with −log σ(x) = log(1 + e^{−x})."""
+    shifted = chosen - rejected - (0.0 if margin is None else margin)
+    return (torch.log1p(torch.exp(-shifted)) + center * (chosen + rejected).square()).mean()

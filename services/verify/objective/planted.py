@@ -88,8 +88,8 @@ def _value_clip_side(production: Production) -> Production:
 
 def _bt_margin_sign(production: Production) -> Production:
     def objective(chosen: torch.Tensor, rejected: torch.Tensor, num_pairs: int,
-                  weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        return production.pair_objective(rejected, chosen, num_pairs, weight)
+                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return production.pair_objective(rejected, chosen, num_pairs, **kwargs)
     return dataclasses.replace(production, pair_objective=objective)
 
 

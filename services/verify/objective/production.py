@@ -106,9 +106,11 @@ def value_objective(production: Production, setting: Setting, outcomes: Outcomes
 
 
 def pair_term(production: Production, setting: Setting, outcomes: Outcomes,
-              chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+              chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None,
+              center: float) -> torch.Tensor:
     """Production's Bradley–Terry objective over the pairs (indices into the outcomes),
-    each outcome scored at its last token."""
+    each outcome scored at its last token; ``margin`` [P] and ``center`` as TRL's."""
     scores = setting.critic(outcomes.input_ids).logits[:, -1, 0]
-    objective, _ = production.pair_objective(scores[chosen], scores[rejected], len(chosen))
+    objective, _ = production.pair_objective(scores[chosen], scores[rejected], len(chosen),
+                                             margin=margin, center_coefficient=center)
     return objective

@@ -8,7 +8,7 @@ expected J and ∇J (production.py) against the documented formula's (formulas.p
     correction/tis_cap ppo   the legacy spelling
     kl/<estimator>           samples from π, the reference π_ref
     entropy
-    value clip=ε, value unclipped, bt
+    value clip=ε, value unclipped, bt, bt margin+centring
 
 Each policy row is taken at every temperature the check runs (the worst error counts).
 """
@@ -36,6 +36,8 @@ from trainer.losses import POLICY_LOSSES
 
 DEFAULT_CORRECTION_HIGH = 2.0
 """The correction rows' bound when the job sets none (π_old/μ spans about [0.3, 3])."""
+PAIR_CENTER = 0.05
+"""c of the Bradley–Terry row with TRL's reward centring."""
 Reference = Callable[[Policies], torch.Tensor]
 
 
@@ -216,16 +218,20 @@ def run_value_check(setting: Setting, production: Production, temperature: float
     return compare(produced, reference, list(setting.critic.parameters()))
 
 
-def run_pair_check(setting: Setting, production: Production) -> tuple[float, float, float, float]:
+def run_pair_check(setting: Setting, production: Production, with_margin: bool
+                   ) -> tuple[float, float, float, float]:
     """Bradley–Terry over every pair of one-token outcomes of a context, the one with the
-    higher hidden utility chosen."""
+    higher hidden utility chosen; ``with_margin``: a margin per pair and centring
+    (c = ``PAIR_CENTER``) too."""
     outcomes = enumerate_outcomes(setting.contexts, 1)
     utility = setting.data((outcomes.num_rows,), salt=31)
     width = outcomes.num_rows // setting.contexts.shape[0]
     pairs = [(i, j) for i in range(outcomes.num_rows) for j in range(outcomes.num_rows)
              if i // width == j // width and utility[i] > utility[j]]
     chosen, rejected = (torch.tensor(side) for side in zip(*pairs, strict=True))
-    produced = pair_term(production, setting, outcomes, chosen, rejected)
+    margin = setting.data((len(pairs),), salt=32, std=0.5) if with_margin else None
+    center = PAIR_CENTER if with_margin else 0.0
+    produced = pair_term(production, setting, outcomes, chosen, rejected, margin, center)
     scores = setting.critic(outcomes.input_ids).logits[:, -1, 0]
-    reference = formulas.bradley_terry(scores[chosen], scores[rejected])
+    reference = formulas.bradley_terry(scores[chosen], scores[rejected], margin, center)
     return compare(produced, reference, list(setting.critic.parameters()))
