@@ -83,13 +83,19 @@ def test_a_judge_in_the_gang_scores_what_its_engine_answers(judged: tuple,
     answers, _ = engine.answer(requests, part.max_new_tokens)
     expected = [parse_score(a, PARSE) for a in answers]
     assert None in expected and any(e is not None for e in expected)  # both kinds seen
-    assert [s.rewards["judge"] for s in batch.samples] == [
-        0.0 if e is None else e for e in expected]
+    assert [s.rewards["judge"] for s in batch.samples] == expected  # None: unscored
     assert batch.metadata["reward/judge/unparsed"] == float(sum(
         e is None for e in expected))
-    for sample in batch.samples:
-        assert sample.reward == sample.rewards["exact_match"] + \
-            0.5 * sample.rewards["judge"]
+    assert batch.metadata["reward/judge/unscored"] == batch.metadata["reward/judge/unparsed"]
+    assert batch.scored.tolist() == [e is not None for e in expected]
+    for i, sample in enumerate(batch.samples):
+        assert sample.index == i
+        if expected[i] is None:  # missing, not zero: no reward, advantage 0
+            assert sample.reward is None and float(batch.rewards[i]) == 0.0
+            assert not batch.advantages[i].any()
+        else:
+            assert sample.reward == pytest.approx(sample.rewards["exact_match"]
+                                                  + 0.5 * sample.rewards["judge"])
 
 
 class _ChatServer(ChatHandler):
