@@ -121,7 +121,7 @@ def test_a_judge_server_that_returns_503_twice_answers_as_one_that_never_failed(
 
 def test_a_dead_endpoint_leaves_every_sample_unscored_after_bounded_backoff() -> None:
     handler = fresh(_Rewards, fail_always=503)
-    backoff, retries = 0.05, 3
+    backoff, retries = 0.2, 3
     with serving(handler) as url:
         started = time.monotonic()
         scores = _scored(_part(url, backoff_s=backoff, max_retries=retries,
@@ -135,8 +135,8 @@ def test_a_dead_endpoint_leaves_every_sample_unscored_after_bounded_backoff() ->
     for call in range(3):
         gaps = [times[call * 4 + k + 1] - times[call * 4 + k] for k in range(retries)]
         for k, gap in enumerate(gaps):
-            assert 0.5 * backoff * 2**k <= gap <= backoff * 2**k + 0.25
-    assert took <= 3 * backoff * (2**retries - 1) + 1.5
+            assert 0.5 * backoff * 2**k <= gap <= backoff * 2**k + 0.3  # + a busy CPU
+    assert took <= 3 * backoff * (2**retries - 1) + 2.0
 
     port = _free_port()  # refused connections are retried the same way
     refused = _part(f"http://127.0.0.1:{port}", backoff_s=0.01, max_retries=2,
