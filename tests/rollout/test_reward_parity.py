@@ -223,3 +223,40 @@ def test_a_doubled_bos_fails_the_parity_check(folders: dict[str, str],
     assert score != pytest.approx(want, abs=1e-5)
     with pytest.raises(AssertionError):  # the parity test itself catches it
         test_actor_train_rm_and_transformers_score_the_same_ids(folders, "char")
+
+
+@pytest.mark.slow  # train-rm's Ray ranks: about 30 s here
+def test_train_rm_eval_scores_are_the_served_scores(
+        ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train-rm (tiny, its template, left truncation at 64) writes eval_scores.jsonl; the
+    reward actor serving final_model/ with nothing set (its settings from
+    tally_reward_model.json) scores the same held-out pairs the same, to 1e-5."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from rollout.preference_pairs import read_preference_pairs
+    from services.cli import app
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    out = tmp_path / "rm"
+    result = CliRunner().invoke(app, [
+        "train-rm", "configs/rm-tiny.yaml", "--set", "chat_template=true",
+        "--set", "num_steps=2", "--set", "eval_every=0", "--set", "max_length=64",
+        "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    trained = [json.loads(line)
+               for line in (out / "eval_scores.jsonl").read_text().splitlines()]
+    pairs = read_preference_pairs(root / "configs" / "data" / "math-pairs-test.jsonl")
+    actor = RewardModel(RewardModelConfig(path=str(out / "final_model"), dtype="float32"))
+    assert actor.chat_template and actor.max_length == 64
+    prompts = [p.prompt for p in pairs for _ in range(2)]
+    responses = [r for p in pairs for r in (p.chosen, p.rejected)]
+    ids, over = actor.input_ids(prompts, responses)
+    served, _, _ = actor.score(prompts, responses)
+    assert over > 0  # some texts were cut, the same way on both sides
+    assert all(row[0] == actor.tokenizer.bos_token_id for row in ids if row)
+    for k, scores in enumerate(trained):
+        assert served[2 * k] == pytest.approx(scores["chosen"], abs=1e-5), k
+        assert served[2 * k + 1] == pytest.approx(scores["rejected"], abs=1e-5), k
