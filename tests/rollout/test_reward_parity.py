@@ -225,12 +225,16 @@ def test_a_doubled_bos_fails_the_parity_check(folders: dict[str, str],
         test_actor_train_rm_and_transformers_score_the_same_ids(folders, "char")
 
 
-@pytest.mark.slow  # train-rm's Ray ranks: about 30 s here
+@pytest.mark.slow  # train-rm's Ray ranks: about 20 s each here
+@pytest.mark.parametrize("base", ["tiny", "llama2"])
 def test_train_rm_eval_scores_are_the_served_scores(
-        ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """train-rm (tiny, its template, left truncation at 64) writes eval_scores.jsonl; the
-    reward actor serving final_model/ with nothing set (its settings from
-    tally_reward_model.json) scores the same held-out pairs the same, to 1e-5."""
+        ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, base: str
+) -> None:
+    """train-rm (its template, left truncation at 64) writes eval_scores.jsonl; the reward
+    actor serving final_model/ with nothing set (its settings from
+    tally_reward_model.json) scores the same held-out pairs the same, to 1e-5. Bases: the
+    tiny model, and (b), whose tokenizer has no pad token and whose texts end with EOS:
+    train-rm saves pad = EOS in the tokenizer and the config together."""
     import json
 
     from typer.testing import CliRunner
@@ -240,9 +244,12 @@ def test_train_rm_eval_scores_are_the_served_scores(
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)
+    model = "tiny" if base == "tiny" else save_llama_reward_model(
+        tmp_path / "base", llama2_like_tokenizer(), seed=21)
     out = tmp_path / "rm"
     result = CliRunner().invoke(app, [
         "train-rm", "configs/rm-tiny.yaml", "--set", "chat_template=true",
+        "--set", f"model={model}",
         "--set", "num_steps=2", "--set", "eval_every=0", "--set", "max_length=64",
         "--output-dir", str(out)])
     assert result.exit_code == 0, result.output
@@ -257,6 +264,10 @@ def test_train_rm_eval_scores_are_the_served_scores(
     served, _, _ = actor.score(prompts, responses)
     assert over > 0  # some texts were cut, the same way on both sides
     assert all(row[0] == actor.tokenizer.bos_token_id for row in ids if row)
+    if base == "llama2":
+        eos = actor.tokenizer.eos_token_id
+        assert actor.tokenizer.pad_token_id == eos == actor.model.config.pad_token_id
+        assert all(row[-1] == eos for row in ids if row)
     for k, scores in enumerate(trained):
         assert served[2 * k] == pytest.approx(scores["chosen"], abs=1e-5), k
         assert served[2 * k + 1] == pytest.approx(scores["rejected"], abs=1e-5), k
