@@ -31,19 +31,23 @@ class TokenizedPairs:
     """Each pair's ``kind`` (None when the file gives none)."""
     num_truncated: int
     """Texts longer than max_length, cut by left truncation (rollout/reward_text.py)."""
+    margins: list[float] | None = None
+    """Each pair's margin m (data.margin), None when the run reads none."""
 
     def __len__(self) -> int:
         return len(self.sequences)
 
     def batch(self, indices: list[int], pad_id: int) -> PairBatch:
-        return PairBatch.from_sequences([self.sequences[i] for i in indices], pad_id)
+        margins = None if self.margins is None else [self.margins[i] for i in indices]
+        return PairBatch.from_sequences([self.sequences[i] for i in indices], pad_id,
+                                        margins)
 
     def num_tokens(self, indices: list[int]) -> int:
         return sum(len(ids) for i in indices for ids in self.sequences[i])
 
 
 def tokenize_pairs(pairs: list[PreferencePair], tokenizer: Any, chat_template: bool,
-                   max_length: int) -> TokenizedPairs:
+                   max_length: int, with_margins: bool = False) -> TokenizedPairs:
     """Both texts of every pair in the reward model's tokens (rollout/reward_text.py);
     PreferenceDataError naming the record when a text has no token at all."""
     sequences, truncated = [], 0
@@ -58,7 +62,8 @@ def tokenize_pairs(pairs: list[PreferencePair], tokenizer: Any, chat_template: b
             truncated += encoded.truncated
             sides.append(encoded.ids)
         sequences.append((sides[0], sides[1]))
-    return TokenizedPairs(sequences, [pair.kind for pair in pairs], truncated)
+    return TokenizedPairs(sequences, [pair.kind for pair in pairs], truncated,
+                          [pair.margin for pair in pairs] if with_margins else None)
 
 
 def step_indices(num_pairs: int, pairs_per_step: int, step: int, seed: int) -> list[int]:

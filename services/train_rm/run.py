@@ -83,12 +83,14 @@ def prepare(config_path: str | Path, overrides: list[str], output_dir: Path | No
     if pad_id is None:
         raise _refused(source, "model", f"{model_path}: its tokenizer has neither a pad "
                                         "nor an end-of-sequence token")
-    files = {"train": read_preference_pairs(config.data.train, "data.train")}
+    margin_key = config.data.margin_key
+    files = {"train": read_preference_pairs(config.data.train, "data.train", margin_key)}
     if config.data.test is not None:
-        files["test"] = read_preference_pairs(config.data.test, "data.test")
+        files["test"] = read_preference_pairs(config.data.test, "data.test", margin_key)
     try:
         tokenized = {name: tokenize_pairs(pairs, tokenizer, config.chat_template,
-                                          config.max_length) for name, pairs in files.items()}
+                                          config.max_length, margin_key is not None)
+                     for name, pairs in files.items()}
     except ValueError as err:
         if isinstance(err, PreferenceDataError):
             raise
@@ -165,7 +167,8 @@ def run(prepared: Prepared, log: Any = print) -> dict[str, float]:
 
     def reward_model(_placement: object) -> RewardModelGroup:
         return RewardModelGroup(trainer, prepared.model_path, prepared.num_steps,
-                                prepared.pad_id, env_vars=QUIET_ENV)
+                                prepared.pad_id, env_vars=QUIET_ENV,
+                                center_rewards_coefficient=config.center_rewards_coefficient)
 
     # its own ranks only, where Ray puts them: a train-rm run has no job config to place
     roles = Roles(policy=reward_model, place=False)
@@ -206,7 +209,8 @@ def _train(group: Any, prepared: Prepared, log: Any) -> dict[str, float]:
             if test_batch is not None and (last or (config.eval_every
                                                     and (step + 1) % config.eval_every == 0)):
                 scores = group.scores(test_batch)
-                row |= held_out_metrics(scores, test.kinds)
+                row |= held_out_metrics(scores, test.kinds, test.margins,
+                                        config.center_rewards_coefficient)
                 if last:
                     write_eval_scores(prepared.output_dir / EVAL_SCORES_FILE, scores,
                                       test.kinds)

@@ -5,6 +5,7 @@ ones training computed (one definition of the scored text)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -105,8 +106,18 @@ def test_tiny_reward_model_trains_and_its_folder_scores_what_training_scored(
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "rm"
+    data = {}  # the shipped pairs with a margin column (TRL's RewardTrainer's "margin")
+    for split in ("train", "test"):
+        lines = (ROOT / "configs" / "data" / f"math-pairs-{split}.jsonl").read_text().splitlines()
+        rows = [{**json.loads(line), "gap": 0.25 * (i % 3)} for i, line in enumerate(lines)]
+        data[split] = tmp_path / f"{split}.jsonl"
+        data[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
     result = runner.invoke(app, ["train-rm", str(TINY), "--set", "num_steps=3",
-                                 "--set", "eval_every=2", "--output-dir", str(out)])
+                                 "--set", "eval_every=2", "--output-dir", str(out),
+                                 "--set", f"data.train={data['train']}",
+                                 "--set", f"data.test={data['test']}",
+                                 "--set", "data.margin=gap",
+                                 "--set", "center_rewards_coefficient=0.05"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[1].startswith("step 0 (1/3 done) | loss ")
@@ -137,3 +148,14 @@ def test_tiny_reward_model_trains_and_its_folder_scores_what_training_scored(
                 assert float(score) == pytest.approx(scores[side], abs=1e-5), (pair, side)
     correct = sum(s["chosen"] > s["rejected"] for s in trained) / len(trained)
     assert correct == pytest.approx(final["eval/accuracy"])
+    # the held-out loss is TRL's, margins and centring included, over the served scores
+    gaps = [0.25 * (i % 3) for i in range(len(trained))]
+    bt = sum(-math.log(1 / (1 + math.exp(-(s["chosen"] - s["rejected"] - m))))
+             for s, m in zip(trained, gaps, strict=True)) / len(trained)
+    centring = sum((s["chosen"] + s["rejected"]) ** 2 for s in trained) / len(trained)
+    assert final["eval/loss/bradley_terry"] == pytest.approx(bt, rel=1e-4)
+    assert final["eval/loss"] == pytest.approx(bt + 0.05 * centring, rel=1e-4)
+    for row in rows:  # training's loss holds both terms too
+        metrics = row["metrics"]
+        assert metrics["loss"] == pytest.approx(
+            metrics["loss/bradley_terry"] + 0.05 * metrics["score/centring"], rel=1e-6)
