@@ -80,8 +80,9 @@ def eval_metrics(outcomes: Sequence[EvalOutcome], config: EvalConfig) -> dict[st
     greedy_parts = [o.samples[0].rewards for o in outcomes if o.samples]
     if len(greedy_parts) == len(outcomes) and len(greedy_parts[0]) > 1:  # several parts
         for name in greedy_parts[0]:  # e.g. a rule's correctness beside a reward model
-            metrics[f"eval/reward/{name}/mean"] = (sum(p[name] for p in greedy_parts)
-                                                   / len(outcomes))
+            values = [p[name] for p in greedy_parts if p[name] is not None]  # unscored: out
+            if values:
+                metrics[f"eval/reward/{name}/mean"] = sum(values) / len(values)
     by_level: dict[str, list[bool]] = defaultdict(list)
     for outcome, ok in zip(outcomes, correct, strict=True):
         if "difficulty" in outcome.metadata:

@@ -76,11 +76,17 @@ def groups_with_signal(batch: RolloutBatch) -> float:
     rewards are all equal has advantage 0 for every sample (GRPO), so it teaches nothing."""
     _, dense = torch.unique(batch.group_index, return_inverse=True)
     num_groups = int(dense.max()) + 1
+    scored = batch.scored  # an unscored sample's reward is a placeholder: left out
     highest = torch.full((num_groups,), -torch.inf).scatter_reduce(
-        0, dense, batch.rewards.float(), "amax")
+        0, dense[scored], batch.rewards.float()[scored], "amax")
     lowest = torch.full((num_groups,), torch.inf).scatter_reduce(
-        0, dense, batch.rewards.float(), "amin")
+        0, dense[scored], batch.rewards.float()[scored], "amin")
     return float((highest > lowest).float().mean())
+
+
+def scored_rewards(batch: RolloutBatch) -> torch.Tensor:
+    """The rewards of the scored samples (an unscored one's is a placeholder)."""
+    return batch.rewards[batch.scored]
 
 
 def rollout_metrics(batch: RolloutBatch, per_update: list[dict[str, float]],
@@ -92,8 +98,9 @@ def rollout_metrics(batch: RolloutBatch, per_update: list[dict[str, float]],
     return {
         **{k: float(v) for k, v in batch.metadata.items() if k not in WALL_CLOCK_METADATA},
         **optimizer_steps_summary(per_update),
-        "reward/mean": float(batch.rewards.mean()),
-        "reward/std": float(batch.rewards.std()) if batch.num_samples > 1 else 0.0,
+        "reward/mean": float(scored_rewards(batch).mean()) if batch.scored.any() else 0.0,
+        "reward/std": (float(scored_rewards(batch).std())
+                       if int(batch.scored.sum()) > 1 else 0.0),
         "reward/groups_with_signal": groups_with_signal(batch),
         "response_length/mean": float(batch.response_lengths.float().mean()),
         "tokens/valid": float(batch.num_valid_tokens),
@@ -107,7 +114,8 @@ def rollout_metrics(batch: RolloutBatch, per_update: list[dict[str, float]],
 
 def skipped_rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
     """A rollout with no valid token: nothing to learn from, skipped (never NaN)."""
-    return {"skipped": 1.0, "reward/mean": float(batch.rewards.mean()),
+    return {"skipped": 1.0, "reward/mean": (float(scored_rewards(batch).mean())
+                                            if batch.scored.any() else 0.0),
             "reward/groups_with_signal": groups_with_signal(batch)}
 
 

@@ -203,11 +203,12 @@ def test_the_rewarder_sums_weighted_parts_and_counts_what_was_unscorable() -> No
     scores = rewarder.collect([rewarder.submit(*(getattr(s, f) for f in (
         "policy_prompts", "raw_prompts", "responses", "labels", "metadata")))
         for s in _halves()])
-    exact, mine = [1.0, 1.0, 0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    exact, mine = [1.0, 1.0, 0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0, 1.0, None]
     short = [float(len(r) <= 3) for r in RESPONSES]
     assert scores.parts == {"exact_match": exact, "mine": mine, "short": short}
-    assert scores.total == [2 * e - m + 0.25 * s for e, m, s in zip(exact, mine, short,
-                                                                     strict=True)]
+    assert scores.total == [2 * e - (m or 0.0) + 0.25 * s  # an unscored sample's: the
+                            for e, m, s in zip(exact, mine, short, strict=True)]  # scored
+    assert scores.scored == [m is not None for m in mine]
     assert scores.counts == {"reward/mine/unscored": 1, "reward/short/unscored": 0}
     assert scores.errors["exact_match"][0] == 1  # the sample without a label
 

@@ -12,6 +12,7 @@ from services.driver.metrics import (
     Progress,
     groups_with_signal,
     progress_line,
+    rollout_metrics,
 )
 
 ROW = {"reward/mean": 0.25, "pg_loss": -0.0123, "kl": 0.00042, "entropy": 1.234,
@@ -71,3 +72,17 @@ def test_no_learning_signal_is_said_once_after_three_flat_steps_in_a_row() -> No
                        f"{NO_SIGNAL_STEPS} steps (reward 0.000); check the reward function "
                        "and rollout.apply_chat_template")
     assert [watch.check(flat) for _ in range(5)] == [None] * 5  # once per job start
+
+
+def test_the_steps_reward_metrics_leave_unscored_samples_out() -> None:
+    from tests.rollout.test_unscored import REWARDS, UNSCORED, _batch
+
+    batch = _batch()
+    scored = [r for i, r in enumerate(REWARDS) if i not in UNSCORED]
+    metrics = rollout_metrics(batch, [], {"train": 1.0}, 8.0)
+    mean = sum(scored) / len(scored)
+    std = (sum((r - mean) ** 2 for r in scored) / (len(scored) - 1)) ** 0.5
+    assert metrics["reward/mean"] == pytest.approx(mean, rel=1e-6)
+    assert metrics["reward/std"] == pytest.approx(std, rel=1e-6)
+    # group 0 differs among its scored samples, group 1 differs, group 2 has none scored
+    assert metrics["reward/groups_with_signal"] == pytest.approx(2 / 3)
