@@ -76,12 +76,15 @@ class Sample:
     reward: float
     text: str
     """The response as the rewards read it."""
-    parts: dict[str, float] = field(default_factory=dict)
-    """Each reward part's value (rollout.reward); {} when an environment scores."""
+    parts: dict[str, float | None] = field(default_factory=dict)
+    """Each reward part's value (rollout.reward), None where it left the sample unscored;
+    {} when an environment scores."""
     mask: list[int] | None = None
     """Per response token: 1 the policy's, 0 the environment's; None: all the policy's."""
     turn_rewards: list[tuple[int, float]] | None = None
     """(response position, reward) of each environment step; None: one reward."""
+    answers: dict[str, str | None] = field(default_factory=dict)
+    """A judge part's raw answer by part name (samples.jsonl keeps it); {} without one."""
     truncated: bool | None = None
     """The response was cut at the length limit, not ended by the policy or its
     environment (GAE's ``bootstrap_truncated`` reads it). None: the engine's finish
@@ -93,6 +96,11 @@ class Sample:
         if self.truncated is None:
             object.__setattr__(self, "truncated",
                                self.generation.finish_reason == "length")
+
+    @property
+    def scored(self) -> bool:
+        """Every reward part scored it (a part's None: unscored); an environment's always."""
+        return all(value is not None for value in self.parts.values())
 
     @property
     def policy_tokens(self) -> int:

@@ -70,5 +70,6 @@ def _record(sample: Sample, step: int, greedy: bool, group: int,
         step=step, greedy=greedy, group=group,
         prompt=tokenizer.decode(sample.prompt_ids, skip_special_tokens=False),
         record_prompt=sample.record.prompt, response=sample.text, label=sample.record.label,
-        reward=sample.reward, rewards=dict(sample.parts),
-        response_tokens=len(sample.generation.token_ids))
+        reward=float(sample.reward) if sample.scored else None,
+        rewards=dict(sample.parts), response_tokens=len(sample.generation.token_ids),
+        judge_answers=dict(sample.answers))

@@ -50,7 +50,9 @@ class SingleTurn(Rollout):
                     [self.rewarder.submit(*self._shard(requests, texts, policy_prompts))])
         scores = self.rewarder.collect(pendings, update_stats=training)
         samples = [Sample(r.record, r.ids, generation, scores.total[i], texts[i],
-                          {name: values[i] for name, values in scores.parts.items()})
+                          {name: values[i] for name, values in scores.parts.items()},
+                          answers={name: answers[i]
+                                   for name, answers in scores.answers.items()})
                    for i, (r, generation) in enumerate(zip(requests, generations, strict=True))]
         return Played(samples, gen_time_s=generated - started,
                       reward_s=time.perf_counter() - generated, scores=scores)

@@ -41,7 +41,7 @@ def build_batch(groups: list[Group], first_group: int, group_size: int, pad_toke
     samples = [s for g in groups for s in g.samples]
     group_index = [first_group + j for j, g in enumerate(groups) for _ in g.samples]
     generations = [s.generation for s in samples]
-    scored = [is_scored(s) for s in samples]
+    scored = [s.scored for s in samples]
     rewards = torch.tensor([s.reward if ok else 0.0 for s, ok in zip(samples, scored,
                                                                       strict=True)],
                            dtype=torch.float32)
@@ -91,16 +91,10 @@ def training_records(groups: list[Group], first_group: int, step: int, limit: in
                 prompt=tokenizer.decode(sample.prompt_ids, skip_special_tokens=False),
                 record_prompt=sample.record.prompt, response=sample.text,
                 label=sample.record.label,
-                reward=float(sample.reward) if is_scored(sample) else None,
+                reward=float(sample.reward) if sample.scored else None,
                 rewards=dict(sample.parts), response_tokens=len(sample.generation.token_ids),
-                # a judge's raw answers, once Sample carries them (rollouts/base.py)
-                judge_answers=dict(getattr(sample, "answers", None) or {})))
+                judge_answers=dict(sample.answers)))
     return records
-
-
-def is_scored(sample: Sample) -> bool:
-    """Every reward part scored it (a part's None: unscored); an environment's always."""
-    return all(value is not None for value in sample.parts.values())
 
 
 def _mean(values: list[float] | list[int] | list[bool]) -> float:

@@ -241,9 +241,11 @@ class SampleOut(BaseModel):
     response: str = ""
     label: Any = None
     reward: float | None = None
-    """The reward: the weighted sum of its parts."""
+    """The reward: the weighted sum of its parts; null when a part left it unscored."""
     rewards: dict[str, float | None] = {}
-    """Each reward part's value, by the part's name."""
+    """Each reward part's value, by the part's name (null: that part did not score it)."""
+    judge_answers: dict[str, str | None] = {}
+    """A judge part's raw answer, by the part's name."""
     advantage: float | None = None
     """Of a training sample: the mean advantage over its response tokens."""
     response_tokens: int | None = None

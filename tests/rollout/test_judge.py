@@ -88,6 +88,8 @@ def test_a_judge_in_the_gang_scores_what_its_engine_answers(judged: tuple,
         e is None for e in expected))
     assert batch.metadata["reward/judge/unscored"] == batch.metadata["reward/judge/unparsed"]
     assert batch.scored.tolist() == [e is not None for e in expected]
+    # the raw answer travels to samples.jsonl beside the score it gave
+    assert [s.judge_answers for s in batch.samples] == [{"judge": a} for a in answers]
     for i, sample in enumerate(batch.samples):
         assert sample.index == i
         if expected[i] is None:  # missing, not zero: no reward, advantage 0

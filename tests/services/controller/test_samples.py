@@ -125,3 +125,14 @@ def test_a_file_outside_the_roots_is_not_read(api: TestClient, tmp_path: Path) -
     refused = api.get(f"/api/jobs/{inside['id']}/samples")  # a link: refused, naming it
     assert refused.status_code == 409 and "samples.jsonl" in refused.json()["detail"]
     assert "copy 00=" not in refused.text
+
+
+def test_an_unscored_judged_sample_comes_back_with_its_raw_answer(api: TestClient) -> None:
+    job = submit(api)
+    path = Path(job["output_dir"]) / SAMPLES_FILE
+    judged = [{**record, "reward": None, "rewards": {"exact_match": 1.0, "judge": None},
+               "judge_answers": {"judge": "hard to say"}} for record in sample_records(0, 1)]
+    append_samples(path, judged)
+    [sample] = samples(api, job["id"], step=0)["samples"]
+    assert sample["reward"] is None and sample["rewards"]["judge"] is None
+    assert sample["judge_answers"] == {"judge": "hard to say"}
