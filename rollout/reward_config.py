@@ -229,6 +229,10 @@ class JudgeConfig(_Part):
     """Wait before retry k (0-based): backoff_s · 2^k · U[0.5, 1]."""
     max_concurrency: int = Field(default=8, ge=1, le=1024)
     """Requests to ``url`` in flight at once."""
+    max_unscored_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    """With ``url``: the largest share of a step's samples its failed requests may leave
+    unscored; more fails the step as a fault that restarts the job from its last
+    checkpoint (an unparsed answer never counts here: the server answered)."""
     num_actors: int = Field(default=1, ge=1)
     """Judge engine actors (without url)."""
     num_cpus: float = Field(default=1.0, ge=0.0)

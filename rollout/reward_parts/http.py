@@ -59,7 +59,7 @@ class HttpPart(RewardPart):
     """Rewards from a remote endpoint, asked from threads of the manager's process."""
 
     config: HttpRewardConfig
-    count_names: ClassVar[tuple[str, ...]] = ("failed_calls", "retries")
+    count_names: ClassVar[tuple[str, ...]] = ("failed_calls", "retries", "unscored")
 
     def __init__(self, config: HttpRewardConfig) -> None:
         super().__init__(config)
@@ -110,4 +110,5 @@ class HttpPart(RewardPart):
                 values += future.result()
             total.add(tally)
         check_unscored(self.name, total, len(values), self.config.max_unscored_fraction)
-        return PartScores(values, counts=total.counts())
+        return PartScores(values, counts={**total.counts(),
+                                          "unscored": sum(v is None for v in values)})

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
+from rollout.remote import CallTally, check_unscored
 from rollout.reward_config import JudgeConfig
 from rollout.reward_parts.base import PartScores, RewardPart, RewardShard
 from rollout.reward_parts.model import actor_shards, gather
@@ -20,7 +21,8 @@ class JudgePart(RewardPart):
     """A language model grading each response by ``template``; its answer parsed."""
 
     config: JudgeConfig
-    count_names: ClassVar[tuple[str, ...]] = ("unparsed", "unscored")
+    count_names: ClassVar[tuple[str, ...]] = ("unparsed", "unscored", "failed_calls",
+                                              "retries")
 
     def __init__(self, config: JudgeConfig) -> None:
         super().__init__(config)
@@ -66,36 +68,45 @@ class JudgePart(RewardPart):
         if self.config.url is not None and self._server is None:
             self._server = ThreadPoolExecutor(max_workers=2)
 
-    def submit(self, shard: RewardShard) -> Callable[[], tuple[list[str | None], float]]:
-        """A call that waits for (the answers, None where a call to ``url`` failed; the
-        seconds the actors spent)."""
+    def submit(self, shard: RewardShard) -> tuple[Callable[[], tuple[list[str | None],
+                                                                    float]], CallTally]:
+        """(a call that waits for (the answers, None where a call to ``url`` failed; the
+        seconds the actors spent), what the calls to ``url`` cost)."""
         from rollout.judge import ask_server, judge_request
 
         requests = [judge_request(self.config.template, p, r, label) for p, r, label in
                     zip(shard.raw_prompts, shard.responses, shard.labels, strict=True)]
+        tally = CallTally()
         if self._server is not None:  # a server's time is not the job's
-            future = self._server.submit(ask_server, self.config, requests)
-            return lambda: (future.result(), 0.0)
+            future = self._server.submit(ask_server, self.config, requests, None, tally)
+            return (lambda: (future.result(), 0.0)), tally
         refs = [actor.answer.remote(requests[a:b], self.config.max_new_tokens)
                 for actor, (a, b) in zip(self.actors, actor_shards(len(requests),
                                                                    len(self.actors)),
                                          strict=False)]
-        return lambda: gather(refs)
+        return (lambda: gather(refs)), tally
 
-    def collect(self, handles: list[Callable[[], tuple[list[str | None], float]]],
+    def collect(self, handles: list[tuple[Callable[[], tuple[list[str | None], float]],
+                                          CallTally]],
                 update_stats: bool = True) -> PartScores:
+        """The parsed scores; more failed calls than ``max_unscored_fraction`` of the
+        step raise (rollout/remote.py: a fault the driver restarts from the checkpoint)."""
         from rollout.judge_parse import parse_score
 
         answers: list[str | None] = []
         busy_s = 0.0
-        for wait in handles:
+        total = CallTally()
+        for wait, tally in handles:
             shard, seconds = wait()
             answers += shard
             busy_s += seconds
+            total.add(tally)
+        check_unscored(self.name, total, len(answers), self.config.max_unscored_fraction)
         values = [None if answer is None else parse_score(answer, self.config.parse)
                   for answer in answers]
         unparsed = sum(a is not None and v is None for a, v in zip(answers, values,
                                                                    strict=True))
         return PartScores(values, busy_s, answers=answers,
                           counts={"unparsed": unparsed,
-                                  "unscored": sum(v is None for v in values)})
+                                  "unscored": sum(v is None for v in values),
+                                  **total.counts()})

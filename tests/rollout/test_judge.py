@@ -135,3 +135,25 @@ def test_a_dead_server_leaves_the_sample_unscored_after_its_retries() -> None:
     tally = CallTally()
     assert ask_server(config, ["hi {response}"], tally=tally) == [None]
     assert tally.counts() == {"failed_calls": 1, "retries": config.max_retries}
+
+
+def test_a_judge_server_down_for_more_than_its_share_of_a_step_is_an_outage() -> None:
+    """Through the part (what the Rewarder calls): failed calls count, and more unscored
+    samples than max_unscored_fraction raise RemoteOutage, the fault the driver restarts
+    from its checkpoint; within the share the samples are only unscored."""
+    from rollout.remote import RemoteOutage
+    from rollout.reward_parts.base import RewardShard
+    from rollout.reward_parts.judge import JudgePart
+
+    def run(fraction: float):
+        part = JudgePart(JudgeConfig(url="http://127.0.0.1:9", timeout_s=2, backoff_s=0.01,
+                                     max_retries=1, max_unscored_fraction=fraction))
+        part.bind([])
+        shard = RewardShard(["p", "q"], ["p", "q"], ["a", "b"], ["a", "b"], [{}, {}])
+        return part.collect([part.submit(shard)])
+
+    with pytest.raises(RemoteOutage, match=r"2/2 samples unscored by failed calls"):
+        run(0.5)
+    scores = run(1.0)
+    assert scores.values == [None, None]
+    assert scores.counts == {"unparsed": 0, "unscored": 2, "failed_calls": 2, "retries": 2}

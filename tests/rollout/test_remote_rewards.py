@@ -73,7 +73,7 @@ def test_the_endpoint_gets_openrlhf_batches_and_its_scores_come_back_in_order() 
     with serving(handler) as url:
         scores = _scored(_part(url))
     assert scores.values == pytest.approx(REFERENCE, abs=0)
-    assert scores.counts == {"failed_calls": 0, "retries": 0}
+    assert scores.counts == {"failed_calls": 0, "retries": 0, "unscored": 0}
     bodies = [r["body"] for r in handler.received]
     assert [len(b["query"]) for b in bodies] == [4, 2, 4]
     first = bodies[0]
@@ -93,7 +93,7 @@ def test_retryable_failures_leave_the_scores_of_a_run_without_them(failures: lis
     with serving(handler) as url:
         survived = _scored(_part(url, timeout_s=0.5))
     assert survived.values == clean.values == pytest.approx(REFERENCE, abs=0)
-    assert survived.counts == {"failed_calls": 0, "retries": len(failures)}
+    assert survived.counts == {"failed_calls": 0, "retries": len(failures), "unscored": 0}
     assert len(handler.received) == 3 + len(failures)
 
 
@@ -128,7 +128,8 @@ def test_a_dead_endpoint_leaves_every_sample_unscored_after_bounded_backoff() ->
                                max_unscored_fraction=1.0))
         took = time.monotonic() - started
     assert scores.values == [None] * len(REFERENCE)
-    assert scores.counts == {"failed_calls": 3, "retries": 3 * retries}
+    assert scores.counts == {"failed_calls": 3, "retries": 3 * retries,
+                             "unscored": len(REFERENCE)}
     assert len(handler.received) == 3 * (retries + 1)
     # one request in flight at a time: each call's attempts are consecutive arrivals
     times = [r["at"] for r in handler.received]
@@ -143,7 +144,7 @@ def test_a_dead_endpoint_leaves_every_sample_unscored_after_bounded_backoff() ->
                     max_unscored_fraction=1.0)
     scores = _scored(refused)
     assert scores.values == [None] * len(REFERENCE)
-    assert scores.counts == {"failed_calls": 3, "retries": 6}
+    assert scores.counts == {"failed_calls": 3, "retries": 6, "unscored": len(REFERENCE)}
 
 
 def test_a_401_is_not_retried_and_a_refused_step_is_no_fault() -> None:
@@ -151,7 +152,8 @@ def test_a_401_is_not_retried_and_a_refused_step_is_no_fault() -> None:
     with serving(handler) as url:
         scores = _scored(_part(url, max_unscored_fraction=1.0))
         assert scores.values == [None] * len(REFERENCE)
-        assert scores.counts == {"failed_calls": 3, "retries": 0}
+        assert scores.counts == {"failed_calls": 3, "retries": 0,
+                                 "unscored": len(REFERENCE)}
         assert len(handler.received) == 3  # one try per request
         with pytest.raises(RemoteRefused, match=r"reward http: 10/10 samples unscored .*"
                            r"HTTP 401"):
@@ -252,7 +254,8 @@ def test_no_file_a_scored_step_writes_holds_the_key(tmp_path: Path) -> None:
         tally.add(shard_tally)
     assert tally.first_error is not None and "HTTP 503" in tally.first_error
     (out / "errors.txt").write_text(f"{tally.first_error}\n{scores!r}")
-    assert scores.counts == {"failed_calls": 2, "retries": 3}
+    assert scores.counts == {"failed_calls": 2, "retries": 3,
+                             "unscored": sum(v is None for v in scores.values)}
     written = [p for p in out.rglob("*") if p.is_file()]
     assert len(written) == 3 and all(KEY not in p.read_text() for p in written)
     assert str(key_file) in (out / "config.json").read_text()  # its path, not its content

@@ -25,6 +25,7 @@ from rollout.batch import RolloutBatch, RolloutBatchError
 from rollout.config import AdvantageConfig
 from rollout.datasets import PromptRecord
 from rollout.engines.base import Generation
+from rollout.remote import CallTally
 from rollout.reward_config import JudgeConfig
 from rollout.reward_parts.judge import JudgePart
 from rollout.reward_parts.rewarder import Rewarder
@@ -227,9 +228,10 @@ def test_batch_accepts_unscored_samples_and_keeps_its_checks() -> None:
 def test_a_judge_part_leaves_unparsed_and_failed_answers_unscored() -> None:
     part = JudgePart(JudgeConfig(url="http://127.0.0.1:9"))
     answers = ["I give it a 7.", "hmm", None, "Score: 11", "8/10"]
-    scores = part.collect([lambda: (answers[:2], 0.0), lambda: (answers[2:], 0.0)])
+    scores = part.collect([((lambda: (answers[:2], 0.0)), CallTally()),
+                           ((lambda: (answers[2:], 0.0)), CallTally())])
     assert scores.values == [0.7, None, None, None, 0.8]
-    assert scores.counts == {"unparsed": 2, "unscored": 3}
+    assert scores.counts == {"unparsed": 2, "unscored": 3, "failed_calls": 0, "retries": 0}
     assert scores.answers == answers
 
 
