@@ -584,7 +584,8 @@ class RolloutConfig(BaseModel):
     @model_validator(mode="after")
     def _reward_parts_named(self) -> RolloutConfig:
         check_reward_parts(self.reward)
-        learned = [p.type for p in reward_parts(self.reward) if p.type in ("model", "judge")]
+        learned = [p.type for p in reward_parts(self.reward)
+                   if p.type in ("model", "judge", "http")]
         if learned and self.environment is not None:
             raise ValueError(f"reward: a {learned[0]} scores single responses; with "
                              "rollout.environment an episode's reward is what its "

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 
 def has_reward_spread(group_rewards: list[float]) -> bool:
-    """Whether a group's rewards differ (its GRPO advantages are not all zero)."""
-    return max(group_rewards) > min(group_rewards)
+    """Whether a group's rewards differ (its GRPO advantages are not all zero); the
+    rewards of its scored samples only (an unscored one is missing), so a group with
+    fewer than two has none."""
+    return len(group_rewards) > 1 and max(group_rewards) > min(group_rewards)
 
 
 def split_by_spread(groups_rewards: list[list[float]]) -> tuple[list[int], list[int]]:

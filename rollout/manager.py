@@ -174,7 +174,8 @@ class RolloutManager(EngineWeights):
             groups = self._play(self._take_prompts(num_prompts - len(kept), stats), step,
                                 draw, stats)
             if dynamic.enabled:
-                spread, flat = split_by_spread([[s.reward for s in g.samples] for g in groups])
+                spread, flat = split_by_spread([[s.reward for s in g.samples if s.scored]
+                                                for g in groups])
                 kept += [groups[i] for i in spread]
                 zero_spread += [groups[i] for i in flat]
             else:

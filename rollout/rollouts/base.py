@@ -146,7 +146,7 @@ class StepStats:
 
     @property
     def reward_mean(self) -> float:
-        """The mean reward of every sample drawn (0 with none)."""
+        """The mean reward of every scored sample drawn (0 with none)."""
         rewards = self.all_rewards
         return float(sum(rewards) / len(rewards)) if rewards else 0.0
 
@@ -156,7 +156,7 @@ class StepStats:
         self.num_samples += len(played.samples)
         self.gen_tokens += sum(s.policy_tokens for s in played.samples)
         self.gen_time_s += played.gen_time_s
-        self.all_rewards += [s.reward for s in played.samples]
+        self.all_rewards += [s.reward for s in played.samples if s.scored]
         self.episodes += played.episodes
         self.env_seconds += played.env_seconds
         self.reward_s += played.reward_s

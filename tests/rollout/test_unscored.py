@@ -287,3 +287,13 @@ def test_the_flags_travel_through_pickle_and_the_driver_checkpoint(tmp_path: Pat
     assert torch.equal(restored.scored, batch.scored)  # type: ignore[arg-type]
     old = dataclasses.replace(batch, scored=None, rewards=torch.ones(len(REWARDS)))
     assert old.scored is not None and old.scored.all()  # a checkpoint before the field
+
+
+def test_dynamic_sampling_reads_the_spread_of_a_groups_scored_samples_only() -> None:
+    from rollout.dynamic_sampling import split_by_spread
+
+    groups = groups_of(_samples(), G)
+    rewards = [[s.reward for s in g.samples if s.scored] for g in groups]
+    # group 0: scored 1.0, 0.0, 0.25 (spread); group 1: 1, 1, 0, 0; group 2: none scored
+    assert split_by_spread(rewards) == ([0, 1], [2])
+    assert split_by_spread([[0.5, 0.5], [0.7]]) == ([], [0, 1])  # one scored: no spread
