@@ -4,6 +4,7 @@
     rules.py    exact_match, numeric, boxed; a user's function (custom_function)
     model.py    a reward model served by actors in the gang
     judge.py    an LLM judge: engine actors in the gang, or a server at ``url``
+    http.py     a remote scalar reward endpoint (OpenRLHF's remote_rm_url shape)
     custom.py   a user's class (class_path), a :class:`CustomReward` subclass
 
 :class:`Rewarder` (rewarder.py) combines them into each sample's weighted reward.

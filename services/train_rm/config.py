@@ -87,8 +87,9 @@ class RewardModelConfig(BaseModel):
     pair's mean score to 0 (TRL's center_rewards_coefficient; Eisenstein et al. 2023 use
     0.01); 0: no centring term."""
     max_length: int = Field(default=512, ge=2, le=1_048_576)
-    """Tokens of one scored text at most: a longer one keeps its last max_length tokens
-    (the end, where the score is read), as the reward actor does."""
+    """Tokens of one scored text at most: a longer one is cut on the left, keeping its
+    leading special tokens and template prefix and its end (where the score is read), as
+    the reward actor's ``truncation: left`` does (rollout/reward_text.py)."""
     num_epochs: float | None = Field(default=None, gt=0, le=10_000)
     """Passes over the train pairs (steps = ⌈epochs · pairs / pairs_per_step⌉); the
     default when num_steps is not set is 1."""
