@@ -131,6 +131,8 @@ NOT_PATHS = {
     "EnvironmentConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",
     "AdvantageConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",
     "LossConfig.class_path": "module:attr, imported (rollout/plugins.py), not opened",
+    "JudgeConfig.server_model": "the model name a remote judge server is asked for (the "
+                                "request's \"model\"), never opened here",
 }
 """Fields whose names look like paths but are not: each says what it is instead."""
 
