@@ -1,5 +1,6 @@
 """A job rewarded by a reward model beside a rule, on Ray: the rewards in samples.jsonl are
-transformers' own scores of the logged text, and a reward actor killed mid-job restarts
+transformers' own scores of the record's prompt and the response (special tokens added
+once, rollout/reward_text.py), and a reward actor killed mid-job restarts
 the job, which ends as the run that was never interrupted (samples.jsonl included)."""
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def test_reward_model_job_logs_transformers_scores_and_survives_a_killed_reward_
     assert all(len([s for s in samples if s["step"] == k]) == 6 for k in range(4))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-    for sample in samples:
+    for sample in samples:  # the record's prompt and the response, special tokens once
         with torch.no_grad():
-            score = model(**tokenizer(sample["prompt"] + sample["response"],
+            score = model(**tokenizer(sample["record_prompt"] + sample["response"],
                                       return_tensors="pt")).logits[0, 0]
         assert sample["rewards"]["rm"] == pytest.approx(float(score), abs=1e-4)
         assert sample["reward"] == sample["rewards"]["exact_match"] + \

@@ -53,6 +53,19 @@ def _dead(actor: ray.actor.ActorHandle) -> bool:
     return False
 
 
+def _dies(actor: ray.actor.ActorHandle, timeout_s: float = 60.0) -> bool:
+    """Whether the GCS marks ``actor`` DEAD within ``timeout_s`` (ray.kill and a close
+    return before the actor is gone; a call made in between may still be answered)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray._private.state.actors(actor._actor_id.hex())["State"] == "DEAD":
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _removed(group: object) -> bool:
     from ray.util.placement_group import placement_group_table
 
@@ -86,10 +99,10 @@ def test_a_job_gang_starts_each_role_once_and_close_stops_all_even_a_dead_one(
         actors = [gang.manager, *gang.engines, *gang.trainer.workers]
         assert not any(_dead(actor) for actor in actors)  # all up before one dies
         ray.kill(gang.engines[0])
-        assert _dead(gang.engines[0])
+        assert _dies(gang.engines[0])
     finally:
         gang.close()
-    assert all(_dead(actor) for actor in actors)
+    assert all(_dies(actor) for actor in actors)
     assert gang.placement is not None and _removed(gang.placement.group)
     gang.close()  # a second close does nothing
 
