@@ -40,15 +40,9 @@ def kl_per_token(old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
     return torch.where(loss_mask > 0, k1, 0.0)
 
 
-def kl_penalty(old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
-               loss_mask: torch.Tensor, beta: float) -> torch.Tensor:
-    """β · k1 [N, S] float64: what each valid token's reward loses."""
-    return beta * kl_per_token(old_log_probs, ref_log_probs, loss_mask)
-
-
 def penalized_token_rewards(token_rewards: torch.Tensor, penalty: torch.Tensor
                             ) -> torch.Tensor:
-    """r'_it = r_it − β·k1_it [N, S] float64 (``penalty`` from :func:`kl_penalty`)."""
+    """r'_it = r_it − β·k1_it [N, S] float64 (``penalty``: β times :func:`kl_per_token`)."""
     return token_rewards.to(torch.float64) - penalty
 
 

@@ -17,7 +17,7 @@ import torch
 from rollout.advantages import GAE, GRPO, ReinforcePP, Reward
 from rollout.advantages import base as base_module
 from rollout.batch import RolloutBatch
-from rollout.kl_reward import KLController, kl_penalty
+from rollout.kl_reward import KLController, kl_per_token
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def response_rows(case: Case, tensor: torch.Tensor) -> list[list[float]]:
 def check_placement(case: Case, beta: float) -> None:
     """What each estimator reads with the KL in the reward equals the reference: GAE's
     token rewards, and every built-in's per-sample rewards."""
-    penalty = kl_penalty(case.old, case.ref, case.batch.loss_mask, beta)
+    penalty = beta * kl_per_token(case.old, case.ref, case.batch.loss_mask)  # the driver's
     values = torch.zeros(case.batch.input_ids.shape)
     token_inputs = GAE().inputs(case.batch, values=values, kl_penalty=penalty)
     assert token_inputs.token_rewards is not None
