@@ -130,8 +130,15 @@ def test_a_saved_log_tail_is_read_from_the_end(tmp_path: Path) -> None:
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         job = http.post("/api/jobs", json={"config_yaml": DEMO,
                                            "overrides": DEMO_OVERRIDES}).json()
-        log = Path(job["output_dir"]) / "driver.log"
-        log.write_text("".join(f"line {i}\n" for i in range(200_000)))
+        output = "".join(f"line {i}\n" for i in range(200_000))
+        (Path(job["output_dir"]) / "driver.log").write_text(output)
+        # Ray held the same output: the reconciler may save its copy before Ray forgets
+        # the job (then that copy is read), or not (then driver.log is): either way, the end
+        deadline = time.monotonic() + 30
+        while not (submitted := http.get(f"/api/jobs/{job['id']}").json()["ray_submission_id"]):
+            assert time.monotonic() < deadline, "the job never reached the fake Ray"
+            time.sleep(0.05)
+        backend.jobs[submitted]["logs"] = output
         http.post(f"/api/jobs/{job['id']}/cancel")
         backend.jobs.clear()  # Ray forgot it: the saved copy is what is left
         assert http.get(f"/api/jobs/{job['id']}/logs", params={"tail": 3}).text == \
