@@ -2,7 +2,8 @@
 
     training   {"step", "index", "group", "prompt", "record_prompt", "response", "label",
                 "reward", "rewards": {part: value}, "response_tokens", "judge_answers",
-                "advantage"}
+                "advantage", "tokens": {"text", "observation", "advantage",
+                "engine_log_prob", "trainer_log_prob", "entropy"}}
     evaluation {"step", "eval": true, "greedy", "group", "prompt", "record_prompt",
                 "response", "label", "reward", "rewards", "response_tokens",
                 "judge_answers"}
@@ -22,6 +23,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class SampleTokens:
+    """A training sample's response token by token (the per-token view): one entry per
+    response position, from its first generated token to its last (a multi-turn
+    episode's observation tokens included, marked). Lists, not tensors: a line of JSON.
+
+    The trainer-vs-engine gap of a token is ``trainer_log_prob − engine_log_prob``."""
+
+    text: list[str]
+    """Each position's token decoded alone (special tokens kept)."""
+    observation: list[bool]
+    """True: an environment's observation (multi-turn), not written by the policy."""
+    advantage: list[float]
+    """A_t the step trained with (0 on observations)."""
+    engine_log_prob: list[float | None]
+    """The engine's (behaviour) log-prob of the token; None on observations."""
+    trainer_log_prob: list[float | None]
+    """log π_T of the token under the weights the step trains from; None on observations
+    or when the trainer was not asked."""
+    entropy: list[float | None]
+    """The entropy of π_T at the position (nats); None where trainer_log_prob is."""
+
+    def to_json(self) -> dict[str, list[Any]]:
+        return {"text": self.text, "observation": self.observation,
+                "advantage": self.advantage, "engine_log_prob": self.engine_log_prob,
+                "trainer_log_prob": self.trainer_log_prob, "entropy": self.entropy}
+
+    @classmethod
+    def from_json(cls, row: dict[str, list[Any]]) -> SampleTokens:
+        count = len(row["text"])
+        for key in ("observation", "advantage", "engine_log_prob", "trainer_log_prob",
+                    "entropy"):
+            if len(row.get(key) or []) != count:
+                raise ValueError(f"tokens.{key}: {len(row.get(key) or [])} entries for "
+                                 f"{count} tokens")
+        return cls(text=list(row["text"]), observation=[bool(o) for o in row["observation"]],
+                   advantage=list(row["advantage"]),
+                   engine_log_prob=list(row["engine_log_prob"]),
+                   trainer_log_prob=list(row["trainer_log_prob"]),
+                   entropy=list(row["entropy"]))
 
 
 @dataclass(frozen=True)
@@ -52,6 +95,8 @@ class SampleRecord:
     """Training: mean of A_it over the sample's valid tokens, added by the driver."""
     judge_answers: dict[str, str | None] = field(default_factory=dict)
     """A judge part's name -> its raw answer (None: the call failed); {}: no judge."""
+    tokens: SampleTokens | None = None
+    """Training: the response token by token, added by the driver; None: not recorded."""
 
     @property
     def evaluation(self) -> bool:
@@ -69,6 +114,8 @@ class SampleRecord:
             row["judge_answers"] = self.judge_answers
         if self.advantage is not None:
             row["advantage"] = self.advantage
+        if self.tokens is not None:
+            row["tokens"] = self.tokens.to_json()
         return row
 
     @classmethod
@@ -83,4 +130,6 @@ class SampleRecord:
                    index=None if evaluation else row.get("index"),
                    greedy=bool(row.get("greedy")) if evaluation else None,
                    advantage=row.get("advantage"),
-                   judge_answers=dict(row.get("judge_answers") or {}))
+                   judge_answers=dict(row.get("judge_answers") or {}),
+                   tokens=SampleTokens.from_json(row["tokens"]) if row.get("tokens")
+                   else None)

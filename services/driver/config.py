@@ -107,4 +107,12 @@ class LoggingConfig(BaseModel):
     """A Weights & Biases run per job; None: no W&B."""
     samples_per_step: int = Field(default=8, ge=0, le=4096)
     """Samples of each rollout step written to samples.jsonl as text (prompt, response,
-    label, rewards, advantage); every evaluation sample is written too."""
+    label, rewards, advantage): whole groups drawn at random (seeded by the job's seed and
+    the step), not the first ones; every evaluation sample is written too."""
+    sample_tokens: bool = True
+    """Write each training sample's response token by token (``tokens``: advantage, the
+    engine's and the trainer's log-prob, entropy), the job page's per-token view; costs
+    one forward pass of the logged samples per step."""
+    samples_max_mb: float = Field(default=64.0, gt=0, le=65536)
+    """samples.jsonl's bound (MiB): past it the oldest steps are thinned (every other one
+    of the older half dropped, evaluations kept last) until it fits."""
