@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 from rollout.confined import Escapes, open_inside
 from services.controller.job_files import inside_root
-from services.controller.schemas import SampleOut, SamplesOut
+from services.controller.schemas import SampleOut, SamplesOut, SampleTokensOut
 from services.controller.settings import Settings
 from services.driver.run_dir import SAMPLES_FILE
 
@@ -113,25 +113,36 @@ class SampleIndex:
             pairs = set(zip(self.steps, self.evals, strict=True))
         return (sorted(s for s, e in pairs if not e), sorted(s for s, e in pairs if e))
 
-    def select(self, step: int | None, evaluation: bool | None, limit: int
-               ) -> tuple[list[dict[str, Any]], int]:
+    def select(self, step: int | None, evaluation: bool | None, limit: int,
+               index: int | None = None) -> tuple[list[dict[str, Any]], int]:
         """(the rows of ``step`` (all steps: None) that are evaluation samples or training
-        ones (``evaluation``; both: None), at most ``limit``: a step's first, else the
-        newest; how many matched). Rows in file order."""
+        ones (``evaluation``; both: None), and with ``index`` only the training samples of
+        that row of their batch, at most ``limit``: a step's first, else the newest; how
+        many matched). Rows in file order. ``index`` is not indexed: the step's lines are
+        read to find it."""
         with self._lock:
             found = [offset for offset, s, e in zip(self.offsets, self.steps, self.evals,
                                                       strict=True)
                      if (step is None or s == step)
-                     and (evaluation is None or bool(e) == evaluation)]
-        chosen = found[:limit] if step is not None else found[max(0, len(found) - limit):]
+                     and (evaluation is None or bool(e) == evaluation)
+                     and (index is None or not e)]
         rows = []
         with self._open() as file:
-            for offset in chosen:
-                file.seek(offset)
-                row = _parse(file.readline(MAX_LINE_BYTES + 1))
+            if index is not None:  # parsed to be matched, then bounded
+                found = [(offset, row) for offset, row in
+                         ((offset, _read_at(file, offset)) for offset in found)
+                         if row is not None and row.get("index") == index]
+            chosen = found[:limit] if step is not None else found[max(0, len(found) - limit):]
+            for entry in chosen:
+                row = entry[1] if index is not None else _read_at(file, entry)
                 if row is not None:  # None: the file changed under the read
                     rows.append(row)
         return rows, len(found)
+
+
+def _read_at(file: BinaryIO, offset: int) -> dict[str, Any] | None:
+    file.seek(offset)
+    return _parse(file.readline(MAX_LINE_BYTES + 1))
 
 
 def _edge_at(file: BinaryIO, size: int) -> bytes:
@@ -178,21 +189,41 @@ OUTSIDE = "the job folder is outside the allowed roots (TALLY_ALLOWED_ROOTS)"
 
 
 def samples_out(job_id: str, index: SampleIndex | None, step: int | None,
-                evaluation: bool | None, limit: int = DEFAULT_LIMIT) -> SamplesOut:
+                evaluation: bool | None, limit: int = DEFAULT_LIMIT, *,
+                tokens: bool = True, batch_index: int | None = None) -> SamplesOut:
     """A read of ``index`` (None: a folder not to read) as the API answers it; a row
-    that is not a sample (SampleOut) is left out."""
-    from pydantic import ValidationError
-
+    that is not a sample (SampleOut) is left out, a per-token record that does not hold
+    (SampleTokensOut: one entry per token in each list) is left out of its sample.
+    ``tokens``: send each sample's per-token record (else only ``has_tokens``);
+    ``batch_index``: only the training samples of that row of their batch (``index``)."""
     if index is None or not index.refresh():
         return SamplesOut(job_id=job_id, steps=[], eval_steps=[], total=0, samples=[],
                           note=OUTSIDE if index is None else NO_FILE)
-    rows, total = index.select(step, evaluation, limit)
-    samples = []
-    for row in rows:
-        try:
-            samples.append(SampleOut.model_validate(row))
-        except ValidationError:
-            continue
+    rows, total = index.select(step, evaluation, limit, batch_index)
+    samples = [sample for sample in (_sample(row, tokens) for row in rows) if sample]
     steps, eval_steps = index.step_lists()
     return SamplesOut(job_id=job_id, steps=steps, eval_steps=eval_steps, total=total,
                       samples=samples, note=None)
+
+
+def _sample(row: dict[str, Any], tokens: bool) -> SampleOut | None:
+    """``row`` as a SampleOut (None: not a sample); its per-token record when ``tokens``
+    and it holds, ``has_tokens`` set for a sample that has one that holds."""
+    from pydantic import ValidationError
+
+    recorded = row.get("tokens")
+    try:
+        per_token = (SampleTokensOut.model_validate(recorded)
+                     if isinstance(recorded, dict) else None)
+    except ValidationError:
+        per_token = None  # a record that does not hold: the sample without it
+    try:
+        sample = SampleOut.model_validate({k: v for k, v in row.items()
+                                           if k not in ("tokens", "has_tokens")})
+    except ValidationError:
+        return None
+    if per_token is not None:
+        sample.has_tokens = True  # assigned: set, so sent (exclude_unset)
+        if tokens:
+            sample.tokens = per_token
+    return sample

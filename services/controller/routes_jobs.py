@@ -267,17 +267,29 @@ def read_samples(job_id: str, request: Request, credentials: Credentials) -> Non
 def job_samples(job_id: str, ctl: Ctl,
                 step: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
                 evaluation: Annotated[bool | None, Query(alias="eval")] = None,
-                limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT) -> Response:
+                limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
+                tokens: bool = False,
+                index: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None) -> Response:
     """Samples as text from the job folder's samples.jsonl (prompt, response, reward and
-    its parts, advantage, tokens) and the steps that have some. ``step``: one rollout step
+    its parts, advantage) and the steps that have some. ``step``: one rollout step
     (of evaluation samples, the weight version); ``eval``: evaluation samples only (true)
-    or training ones only (false); at most ``limit``: a step's first, else the newest.
-    None yet: an empty list and a ``note``. Read by the confinement rule: a linked
-    samples.jsonl is a 409 naming it; off loopback it needs the API or the job's token."""
+    or training ones only (false); ``index`` (with ``step``): the training sample of that
+    row of the step's batch; at most ``limit``: a step's first, else the newest. A
+    training sample's per-token record (``tokens``: text, observation, advantage, engine
+    and trainer log-prob, entropy per response token) can be large: it is sent with
+    ``tokens=true`` only, else ``has_tokens: true`` says the sample has one (the
+    dashboard's table reads without, and asks ``?step=S&index=I&tokens=true`` for a
+    sample opened). None yet: an empty list and a ``note``. Read by the confinement rule:
+    a linked samples.jsonl is a 409 naming it; off loopback it needs the API or the job's
+    token."""
     job = get_or_404(ctl, job_id)
-    index = ctl.samples.of(ctl.settings, job.output_dir)  # None: outside the allowed roots
+    if index is not None and step is None:
+        raise Unprocessable([Problem("query.index", "give step with index (a batch row of "
+                                     "one rollout step)")])
+    folder = ctl.samples.of(ctl.settings, job.output_dir)  # None: outside the allowed roots
     try:
-        out = samples_out(job_id, index, step, evaluation, limit)
+        out = samples_out(job_id, folder, step, evaluation, limit, tokens=tokens,
+                          batch_index=index)
     except Escapes as err:
         raise refused(err) from None
     return Response(out.model_dump_json(exclude_unset=True), media_type="application/json")

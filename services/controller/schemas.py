@@ -219,6 +219,38 @@ class Health(BaseModel):
     ray: str
 
 
+class SampleTokensOut(BaseModel):
+    """A training sample's response token by token (rollout/sample_record.SampleTokens,
+    the ``tokens`` object of a samples.jsonl line): one entry per response position in
+    every list. The trainer-vs-engine gap of a token is ``trainer_log_prob −
+    engine_log_prob``. A value written as ``null`` (not recorded, or not finite) stays
+    null."""
+
+    text: list[str]
+    """Each position's token decoded alone (special tokens kept)."""
+    observation: list[bool]
+    """True: an environment's observation (multi-turn), not written by the policy."""
+    advantage: list[float | None]
+    """A_t the step trained with (0 on observations)."""
+    engine_log_prob: list[float | None]
+    """The engine's (behaviour) log-prob of the token; null on observations."""
+    trainer_log_prob: list[float | None]
+    """The trainer's log-prob under the weights the step trains from; null on
+    observations or when the trainer was not asked."""
+    entropy: list[float | None]
+    """The trainer's entropy at the position (nats); null where trainer_log_prob is."""
+
+    @model_validator(mode="after")
+    def _one_entry_per_token(self) -> SampleTokensOut:
+        count = len(self.text)
+        for name in ("observation", "advantage", "engine_log_prob", "trainer_log_prob",
+                     "entropy"):
+            if len(getattr(self, name)) != count:
+                raise ValueError(f"tokens.{name}: {len(getattr(self, name))} entries for "
+                                 f"{count} tokens")
+        return self
+
+
 class SampleOut(BaseModel):
     """One sample as text, a line of the job folder's samples.jsonl (services/driver/
     samples.py); a training sample has ``index`` and ``advantage``, an evaluation sample
@@ -249,6 +281,12 @@ class SampleOut(BaseModel):
     advantage: float | None = None
     """Of a training sample: the mean advantage over its response tokens."""
     response_tokens: int | None = None
+    tokens: SampleTokensOut | None = None
+    """Of a training sample whose tokens the driver recorded (logging.sample_tokens), with
+    ``tokens=true``: the response token by token."""
+    has_tokens: bool = False
+    """True: the sample has a per-token record (sent with ``tokens=true``); left out of
+    a sample without one."""
 
 
 class SamplesOut(BaseModel):

@@ -164,15 +164,45 @@ def with_reward_parts(rows: list[dict], parts: tuple[str, ...] = ("exact_match",
     return rows
 
 
-def sample_records(step: int, count: int = 3, parts: tuple[str, ...] = ("exact_match", "num")
-                   ) -> list[dict]:
+def sample_records(step: int, count: int = 3, parts: tuple[str, ...] = ("exact_match", "num"),
+                   tokens: bool = False) -> list[dict]:
     """samples.jsonl records of a rollout step as the driver writes them (rollout/manager.py,
-    then services/driver/samples.with_advantages); values exact in binary."""
+    then services/driver/samples.with_advantages); values exact in binary. ``tokens``: each
+    with its per-token record (:func:`sample_tokens`, advantages around its own)."""
     return [{"step": step, "index": i, "group": i // 2, "prompt": f"<bos>copy {step}{i}=",
              "record_prompt": f"copy {step}{i}=", "response": f"{step}{i}", "label": f"{step}{i}",
              "reward": 1.0 - 0.5 * (i % 2), "rewards": {p: 1.0 - 0.25 * (i % 2) * (k + 1)
                                                         for k, p in enumerate(parts)},
-             "response_tokens": 2 + i, "advantage": 0.25 - i} for i in range(count)]
+             "response_tokens": 2 + i, "advantage": 0.25 - i,
+             **({"tokens": sample_tokens(0.25 - i)} if tokens else {})} for i in range(count)]
+
+
+TOKEN_TEXT = ["Let", " me", " call", "\n", "<tool>2+2</tool>", "\n", "=", " 4", "\n", " So",
+              " ", "<b>4</b>", "</s>"]
+"""A multi-turn response's tokens (:func:`sample_tokens`): a newline, a lone space and
+markup among the policy's; positions 4 and 5 an environment's observation."""
+OBSERVED = (4, 5)
+
+
+def sample_tokens(advantage: float) -> dict:
+    """A samples.jsonl ``tokens`` record (rollout/sample_record.SampleTokens) of
+    :data:`TOKEN_TEXT`: the policy's token k has advantage ``advantage + 0.5 − 0.125·k``
+    (signs on both sides of 0 within the sample), engine log-prob −0.25·(k+1), a
+    trainer-vs-engine gap of 0.0625·(k − 6) and entropy 0.125·k; the observation's tokens
+    advantage 0 and no log-probs. Values exact in binary."""
+    rows: dict[str, list] = {key: [] for key in ("text", "observation", "advantage",
+                                                 "engine_log_prob", "trainer_log_prob",
+                                                 "entropy")}
+    for k, text in enumerate(TOKEN_TEXT):
+        observed = k in OBSERVED
+        engine = None if observed else -0.25 * (k + 1)
+        rows["text"].append(text)
+        rows["observation"].append(observed)
+        rows["advantage"].append(0.0 if observed else advantage + 0.5 - 0.125 * k)
+        rows["engine_log_prob"].append(engine)
+        rows["trainer_log_prob"].append(None if engine is None else engine + 0.0625 * (k - 6))
+        rows["entropy"].append(None if observed else 0.125 * k)
+    return rows
 
 
 def eval_records(version: int, parts: tuple[str, ...] = ("exact_match", "num")) -> list[dict]:

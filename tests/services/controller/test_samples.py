@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from rollout.sample_record import SampleRecord
 from services.controller.job_samples import NO_FILE, OUTSIDE
 from services.driver.run_dir import SAMPLES_FILE
 from services.driver.samples import append_samples, read_samples
@@ -136,3 +137,51 @@ def test_an_unscored_judged_sample_comes_back_with_its_raw_answer(api: TestClien
     [sample] = samples(api, job["id"], step=0)["samples"]
     assert sample["reward"] is None and sample["rewards"]["judge"] is None
     assert sample["judge_answers"] == {"judge": "hard to say"}
+
+
+def test_a_samples_tokens_come_only_when_asked_and_one_sample_by_its_row(
+        api: TestClient) -> None:
+    """The table's read leaves each per-token record out (``has_tokens`` says there is
+    one); ``tokens=true`` sends it as samples.jsonl holds it (read back by the format's
+    own reader, rollout/sample_record.py); ``index`` picks one training sample of a step."""
+    job = submit(api)
+    path = Path(job["output_dir"]) / SAMPLES_FILE
+    for step in range(2):
+        append_samples(path, sample_records(step, count=4, tokens=True))
+        append_samples(path, eval_records(step))
+    written = read_samples(path, step=1, evaluation=False)
+    assert len(written) == 4 and all(len(r["tokens"]["text"]) == 13 for r in written)
+    light = samples(api, job["id"], step=1, eval="false")["samples"]
+    assert light == [{**{k: v for k, v in r.items() if k != "tokens"}, "has_tokens": True}
+                     for r in written]
+    full = samples(api, job["id"], step=1, eval="false", tokens="true")["samples"]
+    assert [s["tokens"] for s in full] == [
+        SampleRecord.from_json(r).tokens.to_json() for r in written]  # type: ignore[union-attr]
+    assert all(s["has_tokens"] for s in full)
+    one = samples(api, job["id"], step=1, index=2, tokens="true")
+    assert (one["samples"], one["total"]) == ([{**written[2], "has_tokens": True}], 1)
+    assert samples(api, job["id"], step=0, index=2)["samples"][0]["advantage"] == 0.25 - 2
+    assert samples(api, job["id"], step=1, index=9)["samples"] == []
+    # evaluation samples have no batch row: never an index's
+    assert samples(api, job["id"], step=1, eval="true", index=0)["samples"] == []
+    refused = api.get(f"/api/jobs/{job['id']}/samples", params={"index": 2})
+    assert refused.status_code == 422 and refused.json()["errors"][0]["field"] == "query.index"
+    # eval samples (no tokens) say nothing about tokens
+    assert all("has_tokens" not in s and "tokens" not in s for s in samples(
+        api, job["id"], step=1, eval="true", tokens="true")["samples"])
+
+
+def test_a_per_token_record_that_does_not_hold_is_left_out_not_its_sample(
+        api: TestClient) -> None:
+    job = submit(api)
+    path = Path(job["output_dir"]) / SAMPLES_FILE
+    good, short, text = sample_records(0, count=3, tokens=True)
+    short["tokens"]["entropy"] = short["tokens"]["entropy"][:-1]  # one entry missing
+    text["tokens"]["text"][0] = 7  # not a token's text
+    append_samples(path, [good, short, text])
+    out = samples(api, job["id"], step=0, tokens="true")["samples"]
+    assert [("tokens" in s, s.get("has_tokens")) for s in out] == [
+        (True, True), (False, None), (False, None)]
+    assert [s["response"] for s in out] == ["00", "01", "02"]  # the samples themselves stay
+    with pytest.raises(ValueError, match=r"tokens\.entropy"):  # the format's reader agrees
+        SampleRecord.from_json(short)
