@@ -102,6 +102,11 @@ class TrainerGroup(RolloutGroup):
         """log π_T [N, S] of every response token under the current policy (no update)."""
         return self._call(PolicyRank.log_probs, ray.put(batch), ray.put(self.plan(batch)))[0]
 
+    def token_stats(self, batch: RolloutBatch) -> Any:
+        """(log π_T, H(π_T)) [N, S] of every response token under the current policy, no
+        update: the per-token view of logged samples (services/driver/sample_tokens.py)."""
+        return self._call(PolicyRank.token_stats, ray.put(batch), ray.put(self.plan(batch)))[0]
+
     def reference_log_probs(self, batch: RolloutBatch) -> Any:
         """log π_ref,T [N, S] of every response token under the frozen reference (the KL
         in the reward's k1; needs ``kl_coef > 0``)."""

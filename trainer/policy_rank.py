@@ -1,6 +1,10 @@
 """The policy's rank: the head that owns log π_T and the pg/KL/entropy terms
 (trainer/objective.py), and the policy's weights out to the engines.
 
+    log_probs(batch, plan)   ► all ranks ─ log π_T [N, S] on rank 0 (old log-probs)
+    token_stats(batch, plan) ► all ranks ─ (log π_T, H(π_T)) [N, S] on rank 0 (the
+                                 per-token view of logged samples, samples.jsonl)
+
     send_weights(step, sender) ► all ranks (or rank 0) ─ a transport's step on this rank
                                  (trainer/transports/: object store, NCCL, CUDA IPC),
                                  reading the buckets of weight_buckets
@@ -35,6 +39,15 @@ class PolicyRank(BatchRank):
     def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
         """Collective, no update: log π_T [N, S] of every response token under the current
         policy, aligned with ``input_ids`` and 0 off the loss mask; rank 0 returns it."""
+
+    @abc.abstractmethod
+    def token_stats(self, batch: RolloutBatch, plan: StepPlan
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Collective, no update: (log π_T, H(π_T)) [N, S] of every response token under
+        the current policy, H_t = −Σ_v π_T(v) log π_T(v) at the position that predicts
+        token t (trainer/losses/log_probs.py), both computed as :meth:`log_probs` is (same
+        precision, temperature, layout, eval mode), aligned with ``input_ids`` and 0 off
+        the loss mask; rank 0 returns them."""
 
     @torch.no_grad()
     def reference_log_probs(self, batch: RolloutBatch, plan: StepPlan

@@ -126,19 +126,40 @@ class FSDPWorker(PolicyRank, FSDPRank):
         policy, [N, S] aligned with input_ids (the old log-probs of a rollout with several
         updates); rank 0 returns it. Same precision and temperature as the loss; eval
         mode (in_eval_mode: dropout off)."""
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        out = self._gathered(batch, plan, with_entropy=False)
+        return None if out is None else out[0]
+
+    @torch.no_grad()
+    @in_eval_mode
+    def token_stats(self, batch: RolloutBatch, plan: StepPlan
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Collective, no update: (log π_T, H(π_T)) [N, S], as :meth:`log_probs`; rank 0
+        returns them (PolicyRank.token_stats)."""
+        out = self._gathered(batch, plan, with_entropy=True)
+        return None if out is None else (out[0], out[1])
+
+    def _gathered(self, batch: RolloutBatch, plan: StepPlan, with_entropy: bool
+                  ) -> list[torch.Tensor] | None:
+        """log π_T (and H(π_T)) of every response token, [N, S] each, gathered from DP
+        ranks' micro-batches and CP shards; rank 0 returns them."""
+        temperature = self.objective.temperature
+        outs = [torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+                for _ in range(2 if with_entropy else 1)]
         for samples in plan.micro_batches[self.dp_rank]:
             micro = slice_for_plan(batch, plan, samples, self.config.cp_size,
                                    self.cp_rank, self.planted).to(self.device)
             keep = loss_positions(micro.loss_mask)
-            log_probs = spread(token_log_probs(self._logits(self.model, micro, keep),
-                                               micro.targets[keep],
-                                               self.objective.temperature), keep)
-            gather_log_probs(batch, samples, log_probs, out, self.cp_group,
-                             self.config.cp_size, owner=self.cp_rank == 0, packed=plan.packed,
-                             prefix_skip=plan.prefix_skip)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
-        return out if self.rank == 0 else None
+            logits, targets = self._logits(self.model, micro, keep), micro.targets[keep]
+            values = (log_probs_and_entropy(logits, targets, temperature,
+                                            with_entropy_grad=False) if with_entropy
+                      else (token_log_probs(logits, targets, temperature),))
+            for value, out in zip(values, outs, strict=True):
+                gather_log_probs(batch, samples, spread(value, keep), out, self.cp_group,
+                                 self.config.cp_size, owner=self.cp_rank == 0,
+                                 packed=plan.packed, prefix_skip=plan.prefix_skip)
+        for out in outs:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)  # each sample written by one rank
+        return outs if self.rank == 0 else None
 
     def _gradients(self, batch: RolloutBatch, plan: StepPlan, objective: ObjectiveConfig
                    ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:

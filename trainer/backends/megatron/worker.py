@@ -170,23 +170,44 @@ class MegatronWorker(PolicyRank):
     @in_eval_mode
     def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
         """Collective, no update: log π_T [N, S] of every response token under the current
-        policy (a rollout's old log-probs); rank 0 returns it. TP ranks hold identical
-        values after the vocab-parallel reduction, so only TP rank 0 of CP rank 0 of each
-        DP group writes."""
+        policy (a rollout's old log-probs); rank 0 returns it."""
+        out = self._gathered(batch, plan, with_entropy=False)
+        return None if out is None else out[0]
+
+    @torch.no_grad()
+    @in_eval_mode
+    def token_stats(self, batch: RolloutBatch, plan: StepPlan
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Collective, no update: (log π_T, H(π_T)) [N, S], as :meth:`log_probs`; rank 0
+        returns them (PolicyRank.token_stats)."""
+        out = self._gathered(batch, plan, with_entropy=True)
+        return None if out is None else (out[0], out[1])
+
+    def _gathered(self, batch: RolloutBatch, plan: StepPlan, with_entropy: bool
+                  ) -> list[torch.Tensor] | None:
+        """log π_T (and H(π_T), ``vocab_parallel_log_probs``' reduction over TP) of every
+        response token, [N, S] each; rank 0 returns them. TP ranks hold identical values
+        after the vocab-parallel reduction, so only TP rank 0 of CP rank 0 of each DP
+        group writes."""
         from megatron.core import parallel_state as ps
 
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        outs = [torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+                for _ in range(2 if with_entropy else 1)]
         owner = self.cp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0
         for samples in plan.micro_batches[self.dp_rank]:
             micro = self._slice(batch, plan, samples).to(self.device)
             with cpu_bridge(self.device):
                 logits = self._logits(self.model, micro)
-            log_probs, _ = vocab_parallel_log_probs(logits, micro.targets, self.shape,
-                                                    self.objective.temperature)
-            gather_log_probs(batch, samples, log_probs, out, ps.get_context_parallel_group(),
-                             self.config.cp_size, owner, packed=micro.cu_seqlens is not None)
-        dist.all_reduce(out)  # each sample written by exactly one rank
-        return out if self.rank == 0 else None
+            log_probs, entropy = vocab_parallel_log_probs(
+                logits, micro.targets, self.shape, self.objective.temperature,
+                entropy=False if with_entropy else None)  # False: no graph
+            for value, out in zip((log_probs, entropy), outs, strict=False):
+                gather_log_probs(batch, samples, value, out, ps.get_context_parallel_group(),
+                                 self.config.cp_size, owner,
+                                 packed=micro.cu_seqlens is not None)
+        for out in outs:
+            dist.all_reduce(out)  # each sample written by exactly one rank
+        return outs if self.rank == 0 else None
 
     def _gradients(self, batch: RolloutBatch, plan: StepPlan, objective: ObjectiveConfig
                    ) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
