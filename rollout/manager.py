@@ -280,7 +280,7 @@ class RolloutManager(EngineWeights):
         indices it used are taken."""
         first = self.next_group_index
         records = training_records(groups, first, step, self.samples_per_step,
-                                   self.tokenizer)
+                                   self.tokenizer, seed=self.seed)
         batch = build_batch(groups, first, self.config.n_samples_per_prompt,
                             self.pad_token_id, metadata, events, records)
         self.next_group_index += len(groups)

@@ -11,6 +11,7 @@ samples only, ``rollout/unscored_samples`` counts it and its record's reward is 
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -78,22 +79,35 @@ def build_batch(groups: list[Group], first_group: int, group_size: int, pad_toke
 
 
 def training_records(groups: list[Group], first_group: int, step: int, limit: int,
-                     tokenizer: PreTrainedTokenizerBase) -> list[SampleRecord]:
-    """SampleRecords of the step's first ``limit`` samples (their ``index`` in the batch;
-    the driver adds each one's advantage)."""
-    records: list[SampleRecord] = []
-    for j, group in enumerate(groups):
-        for sample in group.samples:
-            if len(records) >= limit:
-                return records
-            records.append(SampleRecord(
-                step=step, index=len(records), group=first_group + j,
-                prompt=tokenizer.decode(sample.prompt_ids, skip_special_tokens=False),
-                record_prompt=sample.record.prompt, response=sample.text,
-                label=sample.record.label,
-                reward=float(sample.reward) if sample.scored else None,
-                rewards=dict(sample.parts), response_tokens=len(sample.generation.token_ids),
-                judge_answers=dict(sample.answers)))
+                     tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> list[SampleRecord]:
+    """SampleRecords of ``limit`` of the step's samples (the driver adds each one's
+    advantage): whole groups in a random order, the last one drawn cut to make exactly
+    ``limit`` (every sample when the step has fewer). The order is drawn from (``seed``,
+    ``step``) alone, so a resumed run logs the same samples. Each record's ``index`` is
+    its row in the step's RolloutBatch (``build_batch`` lays the groups out in order),
+    and the records come in row order."""
+    starts = [0]
+    for group in groups:
+        starts.append(starts[-1] + len(group.samples))
+    order = list(range(len(groups)))
+    random.Random(f"samples:{seed}:{step}").shuffle(order)  # str seeds: process-stable
+    chosen: list[tuple[int, int]] = []  # (group, member)
+    for j in order:
+        take = min(len(groups[j].samples), limit - len(chosen))
+        if take <= 0:
+            break
+        chosen.extend((j, k) for k in range(take))
+    records = []
+    for j, k in sorted(chosen):
+        sample = groups[j].samples[k]
+        records.append(SampleRecord(
+            step=step, index=starts[j] + k, group=first_group + j,
+            prompt=tokenizer.decode(sample.prompt_ids, skip_special_tokens=False),
+            record_prompt=sample.record.prompt, response=sample.text,
+            label=sample.record.label,
+            reward=float(sample.reward) if sample.scored else None,
+            rewards=dict(sample.parts), response_tokens=len(sample.generation.token_ids),
+            judge_answers=dict(sample.answers)))
     return records
 
 
