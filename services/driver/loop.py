@@ -52,7 +52,8 @@ from services.driver.metrics import (
 from services.driver.pipeline import RolloutPipeline
 from services.driver.retention import best_eval_step, retire_checkpoints
 from services.driver.run_dir import ANSI, EVAL_FILE, UPDATES_FILE, RunDir, job_dir, replace_file
-from services.driver.samples import append_samples, with_advantages
+from services.driver.sample_tokens import logged_samples
+from services.driver.samples import append_samples
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 from services.driver.weight_sync import WeightSync, transport_for
@@ -153,7 +154,8 @@ def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
         batch, batch_ref = scored, None
     for kind, message in batch.events:  # e.g. an environment that failed in an episode
         job.run_dir.write_event(kind, message)
-    append_samples(job.run_dir.samples_file, with_advantages(batch))
+    append_samples(job.run_dir.samples_file,  # before training: the weights it trains from
+                   logged_samples(batch, job.actors.trainer, config.logging.sample_tokens))
     job.weights.poll()
     generated = time.perf_counter()
     if batch.num_valid_tokens == 0:  # nothing to learn from: skipped, never NaN
