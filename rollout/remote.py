@@ -5,7 +5,11 @@ rollout/reward_parts/http.py). Standard library only.
     call ──► POST (timeout_s) ──► 2xx: the JSON reply
                │  timeout, refused or reset connection, 429, 5xx: retried after
                │      delay_k = backoff_s · 2^k · u_k,  u_k ~ U[0.5, 1],  k = 0 … max_retries − 1
-               │      (Σ delays ≤ backoff_s · (2^max_retries − 1), the bound a test holds)
+               │      (Σ delays ≤ backoff_s · (2^max_retries − 1), the bound a test holds);
+               │      a 429 or 503 with ``Retry-After`` (seconds or an HTTP date) waits
+               │      max(delay_k, min(Retry-After, timeout_s)) instead: the server's
+               │      word, but never longer than one call may take (a server that asks
+               │      for more is as good as down for this call)
                │  any other 4xx, a reply that is not JSON: not retried
                └─ failed (after its retries, or not retried): None, counted in a CallTally;
                   the caller marks that call's samples unscored.
@@ -24,6 +28,7 @@ never in a config, a log line or an error message.
 
 from __future__ import annotations
 
+import email.utils
 import http.client
 import json
 import os
@@ -172,6 +177,35 @@ def backoff_delay(attempt: int, backoff_s: float, rng: random.Random) -> float:
     return backoff_s * (2.0 ** attempt) * rng.uniform(0.5, 1.0)
 
 
+def retry_after_s(err: BaseException, now: float | None = None) -> float | None:
+    """Seconds a 429 or 503 answer's ``Retry-After`` header asks to wait (delay-seconds or
+    an HTTP date, RFC 9110 §10.2.3); None without one, on another status or unreadable."""
+    if not isinstance(err, urllib.error.HTTPError) or err.code not in (429, 503):
+        return None
+    value = (err.headers.get("Retry-After") if err.headers is not None else None) or ""
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            date = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if date.tzinfo is None:
+            return None
+        seconds = date.timestamp() - (time.time() if now is None else now)
+    return max(0.0, seconds) if seconds == seconds and seconds != float("inf") else None
+
+
+def retry_delay(asked_s: float | None, attempt: int, settings: RemoteSettings,
+                rng: random.Random) -> float:
+    """Seconds before retry ``attempt``: the backoff, or what a 429/503 asked for
+    (``asked_s``, :func:`retry_after_s`) when longer, capped at one call's ``timeout_s``
+    (module docstring)."""
+    delay = backoff_delay(attempt, settings.backoff_s, rng)
+    return delay if asked_s is None else max(delay, min(asked_s, settings.timeout_s))
+
+
 def _retryable(err: BaseException) -> bool:
     """Timeouts, refused or dropped connections, 429 and 5xx are worth another try."""
     if isinstance(err, urllib.error.HTTPError):
@@ -203,6 +237,7 @@ def post_json(settings: RemoteSettings, body: Any, tally: CallTally, num_samples
             with gate, urllib.request.urlopen(request, timeout=settings.timeout_s) as reply:
                 return json.loads(reply.read())
         except (OSError, http.client.HTTPException, ValueError) as err:
+            asked_s = retry_after_s(err)  # before close: its headers
             if isinstance(err, urllib.error.HTTPError):
                 err.close()  # its body is not read: free the connection now
             retry = _retryable(err) and attempt < settings.max_retries
@@ -212,7 +247,7 @@ def post_json(settings: RemoteSettings, body: Any, tally: CallTally, num_samples
                 tally.failed(num_samples, f"{settings.url}: {_describe(err)}{tail}", refused)
                 return None
             tally.retried()
-            time.sleep(backoff_delay(attempt, settings.backoff_s, rng))
+            time.sleep(retry_delay(asked_s, attempt, settings, rng))
     return None  # unreachable: the last attempt returns or fails above
 
 

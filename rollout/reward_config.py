@@ -136,8 +136,14 @@ class RewardModelConfig(_Part):
     """CPUs of each reward actor (its bundle in the job's placement group)."""
     num_gpus: float = Field(default=0.0, ge=0.0)
     """GPUs of each reward actor."""
-    batch_size: int = Field(default=16, ge=1)
-    """Texts per forward pass."""
+    max_tokens_per_batch: int = Field(default=8192, gt=0)
+    """Most tokens of one forward pass, rows × its longest row (padding counted): texts
+    are sorted by length and batched under it; a batch that runs out of memory is halved
+    and tried again (``reward/<name>/oom_retries``). A text longer alone is a batch of
+    its own."""
+    batch_size: int | None = Field(default=None, ge=1)
+    """Most texts of one forward pass, on top of max_tokens_per_batch; None: only the
+    token budget bounds a batch."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype; auto: float32 on CPU, bfloat16 on a GPU."""
     max_length: int | None = Field(default=None, gt=0)

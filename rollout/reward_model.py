@@ -3,8 +3,15 @@ label scoring (prompt, response) pairs (``rollout.reward`` part of ``type: model
 
     (record prompt, response) ─► ids (rollout/reward_text.py, the one tokenization
                                   train-rm shares; cut by max_length / truncation)
-                              ─► right-padded batches ─► decoder ─► score head
+                              ─► batches by tokens ─► right-padded ─► decoder ─► score head
                               ─► the head's output at each row's last real id
+
+Batches by tokens: the rows sorted longest first (padding stays small), each batch as many
+rows as keep rows × its longest row ≤ ``max_tokens_per_batch`` (and ≤ ``batch_size`` rows
+when set); a row over the budget alone is a batch of its own. A batch whose forward raises
+``torch.OutOfMemoryError`` (CUDA's is one) is halved and each half tried again, down to one
+row; one row that still does not fit raises :class:`RewardModelOOM` naming the part. The
+halvings are counted (``reward/<name>/oom_retries``). Scores go back in the samples' order.
 
 The score is read by index, at position ``len(ids) − 1`` of each row (the attention mask's
 last 1), never by transformers' search for the last token that is not
@@ -22,7 +29,7 @@ actors and combines the parts (rollout/reward_parts/).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -57,6 +64,41 @@ def last_id_scores(model: Any, rows: list[list[int]], pad_id: int = 0) -> torch.
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state
     last = attention.sum(dim=1) - 1  # each row's last real id, by its own index
     return head(hidden[torch.arange(len(rows), device=device), last])[:, 0]
+
+
+class RewardModelOOM(RuntimeError):
+    """One text alone does not fit in the reward actor's memory."""
+
+
+class ShardScores(NamedTuple):
+    """What a reward actor returns for its share of a shard."""
+
+    values: list[float | None]
+    """Each sample's score in the order given; None where refused (over max_length)."""
+    busy_s: float
+    """Seconds it took."""
+    truncated: int
+    """Texts over max_length."""
+    oom_retries: int
+    """Batches halved after an out-of-memory error."""
+
+
+def token_batches(lengths: list[int], max_tokens: int, max_rows: int | None = None
+                  ) -> list[list[int]]:
+    """Indices into ``lengths`` in batches: longest first, each batch as many rows as
+    keep rows × its longest ≤ ``max_tokens`` (at most ``max_rows``); a row longer than
+    ``max_tokens`` alone."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if batches:
+            batch = batches[-1]
+            longest = lengths[batch[0]]  # sorted: the first is the longest
+            if (len(batch) + 1) * longest <= max_tokens and (
+                    max_rows is None or len(batch) < max_rows):
+                batch.append(i)
+                continue
+        batches.append([i])
+    return batches
 
 
 class RewardModel:
@@ -101,18 +143,43 @@ class RewardModel:
             over += encoded.truncated
         return ids, over
 
-    @torch.no_grad()
     def score(self, prompts: list[Any], responses: list[str]
               ) -> tuple[list[float | None], float, int]:
         """(each sample's score, None where refused; the seconds it took; texts over
-        max_length): right-padded batches, each read at its last real id."""
+        max_length): :meth:`score_shard` without its retry count."""
+        values, busy_s, truncated, _ = self.score_shard(prompts, responses)
+        return values, busy_s, truncated
+
+    @torch.no_grad()
+    def score_shard(self, prompts: list[Any], responses: list[str]) -> ShardScores:
+        """Each sample's score in its order, batched by tokens (module docstring), each
+        batch right-padded and read at its rows' last real ids."""
         started = time.perf_counter()
         ids, over = self.input_ids(prompts, responses)
         scores: list[float | None] = [None] * len(ids)
         real = [i for i, row in enumerate(ids) if row is not None]
-        for start in range(0, len(real), self.config.batch_size):
-            chunk = real[start:start + self.config.batch_size]
-            values = last_id_scores(self.model, [ids[i] for i in chunk], self.pad_id)
-            for i, value in zip(chunk, values.float().cpu().tolist(), strict=True):
+        lengths = [len(ids[i] or ()) for i in real]
+        pending = [[real[k] for k in batch] for batch in reversed(token_batches(
+            lengths, self.config.max_tokens_per_batch, self.config.batch_size))]
+        retries = 0
+        while pending:  # a stack: a halved batch's halves are tried next, in order
+            batch = pending.pop()
+            try:
+                values = last_id_scores(self.model, [ids[i] or [] for i in batch],
+                                        self.pad_id).float().cpu().tolist()
+            except torch.OutOfMemoryError as err:
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()  # the failed batch's activations
+                if len(batch) == 1:
+                    raise RewardModelOOM(
+                        f"reward {self.config.part_name}: one text of "
+                        f"{len(ids[batch[0]] or ())} tokens does not fit in the reward "
+                        f"actor's memory even alone; lower max_length or give it more "
+                        f"memory ({err})") from None
+                retries += 1
+                half = len(batch) // 2
+                pending += [batch[half:], batch[:half]]
+                continue
+            for i, value in zip(batch, values, strict=True):
                 scores[i] = value
-        return scores, time.perf_counter() - started, over
+        return ShardScores(scores, time.perf_counter() - started, over, retries)

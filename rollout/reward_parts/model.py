@@ -5,10 +5,13 @@ record's prompt and the response in the one tokenization train-rm shares
 (rollout/reward_model_info.py: unset ones taken, contradicting ones refused at preflight).
 Texts over ``max_length`` are counted (``reward/<name>/truncated``); under
 ``truncation: refuse`` they are unscored (None, counted in ``reward/<name>/unscored``).
+Batches an actor halved after running out of memory count in ``reward/<name>/oom_retries``.
 
 A score may be normalised, r = (s − μ) / σ, with μ, σ the running mean and std of every
 raw score so far (this rollout's included; Chan's merge of (n, mean, M2), saved in the
-manager's state so a resume continues them).
+manager's state so a resume continues them). A normalised score is a
+:class:`NormalizedScore`: the float r that the reward sums, carrying its raw s, so the
+step logs ``reward/<name>/raw_mean`` beside the normalised mean (rollout/rollouts/step.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,25 @@ from typing import Any, ClassVar
 from rollout.reward_config import RewardModelConfig
 from rollout.reward_parts.base import PartScores, RewardPart, RewardShard
 from rollout.shards import shard_bounds
+
+
+class NormalizedScore(float):
+    """A normalised score r (the float itself) that keeps the raw score s it came from."""
+
+    raw: float
+
+    def __new__(cls, value: float, raw: float) -> NormalizedScore:
+        score = super().__new__(cls, value)
+        score.raw = raw
+        return score
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return NormalizedScore, (float(self), self.raw)  # across Ray: both kept
+
+
+def raw_value(value: float) -> float:
+    """The raw score behind ``value``: its ``raw`` when normalised, else itself."""
+    return value.raw if isinstance(value, NormalizedScore) else value
 
 
 @dataclass
@@ -49,8 +71,9 @@ class RunningMoments:
         return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
 
     def normalize(self, values: list[float]) -> list[float]:
+        """(v − mean) / max(std, 1e-6) of each value, each keeping its raw value."""
         scale = max(self.std, 1e-6)
-        return [(v - self.mean) / scale for v in values]
+        return [NormalizedScore((v - self.mean) / scale, v) for v in values]
 
 
 def actor_shards(num_items: int, num_actors: int) -> list[tuple[int, int]]:
@@ -74,7 +97,7 @@ class ModelPart(RewardPart):
     """Reward actors (AutoModelForSequenceClassification, one label) in the gang."""
 
     config: RewardModelConfig
-    count_names: ClassVar[tuple[str, ...]] = ("truncated", "unscored")
+    count_names: ClassVar[tuple[str, ...]] = ("truncated", "unscored", "oom_retries")
 
     def __init__(self, config: RewardModelConfig) -> None:
         super().__init__(config)
@@ -118,19 +141,21 @@ class ModelPart(RewardPart):
         # the record's prompt, as train-rm's pairs hold it: never the policy's templated
         # text (its special tokens would be added a second time)
         prompts = shard.raw_prompts
-        return [actor.score.remote(prompts[a:b], shard.responses[a:b]) for actor, (a, b)
-                in zip(self.actors, actor_shards(len(shard), len(self.actors)),
-                       strict=False)]
+        bounds = actor_shards(len(shard), len(self.actors))
+        return [actor.score_shard.remote(prompts[a:b], shard.responses[a:b])
+                for actor, (a, b) in zip(self.actors, bounds, strict=False)]
 
     def collect(self, handles: list[list[Any]], update_stats: bool = True) -> PartScores:
         import ray
 
         values: list[float | None] = []
-        busy_s, truncated = 0.0, 0
-        for scores, busy, over in ray.get([ref for refs in handles for ref in refs]):
+        busy_s, truncated, retries = 0.0, 0, 0
+        for scores, busy, over, halved in ray.get([ref for refs in handles
+                                                   for ref in refs]):
             values += [None if v is None else float(v) for v in scores]
             busy_s += busy
             truncated += over
+            retries += halved
         if self.moments is not None:
             scored = [v for v in values if v is not None]
             if update_stats:
@@ -139,7 +164,12 @@ class ModelPart(RewardPart):
             values = [None if v is None else next(normal) for v in values]
         unscored = sum(v is None for v in values)  # refused: over max_length
         return PartScores(values, busy_s,
-                          counts={"truncated": truncated, "unscored": unscored})
+                          counts={"truncated": truncated, "unscored": unscored,
+                                  "oom_retries": retries})
+
+    def metric_names(self) -> list[str]:
+        raw = [f"reward/{self.name}/raw_mean"] if self.config.normalize else []
+        return [*super().metric_names(), *raw]
 
     def state_dict(self) -> Any:
         m = self.moments

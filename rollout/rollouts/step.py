@@ -117,11 +117,18 @@ def _mean(values: list[float] | list[int] | list[bool]) -> float:
 
 def _part_metrics(samples: list[Sample]) -> dict[str, float]:
     """``reward/<name>/mean`` and ``/std`` of each reward part over the batch's samples it
-    scored (its None left out; 0 when it scored none)."""
+    scored (its None left out; 0 when it scored none); for a part whose values are
+    normalised (``normalize: true``), ``reward/<name>/raw_mean`` too: the mean of the raw
+    scores they were normalised from (rollout/reward_parts/model.py)."""
+    from rollout.reward_parts.model import NormalizedScore, raw_value
+
     out: dict[str, float] = {}
     for name in samples[0].parts if samples else []:
-        values = torch.tensor([v for s in samples if (v := s.parts[name]) is not None],
-                              dtype=torch.float64)
+        scored = [v for s in samples if (v := s.parts[name]) is not None]
+        values = torch.tensor(scored, dtype=torch.float64)
         out[f"reward/{name}/mean"] = float(values.mean()) if len(values) else 0.0
         out[f"reward/{name}/std"] = float(values.std()) if len(values) > 1 else 0.0
+        if any(isinstance(v, NormalizedScore) for v in scored):
+            out[f"reward/{name}/raw_mean"] = float(torch.tensor(
+                [raw_value(v) for v in scored], dtype=torch.float64).mean())
     return out
