@@ -148,20 +148,33 @@ async function jobPage(id) {
   let job;
   try { job = await api(`/api/jobs/${id}`); } catch (err) { showError(err); return; }
   let header = jobHeader(job);
-  const grid = el("div", { class: "grid" });
+  const sections = JOB_SECTIONS.map((s) => ({ ...s, grid: el("div", { class: "grid" }) }));
+  for (const s of sections) {
+    s.node = el("section", { class: "chart-section", "data-section": s.id, hidden: "" },
+      el("h2", {}, s.title), s.grid);
+  }
   const samples = samplesPanel(id);
-  app.append(header, grid, samples.node);
-  const charts = JOB_CHARTS.map((c) => new Chart(grid, c.id, c.title, c.series.map((s) => ({
-    ...s, chosen: s.mode === job.mode, dash: s.mode && s.mode !== job.mode,
-    color: s.mode ? MODE_COLOR[s.mode] : undefined })), c));
+  app.append(header, ...sections.map((s) => s.node), samples.node);
+  const charts = JOB_CHARTS.map((c) => new Chart(sections.find((s) => s.id === c.section).grid,
+    c.id, c.title, c.series.map((s) => ({ ...s, chosen: s.mode === job.mode,
+      dash: s.mode && s.mode !== job.mode, color: s.mode ? MODE_COLOR[s.mode] : undefined })),
+    c));
   const cols = new Columns();
   const lastValue = (name) => (cols.series[name] || []).findLast((v) => v !== null);
-  const draw = () => charts.forEach((c, i) => {
-    if (JOB_CHARTS[i].parts) showParts(c, rewardPartSeries(Object.keys(cols.series)));
-    c.setData(cols.table(c.series.map((s) => s.name)));
-    const note = JOB_CHARTS[i].note;
-    if (note) c.setNote(lastValue(note.name) === undefined ? "" : note.text(lastValue(note.name)));
-  });
+  const draw = () => {
+    charts.forEach((c, i) => {
+      if (JOB_CHARTS[i].parts) showParts(c, rewardPartSeries(Object.keys(cols.series)));
+      c.setData(cols.table(c.series.map((s) => s.name)));
+      c.card.hidden = Boolean(JOB_CHARTS[i].feature) && !c.points;
+      const note = JOB_CHARTS[i].note;
+      if (note) c.setNote(lastValue(note.name) === undefined ? "" : note.text(lastValue(note.name)));
+    });
+    // A section shows once one of its charts has points; a core one also before any step.
+    for (const s of sections) {
+      s.node.hidden = !(charts.some((c, i) => JOB_CHARTS[i].section === s.id && c.points)
+        || (s.core && !cols.steps.length));
+    }
+  };
   const first = await api(`/api/jobs/${id}/metrics?names=${namesParam(JOB_METRICS)}&max_points=5000`);
   const last = first.steps.length ? first.steps[first.steps.length - 1] : -1;
   const parts = rewardPartSeries(first.names).map((s) => s.name);

@@ -40,69 +40,88 @@ const NO_ENVIRONMENT = "no environment (rollout.environment)";
 // What a critic chart says on a job without one.
 const NO_CRITIC = "no critic (critic.enabled)";
 
-// What a job page charts: title -> series (metric name, label); `note` names a metric
-// whose last value the title shows, `hint` a line under it, `empty` what a chart without
-// points says.
+// The job page's sections, in page order: each a heading over its charts. A section none
+// of whose charts has points is hidden (a feature the job does not use: its critic, its
+// environment); a `core` one shows its empty charts until the job's first step.
+const JOB_SECTIONS = [
+  { id: "loss", title: "Loss and aggregation", core: true },
+  { id: "rewards", title: "Rewards", core: true },
+  { id: "critic", title: "Critic" },
+  { id: "environment", title: "Environment" },
+  { id: "system", title: "System", core: true },
+];
+
+// What a job page charts, section by section (JOB_SECTIONS, in page order): title ->
+// series (metric name, label); `note` names a metric whose last value the title shows,
+// `hint` a line under it, `empty` what a chart without points says, `feature` a chart
+// hidden while it has none (a feature the job may not use).
 const JOB_CHARTS = [
-  { id: "pg_loss_modes", title: "pg loss under each aggregation mode",
+  { section: "loss", id: "pg_loss_modes", title: "pg loss under each aggregation mode",
     series: MODES.map((m) => ({ name: `pg_loss/${m}`, label: m, mode: m })) },
-  lengthBias("long", "longest"),
-  lengthBias("short", "shortest"),
-  { id: "reward", title: "reward (mean, std)",
+  { section: "loss", ...lengthBias("long", "longest") },
+  { section: "loss", ...lengthBias("short", "shortest") },
+  { section: "loss", id: "kl", title: "KL", series: [{ name: "kl", label: "kl" }] },
+  { section: "loss", id: "entropy", title: "entropy",
+    series: [{ name: "entropy", label: "entropy" }] },
+  { section: "loss", id: "clip_fraction",
+    title: "clip fraction (mean, min, max over a rollout's updates)",
+    series: [{ name: "clip_fraction", label: "mean" },
+      { name: "clip_fraction/min", label: "min" },
+      { name: "clip_fraction/max", label: "max" }] },
+  { section: "loss", id: "grad_norm", title: "grad norm",
+    series: [{ name: "grad_norm", label: "grad norm" }] },
+  // on-policy distillation (rollout/teacher.py)
+  { section: "loss", id: "distill", title: "distillation: reverse KL to the teacher per token",
+    empty: "no teacher (rollout.teacher)", feature: true,
+    series: [{ name: "distill/reverse_kl", label: "reverse KL" }] },
+  { section: "rewards", id: "reward", title: "reward (mean, std)",
     series: [{ name: "reward/mean", label: "mean" }, { name: "reward/std", label: "std" }] },
   // rollout.reward's parts (rollout/manager.py: reward/<name>/mean); series come with the
   // metrics, one per part the job logged (rewardPartSeries)
-  { id: "reward_parts", title: "reward parts (mean per step)", parts: true,
+  { section: "rewards", id: "reward_parts", title: "reward parts (mean per step)", parts: true,
     empty: "no reward parts logged", series: [] },
-  { id: "eval", title: "evaluation on held-out prompts", yRange: [0, 1],
+  { section: "rewards", id: "eval", title: "evaluation on held-out prompts", yRange: [0, 1],
     empty: "no evaluation logged",
     note: { name: "eval/k", text: (k) => `k = ${k}` },
     series: [{ name: "eval/accuracy", label: "greedy accuracy" },
       { name: "eval/pass@k", label: "pass@k" }] },
-  { id: "kl", title: "KL", series: [{ name: "kl", label: "kl" }] },
-  { id: "entropy", title: "entropy", series: [{ name: "entropy", label: "entropy" }] },
-  { id: "clip_fraction", title: "clip fraction (mean, min, max over a rollout's updates)",
-    series: [{ name: "clip_fraction", label: "mean" },
-      { name: "clip_fraction/min", label: "min" },
-      { name: "clip_fraction/max", label: "max" }] },
-  { id: "grad_norm", title: "grad norm", series: [{ name: "grad_norm", label: "grad norm" }] },
-  { id: "response_length", title: "response length (mean)",
+  { section: "rewards", id: "response_length", title: "response length (mean)",
     series: [{ name: "response_length/mean", label: "tokens" }] },
-  { id: "tokens_per_s", title: "tokens / s",
-    series: [{ name: "perf/tokens_per_s", label: "tokens/s" }] },
-  { id: "padding_fraction", title: "padding fraction",
-    series: [{ name: "padding_fraction", label: "padding" }] },
-  // rollout/manager.py: a job with rollout.environment plays multi-turn episodes
-  { id: "env_turns", title: "environment: per episode", empty: NO_ENVIRONMENT,
-    series: [{ name: "env/turns_mean", label: "policy turns" },
-      { name: "env/observations_mean", label: "observations read" },
-      { name: "env/tool_calls_mean", label: "tool calls" }] },
-  { id: "env_tokens", title: "environment: policy's share of response tokens, episodes it ended",
-    empty: NO_ENVIRONMENT, hint: "only the policy's tokens count in the loss",
-    series: [{ name: "env/policy_token_share", label: "policy token share" },
-      { name: "env/done_fraction", label: "ended by the environment" }] },
-  { id: "env_seconds", title: "environment seconds per rollout (and failed episodes)",
-    empty: NO_ENVIRONMENT,
-    series: [{ name: "env/seconds", label: "seconds" },
-      { name: "env/failures", label: "failed episodes" }] },
   // PPO with a critic (trainer/value_loss.py, rollout/advantages.py: GAE)
-  { id: "critic_loss", title: "critic: value loss (and its clip fraction)", empty: NO_CRITIC,
+  { section: "critic", id: "critic_loss", title: "critic: value loss (and its clip fraction)",
+    empty: NO_CRITIC,
     series: [{ name: "critic/value_loss", label: "value loss" },
       { name: "critic/clip_fraction", label: "clip fraction" }] },
-  { id: "critic_fit", title: "critic: explained variance of the returns",
+  { section: "critic", id: "critic_fit", title: "critic: explained variance of the returns",
     empty: NO_CRITIC, hint: "1: V predicts every return; 0: no better than their mean",
     series: [{ name: "critic/explained_variance", label: "explained variance" }] },
-  { id: "critic_values", title: "critic: values and returns (mean per token)",
-    empty: NO_CRITIC,
+  { section: "critic", id: "critic_values",
+    title: "critic: values and returns (mean per token)", empty: NO_CRITIC,
     series: [{ name: "critic/values_mean", label: "values" },
       { name: "critic/returns_mean", label: "returns" },
       { name: "critic/grad_norm", label: "grad norm" }] },
-  // on-policy distillation (rollout/teacher.py)
-  { id: "distill", title: "distillation: reverse KL to the teacher per token",
-    empty: "no teacher (rollout.teacher)",
-    series: [{ name: "distill/reverse_kl", label: "reverse KL" }] },
+  // rollout/manager.py: a job with rollout.environment plays multi-turn episodes
+  { section: "environment", id: "env_turns", title: "environment: per episode",
+    empty: NO_ENVIRONMENT,
+    series: [{ name: "env/turns_mean", label: "policy turns" },
+      { name: "env/observations_mean", label: "observations read" },
+      { name: "env/tool_calls_mean", label: "tool calls" }] },
+  { section: "environment", id: "env_tokens",
+    title: "environment: policy's share of response tokens, episodes it ended",
+    empty: NO_ENVIRONMENT, hint: "only the policy's tokens count in the loss",
+    series: [{ name: "env/policy_token_share", label: "policy token share" },
+      { name: "env/done_fraction", label: "ended by the environment" }] },
+  { section: "environment", id: "env_seconds",
+    title: "environment seconds per rollout (and failed episodes)", empty: NO_ENVIRONMENT,
+    series: [{ name: "env/seconds", label: "seconds" },
+      { name: "env/failures", label: "failed episodes" }] },
+  { section: "system", id: "tokens_per_s", title: "tokens / s",
+    series: [{ name: "perf/tokens_per_s", label: "tokens/s" }] },
+  { section: "system", id: "padding_fraction", title: "padding fraction",
+    series: [{ name: "padding_fraction", label: "padding" }] },
   // trainer/memory.py; a checkpoint is written only every checkpoint_every steps
-  { id: "peak_mem", title: "peak memory (GB) per phase", empty: "no memory logged",
+  { section: "system", id: "peak_mem", title: "peak memory (GB) per phase",
+    empty: "no memory logged",
     hint: "each rank's peak: resident anonymous memory on CPU, max_memory_allocated on GPU",
     series: PHASES.map((p) => ({ name: `perf/peak_mem_gb/${p}`, label: p })) },
 ];
@@ -155,6 +174,7 @@ class Chart {
     this.card.append(this.body);
     parent.append(this.card);
     this.plot = null;
+    this.points = 0;
     this.setSeries(series);
     new ResizeObserver(() => {
       const w = Math.max(260, this.body.clientWidth);
@@ -204,6 +224,7 @@ class Chart {
   setData(data) {
     const points = data.slice(1).reduce((n, ys) => n + ys.filter((v) => v !== null
       && v !== undefined).length, 0);
+    this.points = points;
     this.card.dataset.points = String(points);
     this.card.classList.toggle("empty", points === 0);
     const width = Math.max(260, this.body.clientWidth || 400);

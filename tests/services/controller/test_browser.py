@@ -12,6 +12,8 @@ land in tmp_path.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 
 import httpx
@@ -29,6 +31,7 @@ from tests.services.controller.fakes import (
     eval_records,
     make_settings,
     sample_records,
+    sample_tokens,
     serve_in_thread,
     step_rows,
     with_length_bias_and_eval,
@@ -132,12 +135,20 @@ def page(dashboard):
         browser.close()
 
 
-JOB_CHARTS = ("pg_loss_modes", "length_bias_long", "length_bias_short", "reward",
-              "reward_parts", "eval", "kl", "entropy", "clip_fraction", "grad_norm",
-              "response_length", "tokens_per_s", "padding_fraction", "env_turns",
-              "env_tokens", "env_seconds", "critic_loss", "critic_fit", "critic_values",
-              "distill", "peak_mem")
-"""The job page's charts, in page order (charts.js: JOB_CHARTS)."""
+SECTIONS = {"loss": ("pg_loss_modes", "length_bias_long", "length_bias_short", "kl",
+                     "entropy", "clip_fraction", "grad_norm", "distill"),
+            "rewards": ("reward", "reward_parts", "eval", "response_length"),
+            "critic": ("critic_loss", "critic_fit", "critic_values"),
+            "environment": ("env_turns", "env_tokens", "env_seconds"),
+            "system": ("tokens_per_s", "padding_fraction", "peak_mem")}
+"""The job page's sections and their charts, in page order (charts.js: JOB_SECTIONS,
+JOB_CHARTS)."""
+SECTION_TITLES = ["Loss and aggregation", "Rewards", "Critic", "Environment", "System"]
+JOB_CHARTS = tuple(chart for charts in SECTIONS.values() for chart in charts)
+SHOWN_SECTIONS = """ss => ss.filter(s => !s.hidden).map(s => [s.dataset.section,
+  s.querySelector("h2").textContent,
+  [...s.querySelectorAll("[data-chart]")].filter(c => !c.hidden).map(c => c.dataset.chart)])"""
+"""The sections a page shows: id, heading and the charts it shows."""
 
 # Columns of a chart's canvas holding blue (the first series' colour, #4269d0), counted
 # in the page: a line bridging the sparse steps covers most columns, bare dots few.
@@ -166,6 +177,9 @@ def test_job_page_draws_every_chart_with_points(dashboard, page) -> None:
     tab.wait_for_selector('[data-chart="pg_loss_modes"][data-points="160"]', timeout=15_000)
     assert tab.eval_on_selector_all("[data-chart]", "cs => cs.map(c => c.dataset.chart)") == \
         list(JOB_CHARTS)
+    assert tab.eval_on_selector_all("[data-section]", SHOWN_SECTIONS) == [  # all in use
+        [section, title, list(charts)] for (section, charts), title in zip(
+            SECTIONS.items(), SECTION_TITLES, strict=True)]
     for chart in JOB_CHARTS:
         assert points_of(tab, chart) >= 16, chart
         assert tab.locator(f'[data-chart="{chart}"] canvas').count() == 1
@@ -288,15 +302,20 @@ def test_charts_without_points_say_no_data(dashboard, page) -> None:
                   "env_tokens", "env_seconds", "critic_loss", "critic_fit", "distill",
                   "reward_parts"):
         assert points_of(tab, chart) == 0, chart
+    # Sections of features the job does not use are hidden whole (critic, environment),
+    # and so is a feature's chart (distillation); in a shown section, "no data".
+    for chart in ("eval", "length_bias_long", "length_bias_short", "peak_mem",
+                  "reward_parts"):
         assert tab.locator(f'[data-chart="{chart}"] .no-data').is_visible(), chart
+    for chart in ("env_turns", "env_tokens", "env_seconds", "critic_loss", "critic_fit",
+                  "critic_values", "distill"):
+        assert not tab.locator(f'[data-chart="{chart}"]').is_visible(), chart
+    assert [s[0] for s in tab.eval_on_selector_all("[data-section]", SHOWN_SECTIONS)] == [
+        "loss", "rewards", "system"]
     tab.wait_for_selector("#samples-note:not(:empty)", timeout=15_000)
     assert tab.locator("#samples-note").inner_text() == NO_FILE  # no samples.jsonl yet
     assert tab.locator("#samples tr").count() == 0 and not tab.is_visible("#sample-step")
-    assert tab.locator('[data-chart="env_turns"] .no-data').inner_text() == \
-        "no environment (rollout.environment)"
     assert tab.locator('[data-chart="eval"] .no-data').inner_text() == "no evaluation logged"
-    assert tab.locator('[data-chart="critic_fit"] .no-data').inner_text() == \
-        "no critic (critic.enabled)"
     assert tab.locator('[data-chart="eval"] h3').inner_text() == \
         "evaluation on held-out prompts"  # no k to show
     assert points_of(tab, "reward") == 4
@@ -446,4 +465,126 @@ def test_axes_fit_their_data(page, tmp_path: Path) -> None:
         assert tab.evaluate("[fitRange(0, 0), fitRange(0, 0, [0, 1]), fitRange(2, 2),"
                             " fitRange(null, null, [0, 1]), fitRange(-1, 3, [0, 1])]") == [
             [-0.1, 0.1], [0, 0.1], [1.8, 2.2], [0, 1], [0, 1]]
+    assert not errors
+
+
+# The per-token view's scales (samples.js: TOKEN_QUANTITIES), as its legend documents
+# them: a value v on a scale whose end m is the largest |v| over the policy's tokens is
+# white mixed toward its end colour by |v| / m — negative ends low, positive high.
+TOKEN_SCALES = {"advantage": ((202, 0, 32), (5, 113, 176)),
+                "gap": ((230, 97, 1), (94, 60, 153)),
+                "entropy": (None, (166, 54, 3))}
+TOKEN_COLORS = """spans => spans.map(s => [s.dataset.i, getComputedStyle(s).backgroundColor,
+  s.classList.contains("observation")])"""
+
+
+def token_values(tokens: dict, quantity: str) -> list[float | None]:
+    """Each token's value of ``quantity`` (None on observations), from the record."""
+    if quantity == "gap":
+        return [None if t is None or e is None else t - e for t, e in zip(
+            tokens["trainer_log_prob"], tokens["engine_log_prob"], strict=True)]
+    return [None if o else v for v, o in zip(tokens[quantity], tokens["observation"],
+                                             strict=True)]
+
+
+def expected_colors(tokens: dict, quantity: str) -> list[str | None]:
+    """The background each policy token should have (None: an observation's)."""
+    values = token_values(tokens, quantity)
+    top = max(abs(v) for v in values if v is not None)
+    low, high = TOKEN_SCALES[quantity]
+    colors: list[str | None] = []
+    for value in values:
+        if value is None:
+            colors.append(None)
+            continue
+        end = low if value < 0 and low is not None else high
+        mixed = [int(255 + (c - 255) * abs(value) / top + 0.5) for c in end]
+        colors.append(f"rgb({mixed[0]}, {mixed[1]}, {mixed[2]})")
+    return colors
+
+
+def test_a_sample_opens_into_its_tokens_coloured_by_the_chosen_quantity(
+        page, tmp_path: Path) -> None:
+    """A plain job (no critic, no environment) whose samples carry their per-token record
+    (rollout/sample_record.SampleTokens): its page shows the loss, rewards and system
+    sections only; a sample opens into its 13 tokens, each coloured as the legend's scale
+    says by advantage, then by the trainer-vs-engine gap, then by entropy, the multi-turn
+    observation boxed apart and never coloured, newlines and lone spaces visible, markup
+    shown as text. TALLY_UPDATE_SCREENSHOTS=1 copies the view's screenshot to
+    docs/images/per-token-view.png (the docs show it)."""
+    tab, errors = page
+    app = create_app(make_settings(tmp_path), backend=FakeBackend())
+    with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:
+        config = (ROOT / "configs" / "demo.yaml").read_text()
+        job = http.post("/api/jobs", json={"config_yaml": config, "overrides": [
+            *DEMO_OVERRIDES, "num_steps=4"]}).json()
+        path = Path(job["output_dir"]) / SAMPLES_FILE
+        append_samples(path, sample_records(0, count=4, tokens=True))
+        assert http.post(f"/api/jobs/{job['id']}/metrics",
+                         json={"rows": step_rows(1)}).is_success
+        tokens = read_samples(path, step=0)[0]["tokens"]  # sample 0: advantage 0.25
+        assert tokens == sample_tokens(0.25)
+        tab.set_viewport_size({"width": 1200, "height": 900})
+        tab.goto(f"{url}/jobs/{job['id']}")
+        tab.wait_for_selector('#samples tbody tr[data-index="0"]', timeout=15_000)
+        assert [s[0] for s in tab.eval_on_selector_all("[data-section]", SHOWN_SECTIONS)] \
+            == ["loss", "rewards", "system"]
+        assert tab.locator('[data-section="critic"]').is_hidden()
+        assert tab.locator('[data-section="environment"]').is_hidden()
+        assert tab.locator("#samples tr.tokens-row").count() == 0  # the table alone first
+        tab.click('#samples tbody tr[data-index="0"] td:nth-child(8)')
+        view = tab.wait_for_selector(".tokens-row .token-view", timeout=15_000)
+        spans = ".tokens-row .tok[data-i]"
+        assert tab.locator(spans).count() == len(tokens["text"]) == 13
+        assert tab.get_attribute(".tokens-row .token-view", "data-quantity") == "advantage"
+
+        def colours(quantity: str) -> list[str | None]:
+            shown = tab.eval_on_selector_all(spans, TOKEN_COLORS)
+            assert [int(i) for i, _, _ in shown] == list(range(13))
+            assert [o for _, _, o in shown] == tokens["observation"]
+            return [None if observed else colour for _, colour, observed in shown]
+
+        by_advantage = colours("advantage")
+        assert by_advantage == expected_colors(tokens, "advantage")
+        values = token_values(tokens, "advantage")
+        assert values[0] > 0 > values[12]  # a positive and a negative token: blue, red
+        assert (by_advantage[0], by_advantage[12]) == ("rgb(5, 113, 176)", "rgb(202, 0, 32)")
+        assert float(tab.get_attribute(".tokens-row .token-legend", "data-scale")) == 0.75
+        assert tab.locator(".tokens-row .token-legend-ticks span").all_inner_texts() == [
+            "-0.750", "0.000", "0.750"]
+        # the observation: boxed, labelled, grey whatever the quantity
+        run = tab.locator(".tokens-row .observation-run")
+        assert run.count() == 1 and run.locator(".observation-label").inner_text().lower() \
+            == "observation"
+        assert run.locator(".tok").evaluate_all("ss => ss.map(s => s.dataset.i)") == ["4", "5"]
+        grey = tab.eval_on_selector_all(".tokens-row .observation-run .tok",
+                                        "ss => ss.map(s => getComputedStyle(s).backgroundColor)")
+        assert grey == ["rgb(236, 238, 242)"] * 2
+        # text as written, whitespace visible, markup never drawn
+        shown = tab.eval_on_selector_all(spans, "ss => ss.map(s => s.textContent)")
+        assert shown[3] == "⏎\n" and shown[10] == "·" and shown[11] == "<b>4</b>"
+        assert shown[4] == "<tool>2+2</tool>" and shown[12] == "</s>"
+        assert tab.locator(".tokens-row b, .tokens-row tool").count() == 0
+        title = tab.get_attribute('.tokens-row .tok[data-i="7"]', "title") or ""
+        assert re.search(r'token 7: " 4"\nadvantage -0\.1250\n.*gap 0\.0625\n'
+                         r"entropy 0\.8750", title, re.S), title
+        assert "observation" in (tab.get_attribute('.tokens-row .tok[data-i="4"]', "title")
+                                 or "")
+        for quantity in ("gap", "entropy"):
+            tab.select_option(".tokens-row .token-quantity", quantity)
+            tab.wait_for_selector(f'.tokens-row .token-view[data-quantity="{quantity}"]')
+            now = colours(quantity)
+            assert now == expected_colors(tokens, quantity), quantity
+            assert now != by_advantage
+        assert tab.locator(".tokens-row .token-legend-ticks span").all_inner_texts() == [
+            "0.000", "1.500"]  # entropy: sequential, 0 to its largest
+        tab.select_option(".tokens-row .token-quantity", "advantage")
+        tab.wait_for_selector('.tokens-row .token-view[data-quantity="advantage"]')
+        assert view.is_visible()
+        shot = tmp_path / "per-token-view.png"
+        tab.locator(".samples-card").screenshot(path=str(shot))
+        if os.environ.get("TALLY_UPDATE_SCREENSHOTS") == "1":
+            shutil.copyfile(shot, ROOT / "docs" / "images" / "per-token-view.png")
+        tab.click('#samples tbody tr[data-index="0"] td:nth-child(8)')  # closes again
+        assert tab.locator("#samples tr.tokens-row").count() == 0
     assert not errors
