@@ -7,7 +7,9 @@ evaluation sample. A refresh reads only what was appended since the last one (th
 appends whole lines); a torn last line waits for its end; a file that was replaced (a
 resume truncates it: services/driver/sinks.truncate_after), shrank, or no longer ends its
 indexed part with the bytes it did is indexed again from the start. A line that is not a
-JSON object with an integer ``step`` is skipped, as ``read_samples`` skips it.
+JSON object with an integer ``step`` is skipped, as ``read_samples`` skips it. A training
+sample's per-token record (its ``tokens``) is sent only when asked: the dashboard's table
+reads without it, a sample opened with it.
 """
 
 from __future__ import annotations

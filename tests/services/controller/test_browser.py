@@ -4,7 +4,10 @@ A job with metrics shows its charts with data points (the chosen mode highlighte
 length-bias charts one series per mode; evaluation, logged every few steps, drawn across
 the steps between; peak memory per phase, a checkpoint's only every few steps; one series
 per reward part) and its samples.jsonl as a table (as text, whatever the model wrote),
-a job without some metrics says "no data" for those charts, and the sweep page overlays
+charts grouped in sections, a job without some metrics says "no data" for those charts
+and hides the sections of features it does not use (critic, environment), a training
+sample opens into its tokens coloured by advantage, log-prob gap or entropy (its
+multi-turn observation apart), and the sweep page overlays
 one series per aggregation mode; the job list lists training sessions too. Screenshots
 land in tmp_path.
 """
