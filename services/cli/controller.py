@@ -120,12 +120,16 @@ def samples(job: Annotated[str, typer.Argument(
                 "--full", help="whole prompts and responses, not shortened")] = False,
             limit: Annotated[int, typer.Option(min=1, max=1000, help="at most this many")]
             = 200,
+            tokens: Annotated[bool, typer.Option(
+                "--tokens", help="each training sample's response token by token: text, "
+                "advantage, engine and trainer log-prob, their gap, entropy, observations")]
+            = False,
             url: UrlOpt = None) -> None:
     """A job's samples as text (samples.jsonl): per sample its step, group, reward and each
-    part, advantage, tokens, prompt and response."""
+    part, advantage, tokens, prompt and response (--tokens: token by token)."""
     from services.cli.samples import print_samples
 
-    print_samples(job, step, evaluation, as_json, full, limit, url)
+    print_samples(job, step, evaluation, as_json, full, limit, url, tokens)
 
 
 def cancel(job_id: str, url: UrlOpt = None) -> None:

@@ -5,7 +5,16 @@
 One block per sample: its step, group, reward and each part, advantage and tokens, then
 prompt and response on a line each (newlines as ⏎, long text shortened in the middle;
 ``--full``: whole). Terminal control characters of a response are shown escaped, never
-sent to the terminal. ``--json``: the records, one JSON object per line.
+sent to the terminal. ``--json``: the records, one JSON object per line (a training
+sample's per-token record included). ``--tokens``: under each training sample, its
+response token by token (rollout/sample_record.SampleTokens):
+
+    pos  token               advantage    engine   trainer        gap  entropy
+      0  'The'                  +0.512   -1.2034   -1.2034  +1.19e-07   2.3016
+      5  'Obs:'                 +0.000         –         –          –        –  obs
+
+gap = trainer − engine log-prob (the trainer's weights are those the step trained from);
+``obs``: an environment's observation (multi-turn), not the policy's token.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from pathlib import Path
 import typer
 
 from services.controller.job_samples import SampleIndex, samples_out
-from services.controller.schemas import SampleOut, SamplesOut
+from services.controller.schemas import SampleOut, SamplesOut, SampleTokensOut
 from services.driver.run_dir import SAMPLES_FILE
 
 PROMPT_CHARS = (60, 140)
@@ -26,6 +35,8 @@ RESPONSE_CHARS = (300, 200)
 """(head, tail) of a long response shown: its end holds the answer."""
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 """Characters a terminal acts on (escapes, bidi overrides): shown as \\xNN / \\uNNNN."""
+TOKEN_CHARS = 18
+"""Width of a token's text (its repr) in the ``--tokens`` table; longer ones shortened."""
 
 
 class SamplesError(Exception):
@@ -85,11 +96,12 @@ def read_local(folder: Path, step: int | None, evaluation: bool, limit: int
 
 
 def read_remote(job_id: str, step: int | None, evaluation: bool, limit: int,
-                url: str | None) -> tuple[SamplesOut, int, str]:
+                url: str | None, tokens: bool = False) -> tuple[SamplesOut, int, str]:
+    """``tokens``: with each sample's per-token record (the API sends it when asked)."""
     from services.controller.cli_support import checked, client
 
     where = f"job {job_id}"
-    params: dict[str, object] = {"eval": evaluation}
+    params: dict[str, object] = {"eval": evaluation, "tokens": tokens}
     with client(url) as http:
         def get(**extra: object) -> SamplesOut:
             answer = http.get(f"/api/jobs/{job_id}/samples", params={**params, **extra})
@@ -120,7 +132,32 @@ def describe(sample: SampleOut) -> str:
     return " · ".join(f for f in facts if f)
 
 
-def block(sample: SampleOut, full: bool) -> list[str]:
+def _number(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def token_table(tokens: SampleTokensOut) -> list[str]:
+    """The per-token rows (module docstring): position, the token's text as its repr
+    (escapes shown, never sent), advantage, engine and trainer log-probs, their gap,
+    entropy, and ``obs`` on an observation."""
+    rows = [f"  {'pos':>5}  {'token':<{TOKEN_CHARS}}  {'advantage':>9}  {'engine':>8}  "
+            f"{'trainer':>8}  {'gap':>9}  {'entropy':>7}"]
+    for t, text in enumerate(tokens.text):
+        shown = escaped(repr(text))
+        if len(shown) > TOKEN_CHARS:
+            shown = shown[:TOKEN_CHARS - 1] + "…"
+        engine, trainer = tokens.engine_log_prob[t], tokens.trainer_log_prob[t]
+        gap = None if engine is None or trainer is None else trainer - engine
+        row = (f"  {t:>5}  {shown:<{TOKEN_CHARS}}  {_number(tokens.advantage[t], '+.3f'):>9}"
+               f"  {_number(engine, '.4f'):>8}  {_number(trainer, '.4f'):>8}"
+               f"  {_number(gap, '+.2e'):>9}  {_number(tokens.entropy[t], '.4f'):>7}")
+        rows.append(row + ("  obs" if tokens.observation[t] else ""))
+    return rows
+
+
+def block(sample: SampleOut, full: bool, tokens: bool = False) -> list[str]:
+    """The sample's lines; ``tokens``: its per-token table under them (a training
+    sample's; one line saying so where none was recorded)."""
     def text(value: str, chars: tuple[int, int]) -> str:
         if full:
             return escaped(value).replace("\n", "\n" + " " * 12)
@@ -130,13 +167,18 @@ def block(sample: SampleOut, full: bool) -> list[str]:
              f"  response  {text(sample.response, RESPONSE_CHARS)}"]
     if sample.label is not None:
         lines.append(f"  label     {text(str(sample.label), PROMPT_CHARS)}")
+    if tokens and not sample.eval:
+        lines.extend(token_table(sample.tokens) if sample.tokens is not None else
+                     ["  tokens    not recorded (logging.sample_tokens was off, or the job "
+                      "predates it)"])
     return lines
 
 
 def print_samples(job: str, step: int | None, evaluation: bool, as_json: bool, full: bool,
-                  limit: int, url: str | None) -> None:
+                  limit: int, url: str | None, tokens: bool = False) -> None:
     """Print JOB's samples (a job folder, its samples.jsonl, or a controller job id) or
-    one line saying why there are none; exit code 1 then."""
+    one line saying why there are none; exit code 1 then. ``tokens``: each training
+    sample's per-token table (--json always carries the per-token records)."""
     folder = Path(job)
     if folder.name == SAMPLES_FILE and folder.is_file():
         folder = folder.parent
@@ -146,14 +188,16 @@ def print_samples(job: str, step: int | None, evaluation: bool, as_json: bool, f
         elif "/" in job or job.startswith("."):
             raise SamplesError(f"{job}: no such job folder")
         else:
-            out, chosen, where = read_remote(job, step, evaluation, limit, url)
+            out, chosen, where = read_remote(job, step, evaluation, limit, url,
+                                             tokens=tokens or as_json)
     except SamplesError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     if as_json:
         for sample in out.samples:
-            typer.echo(json.dumps(sample.model_dump(mode="json", exclude_unset=True),
-                                  ensure_ascii=False))
+            typer.echo(json.dumps(sample.model_dump(mode="json", exclude_unset=True,
+                                                    exclude={"has_tokens"}),
+                                  ensure_ascii=False))  # the line as written
         return
     kind = "evaluation samples of weight version" if evaluation else "training samples of step"
     others = (f"; evaluation at {spans(out.eval_steps)} (--eval)" if not evaluation
@@ -162,6 +206,6 @@ def print_samples(job: str, step: int | None, evaluation: bool, as_json: bool, f
                f"samples: {spans(out.eval_steps if evaluation else out.steps)}{others}")
     for sample in out.samples:
         typer.echo("")
-        typer.echo("\n".join(block(sample, full)))
+        typer.echo("\n".join(block(sample, full, tokens)))
     if out.total > len(out.samples):
         typer.echo(f"\n… {out.total - len(out.samples)} more (--limit, at most 1000)")

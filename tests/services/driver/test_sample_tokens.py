@@ -53,6 +53,7 @@ def batch_of(played: list[Sample]) -> RolloutBatch:
                   for k, s in enumerate(played)]
     records = [SampleRecord(step=0, index=k, group=k // 2, prompt="", record_prompt="",
                             response=played[k].text, label=None, reward=1.0,
+                            response_tokens=len(played[k].generation.token_ids),
                             tokens=response_tokens(played[k], tokenizer)) for k in (3, 4)]
     return RolloutBatch.from_samples(
         [s.prompt_ids for s in played], [s.generation.token_ids for s in played],
