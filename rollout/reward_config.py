@@ -213,6 +213,20 @@ class JudgeConfig(_Part):
     its group's baseline) and counts in ``reward/<name>/unparsed``."""
     max_new_tokens: int = Field(default=16, gt=0)
     """Longest judge answer, greedy."""
+    max_prompt_tokens: int | None = Field(default=None, gt=0)
+    """Longest judge prompt (the template filled in, under the judge's chat template) in
+    the judge's tokens. In the gang: at most the judge's context − max_new_tokens, which
+    None means. With ``url``: checked only when set, counted with ``tokenizer``."""
+    truncation: Literal["left", "right", "refuse"] = "left"
+    """A judge prompt over its budget: left cuts the response's beginning (keeping its
+    end, where an answer's result is; as a reward model's ``truncation``), right its end;
+    refuse leaves the sample unscored. The instructions, question and label are never
+    cut (a prompt over the budget without its response is unscored). Counted in
+    ``reward/<name>/over_budget``."""
+    tokenizer: str | None = Field(default=None, json_schema_extra=FOLDER)
+    """With ``url`` and ``max_prompt_tokens``: a local folder of the served model's
+    tokenizer, which counts a prompt's tokens (under its chat template, as the server
+    applies it). In the gang the judge's own tokenizer counts."""
     url: str | None = None
     """An OpenAI-compatible server (``http://host:port``: SGLang, vLLM, a hosted API)
     serving the judge model at ``/v1/chat/completions``; None: torch engine actors in the
@@ -262,6 +276,17 @@ class JudgeConfig(_Part):
             _check_score_regex(self.parse, "parse")
         if self.url is not None and not re.match(r"^https?://", self.url):
             raise ValueError(f"url: expected http://host:port, got {self.url!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_counted(self) -> JudgeConfig:
+        if self.url is None and self.tokenizer is not None:
+            raise ValueError("tokenizer: only a judge with url takes one (in the gang the "
+                             "judge's own tokenizer counts its prompt)")
+        if self.url is not None and self.max_prompt_tokens is not None \
+                and self.tokenizer is None:
+            raise ValueError("tokenizer: a judge with url and max_prompt_tokens needs the "
+                             "served model's tokenizer folder to count a prompt's tokens")
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,10 @@ episode, and a training session's ``sample``.
         the policy may keep  min(sampling.max_new_tokens, R − u) ≥ 1  tokens, and the engine
         may generate at most  C − c  (a batch of episodes shares one max_new_tokens)
     a session sample:  len(prompt) + max_new_tokens ≤ C
+    a judge's prompt J (its template filled in, under its chat template, in its tokens):
+        J ≤ min(max_prompt_tokens, C_judge − max_new_tokens); either may be unknown
+        (a judge on a server: no C_judge); a longer one has its response cut
+        (rollout/judge.fit_requests), never the instructions, question or label
 
 ``budget_problem`` is what ``tally validate``, the job's preflight and a REST submission
 refuse (they all run services/runtime/preflight.py); the manager and the episode loop call
@@ -137,6 +141,44 @@ def turn_tokens(max_new_tokens: int, max_total_tokens: float, used: int) -> int:
             f"{EPISODE_FIELD}: an episode has used {used} of "
             f"{max_total_tokens} tokens and has no turn left")
     return left
+
+
+def config_context(config: object) -> int | None:
+    """C of a loaded model's config object (its first of CONTEXT_KEYS); None: unknown."""
+    for key in CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def judge_prompt_budget(context: int | None, max_new_tokens: int,
+                        max_prompt_tokens: int | None) -> int | None:
+    """J's bound, min(max_prompt_tokens, C − max_new_tokens) of what is known; None:
+    neither is. TokenBudgetError when the judge's answer alone fills its context."""
+    budgets = [] if max_prompt_tokens is None else [max_prompt_tokens]
+    if context is not None:
+        if max_new_tokens >= context:
+            raise TokenBudgetError(f"max_new_tokens: {max_new_tokens} leaves no room for "
+                                   f"a prompt in the judge's context {context}")
+        budgets.append(context - max_new_tokens)
+    return min(budgets) if budgets else None
+
+
+def judge_problem(context: int | None, max_new_tokens: int,
+                  max_prompt_tokens: int | None) -> str | None:
+    """``field: numbers`` (fields of the judge's block) when its answer or its
+    max_prompt_tokens + max_new_tokens cannot fit the judge's context C, else None."""
+    try:
+        judge_prompt_budget(context, max_new_tokens, max_prompt_tokens)
+    except TokenBudgetError as err:
+        return str(err)
+    if context is not None and max_prompt_tokens is not None \
+            and max_prompt_tokens + max_new_tokens > context:
+        return (f"max_prompt_tokens: {max_prompt_tokens} + max_new_tokens {max_new_tokens}"
+                f" = {max_prompt_tokens + max_new_tokens} > the judge's context {context};"
+                " lower one of them")
+    return None
 
 
 def sample_problem(prompt_field: str, num_prompt_tokens: int, max_new_tokens: int,

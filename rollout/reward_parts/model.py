@@ -81,18 +81,6 @@ def actor_shards(num_items: int, num_actors: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in shard_bounds(num_items, num_actors) if b > a]
 
 
-def gather(refs: list[Any]) -> tuple[list[Any], float]:
-    """The actors' answers to ``refs`` in order, and the seconds they spent."""
-    import ray
-
-    answers: list[Any] = []
-    seconds = 0.0
-    for shard, busy in ray.get(refs):
-        answers += shard
-        seconds += busy
-    return answers, seconds
-
-
 class ModelPart(RewardPart):
     """Reward actors (AutoModelForSequenceClassification, one label) in the gang."""
 

@@ -156,4 +156,5 @@ def test_a_judge_server_down_for_more_than_its_share_of_a_step_is_an_outage() ->
         run(0.5)
     scores = run(1.0)
     assert scores.values == [None, None]
-    assert scores.counts == {"unparsed": 0, "unscored": 2, "failed_calls": 2, "retries": 2}
+    assert scores.counts == {"unparsed": 0, "unscored": 2, "over_budget": 0, "failed_calls": 2,
+                             "retries": 2}

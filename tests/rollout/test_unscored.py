@@ -228,10 +228,11 @@ def test_batch_accepts_unscored_samples_and_keeps_its_checks() -> None:
 def test_a_judge_part_leaves_unparsed_and_failed_answers_unscored() -> None:
     part = JudgePart(JudgeConfig(url="http://127.0.0.1:9"))
     answers = ["I give it a 7.", "hmm", None, "Score: 11", "8/10"]
-    scores = part.collect([((lambda: (answers[:2], 0.0)), CallTally()),
-                           ((lambda: (answers[2:], 0.0)), CallTally())])
+    scores = part.collect([((lambda: (answers[:2], 0.0, 0)), CallTally()),
+                           ((lambda: (answers[2:], 0.0, 0)), CallTally())])
     assert scores.values == [0.7, None, None, None, 0.8]
-    assert scores.counts == {"unparsed": 2, "unscored": 3, "failed_calls": 0, "retries": 0}
+    assert scores.counts == {"unparsed": 2, "unscored": 3, "over_budget": 0,
+                             "failed_calls": 0, "retries": 0}
     assert scores.answers == answers
 
 
