@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from services.driver.samples import read_samples
 from services.driver.sinks import read_metrics
 from services.train import train_from_cli
 
@@ -43,6 +44,25 @@ def _check_env_row(row: dict[str, float], max_turns: int) -> None:
     assert row["tokens/valid"] > 0 and row["grad_norm"] > 0
 
 
+def _check_tokens(job: Path) -> None:
+    """The logged samples token by token (services/driver/sample_tokens.py): the
+    environment's tokens are observations (advantage 0, no log-probs); the policy's carry
+    the engine's log-prob and the trainer's under the same weights (one step, synchronous),
+    equal to fp32 precision across turns."""
+    rows = read_samples(job / "samples.jsonl", evaluation=False)
+    assert rows and any(any(r["tokens"]["observation"]) for r in rows)
+    for row in rows:
+        tokens = row["tokens"]
+        assert len(tokens["text"]) == row["response_tokens"]
+        for obs, advantage, engine, trainer, entropy in zip(
+                tokens["observation"], tokens["advantage"], tokens["engine_log_prob"],
+                tokens["trainer_log_prob"], tokens["entropy"], strict=True):
+            if obs:
+                assert (advantage, engine, trainer, entropy) == (0.0, None, None, None)
+            else:
+                assert abs(trainer - engine) < 1e-4 and entropy > 0
+
+
 PPO = ["rollout.advantage={type: gae, lam: 0.9}", "critic.enabled=true"]
 """PPO with a critic: each environment step's reward credited at its action's last token."""
 
@@ -57,6 +77,7 @@ def test_a_built_in_environment_trains_a_step_on_the_tiny_model(ray_cluster: Non
     assert train_from_cli(CONFIGS[name.removesuffix("-ppo")], overrides, job) == 0
     (row,) = [r["metrics"] for r in read_metrics(job / "metrics.jsonl")]
     _check_env_row(row, max_turns=5)
+    _check_tokens(job)
     if name.endswith("-ppo"):  # the critic valued the episodes and stepped on them
         assert row["critic/value_loss"] > 0 and row["critic/grad_norm"] > 0
         assert -10 < row["critic/explained_variance"] <= 1
