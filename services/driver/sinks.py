@@ -9,9 +9,9 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
-from rollout.confined import create_owned, read_inside
+from rollout.confined import create_owned, open_inside, read_inside
 from services.driver.run_dir import METRICS_FILE, TENSORBOARD_DIR, open_append
 
 
@@ -89,17 +89,62 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """Drop rows of steps > step (a resume repeats them from the checkpoint), atomically:
-    the kept rows go to a sibling file, fsynced, renamed over the original, so a crash
-    leaves either the old file or the new one, never a half-written one. The sibling is a
-    new file (O_EXCL|O_NOFOLLOW), so a link planted at its name is never written through."""
+    """Drop the rows of steps > ``step`` (a resume repeats them from the checkpoint) and
+    every line that is not a row (a torn line), reading the file line by line, never whole
+    (samples.jsonl may hold many MB).
+
+    Rows are appended in step order, so the dropped lines are the file's tail: the file
+    is cut in place at the first of them (one ftruncate, on a descriptor opened without
+    following a link; a crash leaves the old length or the new, and a sink appending to
+    it goes on at the new end). Where a kept row follows a dropped line (an evaluation's
+    samples written late, a torn line mid-file), the kept lines are copied as written to
+    a sibling file, fsynced and renamed over the original, so a crash leaves the old file
+    or the new one; the sibling is a new file (O_EXCL|O_NOFOLLOW), never written through a
+    link planted at its name. A kept last row that lost its newline gets it back."""
     if not path.exists() and not path.is_symlink():
         return
-    rows = [r for r in read_metrics(path) if r["step"] <= step]
+    with os.fdopen(open_inside(path.parent, path.name, str(path), os.O_RDWR), "r+b") as file:
+        cut, kept_after_cut, open_end = None, False, False
+        offset = 0
+        for line in file:
+            if _kept(line, step):
+                kept_after_cut = kept_after_cut or cut is not None
+                open_end = not line.endswith(b"\n")
+            elif cut is None:
+                cut = offset
+            offset += len(line)
+        if kept_after_cut:
+            _copy_kept(file, path, step)
+            return
+        if cut is not None:
+            os.ftruncate(file.fileno(), cut)
+        elif open_end:
+            file.write(b"\n")  # at the end: the loop read it all
+        else:
+            return
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _kept(line: bytes, step: int) -> bool:
+    """A row (a JSON object with a numeric ``step``) of a step ≤ ``step``."""
+    try:
+        row = json.loads(line)
+    except ValueError:  # a torn or garbled line (JSONDecodeError, UnicodeDecodeError)
+        return False
+    value = row.get("step") if isinstance(row, dict) else None
+    return isinstance(value, int | float) and not isinstance(value, bool) and value <= step
+
+
+def _copy_kept(file: BinaryIO, path: Path, step: int) -> None:
+    """The kept lines of ``file`` (``path``), as written, renamed over it."""
     staging = path.with_name(path.name + ".truncating")
     staging.unlink(missing_ok=True)  # a crash's leftover, or a planted link: removed
-    with os.fdopen(create_owned(staging, 0o644), "w", encoding="utf-8") as out:
-        out.write("".join(json.dumps(r) + "\n" for r in rows))
+    file.seek(0)
+    with os.fdopen(create_owned(staging, 0o644), "wb") as out:
+        for line in file:
+            if _kept(line, step):
+                out.write(line if line.endswith(b"\n") else line + b"\n")
         out.flush()
         os.fsync(out.fileno())
     os.replace(staging, path)
