@@ -5,7 +5,9 @@
     <job>/updates.jsonl       one row per optimizer step, tagged with its rollout step
     <job>/eval.jsonl          one row per evaluated weight version (its ``step``)
     <job>/samples.jsonl       samples as text: logging.samples_per_step of each rollout
-                              step, every evaluation sample (``"eval": true``)
+                              step (whole groups drawn at random), every evaluation
+                              sample (``"eval": true``); appended, thinned past
+                              logging.samples_max_mb (services/driver/samples.py)
     <job>/events.jsonl        placement, waiting, warnings, failures, restarts; a job
                               that fails for good ends with one ``failed`` event
                               (its one-line reason and exit code): what the controller
@@ -53,8 +55,8 @@ UPDATES_FILE = "updates.jsonl"
 epoch (its ``step`` field counts optimizer steps: docs/glossary.md)."""
 EVAL_FILE = "eval.jsonl"
 SAMPLES_FILE = "samples.jsonl"
-"""Samples as text: some of every rollout's and every evaluation's (services/driver/
-samples.py)."""
+"""Samples as text: some of every rollout's and every evaluation's, bounded by
+logging.samples_max_mb (services/driver/samples.py)."""
 EVENTS_FILE = "events.jsonl"
 JOB_CONFIG_FILE = "job_config.yaml"
 """The config as the controller received it (before defaults), when it submitted the job."""
