@@ -3,7 +3,7 @@ the driver before the step trains: the trainer's numbers are those of the weight
 step trains from.
 
     manager: record.tokens.text (rollout/sample_tokens.py, the tokenizer's side)
-    driver:  batch.select(the logged samples' groups) ─► trainer.token_stats ─►
+    driver:  the logged rows, each its own group ─► trainer.token_stats ─►
              per response position t of sample i (input_ids[i, P_i + t]):
 
         observation_t   = m_it = 0            (an environment's token, multi-turn)
@@ -14,7 +14,8 @@ step trains from.
 
 The gap trainer_t − engine_t is the engine-vs-trainer mismatch of that token (0 up to
 precision when the engine sampled with the weights the step trains from). One trainer
-call per step, on whole groups (a RolloutBatch's unit) that hold the logged samples.
+call per step, on the logged rows only: a RolloutBatch holds whole groups, so each row
+is made a group of one (log π_T and H of a token do not depend on its group).
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ def with_tokens(records: list[SampleRecord], batch: RolloutBatch, trainer: Any
     rows = [int(r.index) for r in records if r.tokens is not None]
     if not rows:
         return records
-    groups = batch.group_index[rows].unique()
-    chosen = torch.isin(batch.group_index, groups).nonzero().flatten()
-    logged = batch.select(chosen)
-    position = {int(i): j for j, i in enumerate(chosen.tolist())}
+    alone = dataclasses.replace(batch, group_index=torch.arange(batch.num_samples),
+                                samples_per_prompt=1, samples=[])
+    logged = alone.select(rows)
+    position = {i: j for j, i in enumerate(rows)}
     stats = trainer.token_stats(logged) if logged.num_valid_tokens else None
     out = []
     for record in records:

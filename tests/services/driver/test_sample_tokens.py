@@ -46,8 +46,8 @@ def samples() -> list[Sample]:
 
 def batch_of(played: list[Sample]) -> RolloutBatch:
     """Per-token advantages (distinct on every token, nonzero on observations too: the
-    driver must zero them), three groups of two; logged: samples 3 and 4 (groups 1 and 2:
-    their rows in the trainer's batch are not the batch's)."""
+    driver must zero them), three groups of two; logged: samples 3 and 4 (of groups 1 and
+    2: their rows in the trainer's batch are not the batch's)."""
     tokenizer = build_char_tokenizer()
     advantages = [[0.25 * (k + 1) + 0.01 * t for t in range(len(s.generation.token_ids))]
                   for k, s in enumerate(played)]
@@ -91,8 +91,8 @@ def test_the_driver_fills_each_logged_token_from_the_batch_and_the_trainer(
     batch = batch_of(played)
     trainer = ReferenceTrainer(tiny_model)
     records = logged_samples(batch, trainer, sample_tokens=True)
-    [asked] = trainer.asked  # one call, on the logged samples' whole groups 1 and 2
-    assert asked.input_ids.tolist() == batch.input_ids[2:].tolist()
+    [asked] = trainer.asked  # one call, on the logged rows alone
+    assert asked.input_ids.tolist() == batch.input_ids[[3, 4]].tolist()
     want_log_probs, want_entropy = reference(tiny_model, batch)  # the whole batch's rows
     for record in records:
         i, tokens = record.index, record.tokens
