@@ -15,6 +15,7 @@ import pytest
 from services.driver.samples import read_samples
 from services.driver.sinks import read_metrics
 from services.train import train_from_cli
+from tests.services.driver.test_sample_tokens_job import NO_TEXT
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {"calculator": ROOT / "configs" / "smollm2-calculator.yaml",
@@ -50,7 +51,8 @@ def _check_tokens(job: Path) -> None:
     the engine's log-prob and the trainer's under the same weights (one step, synchronous),
     equal to fp32 precision across turns."""
     rows = read_samples(job / "samples.jsonl", evaluation=False)
-    assert rows and any(any(r["tokens"]["observation"]) for r in rows)
+    assert rows and all("tokens" in r for r in rows), NO_TEXT
+    assert any(any(r["tokens"]["observation"]) for r in rows)
     for row in rows:
         tokens = row["tokens"]
         assert len(tokens["text"]) == row["response_tokens"]

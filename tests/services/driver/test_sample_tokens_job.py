@@ -16,8 +16,12 @@ from tests.services.driver.clean_run import CleanRun
 
 SAME_WEIGHTS_GAP = 1e-5
 """max |log π_trainer − log π_engine| over a step's tokens with the same weights: both in
-fp32 on the CPU (measured: ≤ 1e-6 on the clean run), the
-engine's KV-cached decode against the trainer's packed forward."""
+fp32 on the CPU, the engine's KV-cached decode against the trainer's packed forward
+(measured: ≤ 1e-6 on the clean run)."""
+
+NO_TEXT = ("no tokens: the manager's records carry each token's text "
+           "(rollout/rollouts/step.py training_records: tokens=response_tokens(sample, "
+           "tokenizer), rollout/sample_tokens.py)")
 
 
 def test_logged_samples_carry_their_tokens(clean_run: CleanRun) -> None:
@@ -27,6 +31,7 @@ def test_logged_samples_carry_their_tokens(clean_run: CleanRun) -> None:
     assert staleness[0] == 0 and max(staleness.values()) > 0
     gaps: dict[int, list[float]] = {}
     for row in rows:
+        assert "tokens" in row, NO_TEXT
         tokens = row["tokens"]
         count = row["response_tokens"]
         assert all(len(tokens[key]) == count for key in (
