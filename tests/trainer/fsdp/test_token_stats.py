@@ -1,7 +1,8 @@
 """The policy's token_stats verb on real gloo process groups (no Ray): log π_T and H(π_T)
-of every response token, gathered from DP ranks' micro-batches and CP shards (packed rows
-and padded), equal the float64 values transformers and torch's softmax give on the same
-ids, and are 0 off the loss mask (a multi-turn observation's hole included)."""
+of every response token, gathered from DP ranks' micro-batches and CP shards (packed rows,
+padded, and packed rows sharing a group's prompt), equal the float64 values transformers
+and torch's softmax give on the same ids, and are 0 off the loss mask (a multi-turn
+observation's hole included)."""
 
 from __future__ import annotations
 
@@ -55,28 +56,33 @@ def reference(model_path: str, batch: RolloutBatch, temperature: float = TEMPERA
 
 
 def _token_stats(rank: int, port: int, model_path: str, batch: RolloutBatch, dp: int, cp: int,
-                 packed: bool):
+                 packed: bool, shared: bool):
     from trainer.backends.fsdp.worker import FSDPWorker
     from trainer.step_plan import plan_step
 
-    config = TrainerConfig(dp_size=dp, cp_size=cp, max_tokens_per_micro_batch=24,
-                           packing=packed)
+    max_tokens = 40 if shared else 24  # a row holds two samples of a group: one prompt
+    config = TrainerConfig(dp_size=dp, cp_size=cp, max_tokens_per_micro_batch=max_tokens,
+                           packing=packed, shared_prefix=shared)
     objective = ObjectiveConfig(temperature=TEMPERATURE)
     worker = FSDPWorker(config, objective, model_path, rank, total_steps=1)
     worker.setup("127.0.0.1", port)
-    plan = plan_step(batch, objective, dp, cp, max_tokens_per_micro_batch=24, packed=packed)
+    plan = plan_step(batch, objective, dp, cp, max_tokens_per_micro_batch=max_tokens,
+                     packed=packed, shared_prefix=shared)
     assert len(plan.micro_batches[0]) > 1  # several micro-batches (rows) per rank
+    assert (plan.prefix_skip is not None) == shared  # a group's prompt computed once
     stats = worker.token_stats(batch, plan)
     log_probs = worker.log_probs(batch, plan)
     return stats, log_probs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dp", "cp", "packed"), [(2, 1, True), (1, 2, True), (1, 2, False)])
+@pytest.mark.parametrize(("dp", "cp", "packed", "shared"), [
+    (2, 1, True, False), (1, 2, True, False), (1, 2, False, False), (2, 1, True, True)])
 def test_token_stats_equal_the_float64_reference_under_dp_cp_and_packing(
-        tiny_model: str, batch: RolloutBatch, dp: int, cp: int, packed: bool) -> None:
+        tiny_model: str, batch: RolloutBatch, dp: int, cp: int, packed: bool,
+        shared: bool) -> None:
     (log_probs, entropy), old = run_ranks(_token_stats, 2, tiny_model, batch, dp, cp,
-                                          packed)[0]
+                                          packed, shared)[0]
     want_log_probs, want_entropy = reference(tiny_model, batch)
     keep = batch.loss_mask > 0
     assert not keep[1].all() and keep[1].sum() > 0  # the hole is inside a response
