@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from rollout.batch import RolloutBatch
 from rollout.rollouts.base import Sample
 from rollout.sample_record import SampleRecord
+from rollout.sample_tokens import response_tokens
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ def training_records(groups: list[Group], first_group: int, step: int, limit: in
     ``limit`` (every sample when the step has fewer). The order is drawn from (``seed``,
     ``step``) alone, so a resumed run logs the same samples. Each record's ``index`` is
     its row in the step's RolloutBatch (``build_batch`` lays the groups out in order),
-    and the records come in row order."""
+    and the records come in row order; each carries its response token by token as
+    rollout knows it (rollout/sample_tokens.py; the driver adds the trainer's numbers)."""
     starts = [0]
     for group in groups:
         starts.append(starts[-1] + len(group.samples))
@@ -107,7 +109,7 @@ def training_records(groups: list[Group], first_group: int, step: int, limit: in
             label=sample.record.label,
             reward=float(sample.reward) if sample.scored else None,
             rewards=dict(sample.parts), response_tokens=len(sample.generation.token_ids),
-            judge_answers=dict(sample.answers)))
+            judge_answers=dict(sample.answers), tokens=response_tokens(sample, tokenizer)))
     return records
 
 
