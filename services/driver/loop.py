@@ -123,7 +123,8 @@ class RunningJob:
                 config.eval.temperature or config.rollout.sampling.temperature, version),
                 lambda ref: call(ref, "evaluate"),
                 lambda ref: bool(ray.wait([ref], timeout=0)[0]), evals.write,
-                lambda samples: append_samples(run_dir.samples_file, samples)),
+                lambda samples: append_samples(run_dir.samples_file, samples,
+                                               config.logging.samples_max_mb)),
             JsonlSink(run_dir.path, UPDATES_FILE), build_estimator(config.rollout.advantage),
             KLInReward.of(config.trainer.loss),
             CriticWarmup(config.critic.warmup_steps,
@@ -155,7 +156,8 @@ def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
     for kind, message in batch.events:  # e.g. an environment that failed in an episode
         job.run_dir.write_event(kind, message)
     append_samples(job.run_dir.samples_file,  # before training: the weights it trains from
-                   logged_samples(batch, job.actors.trainer, config.logging.sample_tokens))
+                   logged_samples(batch, job.actors.trainer, config.logging.sample_tokens),
+                   config.logging.samples_max_mb)
     job.weights.poll()
     generated = time.perf_counter()
     if batch.num_valid_tokens == 0:  # nothing to learn from: skipped, never NaN
