@@ -155,7 +155,8 @@ class RolloutManager(EngineWeights):
         self.teachers: list[Any] = list(teachers)
         """Empty where nothing here trains (an evaluation, ``tally eval``)."""
         ray.get([actor.ping.remote() for actor in [*self.engines, *self.teachers,
-                                                   *self._reward_actor_list()]])
+                                                   *self._reward_actor_list()]],
+                timeout=config.call_timeout_s)  # past it the manager fails to start
 
     # -- one step ---------------------------------------------------------------------
 

@@ -134,7 +134,7 @@ class TrainingSession:
         self.lock = threading.Lock()
         self.engine = gang.engines[0]
         self.trainer: SessionGroup = gang.trainer
-        ray.get(self.engine.ping.remote())
+        self._engine_get(self.engine.ping.remote(), "ping")
         from transformers import AutoConfig
 
         self.vocab_size = int(AutoConfig.from_pretrained(self.model_path).vocab_size)
@@ -292,9 +292,10 @@ class TrainingSession:
         sampling = request.sampling or self.config.rollout.sampling
         seed = request.seed if request.seed is not None else (
             self.config.rollout.seed * 1_000_003 + self.samples_drawn)
-        self.samples_drawn += 1
         prompts = [p for p in request.prompt_tokens for _ in range(request.num_samples)]
-        generations = ray.get(self.engine.generate.remote(prompts, sampling, seed))
+        generations = self._engine_get(self.engine.generate.remote(prompts, sampling, seed),
+                                       "generate")
+        self.samples_drawn += 1  # after: a call that timed out draws the same seed again
         n = request.num_samples
         # each sequence says its temperature: forward_backward refuses a datum sampled at
         # another one than the loss's (its ratios would be wrong)
@@ -314,8 +315,19 @@ class TrainingSession:
                                          getattr(engine, "dtype", "float32"),
                                          self.config.trainer.weight_sync.bucket_mb)
         loaded, _ = transport.send_weights(self.step)
-        ray.get(loaded)
+        self._engine_get(loaded, "load of the weights")  # unset version: the next call resends
         self.engine_version = self.step
+
+    def _engine_get(self, ref: Any, verb: str) -> Any:
+        """The engine's answer within rollout.call_timeout_s; past it a 504 the caller may
+        send again (nothing of the session changed)."""
+        timeout = self.config.rollout.call_timeout_s
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise SessionError(504, [Problem("engine", (
+                f"the engine's {verb} took longer than rollout.call_timeout_s={timeout:g} s"
+            ))], retriable=True) from None
 
     def save(self, name: str) -> dict[str, Any]:
         """The weights as a Hugging Face folder (LoRA: peft's adapter folder) at
