@@ -82,10 +82,14 @@ def run_recipe(config_path: str, name: str, steps: int, ppo_epochs: int,
         *overrides])
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        history = run_job(config, Path(folder) / "job", log=lambda *_: None)
-    return {"start": eval_accuracy(history, 0), "final": eval_accuracy(history, steps),
-            "s/step": seconds_per_step(history), "wall_s": time.perf_counter() - started,
-            "reward": history[-1].get("reward/mean", math.nan)}
+        # the driver's progress lines only (one a step), tagged with the recipe
+        history = run_job(config, Path(folder) / "job", log=lambda line: print(
+            f"[{name}] {line}", flush=True) if str(line).startswith("step ") else None)
+    result = {"start": eval_accuracy(history, 0), "final": eval_accuracy(history, steps),
+              "s/step": seconds_per_step(history), "wall_s": time.perf_counter() - started,
+              "reward": history[-1].get("reward/mean", math.nan)}
+    print(f"[{name}] done: {result}", flush=True)
+    return result
 
 
 def main() -> None:
