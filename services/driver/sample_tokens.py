@@ -6,11 +6,12 @@ step trains from.
     driver:  the logged rows, each its own group ─► trainer.token_stats ─►
              per response position t of sample i (input_ids[i, P_i + t]):
 
-        observation_t   = m_it = 0            (an environment's token, multi-turn)
-        advantage_t     = A_it, 0 on observations (what the loss weighs)
+        observation_t   = the manager's mark (an environment's token, multi-turn)
+        advantage_t     = A_it where m_it > 0, else 0 (what the loss weighs)
         engine_t        = batch.rollout_log_probs[i, P_i + t]   None on observations
         trainer_t       = log π_T(token)      (token_stats, the loss's precision and T)
         entropy_t       = H(π_T) = −Σ_v π_T(v) log π_T(v) at the position predicting it
+                          (trainer_t and entropy_t None where m_it = 0: not computed)
 
 The gap trainer_t − engine_t is the engine-vs-trainer mismatch of that token (0 up to
 precision when the engine sampled with the weights the step trains from). One trainer
@@ -60,33 +61,36 @@ def with_tokens(records: list[SampleRecord], batch: RolloutBatch, trainer: Any
             out.append(record)
             continue
         i = int(record.index)
-        tokens = sample_tokens(record.tokens.text, batch, i,
+        tokens = sample_tokens(record.tokens, batch, i,
                                None if stats is None else (stats[0][position[i]],
                                                            stats[1][position[i]]))
         out.append(dataclasses.replace(record, tokens=tokens))
     return out
 
 
-def sample_tokens(text: list[str], batch: RolloutBatch, i: int,
+def sample_tokens(rollout_side: SampleTokens, batch: RolloutBatch, i: int,
                   stats: tuple[torch.Tensor, torch.Tensor] | None) -> SampleTokens:
-    """Sample ``i``'s tokens: ``text`` (one per response token), the batch's row and
-    its trainer ``stats`` row (log π_T, H) [S]; None: the trainer was not asked."""
+    """Sample ``i``'s tokens: the manager's ``rollout_side`` (text and observation marks,
+    one per response token), the batch's row and its trainer ``stats`` row (log π_T, H)
+    [S]; None: the trainer was not asked."""
+    text, observation = rollout_side.text, rollout_side.observation
     start = int(batch.prompt_lengths[i])
     span = slice(start, start + int(batch.response_lengths[i]))
     if len(text) != span.stop - span.start:
         raise ValueError(f"sample {i}: {len(text)} token texts for "
                          f"{span.stop - span.start} response tokens")
-    observation = (batch.loss_mask[i, span] == 0).tolist()
+    untrained = (batch.loss_mask[i, span] == 0).tolist()  # observations, masked tokens
 
-    def policy_only(values: torch.Tensor | None) -> list[float | None]:
+    def only_where(values: torch.Tensor | None, skip: list[bool]) -> list[float | None]:
         if values is None:
-            return [None] * len(observation)
-        return [None if obs else v for obs, v in zip(observation, values[span].tolist(),
+            return [None] * len(skip)
+        return [None if off else v for off, v in zip(skip, values[span].tolist(),
                                                     strict=True)]
 
     advantage = torch.where(batch.loss_mask[i, span] == 0, 0.0, batch.advantages[i, span])
-    return SampleTokens(text=list(text), observation=observation,
+    return SampleTokens(text=list(text), observation=list(observation),
                         advantage=advantage.tolist(),
-                        engine_log_prob=policy_only(batch.rollout_log_probs[i]),
-                        trainer_log_prob=policy_only(None if stats is None else stats[0]),
-                        entropy=policy_only(None if stats is None else stats[1]))
+                        engine_log_prob=only_where(batch.rollout_log_probs[i], observation),
+                        trainer_log_prob=only_where(None if stats is None else stats[0],
+                                                    untrained),
+                        entropy=only_where(None if stats is None else stats[1], untrained))
