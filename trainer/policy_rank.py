@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.transports.base import SenderStep
-from trainer.worker import BatchRank
+from trainer.worker import BatchRank, in_eval_mode
 
 if TYPE_CHECKING:
     from rollout.batch import RolloutBatch
@@ -35,12 +35,18 @@ if TYPE_CHECKING:
 class PolicyRank(BatchRank):
     """A rank of the policy: log-probs and the weight sync's buckets and senders."""
 
-    @abc.abstractmethod
+    @torch.no_grad()
+    @in_eval_mode
     def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
         """Collective, no update: log π_T [N, S] of every response token under the current
-        policy, aligned with ``input_ids`` and 0 off the loss mask; rank 0 returns it."""
+        policy (a rollout's old log-probs), aligned with ``input_ids`` and 0 off the loss
+        mask; rank 0 returns it. Same precision and temperature as the loss; eval mode
+        (in_eval_mode: dropout off)."""
+        out = self._gathered(batch, plan, with_entropy=False)
+        return None if out is None else out[0]
 
-    @abc.abstractmethod
+    @torch.no_grad()
+    @in_eval_mode
     def token_stats(self, batch: RolloutBatch, plan: StepPlan
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Collective, no update: (log π_T, H(π_T)) [N, S] of every response token under
@@ -48,6 +54,14 @@ class PolicyRank(BatchRank):
         token t (trainer/losses/log_probs.py), both computed as :meth:`log_probs` is (same
         precision, temperature, layout, eval mode), aligned with ``input_ids`` and 0 off
         the loss mask; rank 0 returns them."""
+        out = self._gathered(batch, plan, with_entropy=True)
+        return None if out is None else (out[0], out[1])
+
+    @abc.abstractmethod
+    def _gathered(self, batch: RolloutBatch, plan: StepPlan, with_entropy: bool
+                  ) -> list[torch.Tensor] | None:
+        """The backend's part: log π_T (and, ``with_entropy``, H(π_T)) of every response
+        token, [N, S] each, gathered over its DP/CP/TP layout; rank 0 returns them."""
 
     @torch.no_grad()
     def reference_log_probs(self, batch: RolloutBatch, plan: StepPlan

@@ -36,7 +36,6 @@ from trainer.objective import (
 )
 from trainer.policy_rank import PolicyRank
 from trainer.step_plan import StepPlan
-from trainer.worker import in_eval_mode
 
 
 class FSDPWorker(PolicyRank, FSDPRank):
@@ -118,25 +117,6 @@ class FSDPWorker(PolicyRank, FSDPRank):
             totals = sums.cpu() if totals is None else totals + sums.cpu()
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every token is owned by one rank
         return step_metrics(totals, mode_names)
-
-    @torch.no_grad()
-    @in_eval_mode
-    def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
-        """Collective, no update: log π_T of every response token under the current
-        policy, [N, S] aligned with input_ids (the old log-probs of a rollout with several
-        updates); rank 0 returns it. Same precision and temperature as the loss; eval
-        mode (in_eval_mode: dropout off)."""
-        out = self._gathered(batch, plan, with_entropy=False)
-        return None if out is None else out[0]
-
-    @torch.no_grad()
-    @in_eval_mode
-    def token_stats(self, batch: RolloutBatch, plan: StepPlan
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Collective, no update: (log π_T, H(π_T)) [N, S], as :meth:`log_probs`; rank 0
-        returns them (PolicyRank.token_stats)."""
-        out = self._gathered(batch, plan, with_entropy=True)
-        return None if out is None else (out[0], out[1])
 
     def _gathered(self, batch: RolloutBatch, plan: StepPlan, with_entropy: bool
                   ) -> list[torch.Tensor] | None:

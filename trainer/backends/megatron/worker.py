@@ -48,7 +48,6 @@ from trainer.optim import build_optimizer, build_scheduler
 from trainer.policy_rank import PolicyRank
 from trainer.rank import compute_dtype
 from trainer.step_plan import StepPlan
-from trainer.worker import in_eval_mode
 
 
 class MegatronWorker(PolicyRank):
@@ -165,23 +164,6 @@ class MegatronWorker(PolicyRank):
         totals = torch.stack([r["sums"] for r in reported]).sum(dim=0).cpu()
         dist.all_reduce(totals, group=self.dp_cp_group)  # TP ranks hold identical sums
         return step_metrics(totals, mode_names)
-
-    @torch.no_grad()
-    @in_eval_mode
-    def log_probs(self, batch: RolloutBatch, plan: StepPlan) -> torch.Tensor | None:
-        """Collective, no update: log π_T [N, S] of every response token under the current
-        policy (a rollout's old log-probs); rank 0 returns it."""
-        out = self._gathered(batch, plan, with_entropy=False)
-        return None if out is None else out[0]
-
-    @torch.no_grad()
-    @in_eval_mode
-    def token_stats(self, batch: RolloutBatch, plan: StepPlan
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Collective, no update: (log π_T, H(π_T)) [N, S], as :meth:`log_probs`; rank 0
-        returns them (PolicyRank.token_stats)."""
-        out = self._gathered(batch, plan, with_entropy=True)
-        return None if out is None else (out[0], out[1])
 
     def _gathered(self, batch: RolloutBatch, plan: StepPlan, with_entropy: bool
                   ) -> list[torch.Tensor] | None:
