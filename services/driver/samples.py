@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from rollout.batch import RolloutBatch
-from rollout.confined import create_owned, open_inside, read_inside
+from rollout.confined import open_inside, read_inside
 from rollout.sample_record import SampleRecord
 from services.driver.config import LoggingConfig
 from services.driver.run_dir import open_append
+from services.driver.sinks import rewrite_kept
 
 MIB = 1 << 20
 MAX_MB: float = LoggingConfig.model_fields["samples_max_mb"].default
@@ -121,21 +122,8 @@ def thin_samples(path: Path, max_bytes: int) -> None:
         drop = thinned(sizes, max_bytes)
         if not drop:
             return
-        file.seek(0)
-        staging = path.with_name(path.name + ".thinning")
-        staging.unlink(missing_ok=True)  # a crash's leftover, or a planted link: removed
-        with os.fdopen(create_owned(staging, 0o644), "wb") as out:
-            for line in file:
-                if (key := _key(line)) is not None and key not in drop:
-                    out.write(line if line.endswith(b"\n") else line + b"\n")
-            out.flush()
-            os.fsync(out.fileno())
-    os.replace(staging, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a crash
-    finally:
-        os.close(directory)
+        rewrite_kept(file, path, ".thinning",
+                     lambda line: (key := _key(line)) is not None and key not in drop)
 
 
 def _key(line: bytes) -> tuple[bool, int] | None:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -138,18 +139,26 @@ def _kept(line: bytes, step: int) -> bool:
 
 def _copy_kept(file: BinaryIO, path: Path, step: int) -> None:
     """The kept lines of ``file`` (``path``), as written, renamed over it."""
-    staging = path.with_name(path.name + ".truncating")
+    rewrite_kept(file, path, ".truncating", lambda line: _kept(line, step))
+
+
+def rewrite_kept(file: BinaryIO, path: Path, suffix: str, keep: Callable[[bytes], bool]
+                 ) -> None:
+    """The lines of ``file`` (open on ``path``) that ``keep``, each ending in a newline,
+    into a fresh sibling ``path + suffix`` (made O_EXCL, never through a link), fsynced and
+    renamed over ``path``: a crash leaves the old file or the new one, whole."""
+    staging = path.with_name(path.name + suffix)
     staging.unlink(missing_ok=True)  # a crash's leftover, or a planted link: removed
     file.seek(0)
     with os.fdopen(create_owned(staging, 0o644), "wb") as out:
         for line in file:
-            if _kept(line, step):
+            if keep(line):
                 out.write(line if line.endswith(b"\n") else line + b"\n")
         out.flush()
         os.fsync(out.fileno())
     os.replace(staging, path)
     directory = os.open(path.parent, os.O_RDONLY)
     try:
-        os.fsync(directory)
+        os.fsync(directory)  # the rename itself survives a crash
     finally:
         os.close(directory)
