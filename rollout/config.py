@@ -522,6 +522,12 @@ class RolloutConfig(BaseModel):
     call_timeout_s: float = Field(default=1800.0, gt=0)
     """Longest one rollout-manager call (a batch, a weight sync) may take; past it the
     job restarts from its last checkpoint, as for a stuck trainer call."""
+    generate_timeout_s: float | None = Field(default=None, gt=0)
+    """Longest one engine's generate call (its shard of a rollout, an episode turn or an
+    evaluation) may take, from when it is sent; past it the engine is taken for lost
+    like a dead one: killed, its shard re-run on a live engine with the same seed, a
+    replacement started (docs/rollout.md, "An engine lost"). None: half of
+    call_timeout_s, so a shard re-run once still fits in the manager's call."""
 
     @model_validator(mode="after")
     def _whole_groups(self) -> RolloutConfig:

@@ -38,6 +38,7 @@ from rollout.config import DatasetConfig, RolloutConfig, SamplingConfig, Teacher
 from rollout.cursor import PromptCursor
 from rollout.datasets import PromptRecord, load_prompt_dataset
 from rollout.dynamic_sampling import split_by_spread
+from rollout.engine_pool import EnginePool, Shard
 from rollout.engine_weights import EngineWeights
 from rollout.engines import check_engine_available, engine_actor_options, engine_class
 from rollout.engines.base import EpisodeTurn, Generation
@@ -75,12 +76,18 @@ def start_engines(config: RolloutConfig, model_path: str,
     """The engine actors of ``config.engine``, started (not waited for). Called by the
     gang (services/runtime/gang.py), which hands them to the manager: the manager starts
     no actor itself."""
-    actor_class = ray.remote(engine_class(config.engine))
     placement = engine_placement or [{} for _ in range(config.engine.num_engines)]
-    tokenizer_path = config.tokenizer or model_path
-    return [actor_class.options(**{**engine_actor_options(config.engine), **placement[rank]})
-            .remote(config.engine, model_path, tokenizer_path, rank)
+    return [start_engine(config, model_path, rank, placement[rank])
             for rank in range(config.engine.num_engines)]
+
+
+def start_engine(config: RolloutConfig, model_path: str, rank: int,
+                 placement: dict[str, Any] | None = None) -> Any:
+    """Engine ``rank`` of ``config.engine``, started (not waited for): one of
+    :func:`start_engines`, or the replacement of a lost one (``placement``: its bundle)."""
+    actor_class = ray.remote(engine_class(config.engine))
+    return (actor_class.options(**{**engine_actor_options(config.engine), **(placement or {})})
+            .remote(config.engine, model_path, config.tokenizer or model_path, rank))
 
 
 def start_teachers(config: TeacherConfig, model_path: str,
@@ -141,7 +148,11 @@ class RolloutManager(EngineWeights):
         self._encoded: dict[int, tuple[int, list[int] | None]] = {}
         """Record index -> (its prompt's full length, the ids it trains on; None: dropped)."""
         self.owns_engines = owns_engines
-        self.engines = engines
+        self.pool = EnginePool(engines, elastic=owns_engines,
+                               timeout_s=config.generate_timeout_s or config.call_timeout_s / 2)
+        """The engines by rank; a lost one's calls go to the others (rollout/engine_pool.py).
+        Trainer ranks serving as engines (``owns_engines`` False) are never taken for
+        lost: their loss restarts the job."""
         self.teacher = config.distillation
         self.estimator = build_estimator(config.advantage)  # a user's class imports here
         if estimator_in_driver and self.estimator.needs_teacher and self.estimator.uses_rewards:
@@ -184,7 +195,10 @@ class RolloutManager(EngineWeights):
         num_filled = num_prompts - len(kept)
         kept += zero_spread[:num_filled]  # max_draws hit: see rollout/dynamic_sampling.py
         own_metrics, events = self.rollout.finish(stats, step)  # raises past its limits
+        lost = self.pool.take_events()  # engines lost since the last batch (an eval's too)
+        events = [*events, *lost]
         metadata = {
+            "rollout/engines_lost": float(len(lost)),
             **own_metrics,
             "rollout/num_draws": float(stats.num_draws),
             "rollout/zero_spread_groups": float(len(zero_spread)),
@@ -353,29 +367,48 @@ class RolloutManager(EngineWeights):
                   ) -> list[Generation]:
         """Responses to ``prompts`` sharded over the engines, in prompt order (``turn``:
         they are episodes' contexts, see rollout/engines/base.EpisodeTurn)."""
-        refs = self._generate_refs(prompts, sampling, step, draw, turn)
-        return [g for shard in ray.get(list(refs)) for g in shard]
-
-    def _generate_refs(self, prompts: list[list[int]], sampling: SamplingConfig,
-                       step: int | str, draw: int = 0, turn: EpisodeTurn | None = None
-                       ) -> dict[Any, tuple[int, int]]:
-        """Each engine's generate call on its shard of ``prompts``: ref -> (start, end)."""
-        extra = {} if turn is None else {"turn": turn}
-        return {engine.generate.remote(prompts[start:end], sampling,
-                                       self._seed(step, draw, rank), **extra): (start, end)
-                for rank, (engine, (start, end)) in enumerate(zip(
-                    self.engines, shard_bounds(len(prompts), len(self.engines)), strict=True))
-                if end > start}
+        shards = dict(self._shards_as_done(prompts, sampling, step, draw, turn))
+        return [g for bounds in sorted(shards) for g in shards[bounds]]
 
     def _shards_as_done(self, prompts: list[list[int]], sampling: SamplingConfig,
-                        step: int, draw: int
+                        step: int | str, draw: int, turn: EpisodeTurn | None = None
                         ) -> Iterator[tuple[tuple[int, int], list[Generation]]]:
-        """:meth:`_generate`'s shards, each as its engine finishes it, with its bounds
-        (a generator: the caller scores one while the other engines still generate)."""
-        remaining = self._generate_refs(prompts, sampling, step, draw)
-        while remaining:
-            (ref,), _ = ray.wait(list(remaining), num_returns=1)
-            yield remaining.pop(ref), ray.get(ref)
+        """Each engine's generate call on its shard of ``prompts``, as it finishes, with
+        its bounds (a generator: the caller scores one while the other engines still
+        generate). Shard r always has rank r's slice and seed, whichever engine plays it:
+        a lost engine's shard re-run elsewhere gives the samples it would have."""
+        extra = {} if turn is None else {"turn": turn}
+
+        def call(start: int, end: int, seed: int) -> Any:
+            return lambda engine: engine.generate.remote(prompts[start:end], sampling, seed,
+                                                         **extra)
+
+        shards = [Shard(rank, (start, end), call(start, end, self._seed(step, draw, rank)))
+                  for rank, (start, end) in enumerate(shard_bounds(len(prompts),
+                                                                   len(self.engines)))
+                  if end > start]
+        for shard, generations in self.pool.as_done(shards):
+            yield shard.bounds, generations
+
+    # -- the engine pool --------------------------------------------------------------
+
+    @property
+    def engines(self) -> list[Any]:
+        """The engine actors by rank (a lost one's place held until it is replaced)."""
+        return self.pool.engines
+
+    @ray.method(concurrency_group="health")
+    def lost_engines(self) -> list[tuple[int, str]]:
+        """(rank, actor id) of each engine lost and not yet replaced; answered at once,
+        beside a rollout in progress (its own concurrency group), so the driver can have
+        the gang start a replacement while the manager generates."""
+        return self.pool.lost()
+
+    def replace_engine(self, rank: int, engine: Any) -> int:
+        """``engine`` (the gang's, in lost rank ``rank``'s bundle) loads the weights the
+        others serve and takes its rank's shards again; returns the weight version."""
+        self.pool.replace(rank, engine, self.config.call_timeout_s)
+        return self.weight_version
 
     # -- state, lifetime (the weight verbs: rollout/engine_weights.py) -----------------
 
@@ -408,7 +441,8 @@ class RolloutManager(EngineWeights):
 
     def engine_nodes(self) -> list[str]:
         """The Ray node id of each engine actor, in engine order."""
-        return ray.get([engine.node_id.remote() for engine in self.engines])
+        return ray.get([engine.node_id.remote() for engine in self.engines],
+                       timeout=self.config.call_timeout_s)
 
     def shutdown(self) -> None:
         """Stop the teachers, and the engines (and any servers they launched) if they
@@ -416,15 +450,17 @@ class RolloutManager(EngineWeights):
         for actor in [*self.teachers, *self._reward_actor_list()]:
             ray.kill(actor)
         self.teachers, self.reward_actors = [], {}
+        engines, self.pool.engines = self.engines, []
         if not self.owns_engines:
-            self.engines = []
             return
-        ray.get([engine.shutdown.remote() for engine in self.engines])
-        for engine in self.engines:
+        lost = {rank for rank, _ in self.pool.lost()}
+        live = [engine for rank, engine in enumerate(engines) if rank not in lost]
+        ray.get([engine.shutdown.remote() for engine in live],
+                timeout=self.config.call_timeout_s)
+        for engine in engines:
             ray.kill(engine)
-        self.engines = []
 
 
 
-RolloutManagerActor = ray.remote(num_cpus=0)(RolloutManager)
+RolloutManagerActor = ray.remote(num_cpus=0, concurrency_groups={"health": 1})(RolloutManager)
 """RolloutManager as a Ray actor class: ``RolloutManagerActor.remote(config, path)``."""

@@ -17,8 +17,12 @@ Vocabulary (docs/glossary.md): a *rollout step* generates one RolloutBatch and t
 in ``num_updates_per_rollout`` *optimizer steps*; ``num_steps`` counts rollout steps,
 numbered 0 … num_steps − 1 in every row, event file, checkpoint name and progress line.
 
-A fault (an actor killed, a node lost, a call past its timeout) restarts the actors from
-the last checkpoint, at most ``max_restarts`` times; an exception an actor raises (in its
+A lost rollout engine costs no restart: its shard is re-run on a live engine with its
+seed (rollout/engine_pool.py), and each step the driver has the gang start a replacement
+in its bundle, which the manager loads with the current weights
+(:func:`replace_lost_engines`). Any other fault (a trainer rank or the manager killed, a
+node lost, a call past its timeout) restarts the actors from the last checkpoint, at most
+``max_restarts`` times; an exception an actor raises (in its
 constructor, its setup or a verb: a dataset or model that does not load) fails the job
 at once, since a restart would raise it again.
 """
@@ -51,13 +55,21 @@ from services.driver.metrics import (
 )
 from services.driver.pipeline import RolloutPipeline
 from services.driver.retention import best_eval_step, retire_checkpoints
-from services.driver.run_dir import ANSI, EVAL_FILE, UPDATES_FILE, RunDir, job_dir, replace_file
+from services.driver.run_dir import (
+    ANSI,
+    EVAL_FILE,
+    UPDATES_FILE,
+    RunDir,
+    job_dir,
+    replace_file,
+    write_event,
+)
 from services.driver.sample_tokens import logged_samples
 from services.driver.samples import append_samples
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 from services.driver.weight_sync import WeightSync, transport_for
-from services.runtime.gang import Gang, ensure_ray
+from services.runtime.gang import ActorRecord, Gang, ensure_ray
 from services.runtime.placement import PlacementFailed, local_head_cpus, refuse_if_never_fits
 from services.runtime.preflight import preflight
 from services.runtime.quiet import quiet_transformers
@@ -148,6 +160,7 @@ def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
     job.evaluation.start(version=step)  # queued after the load of weights `step`
     evaluated = job.evaluation.collect(wait=not config.rollout.async_steps)
     batch, batch_ref = job.pipeline.take(step, lookahead)
+    replaced = replace_lost_engines(job)  # one lost while this rollout or a later one ran
     # PPO: the critic's values, then GAE; the KL in the reward: β·k1, then the estimator
     if (scored := driver_advantages(batch, job.estimator, job.kl, job.actors.trainer,
                                     job.actors.critic, config.num_updates_per_rollout > 1)
@@ -177,7 +190,37 @@ def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
     if last:  # the final trained weights are evaluated too, in the last row
         job.weights.wait()
         job.evaluation.start(version=step + 1)
-    return {**metrics, **evaluated, **job.evaluation.collect(wait=wait_for_eval)}
+    return {**metrics, **evaluated, **job.evaluation.collect(wait=wait_for_eval),
+            "rollout/engines_replaced": float(replaced)}
+
+
+def replace_lost_engines(job: RunningJob) -> int:
+    """Each engine the manager lost and still misses, replaced: the gang starts a new one
+    in its bundle, the manager loads the current weights into it (queued behind the
+    rollouts in flight; that load is waited for like a weight sync's); events
+    ``actor_started`` and ``engine_replaced``. Returns how many were replaced."""
+    gang = job.actors
+    lost = gang.rollout_call(gang.manager.lost_engines.remote(), "lost_engines")
+    replaced = 0
+    for rank, actor_id in lost:
+        swap = gang.replace_engine(rank, actor_id)
+        if swap is None:
+            continue
+        job.weights.follow(gang.manager.replace_engine.remote(rank, swap.engine))
+        write_actor_started(job.run_dir, [swap.new])
+        old_pid = swap.old.pid if swap.old is not None else None
+        write_event(job.run_dir.path, "engine_replaced",
+                    f"engine {rank} replaced: pid {old_pid} lost, pid {swap.new.pid} started",
+                    rank=rank, old_pid=old_pid, new_pid=swap.new.pid)
+        replaced += 1
+    return replaced
+
+
+def write_actor_started(run_dir: RunDir, records: list[ActorRecord]) -> None:
+    for r in records:
+        write_event(run_dir.path, "actor_started",
+                    f"{r.role} {r.rank}: pid {r.pid} on node {r.node[:8]}",
+                    role=r.role, rank=r.rank, pid=r.pid, node=r.node)
 
 
 def train_optimizer_steps(job: RunningJob, step: int, batch: RolloutBatch,
@@ -367,6 +410,7 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
         try:
             job = RunningJob.start(config, run_dir, model_path, log)
             run_dir.write_event("placement", job.actors.describe_placement())
+            write_actor_started(run_dir, job.actors.actor_records())
             start, progress = restore(job, resume_from, log), Progress(config.num_steps)
             log(f"job {config.name}: rollout steps {start}..{config.num_steps - 1}, "
                 f"mode={config.aggregation.mode}, dp={config.trainer.dp_size} "

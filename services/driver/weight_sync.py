@@ -9,6 +9,8 @@
     WeightSync.poll():    a load that finished with an error raises here
     WeightSync.wait():    every load started is done (before an evaluation is read, a
                           checkpoint, the end)
+    WeightSync.follow(r): a replacement engine's load of the current weights, polled and
+                          waited for like the syncs' own
 
 Weights version v = the rollout steps trained into them. Transports, one file each
 (services/driver/transports/, picked once from ``trainer.weight_sync.transport``;
@@ -56,6 +58,11 @@ class WeightSync:
         load, metrics = self.transport.send_weights(version)
         self.pending.append(load)
         return metrics
+
+    def follow(self, load: Any) -> None:
+        """Also wait for ``load``, a load of the current weights started elsewhere (a lost
+        engine's replacement: ``manager.replace_engine``), as for the syncs' own."""
+        self.pending.append(load)
 
     def poll(self) -> None:
         """Collect the loads that are done (raising a failed one's error), without waiting."""

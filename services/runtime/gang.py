@@ -10,9 +10,12 @@ stopped. A job, a session, ``train-rm`` and ``tally eval`` each say which roles 
                   ─► run(gang) ─► gang.close(): stops exactly what it started, alive or dead
 
 Every actor started is registered in one ExitStack, so a failure halfway through start-up
-stops exactly what was started. Every start is counted (:func:`count_starts`; with
-``TALLY_COUNT_ACTOR_STARTS=<file>`` one line per actor, its role, appended to that file):
-that is how the suite's actor starts are counted.
+stops exactly what was started. :meth:`Gang.actor_records` says where each one runs
+(role, rank, pid, node: the job's ``actor_started`` events); :meth:`Gang.replace_engine`
+starts a lost engine's replacement in that engine's bundle (rollout/engine_pool.py).
+Every start is counted (:func:`count_starts`; with ``TALLY_COUNT_ACTOR_STARTS=<file>``
+one line per actor, its role, appended to that file): that is how the suite's actor
+starts are counted.
 """
 
 from __future__ import annotations
@@ -164,6 +167,16 @@ def start_engines(config: RolloutConfig, model_path: str,
     return engines
 
 
+def start_engine(config: RolloutConfig, model_path: str, rank: int,
+                 options: dict[str, Any] | None = None) -> Any:
+    """Engine ``rank`` alone (a lost one's replacement), counted."""
+    from rollout.manager import start_engine as start
+
+    engine = start(config, model_path, rank, options)
+    count_starts("engine")
+    return engine
+
+
 def start_teachers(config: RolloutConfig, options: list[dict[str, Any]] | None = None
                    ) -> list[Any]:
     """The distillation teachers of ``config`` (rollout/teacher.py), counted; [] without one."""
@@ -211,6 +224,34 @@ places its ranks)."""
 
 
 @dataclass(frozen=True)
+class ActorRecord:
+    """Where one actor of the gang runs: what the job's ``actor_started`` event says."""
+
+    role: str
+    """engine, teacher, reward:<part>, manager, policy, critic."""
+    rank: int
+    pid: int
+    node: str
+    """Its Ray node id."""
+
+
+def _whereabouts(_actor: object) -> tuple[int, str]:
+    """Run inside any actor by ``__ray_call__``: its pid and Ray node (no verb per class)."""
+    return os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+@dataclass(frozen=True)
+class EngineSwap:
+    """A lost engine's replacement, started and constructed."""
+
+    rank: int
+    engine: Any
+    old: ActorRecord | None
+    """The lost engine's record (None: never recorded)."""
+    new: ActorRecord
+
+
+@dataclass(frozen=True)
 class Roles:
     """What a program asks its gang for."""
 
@@ -245,6 +286,8 @@ class Gang:
         self.manager: Any = None
         self.trainer: Any = None
         self.critic: Any = None
+        self.records: dict[tuple[str, int], ActorRecord] = {}
+        """The last :meth:`actor_records` answer (and replacements since), by role and rank."""
         with contextlib.ExitStack() as started:
             self._place(started, on_wait)
             self._start_rollout(started)
@@ -349,6 +392,63 @@ class Gang:
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"rollout {verb} took longer than rollout.call_timeout_s="
                                f"{timeout:g} s") from None
+
+    def _timeout(self) -> float:
+        return self.config.rollout.call_timeout_s if self.config is not None else 600.0
+
+    def _roster(self) -> list[tuple[str, int, Any]]:
+        """(role, rank, actor) of every actor the gang started and still holds."""
+        roster: list[tuple[str, int, Any]] = []
+        if not self.roles.engines_on_ranks:  # else the engines are the policy's ranks
+            roster += [("engine", rank, e) for rank, e in enumerate(self.engines)]
+        roster += [("teacher", rank, t) for rank, t in enumerate(self.teachers)]
+        roster += [(f"reward:{name}", rank, actor)
+                   for name, actors in self.reward_actors.items()
+                   for rank, actor in enumerate(actors)]
+        if self.manager is not None:
+            roster.append(("manager", 0, self.manager))
+        for role, group in (("policy", self.trainer), ("critic", self.critic)):
+            if group is not None:
+                roster += [(role, rank, w) for rank, w in enumerate(group.workers)]
+        return roster
+
+    def _locate(self, roster: list[tuple[str, int, Any]]) -> list[ActorRecord]:
+        """Where each actor of ``roster`` runs, asked of all at once (each answers once
+        it is constructed), within rollout.call_timeout_s; recorded."""
+        try:
+            answers = ray.get([actor.__ray_call__.remote(_whereabouts)
+                               for *_, actor in roster], timeout=self._timeout())
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"the gang's actors did not say where they run within "
+                               f"rollout.call_timeout_s={self._timeout():g} s") from None
+        records = [ActorRecord(role, rank, pid, node)
+                   for (role, rank, _), (pid, node) in zip(roster, answers, strict=True)]
+        self.records.update({(r.role, r.rank): r for r in records})
+        return records
+
+    def actor_records(self) -> list[ActorRecord]:
+        """Role, rank, pid and node of every actor the gang started (one batched call,
+        after start-up): the job writes them as ``actor_started`` events."""
+        return self._locate(self._roster())
+
+    def replace_engine(self, rank: int, actor_id: str) -> EngineSwap | None:
+        """A new engine ``rank`` in the lost one's bundle, constructed (its model loaded;
+        the rollout manager loads the current weights into it: ``replace_engine``), if
+        the engine of that rank is still the lost one ``actor_id`` (None: replaced
+        already, a second report of the same loss starts nothing)."""
+        assert self.config is not None
+        old = self.rollout.engines[rank]
+        if old._actor_id.hex() != actor_id:
+            return None
+        ray.kill(old)  # dead already, or killed by the manager: a kill is idempotent
+        options = self._options("engine_options")
+        engine = start_engine(self.config.rollout, self.model_path, rank,
+                              options[rank] if options else None)
+        # In place: close() kills the list it was given at start, now with this one in it.
+        self.rollout.engines[rank] = engine
+        previous = self.records.get(("engine", rank))
+        (record,) = self._locate([("engine", rank, engine)])
+        return EngineSwap(rank, engine, previous, record)
 
     def describe_placement(self) -> str:
         """Where each actor landed, for the job's log and events."""
