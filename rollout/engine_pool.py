@@ -133,15 +133,22 @@ class EnginePool:
 
     def on_each(self, call: Send) -> list[Any]:
         """``call`` on every live engine (a weight load), answers in rank order; an engine
-        that dies meanwhile is lost, not fatal."""
-        refs = [(rank, engine, call(engine)) for rank, engine in self.live()]
+        that dies meanwhile, or (elastic) does not answer within the generate timeout, is
+        lost, not fatal."""
+        deadline = time.monotonic() + self.timeout_s
+        refs = [(engine, call(engine)) for _, engine in self.live()]
         answers = []
-        for rank, engine, ref in refs:
+        for engine, ref in refs:
+            # Not elastic: no bound of its own (the driver's rollout.call_timeout_s is it).
+            wait = max(0.0, deadline - time.monotonic()) if self.elastic else None
             try:
-                answers.append(ray.get(ref))  # a load's bound: the driver's call timeout
+                answers.append(ray.get(ref, timeout=wait))
             except ENGINE_LOST as err:
-                self.lose(engine, f"{type(err).__name__} during a weight load, engine {rank}: "
+                self.lose(engine, f"{type(err).__name__} during a weight load: "
                           f"{_first_line(err)}", err)
+            except ray.exceptions.GetTimeoutError as err:
+                self.lose(engine, f"a weight load past rollout.generate_timeout_s="
+                          f"{self.timeout_s:g} s", err)
         return answers
 
     def replace(self, rank: int, engine: Any, timeout_s: float) -> None:
