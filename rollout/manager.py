@@ -14,7 +14,8 @@ adds its per-token reverse-KL advantage (rollout/teacher.py). Group indices are
 contiguous and keep increasing across steps. Sampling seeds are a hash of (seed, step,
 round, engine rank): the only mutable state is the data cursor, the next group index and
 the weight version, which is what :meth:`state_dict` saves, so a resumed run continues
-exactly.
+exactly. Because a shard's seed is its rank's, a lost engine's shard re-run on a live one
+gives the same samples (rollout/engine_pool.py: the driver has the gang replace it).
 
 Use it as a Ray actor (:data:`RolloutManagerActor`, returned batches travel through the
 object store), or in-process inside a Ray driver.
