@@ -166,9 +166,15 @@ class RolloutManager(EngineWeights):
         """The driver applies the estimator (the critic's values, the KL in the reward)."""
         self.teachers: list[Any] = list(teachers)
         """Empty where nothing here trains (an evaluation, ``tally eval``)."""
-        ray.get([actor.ping.remote() for actor in [*self.engines, *self.teachers,
-                                                   *self._reward_actor_list()]],
-                timeout=config.call_timeout_s)  # past it the manager fails to start
+        try:  # past the timeout the manager fails to start: a fault, retried by the driver
+            ray.get([actor.ping.remote() for actor in [*self.engines, *self.teachers,
+                                                       *self._reward_actor_list()]],
+                    timeout=config.call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"rollout ping took longer than rollout.call_timeout_s="
+                               f"{config.call_timeout_s:g} s (the manager's start-up: its "
+                               "engines, teachers and reward actors did not all answer)"
+                               ) from None
 
     # -- one step ---------------------------------------------------------------------
 

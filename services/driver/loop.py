@@ -456,7 +456,8 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
 
 ACTOR = re.compile(r"ray::(\w+)\.(\w+)\(\)")
 FAULT_WORDS = ("The actor died unexpectedly", "ActorUnavailableError", "Worker exit type",
-               "NodeDiedError", "OutOfMemoryError", "ObjectLostError")
+               "NodeDiedError", "OutOfMemoryError", "ObjectLostError",
+               "took longer than rollout.call_timeout_s")
 """Said by Ray when a process or node went away: a fault, even inside a constructor."""
 ACTOR_NAMES = {"RolloutManager": "the rollout manager"}
 
@@ -464,9 +465,10 @@ ACTOR_NAMES = {"RolloutManager": "the rollout manager"}
 def failure(err: BaseException) -> tuple[str, bool]:
     """One line that says why the job's actors failed, and whether it is a fault a
     restart may get past: a process killed, a node lost, a call past its timeout or a
-    remote reward endpoint down for a step (RemoteOutage) is; any other exception raised
-    by an actor's constructor, setup or verb is not (its cause, in Python's words, is the
-    line)."""
+    remote reward endpoint down for a step (RemoteOutage) is, and so is an actor's own call
+    past its timeout (a TimeoutError it raises, even in its constructor: the manager's
+    start-up ping); any other exception raised by an actor's constructor, setup or verb is
+    not (its cause, in Python's words, is the line)."""
     cause = err.__cause__ if isinstance(err, TrainerRankDied) else err
     if isinstance(cause, ray.exceptions.RayTaskError) and not isinstance(
             cause.cause, ray.exceptions.RayError):
@@ -474,7 +476,7 @@ def failure(err: BaseException) -> tuple[str, bool]:
         # A remote reward endpoint that stayed down is outside the job: a restart may
         # find it back, so it is a fault (rollout/remote.py); any other raise is not.
         return (f"{_actor_of(str(cause))} failed: {type(cause.cause).__name__}: {said}",
-                isinstance(cause.cause, RemoteOutage))
+                isinstance(cause.cause, RemoteOutage | TimeoutError))
     text = ANSI.sub("", str(cause))
     if (isinstance(cause, ray.exceptions.RayActorError) and cause.actor_init_failed
             and not any(word in text for word in FAULT_WORDS)):
