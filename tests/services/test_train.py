@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rollout.batch import RolloutBatch
-from services.config.job import load_job_config
+from services.config.job import JobConfig, load_job_config
 from services.driver.loop import run_job
 from services.driver.metrics import SPREAD_METRICS, rollout_metrics
 from services.train import main
@@ -123,34 +123,46 @@ def test_step_metrics_log_the_length_bias_of_every_mode_from_the_loss_mask() -> 
     assert len([k for k in metrics if k.startswith("length_bias/")]) == 12
 
 
-@pytest.mark.slow  # two jobs
-def test_async_pipeline_made_to_wait_for_the_newest_weights_equals_synchronous(
-        ray_cluster: None, tmp_path: Path) -> None:
-    """The pipeline's bookkeeping (rollouts asked for ahead, their seeds, group indices,
-    cursor, weight versions) is exact: an async job whose rollouts each wait for the
-    weights of their own step (lookahead 0) computes what the synchronous job does."""
+SYNCHRONOUS = [*SMALL, "trainer.dp_size=1", "trainer.loss.tis_cap=2.0", "num_steps=2"]
+"""A synchronous one-rank job of 2 steps whose engine actor loads each version: the
+reference of the pipelined job and of the colocated one below (one run for both)."""
+
+
+def drive(config: JobConfig, folder: Path, lookahead: int | None) -> list[dict[str, float]]:
+    """Each row of ``config``'s job as :func:`rollout_step` returns it, every rollout with
+    ``lookahead`` (None: the config's rollout.async_steps)."""
     from services.driver.job import job_model_path, with_threads
     from services.driver.loop import RunningJob, rollout_step
     from services.driver.run_dir import RunDir
 
-    base = [*SMALL, "trainer.dp_size=1", "trainer.loss.tis_cap=2.0", "num_steps=2"]
-    synchronous = load_job_config(ROOT / "configs" / "demo.yaml", base)
+    model_path = job_model_path(config)
+    job = RunningJob.start(with_threads(config, model_path), RunDir(folder).create(),
+                           model_path, log=lambda *_: None)
+    try:
+        return [rollout_step(job, step, lookahead) for step in range(config.num_steps)]
+    finally:
+        job.close()
+
+
+@pytest.fixture(scope="module")
+def synchronous(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory
+                ) -> list[dict[str, float]]:
+    """SYNCHRONOUS's rows, run once for the two tests that compare with it."""
+    return drive(load_job_config(ROOT / "configs" / "demo.yaml", SYNCHRONOUS),
+                 tmp_path_factory.mktemp("sync"), None)
+
+
+@pytest.mark.slow  # one job, and the synchronous one
+def test_async_pipeline_made_to_wait_for_the_newest_weights_equals_synchronous(
+        synchronous: list[dict[str, float]], tmp_path: Path) -> None:
+    """The pipeline's bookkeeping (rollouts asked for ahead, their seeds, group indices,
+    cursor, weight versions) is exact: an async job whose rollouts each wait for the
+    weights of their own step (lookahead 0) computes what the synchronous job does."""
     pipelined = load_job_config(ROOT / "configs" / "demo.yaml",
-                                [*base, "rollout.async_steps=1"])
-
-    def drive(config, name: str, lookahead: int | None) -> list[dict[str, float]]:
-        model_path = job_model_path(config)
-        job = RunningJob.start(with_threads(config, model_path), RunDir(tmp_path / name).create(),
-                        model_path, log=lambda *_: None)
-        try:
-            return [rollout_step(job, step, lookahead) for step in range(config.num_steps)]
-        finally:
-            job.close()
-
-    want = drive(synchronous, "sync", None)
-    got = drive(pipelined, "waiting", 0)
+                                [*SYNCHRONOUS, "rollout.async_steps=1"])
+    got = drive(pipelined, tmp_path / "waiting", 0)
     assert [m["rollout/staleness"] for m in got] == [0.0, 0.0]
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+    for step, (g, w) in enumerate(zip(got, synchronous, strict=True)):
         assert g.keys() == w.keys()
         differing = {k for k in w if not k.startswith(("perf/", "rollout/gen_"))
                      and g[k] != w[k]}
@@ -174,21 +186,18 @@ def test_colocated_fast_path_trains_what_engine_actors_do_and_resumes_exactly(
     assert all(r["metrics"]["perf/sync_bytes"] > 0 for r in rows(job / "metrics.jsonl"))
 
 
-@pytest.mark.slow  # two jobs
+@pytest.mark.slow  # one job, and the synchronous one
 def test_colocated_one_synchronous_rank_generates_from_its_own_weights(
-        ray_cluster: None, tmp_path: Path) -> None:
+        synchronous: list[dict[str, float]], tmp_path: Path) -> None:
     """One rank, rollout.async_steps 0, the engine in the trainer's dtype: the engine's
     tensors are the rank's parameters, nothing is ever copied, and the job computes what
-    it computes with an engine actor loading each version."""
-    base = [*SMALL, "trainer.dp_size=1", "num_steps=2", "colocate=true"]
-    aliased = run_job(load_job_config(ROOT / "configs" / "demo.yaml", base),
-                      tmp_path / "aliased", log=lambda *_: None)
-    actors = run_job(load_job_config(ROOT / "configs" / "demo.yaml",
-                                     [*base, "trainer.weight_sync.transport=object_store"]),
-                     tmp_path / "actors", log=lambda *_: None)
+    the synchronous job computes with an engine actor loading each version."""
+    config = load_job_config(ROOT / "configs" / "demo.yaml", [*SYNCHRONOUS, "colocate=true"])
+    assert config.weight_transport() == "in_process"
+    aliased = run_job(config, tmp_path / "aliased", log=lambda *_: None)
     assert [m["perf/sync_bytes"] for m in aliased] == [0.0, 0.0]
-    assert all(m["perf/sync_bytes"] > 0 for m in actors)
-    for got, want in zip(aliased, actors, strict=True):
+    assert all(m["perf/sync_bytes"] > 0 for m in synchronous)
+    for got, want in zip(aliased, synchronous, strict=True):
         differing = {k for k in want if not k.startswith(("perf/", "rollout/gen_"))
                      and got[k] != want[k]}
         assert not differing, {k: (got[k], want[k]) for k in differing}
