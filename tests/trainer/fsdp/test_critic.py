@@ -79,11 +79,16 @@ def _reference(model_path: str, batch: RolloutBatch) -> dict[str, object]:
 LAYOUTS = {"dp1-padded": (1, 1, False, False), "dp1-prefix": (1, 1, True, True),
            "dp2-packed": (2, 1, True, False), "dp1cp2-packed": (1, 2, True, False),
            "dp1cp2-padded": (1, 2, False, False)}
+PLANTED_LAYOUT = "dp2-packed"
+"""The layout whose run also plants ``value`` (after its clean gradients)."""
 
 
 def _critic_rank(rank: int, port: int, model_path: str, batch: RolloutBatch, dp: int, cp: int,
                  packed: bool, prefix: bool, planted: Planted = NOTHING_PLANTED
                  ) -> dict[str, object]:
+    """The values and every mode's gradients, clean; then, with ``planted`` given, the
+    first mode's gradient again with it planted (``gradients`` updates nothing, so the
+    same process group serves both: a spawn imports torch and transformers anew)."""
     from trainer.backends.fsdp.critic import FSDPCriticWorker
 
     config = TrainerConfig(dp_size=dp, cp_size=cp, dtype="float64", packing=packed,
@@ -93,24 +98,50 @@ def _critic_rank(rank: int, port: int, model_path: str, batch: RolloutBatch, dp:
     worker = FSDPCriticWorker(config, objectives[0], model_path, rank, total_steps=1,
                               value_clip=VALUE_CLIP)
     worker.setup("127.0.0.1", port)
-    worker.plant(planted)  # as the verifier injects its errors (none by default)
 
     def plan(objective: ObjectiveConfig):
         return plan_step(batch, objective, dp, cp, 24, packed=packed, shared_prefix=prefix)
 
     values = worker.values(batch, plan(objectives[0]))
     grads = worker.gradients(batch, [plan(o) for o in objectives], objectives)
-    return {"values": values, "grads": grads}
+    out: dict[str, object] = {"values": values, "grads": grads}
+    if planted:
+        worker.plant(planted)  # as the verifier injects its errors
+        out["planted_grads"] = worker.gradients(batch, [plan(objectives[0])],
+                                                objectives[:1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: str) -> dict[str, object]:
+    """The float64 reference on ``critic_batch()``: the same for every test, built once."""
+    return _reference(tiny_model, critic_batch())
+
+
+@pytest.fixture(scope="module")
+def layout_results(tiny_model: str):
+    """Layout -> rank 0's result, each layout's process group run once per module; DP 2
+    packed also computes the gradient with ``value`` planted (the planted test's)."""
+    results: dict[str, dict[str, object]] = {}
+
+    def result(layout: str) -> dict[str, object]:
+        if layout not in results:
+            dp, cp, packed, prefix = LAYOUTS[layout]
+            planted = frozenset({PlantedError.VALUE}) if layout == PLANTED_LAYOUT else \
+                NOTHING_PLANTED
+            results[layout] = run_ranks(_critic_rank, dp * cp, tiny_model, critic_batch(),
+                                        dp, cp, packed, prefix, planted)[0]
+        return results[layout]
+
+    return result
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_value_loss_gradient_equals_the_float64_reference(
-        tiny_model: str, layout: str) -> None:
+        reference: dict[str, object], layout_results, layout: str) -> None:
     batch = critic_batch()
-    reference = _reference(tiny_model, batch)
-    dp, cp, packed, prefix = LAYOUTS[layout]
-    result = run_ranks(_critic_rank, dp * cp, tiny_model, batch, dp, cp, packed, prefix)[0]
+    result = layout_results(layout)
     valid = batch.loss_mask > 0
     assert torch.allclose(result["values"][valid].double(), reference["values"][valid],
                           atol=1e-6, rtol=0)  # gathered as float32
@@ -125,15 +156,12 @@ def test_value_loss_gradient_equals_the_float64_reference(
 
 
 @pytest.mark.slow
-def test_planted_value_error_moves_the_gradient(tiny_model: str) -> None:
+def test_planted_value_error_moves_the_gradient(reference: dict[str, object],
+                                                layout_results) -> None:
     """Rank 0's share doubled (``value`` planted, injected as the verifier does) under
     DP 2: the gradient is off the reference — what the verifier's ``value`` term must
     catch."""
-    batch = critic_batch()
-    reference = _reference(tiny_model, batch)
-    result = run_ranks(_critic_rank, 2, tiny_model, batch, 2, 1, True, False,
-                       frozenset({PlantedError.VALUE}))[0]
-    _, grads = result["grads"][0]
+    _, grads = layout_results(PLANTED_LAYOUT)["planted_grads"][0]
     _, expected = reference[AGGREGATION_MODES[0]]
     worst = max(float((grads[n] - expected[n]).abs().max()) for n in grads)
     assert worst > 1e-4
