@@ -51,33 +51,61 @@ def _step(worker, objective, batch) -> dict[str, float]:
 
 
 def _train_and_save(rank: int, port: int, model_path: str, dp: int, batch, path: str):
-    """Two steps, a checkpoint, a third step: the uninterrupted run."""
+    """Two steps, a checkpoint, a third step: the uninterrupted run (and its weights at the
+    checkpoint, for the export test: one run serves both)."""
     worker, objective = _worker(rank, port, model_path, dp)
     for _ in range(2):
         _step(worker, objective, batch)
     worker.save_checkpoint(path)
+    at_save = worker.export_weights()
     metrics = _step(worker, objective, batch)
-    return metrics, worker.export_weights()
+    return metrics, worker.export_weights(), at_save
 
 
-def _resume(rank: int, port: int, model_path: str, dp: int, batch, path: str):
+def _fresh_step_then_resume(rank: int, port: int, model_path: str, dp: int, batch,
+                            path: str):
+    """The control first (one step from a fresh start), then the checkpoint loaded over
+    that trained state and one step: one process group for both (each spawn imports torch
+    and transformers anew). Loading over a worker that has already stepped also shows the
+    load replaces weights, AdamW state, schedule and RNG rather than filling a fresh
+    worker."""
     worker, objective = _worker(rank, port, model_path, dp)
+    _step(worker, objective, batch)
+    fresh_weights = worker.export_weights()
     worker.load_checkpoint(path)
     metrics = _step(worker, objective, batch)
-    return metrics, worker.export_weights()
+    return metrics, worker.export_weights(), fresh_weights
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model: str):
+    return sampled_train_batch(tiny_model, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_model: str, batch, tmp_path_factory: pytest.TempPathFactory):
+    """DP size -> (its checkpoint's folder, the uninterrupted run's rank-0 result): each
+    run once per module, shared by the resume tests and the export test."""
+    runs: dict[int, tuple[Path, tuple]] = {}
+
+    def run(dp: int) -> tuple[Path, tuple]:
+        if dp not in runs:
+            path = tmp_path_factory.mktemp(f"saved_dp{dp}") / "step"
+            runs[dp] = path, run_ranks(_train_and_save, dp, tiny_model, dp, batch,
+                                       str(path))[0]
+        return runs[dp]
+
+    return run
 
 
 @pytest.mark.parametrize(("saved_at", "resumed_at"), [(2, 1), (1, 2)])
 def test_a_resume_at_another_dp_size_trains_on_as_the_uninterrupted_run(
-        tiny_model: str, tmp_path: Path, saved_at: int, resumed_at: int) -> None:
-    batch = sampled_train_batch(tiny_model, temperature=1.0)
-    path = str(tmp_path / "step")
-    metrics, weights = run_ranks(_train_and_save, saved_at, tiny_model, saved_at, batch,
-                                 path)[0]
-    written = sorted(p.name for p in (tmp_path / "step" / SHARDS_DIR).glob("*.distcp"))
+        tiny_model: str, batch, saved, saved_at: int, resumed_at: int) -> None:
+    path, (metrics, weights, _) = saved(saved_at)
+    written = sorted(p.name for p in (path / SHARDS_DIR).glob("*.distcp"))
     assert [name.split("_")[2] for name in written] == [str(r) for r in range(saved_at)]
-    resumed, resumed_weights = run_ranks(_resume, resumed_at, tiny_model, resumed_at,
-                                         batch, path)[0]
+    resumed, resumed_weights, fresh_weights = run_ranks(
+        _fresh_step_then_resume, resumed_at, tiny_model, resumed_at, batch, str(path))[0]
     for name in ("pg_loss", "grad_norm", "lr"):
         assert resumed[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-7), name
     assert resumed_weights.keys() == weights.keys()
@@ -85,31 +113,21 @@ def test_a_resume_at_another_dp_size_trains_on_as_the_uninterrupted_run(
         torch.testing.assert_close(resumed_weights[name], tensor, rtol=1e-5, atol=1e-6)
 
     # The control: the checkpoint is what made them equal (a fresh start is far off).
-    fresh_weights = run_ranks(_fresh_step, resumed_at, tiny_model, resumed_at, batch)[0]
     moved = max(float((fresh_weights[n] - t).abs().max()) for n, t in weights.items())
     assert moved > 1e-4
 
 
-def _fresh_step(rank: int, port: int, model_path: str, dp: int, batch):
-    worker, objective = _worker(rank, port, model_path, dp)
-    _step(worker, objective, batch)
-    return worker.export_weights()
-
-
-def _save(rank: int, port: int, model_path: str, batch, path: str):
-    worker, objective = _worker(rank, port, model_path, 2)
-    _step(worker, objective, batch)
-    worker.save_checkpoint(path)
-    return worker.export_weights()
-
-
 def test_the_export_loads_with_from_pretrained_and_a_damaged_shard_is_named(
-        tiny_model: str, tmp_path: Path) -> None:
+        tiny_model: str, saved, tmp_path: Path) -> None:
+    import shutil
+
     from transformers import AutoModelForCausalLM
 
+    # DP 2's checkpoint after two steps, written by the resume test's run; a copy, since
+    # this test damages it.
+    source, (_, _, trained) = saved(2)
     path = tmp_path / "step"
-    trained = run_ranks(_save, 2, tiny_model, sampled_train_batch(tiny_model, 1.0),
-                        str(path))[0]
+    shutil.copytree(source, path)
     assert unreadable(path) is None
 
     export_checkpoint(path, tmp_path / "hf")
