@@ -67,8 +67,12 @@ def test_adapter_gradients_match_the_float64_reference_under_every_layout(
 
 
 def _steps(rank: int, port: int, model_path: str, batch, dp: int, dtype: str,
-           num_steps: int, save: str | None = None, load: str | None = None
-           ) -> dict[str, object]:
+           num_steps: int, save: str | None = None, save_at: int | None = None,
+           resume_from: str | None = None) -> dict[str, object]:
+    """``num_steps`` steps (a checkpoint to ``save`` and the weights then after
+    ``save_at`` of them); with ``resume_from``, that checkpoint loaded over the trained
+    state afterwards and one more step. One process group serves several tests' runs:
+    each spawn imports torch and transformers anew."""
     from trainer.backends.fsdp.worker import FSDPWorker
     from trainer.step_plan import plan_step
 
@@ -76,28 +80,58 @@ def _steps(rank: int, port: int, model_path: str, batch, dp: int, dtype: str,
     objective = ObjectiveConfig.compose(AggregationConfig(), config.loss, 10, 1.0)
     worker = FSDPWorker(config, objective, model_path, rank, total_steps=4)
     worker.setup("127.0.0.1", port)
-    if load:
-        worker.load_checkpoint(load)
     before = worker.export_weights()
     plan = plan_step(batch, objective, dp, 1, max_tokens_per_micro_batch=64)
-    metrics = [worker.train_step(batch, plan) for _ in range(num_steps)]
-    if save:
-        worker.save_checkpoint(save)
+    metrics, at_save = [], None
+    for step in range(1, num_steps + 1):
+        metrics.append(worker.train_step(batch, plan))
+        if save and step == save_at:
+            worker.save_checkpoint(save)
+            at_save = worker.export_weights()
     after = worker.export_weights()
     frozen = {str(p.dtype) for p in worker.model.parameters() if not p.requires_grad}
     trained = {str(p.dtype) for p in worker.model.parameters() if p.requires_grad}
     states = {str(s["exp_avg"].dtype) for s in worker.optimizer.state.values()}
-    return {"before": before, "after": after, "metrics": metrics,
-            "dtypes": (frozen, trained, states), "num_states": len(worker.optimizer.state)}
+    num_states = len(worker.optimizer.state)
+    resumed = None
+    if resume_from:
+        worker.load_checkpoint(resume_from)
+        worker.train_step(batch, plan)
+        resumed = worker.export_weights()
+    return {"before": before, "after": after, "at_save": at_save, "resumed": resumed,
+            "metrics": metrics, "dtypes": (frozen, trained, states),
+            "num_states": num_states}
+
+
+@pytest.fixture(scope="module")
+def float32_runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, object]:
+    """The float32 runs of three tests, in two process groups: two steps at DP 2 then a
+    save (the resume test's checkpoint); then at DP 1 three steps with a save after two
+    (the step test's DP 1 case and the export test read the state after two, the resume
+    test's uninterrupted run the state after three), then DP 2's checkpoint loaded over
+    that and one more step (the resumed run)."""
+    batch = sampled_train_batch(tiny_model, temperature=1.0)
+    root = tmp_path_factory.mktemp("lora_runs")
+    dp2, dp1 = root / "dp2", root / "dp1_step2"
+    run_ranks(_steps, 2, tiny_model, batch, 2, "float32", 2, str(dp2), 2)
+    result = run_ranks(_steps, 1, tiny_model, batch, 1, "float32", 3, str(dp1), 2,
+                       str(dp2))[0]
+    return {"batch": batch, "dp2": dp2, "dp1": dp1, "result": result}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("dp", "dtype"), [(1, "float32"), (2, "bfloat16")])
 def test_a_step_moves_the_adapters_and_leaves_the_base_bit_identical(
-        tiny_model: str, dp: int, dtype: str) -> None:
-    batch = sampled_train_batch(tiny_model, temperature=1.0)
-    result = run_ranks(_steps, dp, tiny_model, batch, dp, dtype, 2)[0]
-    before, after = result["before"], result["after"]
+        tiny_model: str, request: pytest.FixtureRequest, dp: int, dtype: str) -> None:
+    if dtype == "float32":  # DP 1's first two steps of the shared run
+        result = request.getfixturevalue("float32_runs")["result"]
+        after, metrics = result["at_save"], result["metrics"][:2]
+    else:
+        batch = sampled_train_batch(tiny_model, temperature=1.0)
+        result = run_ranks(_steps, dp, tiny_model, batch, dp, dtype, 2)[0]
+        after, metrics = result["after"], result["metrics"]
+    before = result["before"]
     adapters = {name for name in before if ".lora_" in name}
     assert adapters and len(adapters) == result["num_states"]  # AdamW state: adapters only
     changed = {name for name in before if not torch.equal(before[name], after[name])}
@@ -106,12 +140,13 @@ def test_a_step_moves_the_adapters_and_leaves_the_base_bit_identical(
     frozen, trained, states = result["dtypes"]
     assert trained == {"torch.float32"} and states == {"torch.float32"}  # fp32 masters
     assert frozen == {f"torch.{dtype}"}  # the base in the compute dtype
-    assert all(m["kl"] >= 0 for m in result["metrics"]) and result["metrics"][-1]["kl"] > 0
+    assert len(metrics) == 2
+    assert all(m["kl"] >= 0 for m in metrics) and metrics[-1]["kl"] > 0
 
 
 @pytest.mark.slow
 def test_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(
-        tiny_model: str, tmp_path: Path) -> None:
+        float32_runs: dict[str, object]) -> None:
     """Two steps at DP 2 then a save, one more step after loading it at DP 1 (DCP
     reshards): the adapters of three steps in one go, up to the rounding of a sum over two
     ranks (bit for bit at one DP size: tests/e2e/test_lora_job.py). The checkpoint
@@ -119,12 +154,8 @@ def test_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(
     from safetensors import safe_open
     from torch.distributed.checkpoint import FileSystemReader
 
-    batch = sampled_train_batch(tiny_model, temperature=1.0)
-    whole = run_ranks(_steps, 1, tiny_model, batch, 1, "float32", 3)[0]["after"]
-    saved = tmp_path / "dp2"
-    run_ranks(_steps, 2, tiny_model, batch, 2, "float32", 2, str(saved))
-    resumed = run_ranks(_steps, 1, tiny_model, batch, 1, "float32", 1, None,
-                        str(saved))[0]["after"]
+    result, saved = float32_runs["result"], float32_runs["dp2"]
+    whole, resumed = result["after"], result["resumed"]
     for name in whole:
         torch.testing.assert_close(resumed[name], whole[name], rtol=1e-5, atol=1e-5,
                                    msg=name)
@@ -137,7 +168,7 @@ def test_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(
 
 @pytest.mark.slow
 def test_merged_export_and_the_adapter_folder_compute_the_adapted_models_logits(
-        tiny_model: str, tmp_path: Path) -> None:
+        tiny_model: str, float32_runs: dict[str, object], tmp_path: Path) -> None:
     """After two steps: the merged export, loaded by plain transformers, and the base
     with peft's adapter folder give the trainer's own logits."""
     from peft import PeftModel
@@ -145,16 +176,15 @@ def test_merged_export_and_the_adapter_folder_compute_the_adapted_models_logits(
 
     from trainer.export import export_checkpoint
 
-    batch = sampled_train_batch(tiny_model, temperature=1.0)
-    saved = tmp_path / "step_0"
-    result = run_ranks(_steps, 1, tiny_model, batch, 1, "float32", 2, str(saved))[0]
+    batch, saved = float32_runs["batch"], float32_runs["dp1"]
+    at_save = float32_runs["result"]["at_save"]  # the trainer's weights at the save
     merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(saved, tmp_path / "hf"))
     adapter = export_checkpoint(saved, tmp_path / "adapter", adapter=True)
     with_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model),
                                           str(adapter))
     trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model),
                                         str(adapter))
-    trained.load_state_dict(result["after"])  # the trainer's exported weights
+    trained.load_state_dict(at_save)  # the trainer's exported weights
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     ids = batch.input_ids[:4]
     with torch.no_grad():
