@@ -1,17 +1,21 @@
 """A user's own reward part (``type: custom`` with ``class_path``): located at submit
 without running it, imported and checked for its base class in the job's preflight, and,
-in a tiny real job, the same training as the built-in it rewrites."""
+in a tiny real job, the same training as the built-in it rewrites.
+
+The built-in's run is the session's clean run (tests/services/driver/clean_run.py, built
+once per ``make test``; configs/demo.yaml's reward is ``exact_match``): a tiny job's cost is
+its gang's start (its steps take a tenth of a second), so the comparison starts one gang,
+not two."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import yaml
 
 from services.config.job import ConfigError, parse_job_config
 from services.runtime.preflight import preflight
-from tests.services.driver.clean_run import ROOT, CleanRun, assert_same_training
+from tests.services.driver.clean_run import CleanRun, assert_same_training, clean_config
 
 CUSTOM = ["rollout.reward.type=custom"]
 FIELD = "rollout.reward.class_path"
@@ -50,31 +54,22 @@ def test_class_path_is_located_at_submit_and_checked_in_the_job(
     assert preflight(parse_job_config("", good), load_user_code=True) == []
 
 
-def _job(reward: dict) -> object:
-    data = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    data["rollout"]["reward"] = reward
-    return parse_job_config(yaml.safe_dump(data), [
-        "num_steps=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=8",
-        "rollout.global_batch_size=16", "trainer.dp_size=1", "rollout.async_steps=0",
-        "trainer.optimizer.schedule=constant", "logging.samples_per_step=8"])
-
-
-@pytest.mark.slow  # two tiny jobs on Ray
-def test_a_custom_exact_match_trains_as_the_built_in_one(ray_cluster: None,
+@pytest.mark.slow  # one tiny job on Ray (and the session's clean job)
+def test_a_custom_exact_match_trains_as_the_built_in_one(clean_run: CleanRun,
                                                          tmp_path: Path) -> None:
     from services.driver.loop import run_job
     from services.driver.samples import read_samples
     from services.driver.sinks import read_metrics
 
-    built_in, custom = tmp_path / "built_in", tmp_path / "custom"
-    history = run_job(_job({"type": "exact_match"}), built_in, log=lambda *_: None)
-    run_job(_job({"type": "custom", "name": "exact_match",
-                  "class_path": "tests.rollout.reward_classes:ExactMatch"}),
+    assert clean_config().rollout.reward.type == "exact_match"  # the built-in rewritten
+    custom = tmp_path / "custom"
+    run_job(clean_config("rollout.reward={type: custom, name: exact_match, "
+                         "class_path: 'tests.rollout.reward_classes:ExactMatch'}"),
             custom, log=lambda *_: None)
 
     rows = read_metrics(custom / "metrics.jsonl")
-    assert [r["metrics"]["reward/exact_match/unscored"] for r in rows] == [0.0, 0.0]
+    assert [r["metrics"]["reward/exact_match/unscored"] for r in rows] == [0.0] * 4
     assert any(r["metrics"]["reward/exact_match/mean"] > 0 for r in rows)  # not all 0
-    assert_same_training(custom, CleanRun(built_in, history),
-                         ignore=("reward/exact_match/unscored",))
-    assert read_samples(custom / "samples.jsonl") == read_samples(built_in / "samples.jsonl")
+    assert_same_training(custom, clean_run, ignore=("reward/exact_match/unscored",))
+    assert read_samples(custom / "samples.jsonl") == read_samples(clean_run.path /
+                                                                  "samples.jsonl")
