@@ -134,8 +134,10 @@ def test_no_restarts_left_fails_naming_the_actor(ray_cluster: None, tmp_path: Pa
 @pytest.mark.slow
 def test_a_rollout_call_past_its_timeout_fails_the_job_naming_the_field(
         ray_cluster: None, tmp_path: Path) -> None:
+    # One trainer rank (SMALL has 2): the rollout call that times out is the manager's,
+    # which no rank takes part in; a second rank would only be one more actor to start.
     config = load_job_config(ROOT / "configs" / "demo.yaml",
-                             [*SMALL, "num_steps=2", "max_restarts=0",
+                             [*SMALL, "trainer.dp_size=1", "num_steps=2", "max_restarts=0",
                               "rollout.call_timeout_s=0.000001"])
     with pytest.raises(JobFailed, match=r"rollout \w+ took longer than "
                                         r"rollout.call_timeout_s=1e-06 s"):
