@@ -83,12 +83,42 @@ PLANTED_LAYOUT = "dp2-packed"
 """The layout whose run also plants ``value`` (after its clean gradients)."""
 
 
+def _world_size(layout: str) -> int:
+    dp, cp, _, _ = LAYOUTS[layout]
+    return dp * cp
+
+
+
+def _critic_layouts(rank: int, port: int, model_path: str, batch: RolloutBatch,
+                    layouts: list[str]) -> dict[str, dict[str, object]]:
+    """Layouts of one world size in turn in the same processes (a spawn imports torch and
+    transformers anew, most of a layout's cost): each builds its worker and joins a
+    process group of its own, torn down before the next. A layout after the first joins
+    through the first one's store under a key prefix of its own (the other ranks learn
+    rank 0's port once per spawn), so no two groups share a rendezvous key."""
+    import torch.distributed as dist
+
+    results, store = {}, None
+    for i, layout in enumerate(layouts):
+        dp, cp, packed, prefix = LAYOUTS[layout]
+        planted = frozenset({PlantedError.VALUE}) if layout == PLANTED_LAYOUT else \
+            NOTHING_PLANTED
+        joined = None if store is None else dist.PrefixStore(f"layout{i}/", store)
+        results[layout], opened = _critic_rank(rank, port, model_path, batch, dp, cp,
+                                               packed, prefix, planted, joined)
+        store = store or opened
+        dist.barrier()  # every rank done with this group before any tears it down
+        dist.destroy_process_group()
+    return results
+
+
 def _critic_rank(rank: int, port: int, model_path: str, batch: RolloutBatch, dp: int, cp: int,
-                 packed: bool, prefix: bool, planted: Planted = NOTHING_PLANTED
-                 ) -> dict[str, object]:
+                 packed: bool, prefix: bool, planted: Planted = NOTHING_PLANTED,
+                 store: object = None) -> tuple[dict[str, object], object]:
     """The values and every mode's gradients, clean; then, with ``planted`` given, the
     first mode's gradient again with it planted (``gradients`` updates nothing, so the
-    same process group serves both: a spawn imports torch and transformers anew)."""
+    same process group serves both). Joins through ``store`` when given (else rank 0
+    opens one at ``port``); returns the store it joined through too."""
     from trainer.backends.fsdp.critic import FSDPCriticWorker
 
     config = TrainerConfig(dp_size=dp, cp_size=cp, dtype="float64", packing=packed,
@@ -97,6 +127,8 @@ def _critic_rank(rank: int, port: int, model_path: str, batch: RolloutBatch, dp:
     objectives = [_objective(mode) for mode in AGGREGATION_MODES]
     worker = FSDPCriticWorker(config, objectives[0], model_path, rank, total_steps=1,
                               value_clip=VALUE_CLIP)
+    if store is not None:
+        worker._store = store  # what setup joins through (trainer/worker.py)
     worker.setup("127.0.0.1", port)
 
     def plan(objective: ObjectiveConfig):
@@ -109,7 +141,7 @@ def _critic_rank(rank: int, port: int, model_path: str, batch: RolloutBatch, dp:
         worker.plant(planted)  # as the verifier injects its errors
         out["planted_grads"] = worker.gradients(batch, [plan(objectives[0])],
                                                 objectives[:1])
-    return out
+    return out, worker._store
 
 
 @pytest.fixture(scope="module")
@@ -120,17 +152,17 @@ def reference(tiny_model: str) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def layout_results(tiny_model: str):
-    """Layout -> rank 0's result, each layout's process group run once per module; DP 2
-    packed also computes the gradient with ``value`` planted (the planted test's)."""
+    """Layout -> rank 0's result, each layout run once per module, all the layouts of a
+    world size in one spawn; DP 2 packed also computes the gradient with ``value``
+    planted (the planted test's)."""
     results: dict[str, dict[str, object]] = {}
 
     def result(layout: str) -> dict[str, object]:
         if layout not in results:
-            dp, cp, packed, prefix = LAYOUTS[layout]
-            planted = frozenset({PlantedError.VALUE}) if layout == PLANTED_LAYOUT else \
-                NOTHING_PLANTED
-            results[layout] = run_ranks(_critic_rank, dp * cp, tiny_model, critic_batch(),
-                                        dp, cp, packed, prefix, planted)[0]
+            size = _world_size(layout)
+            same = [name for name in LAYOUTS if _world_size(name) == size]
+            results.update(run_ranks(_critic_layouts, size, tiny_model, critic_batch(),
+                                     same)[0])
         return results[layout]
 
     return result
