@@ -50,84 +50,83 @@ def _step(worker, objective, batch) -> dict[str, float]:
     return worker.train_step(batch, plan)
 
 
-def _train_and_save(rank: int, port: int, model_path: str, dp: int, batch, path: str):
-    """Two steps, a checkpoint, a third step: the uninterrupted run (and its weights at the
-    checkpoint, for the export test: one run serves both)."""
-    worker, objective = _worker(rank, port, model_path, dp)
-    for _ in range(2):
-        _step(worker, objective, batch)
-    worker.save_checkpoint(path)
-    at_save = worker.export_weights()
-    metrics = _step(worker, objective, batch)
-    return metrics, worker.export_weights(), at_save
-
-
-def _fresh_step_then_resume(rank: int, port: int, model_path: str, dp: int, batch,
-                            path: str):
-    """The control first (one step from a fresh start), then the checkpoint loaded over
-    that trained state and one step: one process group for both (each spawn imports torch
-    and transformers anew). Loading over a worker that has already stepped also shows the
+def _train_save_resume(rank: int, port: int, model_path: str, dp: int, batch, path: str,
+                       resume_from: str | None = None) -> dict[str, object]:
+    """The uninterrupted run: a step (its weights: the fresh start's, the resume tests'
+    control), a second, a checkpoint (the weights then: the export test's), a third.
+    With ``resume_from``, another DP size's checkpoint then loaded over this trained
+    state and one step (the resumed run: in the same process group, as each spawn imports
+    torch and transformers anew; loading over a worker that has stepped also shows the
     load replaces weights, AdamW state, schedule and RNG rather than filling a fresh
-    worker."""
+    one)."""
     worker, objective = _worker(rank, port, model_path, dp)
     _step(worker, objective, batch)
-    fresh_weights = worker.export_weights()
+    fresh = worker.export_weights()
+    _step(worker, objective, batch)
+    worker.save_checkpoint(path)
+    at_save = worker.export_weights()
+    out = {"fresh": fresh, "at_save": at_save, "metrics": _step(worker, objective, batch),
+           "weights": worker.export_weights()}
+    if resume_from:
+        worker.load_checkpoint(resume_from)
+        out["resumed"] = (_step(worker, objective, batch), worker.export_weights())
+    return out
+
+
+def _resume(rank: int, port: int, model_path: str, dp: int, batch, path: str):
+    worker, objective = _worker(rank, port, model_path, dp)
     worker.load_checkpoint(path)
-    metrics = _step(worker, objective, batch)
-    return metrics, worker.export_weights(), fresh_weights
+    return _step(worker, objective, batch), worker.export_weights()
 
 
 @pytest.fixture(scope="module")
-def batch(tiny_model: str):
-    return sampled_train_batch(tiny_model, temperature=1.0)
-
-
-@pytest.fixture(scope="module")
-def saved(tiny_model: str, batch, tmp_path_factory: pytest.TempPathFactory):
-    """DP size -> (its checkpoint's folder, the uninterrupted run's rank-0 result): each
-    run once per module, shared by the resume tests and the export test."""
-    runs: dict[int, tuple[Path, tuple]] = {}
-
-    def run(dp: int) -> tuple[Path, tuple]:
-        if dp not in runs:
-            path = tmp_path_factory.mktemp(f"saved_dp{dp}") / "step"
-            runs[dp] = path, run_ranks(_train_and_save, dp, tiny_model, dp, batch,
-                                       str(path))[0]
-        return runs[dp]
-
-    return run
+def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Three spawns for the module: DP 1's uninterrupted run; DP 2's, then DP 1's
+    checkpoint resumed over it; DP 1 resumed from DP 2's checkpoint."""
+    batch = sampled_train_batch(tiny_model, temperature=1.0)
+    root = tmp_path_factory.mktemp("checkpoints")
+    paths = {dp: root / f"dp{dp}" / "step" for dp in (1, 2)}
+    dp1 = run_ranks(_train_save_resume, 1, tiny_model, 1, batch, str(paths[1]))[0]
+    dp2 = run_ranks(_train_save_resume, 2, tiny_model, 2, batch, str(paths[2]),
+                    str(paths[1]))[0]
+    resumed_at_1 = run_ranks(_resume, 1, tiny_model, 1, batch, str(paths[2]))[0]
+    return {"paths": paths, "uninterrupted": {1: dp1, 2: dp2},
+            "resumed": {1: resumed_at_1, 2: dp2["resumed"]}}
 
 
 @pytest.mark.parametrize(("saved_at", "resumed_at"), [(2, 1), (1, 2)])
 def test_a_resume_at_another_dp_size_trains_on_as_the_uninterrupted_run(
-        tiny_model: str, batch, saved, saved_at: int, resumed_at: int) -> None:
-    path, (metrics, weights, _) = saved(saved_at)
+        runs: dict[str, object], saved_at: int, resumed_at: int) -> None:
+    path = runs["paths"][saved_at]
+    uninterrupted = runs["uninterrupted"][saved_at]
+    metrics, weights = uninterrupted["metrics"], uninterrupted["weights"]
     written = sorted(p.name for p in (path / SHARDS_DIR).glob("*.distcp"))
     assert [name.split("_")[2] for name in written] == [str(r) for r in range(saved_at)]
-    resumed, resumed_weights, fresh_weights = run_ranks(
-        _fresh_step_then_resume, resumed_at, tiny_model, resumed_at, batch, str(path))[0]
+    resumed, resumed_weights = runs["resumed"][resumed_at]
     for name in ("pg_loss", "grad_norm", "lr"):
         assert resumed[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-7), name
     assert resumed_weights.keys() == weights.keys()
     for name, tensor in weights.items():
         torch.testing.assert_close(resumed_weights[name], tensor, rtol=1e-5, atol=1e-6)
 
-    # The control: the checkpoint is what made them equal (a fresh start is far off).
+    # The control: the checkpoint is what made them equal (a fresh start is far off):
+    # one step from a fresh start at the resumed DP size.
+    fresh_weights = runs["uninterrupted"][resumed_at]["fresh"]
     moved = max(float((fresh_weights[n] - t).abs().max()) for n, t in weights.items())
     assert moved > 1e-4
 
 
 def test_the_export_loads_with_from_pretrained_and_a_damaged_shard_is_named(
-        tiny_model: str, saved, tmp_path: Path) -> None:
+        runs: dict[str, object], tiny_model: str, tmp_path: Path) -> None:
     import shutil
 
     from transformers import AutoModelForCausalLM
 
-    # DP 2's checkpoint after two steps, written by the resume test's run; a copy, since
-    # this test damages it.
-    source, (_, _, trained) = saved(2)
+    # DP 2's checkpoint after two steps (the resume tests' run); a copy, since this test
+    # damages it.
+    trained = runs["uninterrupted"][2]["at_save"]
     path = tmp_path / "step"
-    shutil.copytree(source, path)
+    shutil.copytree(runs["paths"][2], path)
     assert unreadable(path) is None
 
     export_checkpoint(path, tmp_path / "hf")
