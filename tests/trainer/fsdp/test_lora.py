@@ -79,7 +79,7 @@ def _steps(rank: int, port: int, model_path: str, batch, dp: int, dtype: str,
     config = _config(dp_size=dp, dtype=dtype)
     objective = ObjectiveConfig.compose(AggregationConfig(), config.loss, 10, 1.0)
     worker = FSDPWorker(config, objective, model_path, rank, total_steps=4)
-    worker.setup("127.0.0.1", port)
+    _setup(worker, port)
     before = worker.export_weights()
     plan = plan_step(batch, objective, dp, 1, max_tokens_per_micro_batch=64)
     metrics, at_save = [], None
@@ -103,33 +103,68 @@ def _steps(rank: int, port: int, model_path: str, batch, dp: int, dtype: str,
             "num_states": num_states}
 
 
+_SPAWN_STORES: list = []
+"""In a spawned rank: the store its first run joined through, then one entry per later run
+(:func:`_setup`)."""
+
+
+def _setup(worker, port: int) -> None:
+    """``worker.setup``; a run after a spawn's first (:func:`_in_turn`) joins through the
+    first one's store under a key prefix of its own: the other ranks learn rank 0's port
+    once per spawn, and no two groups share a rendezvous key."""
+    import torch.distributed as dist
+
+    if _SPAWN_STORES:
+        worker._store = dist.PrefixStore(f"run{len(_SPAWN_STORES)}/", _SPAWN_STORES[0])
+    worker.setup("127.0.0.1", port)
+    _SPAWN_STORES.append(worker._store)
+
+
+def _in_turn(rank: int, port: int, runs: list[tuple[object, tuple]]) -> list[object]:
+    """Several runs of one world size in turn in the same processes (a spawn imports torch
+    and transformers anew, most of a small run's cost), each in a process group of its
+    own, torn down before the next."""
+    import torch.distributed as dist
+
+    results = []
+    for fn, args in runs:
+        results.append(fn(rank, port, *args))
+        dist.barrier()  # every rank done with this group before any tears it down
+        dist.destroy_process_group()
+    return results
+
+
 @pytest.fixture(scope="module")
-def float32_runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory
-                 ) -> dict[str, object]:
-    """The float32 runs of three tests, in two process groups: two steps at DP 2 then a
-    save (the resume test's checkpoint); then at DP 1 three steps with a save after two
-    (the step test's DP 1 case and the export test read the state after two, the resume
-    test's uninterrupted run the state after three), then DP 2's checkpoint loaded over
-    that and one more step (the resumed run)."""
+def spawned(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The gloo runs of four tests in two spawns. DP 2: two float32 steps then a save (the
+    resume test's checkpoint), then two bfloat16 steps (the step test's DP 2 case). DP 1:
+    three float32 steps with a save after two (the step test's DP 1 case and the export
+    test read the state after two, the resume test's uninterrupted run the state after
+    three), then DP 2's checkpoint loaded over that and one more step (the resumed run);
+    then the engine test's run."""
     batch = sampled_train_batch(tiny_model, temperature=1.0)
     root = tmp_path_factory.mktemp("lora_runs")
     dp2, dp1 = root / "dp2", root / "dp1_step2"
-    run_ranks(_steps, 2, tiny_model, batch, 2, "float32", 2, str(dp2), 2)
-    result = run_ranks(_steps, 1, tiny_model, batch, 1, "float32", 3, str(dp1), 2,
-                       str(dp2))[0]
-    return {"batch": batch, "dp2": dp2, "dp1": dp1, "result": result}
+    _, bf16 = run_ranks(_in_turn, 2, [
+        (_steps, (tiny_model, batch, 2, "float32", 2, str(dp2), 2)),
+        (_steps, (tiny_model, batch, 2, "bfloat16", 2))])[0]
+    float32, engine = run_ranks(_in_turn, 1, [
+        (_steps, (tiny_model, batch, 1, "float32", 3, str(dp1), 2, str(dp2))),
+        (_engine_after_adapter_sync,
+         (tiny_model, sampled_train_batch(tiny_model, temperature=0.7)))])[0]
+    return {"batch": batch, "dp2": dp2, "dp1": dp1, "result": float32, "bfloat16": bf16,
+            "engine": engine}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("dp", "dtype"), [(1, "float32"), (2, "bfloat16")])
 def test_a_step_moves_the_adapters_and_leaves_the_base_bit_identical(
-        tiny_model: str, request: pytest.FixtureRequest, dp: int, dtype: str) -> None:
+        spawned: dict[str, object], dp: int, dtype: str) -> None:
     if dtype == "float32":  # DP 1's first two steps of the shared run
-        result = request.getfixturevalue("float32_runs")["result"]
+        result = spawned["result"]
         after, metrics = result["at_save"], result["metrics"][:2]
-    else:
-        batch = sampled_train_batch(tiny_model, temperature=1.0)
-        result = run_ranks(_steps, dp, tiny_model, batch, dp, dtype, 2)[0]
+    else:  # DP 2's bfloat16 run of two steps
+        result = spawned["bfloat16"]
         after, metrics = result["after"], result["metrics"]
     before = result["before"]
     adapters = {name for name in before if ".lora_" in name}
@@ -146,7 +181,7 @@ def test_a_step_moves_the_adapters_and_leaves_the_base_bit_identical(
 
 @pytest.mark.slow
 def test_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(
-        float32_runs: dict[str, object]) -> None:
+        spawned: dict[str, object]) -> None:
     """Two steps at DP 2 then a save, one more step after loading it at DP 1 (DCP
     reshards): the adapters of three steps in one go, up to the rounding of a sum over two
     ranks (bit for bit at one DP size: tests/e2e/test_lora_job.py). The checkpoint
@@ -154,7 +189,7 @@ def test_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(
     from safetensors import safe_open
     from torch.distributed.checkpoint import FileSystemReader
 
-    result, saved = float32_runs["result"], float32_runs["dp2"]
+    result, saved = spawned["result"], spawned["dp2"]
     whole, resumed = result["after"], result["resumed"]
     for name in whole:
         torch.testing.assert_close(resumed[name], whole[name], rtol=1e-5, atol=1e-5,
@@ -168,7 +203,7 @@ def test_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(
 
 @pytest.mark.slow
 def test_merged_export_and_the_adapter_folder_compute_the_adapted_models_logits(
-        tiny_model: str, float32_runs: dict[str, object], tmp_path: Path) -> None:
+        tiny_model: str, spawned: dict[str, object], tmp_path: Path) -> None:
     """After two steps: the merged export, loaded by plain transformers, and the base
     with peft's adapter folder give the trainer's own logits."""
     from peft import PeftModel
@@ -176,8 +211,8 @@ def test_merged_export_and_the_adapter_folder_compute_the_adapted_models_logits(
 
     from trainer.export import export_checkpoint
 
-    batch, saved = float32_runs["batch"], float32_runs["dp1"]
-    at_save = float32_runs["result"]["at_save"]  # the trainer's weights at the save
+    batch, saved = spawned["batch"], spawned["dp1"]
+    at_save = spawned["result"]["at_save"]  # the trainer's weights at the save
     merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(saved, tmp_path / "hf"))
     adapter = export_checkpoint(saved, tmp_path / "adapter", adapter=True)
     with_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model),
@@ -246,7 +281,7 @@ def _engine_after_adapter_sync(rank: int, port: int, model_path: str, batch
         old_log_probs="rollout"))
     objective = ObjectiveConfig.compose(AggregationConfig(), config.loss, 10, 0.7)
     worker = FSDPWorker(config, objective, model_path, rank, total_steps=2)
-    worker.setup("127.0.0.1", port)
+    _setup(worker, port)
     plan = plan_step(batch, objective, 1, 1, max_tokens_per_micro_batch=64)
     for _ in range(2):
         worker.train_step(batch, plan)
@@ -270,10 +305,9 @@ def _engine_after_adapter_sync(rank: int, port: int, model_path: str, batch
 
 
 @pytest.mark.slow
-def test_an_engine_after_an_adapter_sync_gives_the_trainers_log_probs(tiny_model: str
-                                                                      ) -> None:
-    batch = sampled_train_batch(tiny_model, temperature=0.7)
-    result = run_ranks(_engine_after_adapter_sync, 1, tiny_model, batch)[0]
+def test_an_engine_after_an_adapter_sync_gives_the_trainers_log_probs(
+        spawned: dict[str, object]) -> None:
+    result = spawned["engine"]  # run in DP 1's spawn, in a process group of its own
     assert result["version"] == 1 and result["buckets"] > 1
     assert result["synced"] < 1e-5  # mean |log π_trainer − log π_engine| per token, fp32
     assert result["unsynced"] > 1e-3  # an engine still serving the base is visibly off
