@@ -18,6 +18,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.constants import default_pg_timeout
 
+START_METHOD = "forkserver"
+"""Ranks are forked from one server process per pytest worker that imported torch and
+the trainers once (``PRELOAD``), instead of each rank spawning a fresh interpreter that
+imports them again (2.5–4 CPU-s a rank): a gloo test module runs about 3× faster here.
+Each rank is still its own process with its own process group; what a test sets in
+``os.environ`` after the server started does not reach its ranks (none does)."""
+PRELOAD = ["torch", "torch.distributed", "transformers", "trainer.backends.fsdp.worker",
+           "trainer.backends.megatron.worker"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context(START_METHOD)
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 PORT_WAIT_S = 600.0
 """How long a rank waits for rank 0's port (a guard: mp.spawn ends the others when rank 0
 fails)."""
@@ -53,9 +69,10 @@ def _worker(rank: int, world_size: int, ports: Any, out_dir: str, fn: Callable[.
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Spawn world_size processes running fn(rank, world_size, *args) in one gloo process
     group; return their results."""
-    ports = mp.get_context("spawn").Queue()
+    ports = _context().Queue()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, ports, out_dir, fn, args), nprocs=world_size)
+        mp.start_processes(_worker, args=(world_size, ports, out_dir, fn, args),
+                           nprocs=world_size, start_method=START_METHOD)
         return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world_size)]
 
 
@@ -93,8 +110,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Spawn world_size processes running fn(rank, port, *args) that join the process
     group themselves (as a trainer rank's ``setup`` does) at 127.0.0.1:port: rank 0 gets
     port 0 and hosts the store where the OS puts it, the others get that port."""
-    ports = mp.get_context("spawn").Queue()
+    ports = _context().Queue()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank, args=(world_size, ports, out_dir, fn, args), nprocs=world_size)
+        mp.start_processes(_rank, args=(world_size, ports, out_dir, fn, args),
+                           nprocs=world_size, start_method=START_METHOD)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
                 for r in range(world_size)]
