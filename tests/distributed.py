@@ -35,8 +35,8 @@ def _context() -> Any:
 
 
 PORT_WAIT_S = 600.0
-"""How long a rank waits for rank 0's port (a guard: mp.spawn ends the others when rank 0
-fails)."""
+"""How long a rank waits for rank 0's port (a guard: start_processes ends the others when
+rank 0 fails)."""
 
 
 def _publish(ports: Any, port: int, world_size: int) -> None:

@@ -55,15 +55,7 @@ from services.driver.metrics import (
 )
 from services.driver.pipeline import RolloutPipeline
 from services.driver.retention import best_eval_step, retire_checkpoints
-from services.driver.run_dir import (
-    ANSI,
-    EVAL_FILE,
-    UPDATES_FILE,
-    RunDir,
-    job_dir,
-    replace_file,
-    write_event,
-)
+from services.driver.run_dir import ANSI, EVAL_FILE, UPDATES_FILE, RunDir, job_dir, replace_file
 from services.driver.sample_tokens import logged_samples
 from services.driver.samples import append_samples
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
@@ -209,18 +201,18 @@ def replace_lost_engines(job: RunningJob) -> int:
         job.weights.follow(gang.manager.replace_engine.remote(rank, swap.engine))
         write_actor_started(job.run_dir, [swap.new])
         old_pid = swap.old.pid if swap.old is not None else None
-        write_event(job.run_dir.path, "engine_replaced",
-                    f"engine {rank} replaced: pid {old_pid} lost, pid {swap.new.pid} started",
-                    rank=rank, old_pid=old_pid, new_pid=swap.new.pid)
+        job.run_dir.write_event(
+            "engine_replaced",
+            f"engine {rank} replaced: pid {old_pid} lost, pid {swap.new.pid} started",
+            rank=rank, old_pid=old_pid, new_pid=swap.new.pid)
         replaced += 1
     return replaced
 
 
 def write_actor_started(run_dir: RunDir, records: list[ActorRecord]) -> None:
     for r in records:
-        write_event(run_dir.path, "actor_started",
-                    f"{r.role} {r.rank}: pid {r.pid} on node {r.node[:8]}",
-                    role=r.role, rank=r.rank, pid=r.pid, node=r.node)
+        run_dir.write_event("actor_started", f"{r.role} {r.rank}: pid {r.pid} on node "
+                            f"{r.node[:8]}", role=r.role, rank=r.rank, pid=r.pid, node=r.node)
 
 
 def train_optimizer_steps(job: RunningJob, step: int, batch: RolloutBatch,

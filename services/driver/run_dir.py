@@ -183,9 +183,10 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         return self
 
-    def write_event(self, kind: str, message: str) -> None:
-        """One job event (placement, failures, restarts) for the log and the controller."""
-        write_event(self.path, kind, message)
+    def write_event(self, kind: str, message: str, **fields: Any) -> None:
+        """One job event (placement, failures, restarts) for the log and the controller;
+        ``fields``: what an event of ``kind`` adds (:func:`write_event`)."""
+        write_event(self.path, kind, message, **fields)
 
 
 def open_append(path: Path) -> TextIO:
