@@ -172,6 +172,14 @@ class RolloutCorrectionConfig(BaseModel):
         return self.low if self.low is not None else 1.0 / self.high
 
 
+PROXIMAL = "proximal"
+"""`trainer.loss.old_log_probs` of decoupled PPO, resolved by LossConfig to `trainer`."""
+PROXIMAL_POLICY_LOSSES = ("ppo", "gspo", "cispo")
+"""The policy losses with an old (proximal) policy in their ratio."""
+PROXIMAL_CORRECTION = {"level": "token", "mode": "truncate"}
+"""The behaviour weight of `old_log_probs: proximal` when the user sets none: each token's
+sg(min(π_prox/π_behav, high)) at RolloutCorrectionConfig's default high."""
+
 GSPO_EPS_CLIP = (3e-4, 4e-4)
 """(eps_clip, eps_clip_high) of policy_loss: gspo when neither is set (the GSPO paper's)."""
 
@@ -204,9 +212,13 @@ class LossConfig(BaseModel):
     dual_clip_c: float | None = Field(default=None, gt=1)
     """Dual-clip constant c > 1 bounding the loss for negative advantages (ppo); off when
     unset."""
-    old_log_probs: Literal["trainer", "rollout"] = "trainer"
+    old_log_probs: Literal["trainer", "rollout", "proximal"] = "trainer"
     """Denominator of the PPO ratio: the trainer's own log-probs before the update, or the
-    rollout engine's (then the ratio also absorbs engine/trainer mismatch)."""
+    rollout engine's (then the ratio also absorbs engine/trainer mismatch); proximal:
+    decoupled PPO (AReaL), the trainer's, each token weighted by sg(π_prox/π_behav) of
+    its own behaviour log-prob (ppo, gspo, cispo; resolved to trainer with a token
+    truncation unless rollout_correction or tis_cap says otherwise:
+    trainer/losses/rollout_correction.py)."""
     tis_cap: float | None = Field(default=None, gt=0)
     """Truncated importance sampling, the legacy spelling of rollout_correction {level:
     token, mode: truncate, high: tis_cap}: weight each token by min(π_old/π_rollout, cap)."""
@@ -248,6 +260,33 @@ class LossConfig(BaseModel):
             low, high = GSPO_EPS_CLIP
             return {**data, "eps_clip": low, "eps_clip_high": high}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _proximal_is_decoupled_ppo(cls, data: object) -> object:
+        """``old_log_probs: proximal`` is a recipe, resolved here: π_prox is what
+        ``trainer`` already computes (the policy at the step's start) and the behaviour
+        weight sg(π_prox/π_behav) per token is the rollout correction of π_old/π_rollout,
+        so it is stored as ``trainer`` with the correction {level: token, mode: truncate}
+        (rollout_correction's default cap) unless rollout_correction or tis_cap is set.
+        The formula: trainer/losses/rollout_correction.py."""
+        if not isinstance(data, dict) or data.get("old_log_probs") != PROXIMAL:
+            return data
+        policy_loss = data.get("policy_loss", "ppo")
+        if policy_loss not in PROXIMAL_POLICY_LOSSES:
+            raise ValueError(
+                f"old_log_probs: proximal (decoupled PPO) needs a loss with an old policy "
+                f"({', '.join(PROXIMAL_POLICY_LOSSES)}), but policy_loss={policy_loss}")
+        correction, cap = data.get("rollout_correction"), data.get("tis_cap")
+        if correction is None and cap is None:
+            if "tis_cap" in data or "rollout_correction" in data:
+                field = "tis_cap" if "tis_cap" in data else "rollout_correction"
+                raise ValueError(
+                    f"{field}: old_log_probs: proximal always weights each token by its "
+                    "behaviour ratio π_prox/π_behav; set a cap (tis_cap) or a "
+                    "rollout_correction, or old_log_probs: trainer for no weight")
+            data = {**data, "rollout_correction": dict(PROXIMAL_CORRECTION)}
+        return {**data, "old_log_probs": "trainer"}
 
     @model_validator(mode="after")
     def _one_rollout_correction(self) -> LossConfig:

@@ -142,15 +142,20 @@ class JobConfig(BaseModel):
         """With rollout.async_steps ≥ 1 samples come from weights up to k versions old:
         TIS through the rollout log-probs is on (trainer.loss.tis_cap 2.0, i.e.
         rollout_correction {level: token, mode: truncate, high: 2}, unless the user set
-        tis_cap or rollout_correction).
-        Said where it is set: the resolved config holds it and :meth:`warnings` names it
-        (the driver logs it and writes it as an event at start)."""
+        tis_cap or rollout_correction, or old_log_probs: proximal, which brings its own
+        behaviour weight: the same token truncation at rollout_correction's default cap).
+        Said where it is set: the resolved config holds it (proximal resolved to trainer
+        with its correction) and :meth:`warnings` names it (the driver logs it and writes
+        it as an event at start)."""
+        from trainer.config import PROXIMAL  # kept inside the one validator that reads it
+
         rollout = data.get("rollout") if isinstance(data, dict) else None
         trainer = (data.get("trainer") or {}) if isinstance(data, dict) else None
         loss = (trainer.get("loss") or {}) if isinstance(trainer, dict) else None
+        proximal = isinstance(loss, dict) and loss.get("old_log_probs") == PROXIMAL
         implied = (isinstance(rollout, dict) and bool(rollout.get("async_steps"))
                    and isinstance(loss, dict) and "tis_cap" not in loss
-                   and "rollout_correction" not in loss)
+                   and "rollout_correction" not in loss and not proximal)
         if implied:
             data = {**data, "trainer": {**trainer, "loss": {**loss, "tis_cap": ASYNC_TIS_CAP}}}
         config = handler(data)
@@ -159,6 +164,14 @@ class JobConfig(BaseModel):
                 "trainer.loss.tis_cap", f"set to {ASYNC_TIS_CAP:g} because rollout.async_steps "
                 f"is {config.rollout.async_steps} (TIS corrects the samples' staleness); set "
                 "it yourself, or to null for none, to choose"),)
+        if proximal:
+            weight = config.trainer.loss.correction
+            assert weight is not None  # LossConfig resolves proximal with one
+            config._implied = (ConfigProblem("trainer.loss.old_log_probs", (
+                "proximal (decoupled PPO) is resolved to old_log_probs: trainer (π_prox, the "
+                "trainer's log-probs at the step's start) with the off-policy correction {level: "
+                f"{weight.level}, mode: {weight.mode}, high: {weight.high:g}}} weighting "
+                "each token by its own π_prox/π_behav")),)
         return config
 
     def with_notes(self, notes: list[ConfigProblem]) -> JobConfig:

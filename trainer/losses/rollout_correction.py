@@ -23,6 +23,27 @@ already carries ρ_t = π_θ/π_rollout, i.e. its π_old is π_θ itself, so δ 
 and ℓ_t is multiplied by W_t / ρ_t: value −A·W_t, gradient −A·W_t·∇log π_θ. There a token
 whose weight the correction lowered counts as clipped (its own ratio is what is cut).
 
+Decoupled PPO (``old_log_probs: proximal``; Hilton et al. 2021, "batch size-invariance";
+Fu et al. 2025, AReaL). With partial rollouts a sample's tokens come from several weight
+versions: π_behav(a_t) is each token's own behaviour log-prob (``rollout_log_probs[i, t]``,
+of the version that sampled it) and π_prox the trainer's policy at the step's start (the
+log-prob pass of ``old_log_probs: trainer``). For ppo, with r_t = π_θ(a_t)/π_prox(a_t):
+
+    ℓ_t = −sg(min(π_prox(a_t)/π_behav(a_t), high)) · min(r_t·A_t, clip(r_t, 1 − ε, 1 + ε_h)·A_t)
+
+(gspo's and cispo's ℓ_t take the same weight). That is this module's token truncation
+with π_old = π_prox and π_rollout = π_behav, so ``proximal`` is a recipe resolved in
+trainer/config.py (``trainer`` plus {level: token, mode: truncate} unless the user sets a
+correction), not a second code path. Against AReaL's ``ppo_actor_loss_fn``
+(areal/utils/functional.py): the same ratio, clip and dual clip, the weight applied after
+them and without a graph, π_prox computed once per rollout before its mini-batches
+(``recompute_logprob``). It differs in (1) the cap: AReaL drops a token whose weight
+exceeds ``behav_imp_weight_cap`` (none by default; its recipes use 5) and keeps the others'
+weights uncapped, Tally truncates by default; AReaL's rule is ``rollout_correction:
+{level: token, mode: mask, low: 0, high: 5}``; (2) with one update per rollout π_prox is
+π_θ's own log-probs detached (the same weights, so no second forward), AReaL runs the
+pass; (3) the aggregation is Tally's (AReaL's is a token mean per micro-batch).
+
 Logged (trainer/objective.py): ``rollout_correction/weight_mean``, the mean corrected
 weight W over valid tokens (1 with no correction), and ``rollout_correction/masked_fraction``,
 the share of valid tokens mode mask dropped.
