@@ -156,14 +156,16 @@ async function jobPage(id) {
   const samples = samplesPanel(id);
   app.append(header, ...sections.map((s) => s.node), samples.node);
   const charts = JOB_CHARTS.map((c) => new Chart(sections.find((s) => s.id === c.section).grid,
-    c.id, c.title, c.series.map((s) => ({ ...s, chosen: s.mode === job.mode,
+    c.id, c.title, c.seriesOf ? [] : c.series.map((s) => ({ ...s, chosen: s.mode === job.mode,
       dash: s.mode && s.mode !== job.mode, color: s.mode ? MODE_COLOR[s.mode] : undefined })),
     c));
   const cols = new Columns();
   const lastValue = (name) => (cols.series[name] || []).findLast((v) => v !== null);
   const draw = () => {
     charts.forEach((c, i) => {
-      if (JOB_CHARTS[i].parts) showParts(c, rewardPartSeries(Object.keys(cols.series)));
+      const { seriesOf, seriesNote } = JOB_CHARTS[i];
+      if (seriesOf) c.useSeries(seriesOf(cols));
+      if (seriesNote) c.setNote(seriesNote(c.series));
       c.setData(cols.table(c.series.map((s) => s.name)));
       c.card.hidden = Boolean(JOB_CHARTS[i].feature) && !c.points;
       const note = JOB_CHARTS[i].note;
@@ -208,15 +210,6 @@ async function jobPage(id) {
     conn.className = "conn";
     samples.refresh();
   });
-}
-
-// The reward-parts chart's series: one per part the job logged, drawn anew when a part
-// appears; a job with one part says so (its mean is the reward's, times its weight).
-function showParts(chart, series) {
-  if (series.map((s) => s.name).join() !== chart.series.map((s) => s.name).join()) {
-    chart.setSeries(series);
-  }
-  chart.setNote(series.length === 1 ? `one part: ${series[0].label}` : "");
 }
 
 // ---- one sweep -------------------------------------------------------------------------

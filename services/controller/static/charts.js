@@ -16,7 +16,7 @@ const SPARSE_METRICS = new Set(["eval/accuracy", "eval/pass@k", "perf/peak_mem_g
 // Metrics that are fractions: a chart of only these keeps its y-axis inside [0, 1].
 const FRACTION_METRICS = new Set(["clip_fraction", "clip_fraction/min", "clip_fraction/max",
   "padding_fraction", "eval/accuracy", "eval/pass@k", "env/policy_token_share",
-  "env/done_fraction"]);
+  "env/done_fraction", "rollout/partial_fraction"]);
 
 // The y-range a chart draws from its data's [min, max]: uPlot's padded range of the data,
 // a flat series ±10 % of its value (±0.1 at 0: uPlot alone draws 0 on 0–100), and
@@ -39,6 +39,20 @@ const lengthBias = (bucket, which) => ({ id: `length_bias_${bucket}`,
 const NO_ENVIRONMENT = "no environment (rollout.environment)";
 // What a critic chart says on a job without one.
 const NO_CRITIC = "no critic (critic.enabled)";
+// What a partial-rollout chart says on an asynchronous job without them.
+const NO_PARTIAL = "no partial rollouts (rollout.partial_rollout)";
+
+// Staleness in weight versions (step − version): with partial rollouts each response
+// token keeps the version that sampled it, so the step logs the mean and max over its
+// tokens; without, only the rollout's (services/driver/pipeline.py). A synchronous job's
+// rollouts all come from their step's own weights (0 at every step): nothing to chart.
+const TOKEN_STALENESS = [{ name: "rollout/staleness_mean", label: "mean over tokens" },
+  { name: "rollout/staleness_max", label: "max over tokens" }];
+const ROLLOUT_STALENESS = [{ name: "rollout/staleness", label: "rollout" }];
+const stalenessSeries = (cols) => {
+  if (TOKEN_STALENESS.some((s) => cols.logged(s.name).length)) return TOKEN_STALENESS;
+  return cols.logged("rollout/staleness").some((v) => v > 0) ? ROLLOUT_STALENESS : [];
+};
 
 // The job page's sections, in page order: each a heading over its charts. A section none
 // of whose charts has points is hidden (a feature the job does not use: its critic, its
@@ -48,13 +62,16 @@ const JOB_SECTIONS = [
   { id: "rewards", title: "Rewards", core: true },
   { id: "critic", title: "Critic" },
   { id: "environment", title: "Environment" },
+  { id: "async", title: "Asynchrony" },
   { id: "system", title: "System", core: true },
 ];
 
 // What a job page charts, section by section (JOB_SECTIONS, in page order): title ->
-// series (metric name, label); `note` names a metric whose last value the title shows,
-// `hint` a line under it, `empty` what a chart without points says, `feature` a chart
-// hidden while it has none (a feature the job may not use).
+// series (metric name, label); `seriesOf(cols)` picks those drawn from what the job
+// logged (Columns; `series` then lists what to ask for), `seriesNote(series)` what the
+// title says of them; `note` names a metric whose last value the title shows, `hint` a
+// line under it, `empty` what a chart without points says, `feature` a chart hidden while
+// it has none (a feature the job may not use).
 const JOB_CHARTS = [
   { section: "loss", id: "pg_loss_modes", title: "pg loss under each aggregation mode",
     series: MODES.map((m) => ({ name: `pg_loss/${m}`, label: m, mode: m })) },
@@ -77,9 +94,12 @@ const JOB_CHARTS = [
   { section: "rewards", id: "reward", title: "reward (mean, std)",
     series: [{ name: "reward/mean", label: "mean" }, { name: "reward/std", label: "std" }] },
   // rollout.reward's parts (rollout/manager.py: reward/<name>/mean); series come with the
-  // metrics, one per part the job logged (rewardPartSeries)
-  { section: "rewards", id: "reward_parts", title: "reward parts (mean per step)", parts: true,
-    empty: "no reward parts logged", series: [] },
+  // metrics, one per part the job logged (rewardPartSeries); a job with one part says so
+  // (its mean is the reward's, times its weight)
+  { section: "rewards", id: "reward_parts", title: "reward parts (mean per step)",
+    empty: "no reward parts logged", series: [],
+    seriesOf: (cols) => rewardPartSeries(Object.keys(cols.series)),
+    seriesNote: (series) => (series.length === 1 ? `one part: ${series[0].label}` : "") },
   { section: "rewards", id: "eval", title: "evaluation on held-out prompts", yRange: [0, 1],
     empty: "no evaluation logged",
     note: { name: "eval/k", text: (k) => `k = ${k}` },
@@ -115,6 +135,17 @@ const JOB_CHARTS = [
     title: "environment seconds per rollout (and failed episodes)", empty: NO_ENVIRONMENT,
     series: [{ name: "env/seconds", label: "seconds" },
       { name: "env/failures", label: "failed episodes" }] },
+  // rollout.async_steps, rollout.partial_rollout (docs/rollout.md)
+  { section: "async", id: "staleness", title: "staleness: weight versions behind the step",
+    empty: "no staleness: every rollout sampled from its step's own weights",
+    hint: "partial rollouts: over the step's response tokens, each from its own version",
+    series: [...TOKEN_STALENESS, ...ROLLOUT_STALENESS], seriesOf: stalenessSeries },
+  { section: "async", id: "partial_fraction",
+    title: "partial rollouts: share of samples whose tokens span versions", empty: NO_PARTIAL,
+    series: [{ name: "rollout/partial_fraction", label: "spanning versions" }] },
+  { section: "async", id: "stale_dropped",
+    title: "samples regenerated: oldest token past rollout.max_staleness", empty: NO_PARTIAL,
+    series: [{ name: "rollout/stale_dropped", label: "regenerated" }] },
   { section: "system", id: "tokens_per_s", title: "tokens / s",
     series: [{ name: "perf/tokens_per_s", label: "tokens/s" }] },
   { section: "system", id: "padding_fraction", title: "padding fraction",
@@ -182,6 +213,14 @@ class Chart {
         this.plot.setSize({ width: w, height: 210 });
       }
     }).observe(this.body);
+  }
+
+  // The series picked from what a job logged (JOB_CHARTS' seriesOf): set anew only when
+  // they change.
+  useSeries(series) {
+    if (series.map((s) => s.name).join() !== this.series.map((s) => s.name).join()) {
+      this.setSeries(series);
+    }
   }
 
   // New series (a job's reward parts, known from its metrics): the plot is drawn anew by
@@ -258,6 +297,9 @@ class Columns {
       }
     }
   }
+
+  // A metric's values on the steps that have it: [] for one the job never logged.
+  logged(name) { return (this.series[name] || []).filter((v) => v !== null); }
 
   table(names) {
     return [this.steps, ...names.map((n) => this.series[n] || this.steps.map(() => null))];

@@ -85,6 +85,23 @@ def with_critic_and_teacher(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def partial_metrics(step: int) -> dict[str, float]:
+    """Step ``step``'s metrics of an asynchronous job with partial rollouts (k = 2): its
+    rollout's staleness, its tokens' (mean, max), the share of samples spanning versions
+    and those regenerated as stale; values uPlot's legend writes exactly."""
+    return {"rollout/staleness": float(min(step, 2)),
+            "rollout/staleness_max": float(min(step, 2)),
+            "rollout/staleness_mean": 0.375 * min(step, 2),
+            "rollout/partial_fraction": 0.125 * (step % 5), "rollout/stale_dropped": step % 3}
+
+
+def with_partial_rollouts(rows: list[dict]) -> list[dict]:
+    """``rows`` plus an asynchronous job's partial-rollout metrics (partial_metrics)."""
+    for row in rows:
+        row["metrics"] |= partial_metrics(row["step"])
+    return rows
+
+
 PLANTED = {"prompt": "<bos><i>copy</i> this=", "response":
            '<script>window.pwned = 1</script><b>bold</b> & <img src=x onerror="window.pwned = 2">'}
 """What a model may write: shown as text, never run or drawn."""
@@ -102,9 +119,9 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory):
                                            "overrides": [*DEMO_OVERRIDES, "num_steps=40",
                                                          "aggregation.mode=token_mean"]}).json()
         http.post(f"/api/jobs/{job['id']}/metrics",
-                  json={"rows": with_reward_parts(with_critic_and_teacher(with_environment(
-                      with_peak_memory(with_length_bias_and_eval(step_rows(40),
-                                                                 eval_every=5)))))})
+                  json={"rows": with_partial_rollouts(with_reward_parts(
+                      with_critic_and_teacher(with_environment(with_peak_memory(
+                          with_length_bias_and_eval(step_rows(40), eval_every=5))))))})
         samples = Path(job["output_dir"]) / SAMPLES_FILE  # as the driver appends them
         for step in (37, 38, 39):
             append_samples(samples, sample_records(step, count=4))
@@ -143,10 +160,12 @@ SECTIONS = {"loss": ("pg_loss_modes", "length_bias_long", "length_bias_short", "
             "rewards": ("reward", "reward_parts", "eval", "response_length"),
             "critic": ("critic_loss", "critic_fit", "critic_values"),
             "environment": ("env_turns", "env_tokens", "env_seconds"),
+            "async": ("staleness", "partial_fraction", "stale_dropped"),
             "system": ("tokens_per_s", "padding_fraction", "peak_mem")}
 """The job page's sections and their charts, in page order (charts.js: JOB_SECTIONS,
 JOB_CHARTS)."""
-SECTION_TITLES = ["Loss and aggregation", "Rewards", "Critic", "Environment", "System"]
+SECTION_TITLES = ["Loss and aggregation", "Rewards", "Critic", "Environment", "Asynchrony",
+                  "System"]
 JOB_CHARTS = tuple(chart for charts in SECTIONS.values() for chart in charts)
 SHOWN_SECTIONS = """ss => ss.filter(s => !s.hidden).map(s => [s.dataset.section,
   s.querySelector("h2").textContent,
@@ -171,6 +190,25 @@ BLUE_COLUMNS = """(selector) => {
 
 def points_of(tab, chart: str) -> int:
     return int(tab.get_attribute(f'[data-chart="{chart}"]', "data-points") or -1)
+
+
+LEGEND = """legend => [...legend.querySelectorAll("tr.u-series")].map(r => [
+  r.querySelector(".u-label").textContent, r.querySelector(".u-value").textContent])"""
+"""A chart's legend: each series' label and the value it shows (the cursor's step)."""
+
+
+def legend_at(tab, chart: str, step: int, steps: tuple[int, int]) -> dict[str, str]:
+    """The legend of ``chart`` with the mouse over step ``step`` of a plot drawing steps
+    ``steps[0]`` to ``steps[1]``, as a person hovering it reads it (label -> value; "step"
+    the step the cursor is on)."""
+    over = tab.locator(f'[data-chart="{chart}"] .u-over')
+    over.scroll_into_view_if_needed()
+    box = over.bounding_box()
+    assert box is not None, chart
+    x = box["x"] + box["width"] * (step - steps[0]) / (steps[1] - steps[0])
+    tab.mouse.move(min(max(x, box["x"] + 1), box["x"] + box["width"] - 1),
+                   box["y"] + box["height"] / 2)
+    return dict(tab.eval_on_selector(f'[data-chart="{chart}"] .u-legend', LEGEND))
 
 
 def test_job_page_draws_every_chart_with_points(dashboard, page) -> None:
@@ -211,6 +249,22 @@ def test_job_page_draws_every_chart_with_points(dashboard, page) -> None:
     # The critic: 40 steps × 2 and × 3 series; its explained variance crosses 0.
     assert (points_of(tab, "critic_loss"), points_of(tab, "critic_values")) == (80, 120)
     assert "explained variance" in tab.locator('[data-chart="critic_fit"] .u-legend').inner_text()
+    # Asynchrony: staleness over the step's tokens (mean, max; the rollout's own, which
+    # they refine, not beside them), the share spanning versions (axis in [0, 1]), the
+    # samples regenerated; each value where the step is hovered is the row's.
+    assert (points_of(tab, "staleness"), tab.get_attribute('[data-chart="staleness"]',
+                                                           "data-series")) == (80, "2")
+    for step in (0, 1, 22, 39):
+        logged = partial_metrics(step)
+        assert legend_at(tab, "staleness", step, (0, 39)) == {
+            "step": str(step), "mean over tokens": f"{logged['rollout/staleness_mean']:g}",
+            "max over tokens": f"{logged['rollout/staleness_max']:g}"}, step
+        assert legend_at(tab, "partial_fraction", step, (0, 39)) == {
+            "step": str(step),
+            "spanning versions": f"{logged['rollout/partial_fraction']:g}"}, step
+        assert legend_at(tab, "stale_dropped", step, (0, 39)) == {
+            "step": str(step), "regenerated": f"{logged['rollout/stale_dropped']:g}"}, step
+    assert float(tab.get_attribute('[data-chart="partial_fraction"]', "data-y-max")) <= 1.0
     covered, width = tab.evaluate(BLUE_COLUMNS, '[data-chart="eval"]')
     assert covered > width / 2, (covered, width)
     legend = tab.locator('[data-chart="pg_loss_modes"] .u-legend').inner_text()
@@ -303,7 +357,7 @@ def test_charts_without_points_say_no_data(dashboard, page) -> None:
     tab.wait_for_selector('[data-chart="pg_loss_modes"][data-points="8"]', timeout=15_000)
     for chart in ("eval", "length_bias_long", "length_bias_short", "peak_mem", "env_turns",
                   "env_tokens", "env_seconds", "critic_loss", "critic_fit", "distill",
-                  "reward_parts"):
+                  "reward_parts", "staleness", "partial_fraction", "stale_dropped"):
         assert points_of(tab, chart) == 0, chart
     # Sections of features the job does not use are hidden whole (critic, environment),
     # and so is a feature's chart (distillation); in a shown section, "no data".
@@ -311,7 +365,8 @@ def test_charts_without_points_say_no_data(dashboard, page) -> None:
                   "reward_parts"):
         assert tab.locator(f'[data-chart="{chart}"] .no-data').is_visible(), chart
     for chart in ("env_turns", "env_tokens", "env_seconds", "critic_loss", "critic_fit",
-                  "critic_values", "distill"):
+                  "critic_values", "distill", "staleness", "partial_fraction",
+                  "stale_dropped"):
         assert not tab.locator(f'[data-chart="{chart}"]').is_visible(), chart
     assert [s[0] for s in tab.eval_on_selector_all("[data-section]", SHOWN_SECTIONS)] == [
         "loss", "rewards", "system"]
@@ -324,6 +379,62 @@ def test_charts_without_points_say_no_data(dashboard, page) -> None:
     assert points_of(tab, "reward") == 4
     assert not tab.locator('[data-chart="reward"] .no-data').is_visible()
     tab.screenshot(path=str(tmp / "job-without-eval.png"), full_page=True)
+    assert not errors
+
+
+ASYNC_CHARTS = ["staleness", "partial_fraction", "stale_dropped"]
+
+
+def test_staleness_of_a_job_without_partial_rollouts(page, tmp_path: Path) -> None:
+    """A synchronous job logs ``rollout/staleness`` 0 every step: no Asynchrony section.
+    An asynchronous one without partial rollouts charts its rollouts' staleness alone
+    (one series, each step's value) and says it has no partial rollouts; rows that bring
+    the per-token metrics (over SSE) switch the chart to their mean and max."""
+    tab, errors = page
+    app = create_app(make_settings(tmp_path, max_running_jobs=10), backend=FakeBackend())
+    config = (ROOT / "configs" / "demo.yaml").read_text()
+    with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:
+        def job_with(rows: list[dict]) -> str:
+            job = http.post("/api/jobs", json={"config_yaml": config, "overrides": [
+                *DEMO_OVERRIDES, "num_steps=8"]}).json()
+            assert http.post(f"/api/jobs/{job['id']}/metrics", json={"rows": rows}).is_success
+            return job["id"]
+
+        rows = step_rows(4)
+        for row in rows:
+            row["metrics"]["rollout/staleness"] = 0.0
+        synchronous = job_with(rows)
+        tab.goto(f"{url}/jobs/{synchronous}")
+        tab.wait_for_selector('[data-chart="pg_loss_modes"][data-points="16"]', timeout=15_000)
+        assert tab.locator('[data-section="async"]').is_hidden()
+        assert [points_of(tab, c) for c in ASYNC_CHARTS] == [0, 0, 0]
+
+        rows = step_rows(4)
+        for row in rows:  # async_steps 1: step 0 from the first weights, then one behind
+            row["metrics"]["rollout/staleness"] = float(min(row["step"], 1))
+        one_behind = job_with(rows)
+        tab.goto(f"{url}/jobs/{one_behind}")
+        tab.wait_for_selector('[data-chart="staleness"][data-points="4"]', timeout=15_000)
+        assert [s[0] for s in tab.eval_on_selector_all("[data-section]", SHOWN_SECTIONS)] == [
+            "loss", "rewards", "async", "system"]
+        assert tab.locator('[data-section="async"] h2').text_content() == "Asynchrony"
+        assert tab.get_attribute('[data-chart="staleness"]', "data-series") == "1"
+        for step in range(4):
+            assert legend_at(tab, "staleness", step, (0, 3)) == {
+                "step": str(step), "rollout": str(min(step, 1))}, step
+        for chart in ("partial_fraction", "stale_dropped"):
+            assert points_of(tab, chart) == 0, chart
+            assert tab.locator(f'[data-chart="{chart}"] .no-data').inner_text() == \
+                "no partial rollouts (rollout.partial_rollout)"
+        tab.screenshot(path=str(tmp_path / "async-without-partial.png"), full_page=True)
+
+        later = with_partial_rollouts(step_rows(2, start=4))  # live, over SSE
+        assert http.post(f"/api/jobs/{one_behind}/metrics", json={"rows": later}).is_success
+        tab.wait_for_selector('[data-chart="staleness"][data-series="2"][data-points="4"]',
+                              timeout=15_000)
+        assert (points_of(tab, "partial_fraction"), points_of(tab, "stale_dropped")) == (2, 2)
+        assert legend_at(tab, "staleness", 5, (0, 5)) == {
+            "step": "5", "mean over tokens": "0.75", "max over tokens": "2"}
     assert not errors
 
 
