@@ -83,7 +83,8 @@ def from_wire(value: Any) -> Any:
 SPAN_FIELDS = {"input_ids": "sequence", "loss_mask": "response",
                "rollout_log_probs": "response", "old_log_probs": "response",
                "advantages": "response", "token_rewards": "response",
-               "values": "response", "returns": "response"}
+               "values": "response", "returns": "response",
+               "token_versions": "response"}
 """[N, S] fields that travel as their rows' spans only (prompt + response, or response),
 when everything outside is the padding value: the demo's rollout of 256 samples is then
 ≈ 40 KB instead of 110, under Ray's 100 KB for objects carried inside a call, so it goes
@@ -155,7 +156,8 @@ def _rebuild_batch(values: dict[str, Any]) -> RolloutBatch:
     return batch
 
 
-OPTIONAL_TOKEN_FIELDS = ("old_log_probs", "token_rewards", "values", "returns")
+OPTIONAL_TOKEN_FIELDS = ("old_log_probs", "token_rewards", "values", "returns",
+                         "token_versions")
 """The [N, S] fields a batch may carry or not (None)."""
 
 
@@ -189,6 +191,10 @@ class RolloutBatch:
     scored: torch.Tensor | None = None
     """[N] bool (module docstring); always a tensor once built (None: every sample
     scored, as in a checkpoint written before the field)."""
+    token_versions: torch.Tensor | None = None
+    """[N, S] int64: the weight version that sampled each response token (0 elsewhere),
+    where samples were continued across weight updates (rollout.partial_rollout); None:
+    each sample's tokens are of the one version ``metadata["rollout/weight_version"]``."""
     sample_token_counts: torch.Tensor = field(init=False)
     group_ids: torch.Tensor = field(init=False)
     prompt_mask_sums: torch.Tensor = field(init=False)
@@ -239,7 +245,8 @@ class RolloutBatch:
                 raise RolloutBatchError(f"{name}: contains NaN or inf")
         if (self.prompt_lengths + self.response_lengths > seq_len).any():
             raise RolloutBatchError("prompt_lengths + response_lengths exceed input_ids width")
-        for name in ("loss_mask", "advantages", "token_rewards", "values", "returns"):
+        for name in ("loss_mask", "advantages", "token_rewards", "values", "returns",
+                     "token_versions"):
             if getattr(self, name) is not None and \
                     ((getattr(self, name) != 0) & ~response_span).any():
                 raise RolloutBatchError(f"{name}: is non-zero outside the response tokens")
@@ -348,6 +355,7 @@ class RolloutBatch:
         samples: list[SampleRecord] | None = None,
         truncated: list[bool] | None = None,
         scored: list[bool] | None = None,
+        response_versions: list[list[int]] | None = None,
     ) -> RolloutBatch:
         """Pad ragged per-sample lists into the tensor layout.
 
@@ -359,6 +367,7 @@ class RolloutBatch:
         ``truncated``: per sample, whether its response was cut at the length limit.
         ``scored``: per sample, whether every reward part scored it (an unscored one's
         reward is given as 0.0, the fill value).
+        ``response_versions``: per sample, the weight version of each response token.
         """
         num_samples = len(prompt_ids)
         for name, values in (
@@ -380,6 +389,10 @@ class RolloutBatch:
                 )
             if response_masks is not None and len(response_masks[i]) != len(response):
                 raise RolloutBatchError(f"response_masks: sample {i} length differs from response")
+            if response_versions is not None and len(response_versions[i]) != len(response):
+                raise RolloutBatchError(
+                    f"response_versions: sample {i} has {len(response_versions[i])} "
+                    f"versions for {len(response)} response tokens")
         prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.int64)
         response_lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.int64)
         ends = prompt_lengths + response_lengths
@@ -412,6 +425,11 @@ class RolloutBatch:
                                                   dtype=torch.float32)
         else:
             advantage = torch.tensor(advantages, dtype=torch.float32)
+        token_versions = None
+        if response_versions is not None:
+            token_versions = torch.zeros(num_samples, seq_len, dtype=torch.int64)
+            token_versions[in_response] = torch.tensor(
+                [v for versions in response_versions for v in versions], dtype=torch.int64)
         token_rewards = None
         if turn_rewards is not None:
             token_rewards = torch.zeros(num_samples, seq_len, dtype=torch.float32)
@@ -440,4 +458,5 @@ class RolloutBatch:
             truncated=(torch.tensor(truncated, dtype=torch.bool) if truncated is not None
                        else None),
             scored=torch.tensor(scored, dtype=torch.bool) if scored is not None else None,
+            token_versions=token_versions,
         )

@@ -519,6 +519,21 @@ class RolloutConfig(BaseModel):
     """0: synchronous (generate, then train on it). k ≥ 1: rollout r + k is generated while
     rollout r trains, from weights at most k versions old (the rollout log-probs and TIS
     correct for it; trainer.loss.tis_cap defaults to 2 then)."""
+    partial_rollout: bool = False
+    """With async_steps ≥ 1: samples continue across weight updates and a step takes the
+    first whole groups to finish (rollout/partial.py): (1 + async_steps) · P groups are in
+    flight, each decoded partial_chunk_tokens at a time; a step's call ends at the token
+    boundary where P groups are done, the others pause there and go on under the next
+    weights. Each token records its weight version (``RolloutBatch.token_versions``) and
+    its behaviour log-prob (docs/rollout.md, "Partial rollouts")."""
+    max_staleness: int | None = Field(default=None, ge=0)
+    """With partial_rollout: versions a sample's oldest token may be behind the step it
+    trains in; a sample older is regenerated from its prompt (``rollout/stale_dropped``).
+    None: 2 · async_steps. At least async_steps (the engines' own lag)."""
+    partial_chunk_tokens: int | None = Field(default=None, gt=0)
+    """With partial_rollout: tokens each unfinished sample decodes per engine call (the
+    granularity of a pause); a divisor of sampling.max_new_tokens. None: the largest
+    divisor ≤ max_new_tokens / 8."""
     call_timeout_s: float = Field(default=1800.0, gt=0)
     """Longest one rollout-manager call (a batch, a weight sync) may take; past it the
     job restarts from its last checkpoint, as for a stuck trainer call."""
@@ -528,6 +543,41 @@ class RolloutConfig(BaseModel):
     like a dead one: killed, its shard re-run on a live engine with the same seed, a
     replacement started (docs/rollout.md, "An engine lost"). None: half of
     call_timeout_s, so a shard re-run once still fits in the manager's call."""
+
+    @model_validator(mode="after")
+    def _partial_rollout(self) -> RolloutConfig:
+        if not self.partial_rollout:
+            return self
+        if not self.async_steps:
+            raise ValueError("partial_rollout: needs rollout.async_steps ≥ 1 (samples "
+                             "continue under the weights trained meanwhile)")
+        if self.environment is not None:
+            raise ValueError("partial_rollout: not with rollout.environment (an episode's "
+                             "turns are paused by its environment, not by a weight update)")
+        if self.sampling.stop:
+            raise ValueError("partial_rollout: not with sampling.stop (a stop string may "
+                             "span a pause; end responses with EOS)")
+        if self.max_staleness is not None and self.max_staleness < self.async_steps:
+            raise ValueError(f"max_staleness: {self.max_staleness} is below async_steps="
+                             f"{self.async_steps}, the lag of the engines' own weights")
+        if (self.partial_chunk_tokens is not None
+                and self.sampling.max_new_tokens % self.partial_chunk_tokens):
+            raise ValueError(f"partial_chunk_tokens: {self.partial_chunk_tokens} does not "
+                             f"divide sampling.max_new_tokens={self.sampling.max_new_tokens}")
+        return self
+
+    @property
+    def staleness_bound(self) -> int:
+        """max_staleness, or its default 2 · async_steps."""
+        return self.max_staleness if self.max_staleness is not None else 2 * self.async_steps
+
+    @property
+    def chunk_tokens(self) -> int:
+        """partial_chunk_tokens, or the largest divisor of max_new_tokens ≤ it / 8."""
+        if self.partial_chunk_tokens is not None:
+            return self.partial_chunk_tokens
+        budget = self.sampling.max_new_tokens
+        return max(d for d in range(1, max(1, budget // 8) + 1) if budget % d == 0)
 
     @model_validator(mode="after")
     def _whole_groups(self) -> RolloutConfig:

@@ -44,6 +44,7 @@ from rollout.engine_weights import EngineWeights
 from rollout.engines import check_engine_available, engine_actor_options, engine_class
 from rollout.engines.base import EpisodeTurn, Generation
 from rollout.environments import load_environment_class
+from rollout.partial import PARTIAL_EPISODES, PartialRollouts, PartialStats, step_metrics
 from rollout.prompts import PromptTooLong, fit_prompt
 from rollout.reward_parts import Rewarder
 from rollout.rollouts import (
@@ -56,6 +57,7 @@ from rollout.rollouts import (
     build_rollout,
     evaluate,
 )
+from rollout.rollouts.single_turn import SingleTurn
 from rollout.rollouts.step import Group, build_batch, groups_of, training_records
 from rollout.shards import shard_bounds
 from rollout.teacher import Teacher
@@ -154,6 +156,11 @@ class RolloutManager(EngineWeights):
         """The engines by rank; a lost one's calls go to the others (rollout/engine_pool.py).
         Trainer ranks serving as engines (``owns_engines`` False) are never taken for
         lost: their loss restarts the job."""
+        self.partial = (PartialRollouts(
+            config.n_samples_per_prompt, config.sampling.max_new_tokens, config.chunk_tokens,
+            (1 + config.async_steps) * config.num_prompts_per_rollout,
+            config.staleness_bound) if config.partial_rollout else None)
+        """The samples in flight across steps (rollout.partial_rollout; rollout/partial.py)."""
         self.teacher = config.distillation
         self.estimator = build_estimator(config.advantage)  # a user's class imports here
         if estimator_in_driver and self.estimator.needs_teacher and self.estimator.uses_rewards:
@@ -183,16 +190,21 @@ class RolloutManager(EngineWeights):
         (dynamic sampling fills all of it)."""
         gen_start_time = time.time()  # wall clock: the driver compares it with training's
         num_prompts = self.config.num_prompts_per_rollout
-        dynamic = self.config.dynamic_sampling
         stats = StepStats()
         kept: list[Group] = []
         zero_spread: list[Group] = []
-        for draw in range(dynamic.max_draws if dynamic.enabled else 1):
+        partial_metrics: dict[str, float] = {}
+        for draw in range(self.config.dynamic_sampling.max_draws
+                          if self.config.dynamic_sampling.enabled else 1):
             if len(kept) == num_prompts:
                 break
-            groups = self._play(self._take_prompts(num_prompts - len(kept), stats), step,
-                                draw, stats)
-            if dynamic.enabled:
+            if self.partial is not None:  # the first groups done, from the pool in flight
+                groups, partial_metrics = self._take_partial(num_prompts - len(kept), step,
+                                                             draw, stats, partial_metrics)
+            else:
+                groups = self._play(self._take_prompts(num_prompts - len(kept), stats), step,
+                                    draw, stats)
+            if self.config.dynamic_sampling.enabled:
                 spread, flat = split_by_spread([[s.reward for s in g.samples if s.scored]
                                                 for g in groups])
                 kept += [groups[i] for i in spread]
@@ -201,6 +213,9 @@ class RolloutManager(EngineWeights):
                 kept += groups
         num_filled = num_prompts - len(kept)
         kept += zero_spread[:num_filled]  # max_draws hit: see rollout/dynamic_sampling.py
+        if self.partial is not None:
+            partial_metrics |= step_metrics([s.generation for g in kept for s in g.samples],
+                                            step)
         own_metrics, events = self.rollout.finish(stats, step)  # raises past its limits
         lost = self.pool.take_events()  # engines lost since the last batch (an eval's too)
         events = [*events, *lost]
@@ -225,8 +240,45 @@ class RolloutManager(EngineWeights):
             "rollout/epoch": float(self.cursor.epoch),
             "rollout/gen_start_time": gen_start_time,
             "rollout/gen_end_time": time.time(),
+            **partial_metrics,
         }
         return self._build_batch(kept, metadata, events, step)
+
+    def _take_partial(self, num_groups: int, step: int, draw: int, stats: StepStats,
+                      metrics: dict[str, float]) -> tuple[list[Group], dict[str, float]]:
+        """The first ``num_groups`` groups of the pool in flight to finish
+        (rollout/partial.py), scored; ``draw``: dynamic sampling's take within the step
+        (the first restarts the samples past rollout.max_staleness)."""
+        assert self.partial is not None and isinstance(self.rollout, SingleTurn)
+        started = time.perf_counter()
+        call = PartialStats()
+        stale = self.partial.restart_stale(step) if draw == 0 else 0
+        chunk = self.config.sampling.model_copy(
+            update={"max_new_tokens": self.config.chunk_tokens})
+
+        def decode(contexts: list[list[int]], round_number: int) -> list[Generation]:
+            version = self.weight_version  # a load queues behind this call: one version
+            # seeds from (seed, step, round, rank): every round of the run its own
+            generations = self._generate(contexts, chunk, step, round_number,
+                                         EpisodeTurn(PARTIAL_EPISODES, round_number,
+                                                     last=False))
+            return [dataclasses.replace(g, versions=[version] * len(g.token_ids))
+                    for g in generations]
+
+        taken = self.partial.take(num_groups,
+                                  lambda count: self._take_prompts(count, stats), decode, call)
+        requests = [Request(self.records[g.record], g.prompt_ids, g.record)
+                    for g in taken for _ in g.samples]
+        played = self.rollout.score(requests, [s.generation() for g in taken
+                                               for s in g.samples])
+        played.gen_time_s = time.perf_counter() - started - played.reward_s
+        stats.add(played)
+        stats.gen_tokens += call.decoded_tokens - sum(s.policy_tokens for s in played.samples)
+        return groups_of(played.samples, self.config.n_samples_per_prompt), {
+            "rollout/stale_dropped": metrics.get("rollout/stale_dropped", 0.0) + stale,
+            "rollout/partial_rounds": metrics.get("rollout/partial_rounds", 0.0) + call.rounds,
+            "rollout/in_flight_groups": float(len(self.partial.groups)),
+        }
 
     def _seed(self, step: int | str, draw: int, rank: int) -> int:
         digest = hashlib.sha256(f"{self.seed}:{step}:{draw}:{rank}".encode()).digest()
@@ -430,6 +482,7 @@ class RolloutManager(EngineWeights):
             "weight_version": self.weight_version,
             "seed": self.seed,
             "rewards": self.rewarder.state_dict(),
+            **({"partial": self.partial.state_dict()} if self.partial is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -442,6 +495,9 @@ class RolloutManager(EngineWeights):
         self.next_group_index = int(state["next_group_index"])
         self.weight_version = int(state["weight_version"])
         self.rewarder.load_state_dict(state.get("rewards", {}))
+        if self.partial is not None:  # a checkpoint of a run without: nothing in flight
+            self.partial.load_state_dict(state.get("partial", {
+                "next_admission": 0, "rounds": 0, "groups": []}))
 
     def _reward_actor_list(self) -> list[Any]:
         return [actor for actors in self.reward_actors.values() for actor in actors]

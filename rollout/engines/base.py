@@ -38,17 +38,23 @@ class Generation:
     token_ids   the response, ending with the EOS / stop tokens when finish_reason="stop"
     log_probs   one per token (see the module docstring for the convention)
     finish_reason  "stop" (EOS or stop string), "length" (max_new_tokens) or "abort"
+    versions    the weight version that sampled each token, where a response was
+                continued across weight updates (rollout/partial.py); None: one call's
     """
 
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: FinishReason
+    versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):
             raise ValueError(
                 f"Generation: {len(self.token_ids)} tokens but {len(self.log_probs)} log-probs"
             )
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(
+                f"Generation: {len(self.token_ids)} tokens but {len(self.versions)} versions")
 
 
 @dataclass(frozen=True)

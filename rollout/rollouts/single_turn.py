@@ -16,7 +16,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rollout.engines.base import Generation
-from rollout.reward_parts import Rewarder
+from rollout.reward_parts import Rewarder, RewardScores
 from rollout.rollouts.base import Play, Played, Request, Rollout, Sample, ShardsAsDone, StepStats
 from rollout.tokenizer import decode_responses
 
@@ -49,13 +49,27 @@ class SingleTurn(Rollout):
         pendings = ([pending for *_, pending in shards] if training else
                     [self.rewarder.submit(*self._shard(requests, texts, policy_prompts))])
         scores = self.rewarder.collect(pendings, update_stats=training)
-        samples = [Sample(r.record, r.ids, generation, scores.total[i], texts[i],
-                          {name: values[i] for name, values in scores.parts.items()},
-                          answers={name: answers[i]
-                                   for name, answers in scores.answers.items()})
-                   for i, (r, generation) in enumerate(zip(requests, generations, strict=True))]
-        return Played(samples, gen_time_s=generated - started,
+        return Played(self._samples(requests, generations, texts, scores),
+                      gen_time_s=generated - started,
                       reward_s=time.perf_counter() - generated, scores=scores)
+
+    def score(self, requests: list[Request], generations: list[Generation]) -> Played:
+        """Training samples of responses generated elsewhere (rollout/partial.py: continued
+        over several engine calls), scored in one batch; ``gen_time_s`` is the caller's."""
+        started = time.perf_counter()
+        texts = decode_responses(self.tokenizer, [g.token_ids for g in generations])
+        scores = self.rewarder.collect([self.rewarder.submit(*self._shard(requests, texts, {}))],
+                                       update_stats=True)
+        return Played(self._samples(requests, generations, texts, scores),
+                      reward_s=time.perf_counter() - started, scores=scores)
+
+    @staticmethod
+    def _samples(requests: list[Request], generations: list[Generation], texts: list[str],
+                 scores: RewardScores) -> list[Sample]:
+        return [Sample(r.record, r.ids, generation, scores.total[i], texts[i],
+                       {name: values[i] for name, values in scores.parts.items()},
+                       answers={name: answers[i] for name, answers in scores.answers.items()})
+                for i, (r, generation) in enumerate(zip(requests, generations, strict=True))]
 
     def _shard(self, requests: list[Request], texts: list[str],
                policy_prompts: dict[tuple[int, ...], str]) -> tuple[list[Any], ...]:

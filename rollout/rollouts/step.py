@@ -76,6 +76,8 @@ def build_batch(groups: list[Group], first_group: int, group_size: int, pad_toke
         samples=records,
         truncated=[bool(s.truncated) for s in samples],
         scored=scored,
+        response_versions=([gen.versions for gen in generations]  # type: ignore[misc]
+                           if all(gen.versions is not None for gen in generations) else None),
     )
 
 

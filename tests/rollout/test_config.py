@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -133,3 +134,21 @@ def test_config_and_engine_check_import_neither_torch_nor_ray() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"async_steps": 0}, "partial_rollout: needs rollout.async_steps"),
+    ({"sampling": {"stop": ["x"]}}, "partial_rollout: not with sampling.stop"),
+    ({"max_staleness": 0, "async_steps": 2}, "max_staleness: 0 is below async_steps=2"),
+    ({"partial_chunk_tokens": 5}, "partial_chunk_tokens: 5 does not divide"),
+])
+def test_partial_rollout_errors_name_the_field(extra: dict, field: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(field)):
+        RolloutConfig.model_validate({"partial_rollout": True, "async_steps": 1, **extra})
+
+
+def test_partial_rollout_defaults() -> None:
+    config = RolloutConfig.model_validate({"partial_rollout": True, "async_steps": 2,
+                                           "sampling": {"max_new_tokens": 100}})
+    assert (config.staleness_bound, config.chunk_tokens) == (4, 10)  # 2k; ≤ 100/8, divides
+
