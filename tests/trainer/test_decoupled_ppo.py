@@ -56,8 +56,9 @@ def versioned_batch(seed: int) -> tuple[RolloutBatch, torch.Tensor]:
 def reference_objective(batch: RolloutBatch, theta: torch.Tensor, loss: LossConfig
                         ) -> torch.Tensor:
     """J under sample_mean, (1/N) Σ_i (1/M_i) Σ_t m_it ℓ_it, with ℓ the formula of the
-    module docstring (ppo) or CISPO's −sg(min(r, 1 + ε_h))·A·log π_θ under the same weight,
-    in float64 on the whole batch; log π_θ = log π_prox + θ[token]."""
+    module docstring (ppo), or under the same weight CISPO's −sg(min(r, 1 + ε_h))·A·log π_θ
+    or GSPO's surrogate on s_it = sg(s_i)·π_θ/sg(π_θ), s_i = exp(mean over the sample's
+    valid tokens of log r_t), in float64 on the whole batch; log π_θ = log π_prox + θ[token]."""
     m, adv = batch.loss_mask.to(D), batch.advantages.to(D)
     prox, behaviour = batch.old_log_probs.to(D), batch.rollout_log_probs.to(D)
     log_pi = prox + theta[batch.input_ids]
@@ -65,7 +66,13 @@ def reference_objective(batch: RolloutBatch, theta: torch.Tensor, loss: LossConf
     weight = torch.where(valid, torch.exp(prox - behaviour), 0.0).clamp(max=2.0)
     ratio = torch.exp(torch.where(valid, log_pi - prox, 0.0))
     high = 1 + (loss.eps_clip_high or loss.eps_clip)
-    if loss.policy_loss == "ppo":
+    if loss.policy_loss == "gspo":
+        log_ratio = torch.where(valid, log_pi - prox, 0.0).detach()
+        sequence = torch.exp(log_ratio.sum(-1, keepdim=True)
+                             / valid.sum(-1, keepdim=True).clamp(min=1))
+        own = torch.where(valid, log_pi, 0.0)
+        ratio = sequence * torch.exp(own - own.detach())
+    if loss.policy_loss in ("ppo", "gspo"):
         surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - loss.eps_clip, high) * adv)
     else:
         surrogate = ratio.detach().clamp(max=high) * adv * log_pi
@@ -114,17 +121,22 @@ def matches(got: tuple[torch.Tensor, torch.Tensor],
                                                                           strict=True))
 
 
-@pytest.mark.parametrize("policy_loss", ["ppo", "cispo"])
+@pytest.mark.parametrize(("policy_loss", "eps_clip"), [("ppo", 0.2), ("cispo", 0.2),
+                                                     ("gspo", 0.05)])
 def test_proximal_is_decoupled_ppo_per_token_and_one_weight_per_sample_is_caught(
-        policy_loss: str) -> None:
+        policy_loss: str, eps_clip: float) -> None:
     batch, version = versioned_batch(seed=3)
     valid = batch.loss_mask > 0
     spans = [int(version[i][valid[i]].unique().numel()) for i in range(batch.num_samples)]
     assert max(spans) == 3 and 2 in spans  # samples span two and three versions
     theta = 0.3 * torch.randn(VOCAB, generator=torch.Generator().manual_seed(1), dtype=D)
-    loss = LossConfig(policy_loss=policy_loss, old_log_probs="proximal")
-    ratio = torch.exp(theta[batch.input_ids])[valid]  # r_t = π_θ/π_prox
-    assert ((ratio > 1.2) | (ratio < 0.8)).any() and ((ratio < 1.2) & (ratio > 0.8)).any()
+    loss = LossConfig(policy_loss=policy_loss, old_log_probs="proximal", eps_clip=eps_clip)
+    log_ratio, counted = theta[batch.input_ids], valid  # log r_t = log π_θ/π_prox
+    if policy_loss == "gspo":  # s_i, a sample's
+        log_ratio = torch.where(valid, log_ratio, 0.0).sum(-1) / valid.sum(-1).clamp(min=1)
+        counted = valid.any(-1)
+    inside = (log_ratio.exp() - 1).abs()[counted] < eps_clip
+    assert inside.any() and (~inside).any()  # the clip active on some, not all
     weight = torch.exp(batch.old_log_probs - batch.rollout_log_probs)[valid]
     assert (weight > 2).any() and (weight < 2).any()  # the cap is active on some tokens
     want = value_and_grad(reference_objective, batch, theta, loss)

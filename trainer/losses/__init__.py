@@ -9,7 +9,8 @@ One file per policy loss, its formula in its docstring, chosen by
     importance_sampling.py  REINFORCE weighted by π_θ / π_rollout
     cross_entropy.py        −log π_θ(a_t) (SFT)
     base.py                 the PolicyLoss interface, NaN-safe ratios, per-sample sums
-    rollout_correction.py   the off-policy correction of π_old/π_rollout (tis_cap, IcePop)
+    rollout_correction.py   the off-policy correction of π_old/π_rollout (tis_cap, IcePop),
+                            and decoupled PPO's behaviour weight (old_log_probs: proximal)
     kl.py                   the KL penalty to the reference (k1, k2, k3, low_var_kl)
     log_probs.py            log-probs and entropy of π_T = softmax(z / T)
 
