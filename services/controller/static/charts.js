@@ -138,7 +138,8 @@ const JOB_CHARTS = [
   // rollout.async_steps, rollout.partial_rollout (docs/rollout.md)
   { section: "async", id: "staleness", title: "staleness: weight versions behind the step",
     empty: "no staleness: every rollout sampled from its step's own weights",
-    hint: "partial rollouts: over the step's response tokens, each from its own version",
+    hint: "step − the version that sampled it: each response token's with partial "
+      + "rollouts (mean, max), else the rollout's",
     series: [...TOKEN_STALENESS, ...ROLLOUT_STALENESS], seriesOf: stalenessSeries },
   { section: "async", id: "partial_fraction",
     title: "partial rollouts: share of samples whose tokens span versions", empty: NO_PARTIAL,
