@@ -109,7 +109,35 @@ class RankGroup:
             ).remote(config, objective, model_path, rank, total_steps, **decided)
             for rank in range(config.world_size)
         ]
+        self._worker_kwargs = decided
         self._call(TrainerRank.setup, *self._rendezvous())
+
+    def rebuild(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
+                total_steps: int) -> None:
+        """Verify-only: the same rank processes as a new group of ``config``'s layout
+        (another DP × CP split, packing, prefix of the same world size): each rank leaves
+        its process group and forgets everything (``TrainerRank.rebuild``), then a new
+        rendezvous and ``setup`` build model, optimizer and RNG as a new group's would.
+        ValueError when ``config`` needs other actors (world size, resources, backend)."""
+        if not self.rebuilds_in_place(self.config):
+            raise ValueError(f"trainer: a {self.config.backend} group is not rebuilt in place")
+        fixed = ("world_size", "rank_bundle", "backend")
+        changed = [name for name in fixed
+                   if getattr(config, name) != getattr(self.config, name)]
+        if changed:
+            raise ValueError(f"trainer: a group cannot be rebuilt with another {changed}")
+        self._call(TrainerRank.rebuild, config, objective, model_path, total_steps,
+                   self._worker_kwargs)
+        self.config, self.objective = config, objective
+        self._call(TrainerRank.setup, *self._rendezvous())
+
+    @staticmethod
+    def rebuilds_in_place(config: TrainerConfig) -> bool:
+        """Whether :meth:`rebuild` serves this backend: FSDP's ranks keep all their state
+        on the rank and in torch.distributed's groups; Megatron's model-parallel state
+        lives in module globals (megatron.core.parallel_state) that ``TrainerRank.rebuild``
+        does not tear down, so its groups are started anew."""
+        return config.backend == "fsdp"
 
     @staticmethod
     def _place(config: TrainerConfig) -> PlacementGroup:

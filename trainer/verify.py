@@ -40,6 +40,7 @@ update, on its own ranks (trainer/backends/fsdp/critic.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -53,6 +54,7 @@ from trainer.mini_batches import Update, mini_batch
 from trainer.planted import NOTHING_PLANTED, Planted
 from trainer.step_plan import StepPlan
 from trainer.terms import POLICY_TERMS, terms_of
+from trainer.verify_pool import OnStart, RankPool, run_order
 
 TERMS = {term.name: term.logged for term in POLICY_TERMS}
 """Policy term (trainer/terms.py) -> its logged J."""
@@ -230,26 +232,31 @@ def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: st
                batch: RolloutBatch, layout: Layout, modes: tuple[str, ...],
                updates: list[Update], policy_state: dict[str, torch.Tensor] | None = None,
                planted: Planted = NOTHING_PLANTED, critic: CriticCheck | None = None,
+               pool: RankPool | None = None,
                ) -> tuple[dict[tuple[str, int, str], TermResult], dict[str, torch.Tensor]]:
     """Every (mode, update, term) gradient and J under one layout, from ``policy_state``
     (the perturbed policy; made from the first layout's weights when None). ``critic``:
     the critic's group instead, its ``value`` term (its fresh head needs no
     perturbation: its values are not the returns). ``planted``: the errors this layout's
-    ranks make (a test's; trainer/planted.py), injected into the ranks built here."""
+    ranks make (a test's; trainer/planted.py), injected into the ranks built here.
+    ``pool``: where the ranks come from (trainer/verify_pool.py: a live group of this
+    world size rebuilt, its ranks' state fresh); None: a group of their own, stopped
+    after."""
     import ray
 
-    from trainer.group import CriticGroup, RolloutGroup, TrainerGroup
+    from trainer.group import TrainerGroup
+    from trainer.worker import TrainerRank
 
     config = layout_config(config, layout)
-    group: RolloutGroup = (
-        TrainerGroup(config, objective, model_path, total_steps=len(updates))
-        if critic is None else
-        CriticGroup(config, objective, model_path, total_steps=len(updates),
-                    value_clip=critic.value_clip))
+    own_pool = pool is None
+    pool = RankPool() if pool is None else pool
     terms = CRITIC_TERMS if critic is not None else TERMS
     try:
-        if planted:  # the verify-only verb, before any step
-            ray.get([rank.plant.remote(planted) for rank in group.workers])
+        group = pool.group(config, objective, model_path, total_steps=len(updates),
+                           critic=critic is not None,
+                           value_clip=critic.value_clip if critic is not None else None)
+        if planted:  # the verify-only verb, before any step (bounded, as every verb)
+            group.call_each(TrainerRank.plant, [(planted,)] * len(group.workers))
         if policy_state is None:
             policy_state = ray.get(group.async_export_weights())
             policy_state = policy_state if critic is not None else perturbed(policy_state)
@@ -271,7 +278,8 @@ def run_layout(config: TrainerConfig, objective: ObjectiveConfig, model_path: st
                 group.train(mini)
         return results, policy_state
     finally:
-        group.shutdown()
+        if own_pool:
+            pool.close()
 
 
 def compare(ref: TermResult, got: TermResult, rtol: float, atol: float
@@ -298,14 +306,16 @@ def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path
                    modes: tuple[str, ...] | None = None,
                    tolerance: tuple[float, float] | None = None,
                    planted: Mapping[str, Planted] | None = None,
-                   updates: list[Update] | None = None, critic: CriticCheck | None = None
-                   ) -> list[Row]:
+                   updates: list[Update] | None = None, critic: CriticCheck | None = None,
+                   on_start: OnStart | None = None) -> list[Row]:
     """Rows of (layout, mode, update, term) against the first layout. ``modes``: default
     :func:`checked_modes`; ``updates`` splits the rollout (default: one update on the
     whole batch); ``planted``: {layout name: the errors its ranks make}, a test's
     (trainer/planted.py). ``critic`` (PPO with a critic): the reference
     critic's values make each layout's batch (GAE, its own whitening reduction), and the
-    critic's ``value`` term is compared too, after the policy's."""
+    critic's ``value`` term is compared too, after the policy's. The ranks of one role
+    and world size are started once and rebuilt for each of its layouts (a
+    trainer/verify_pool.py ``RankPool``; ``on_start`` hears of each group it starts)."""
     config = verification_config(config)
     modes = modes or checked_modes(objective)
     rtol, atol = tolerance or default_tolerance(config)
@@ -314,53 +324,60 @@ def verify_layouts(config: TrainerConfig, objective: ObjectiveConfig, model_path
     if unknown:  # errors planted where nothing runs would let the check pass
         raise ValueError(f"planted: layout(s) {unknown} not among the layouts compared")
     updates = updates or [Update(0, 0, list(range(batch.num_samples)))]
-    batches = {str(layout): batch for layout in layouts}
-    critic_config = None
-    if critic is not None:
-        critic_config = verification_config(critic.config).model_copy(
-            update={"loss": critic.config.loss})  # no reference model for a critic
-        values = critic_values(critic_config, critic, layouts[0], batch)
-        batches = {str(layout): critic.batch_for_layout(layout, values) for layout in layouts}
+    order = run_order([layout.dp_size * layout.cp_size for layout in layouts])
 
-    def against_reference(config: TrainerConfig, objective: ObjectiveConfig,
+    def against_reference(pool: RankPool, config: TrainerConfig, objective: ObjectiveConfig,
                           model_path: str, modes: tuple[str, ...],
                           batch_of: Callable[[Layout], RolloutBatch],
                           critic: CriticCheck | None = None) -> list[Row]:
         """Every later layout's (mode, update, term) against the first layout's, from
-        the first layout's weights."""
-        def run(layout: Layout, state: dict[str, torch.Tensor] | None = None
-                ) -> tuple[dict[tuple[str, int, str], TermResult], dict[str, torch.Tensor]]:
-            return run_layout(config, objective, model_path, batch_of(layout), layout, modes,
-                              updates, state, planted.get(str(layout), NOTHING_PLANTED),
-                              critic=critic)
+        the first layout's weights; run in :func:`run_order`, listed in the given one."""
+        reference: dict[tuple[str, int, str], TermResult] = {}
+        state: dict[str, torch.Tensor] | None = None
+        rows: dict[int, list[Row]] = {}
+        for index in order:
+            layout = layouts[index]
+            got, state = run_layout(config, objective, model_path, batch_of(layout), layout,
+                                    modes, updates, state,
+                                    planted.get(str(layout), NOTHING_PLANTED), critic, pool)
+            if index == 0:
+                reference = got
+                continue
+            rows[index] = [Row(str(layout), mode, update, term,
+                               *compare(reference[mode, update, term], result, rtol, atol))
+                           for (mode, update, term), result in got.items()]
+        return [row for index in range(1, len(layouts)) for row in rows[index]]
 
-        reference, state = run(layouts[0])
-        return [Row(str(layout), mode, update, term,
-                    *compare(reference[mode, update, term], got, rtol, atol))
-                for layout in layouts[1:]
-                for (mode, update, term), got in run(layout, state)[0].items()]
-
-    rows = against_reference(config, objective, model_path, modes,
-                             lambda layout: batches[str(layout)])
-    if critic is None or critic_config is None:
-        return rows
-    trained = batches[str(layouts[0])]  # the returns do not depend on the whitening
-    return rows + against_reference(
-        critic_config, critic.objective, critic.model_path,
-        tuple(m for m in modes if m != CUSTOM_MODE), lambda _: trained, critic)
+    with RankPool(on_start) as pool:
+        critic_rows: list[Row] = []
+        batches = {str(layout): batch for layout in layouts}
+        if critic is not None:  # first: the reference critic's group serves its layout too
+            critic_config = verification_config(critic.config).model_copy(
+                update={"loss": critic.config.loss})  # no reference model for a critic
+            values = critic_values(critic_config, critic, layouts[0], batch, pool)
+            batches = {str(layout): critic.batch_for_layout(layout, values)
+                       for layout in layouts}
+            trained = batches[str(layouts[0])]  # the returns do not depend on the whitening
+            critic_rows = against_reference(
+                pool, critic_config, critic.objective, critic.model_path,
+                tuple(m for m in modes if m != CUSTOM_MODE), lambda _: trained, critic)
+        rows = against_reference(pool, config, objective, model_path, modes,
+                                 lambda layout: batches[str(layout)])
+    return rows + critic_rows
 
 
 def critic_values(config: TrainerConfig, critic: CriticCheck, layout: Layout,
-                  batch: RolloutBatch) -> torch.Tensor:
-    """The critic's values [N, S] of the rollout ``batch`` under ``layout`` (no update)."""
+                  batch: RolloutBatch, pool: RankPool | None = None) -> torch.Tensor:
+    """The critic's values [N, S] of the rollout ``batch`` under ``layout`` (no update),
+    from ``pool``'s ranks (None: a group of its own, stopped after)."""
     from trainer.group import CriticGroup
 
-    group = CriticGroup(layout_config(config, layout), critic.objective, critic.model_path,
-                        total_steps=1, value_clip=critic.value_clip)
-    try:
+    with RankPool() if pool is None else contextlib.nullcontext(pool) as ranks:
+        group = ranks.group(layout_config(config, layout), critic.objective,
+                            critic.model_path, total_steps=1, critic=True,
+                            value_clip=critic.value_clip)
+        assert isinstance(group, CriticGroup)  # the pool's critic group
         return group.values(batch)
-    finally:
-        group.shutdown()
 
 
 def format_rows(rows: list[Row]) -> list[str]:

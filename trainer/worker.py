@@ -5,6 +5,7 @@
     setup(addr, port) ──► all ranks ── _join_process_group ────────► setup (model, optimizer)
     checkpoint ─────────► all ranks ── save_checkpoint (+ memory)
     export_with_receipt ► all ranks ── export_weights (tests, verify, a state-dict copy)
+    rebuild ────────────► all ranks ── leave the group, forget all, __init__ (verify's pool)
 
 Ranks are roles. :class:`TrainerRank` is the base: build, step the optimizer, save and
 load shards, weights in and out, memory. A role is a small head that owns its model's
@@ -28,6 +29,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import gc
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -109,6 +111,25 @@ class TrainerRank(abc.ABC):
         on a rank of the first DP×CP shard, every TP rank of it included)."""
         self.planted = rank_planted(planted, first_shard=self.dp_rank == 0
                                     and self.cp_rank == 0)
+
+    def rebuild(self, config: TrainerConfig, objective: ObjectiveConfig, model_path: str,
+                total_steps: int, role_kwargs: dict[str, Any]) -> None:
+        """Verify-only: become a new rank of another layout of the same world size in this
+        process (the verifier's pool, trainer/verify.py), sparing the process start and
+        its imports. Leaves the process group and every subgroup of the last layout and
+        forgets everything this rank built or was planted with (every attribute, then
+        ``__init__`` anew with ``role_kwargs``, the role's), so the group's next
+        ``rendezvous_address`` and ``setup`` build it as in a new actor."""
+        if dist.is_initialized():
+            dist.destroy_process_group()  # the world group and every subgroup made from it
+        rank = self.rank
+        for name in list(vars(self)):
+            delattr(self, name)
+        gc.collect()  # the last layout's model and optimizer, before the next is built
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        type(self).__init__(self, config, objective, model_path, rank, total_steps,
+                            **role_kwargs)
 
     def checkpoint(self, path: str) -> dict[str, float]:
         """Collective: ``save_checkpoint``; this rank's time and peak memory."""

@@ -72,7 +72,7 @@ def draw_rollout(job: JobConfig, model_path: str) -> RolloutBatch:
     import ray
 
     from rollout.manager import RolloutManagerActor
-    from services.runtime.gang import start_rollout_actors
+    from services.runtime.gang import count_starts, start_rollout_actors
 
     rollout = spread_rollout(job.rollout)
     actors = start_rollout_actors(rollout, model_path)
@@ -80,6 +80,7 @@ def draw_rollout(job: JobConfig, model_path: str) -> RolloutBatch:
         manager = RolloutManagerActor.remote(
             rollout, model_path, engines=actors.engines, owns_engines=True,
             teachers=actors.teachers, reward_actors=actors.reward_actors)
+        count_starts("manager")
         try:
             return ray.get(manager.generate_batch.remote(0))
         finally:
@@ -95,7 +96,7 @@ def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None
     (``echo``); 0 when every row is within tolerance, else 1. ``planted``: {layout: the
     errors its ranks make} (a test's; trainer/planted.py)."""
     from services.driver.job import job_model_path
-    from services.runtime.gang import ray_started
+    from services.runtime.gang import count_starts, ray_started
     from services.runtime.quiet import quiet_transformers
     from services.verify.critic import critic_check
     from trainer.mini_batches import rollout_updates
@@ -122,7 +123,8 @@ def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None
         echo(f"{len(updates)} optimizer step(s) per rollout, each compared")
         rows = verify_layouts(job.trainer, job.objective_config(), model_path, batch, layouts,
                               tolerance=tolerance, planted=planted, updates=updates,
-                              critic=critic_check(job, model_path, batch, planted))
+                              critic=critic_check(job, model_path, batch, planted),
+                              on_start=count_starts)
         for line in format_rows(rows):
             echo(line)
         failed = [row for row in rows if not row.ok]

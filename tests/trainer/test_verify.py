@@ -14,6 +14,7 @@ import torch
 
 from rollout.tiny import create_tiny_checkpoint
 from services.config.job import load_job_config
+from services.runtime.gang import ACTOR_STARTS_ENV
 from services.verify.aggregation import parse_layouts, planted_by_layout, verify_aggregation
 from services.verify.critic import whitened_for_layout
 from tests.trainer.helpers import random_train_batch
@@ -98,6 +99,68 @@ def test_every_update_of_a_rollout_matches_across_layouts(ray_cluster: None, tin
     bad = [r for r in rows if not r.ok]
     assert not bad, bad[:3]
     assert max(r.grad_rel for r in rows) < 1e-9  # float64: rounding only
+
+
+@pytest.mark.slow  # two groups of two ranks on Ray actors
+def test_a_rebuilt_group_equals_a_fresh_one_and_keeps_no_planted_error(
+        ray_cluster: None, tiny_model: str) -> None:
+    """The verifier's pool (trainer/verify_pool.py) rebuilds a live group's ranks in their
+    processes for the next layout of the same world size. After a layout that planted
+    ×2 on rank 0's pg and every rank's own-token normalisation and took two AdamW steps
+    (weights, moments, schedule moved), the same two processes rebuilt as CP=2 give
+    exactly, bit for bit, the J and ∇J of a fresh CP=2 group: no weight, optimizer state,
+    schedule, process group or planted error of the last layout survives. The planted
+    layout did make its errors (its pg rows are far from CP=2's), and the pool started
+    one group for both."""
+    from transformers import AutoConfig
+
+    from trainer.mini_batches import rollout_updates
+    from trainer.verify import layout_config, run_layout, verification_config
+    from trainer.verify_pool import RankPool
+
+    rollout = random_train_batch(AutoConfig.from_pretrained(tiny_model).vocab_size,
+                                 num_prompts=8, group_size=2, seed=3, per_token=True)
+    updates = rollout_updates(rollout, samples_per_step=8, num_epochs=1, seed=0,
+                              rollout_index=0)
+    assert len(updates) == 2  # an optimizer step between them, in every layout
+    config = verification_config(CONFIG.model_copy(
+        update={"optimizer": OptimizerConfig(type="adamw", lr=0.05)}))
+    modes = ("token_mean",)
+    planted = parse_planted("pg,local_tokens")
+
+    def run(layout: Layout, state: dict[str, torch.Tensor] | None, errors: Planted,
+            pool: RankPool | None) -> tuple[dict, dict[str, torch.Tensor]]:
+        return run_layout(config, OBJECTIVE, tiny_model, rollout, layout, modes, updates,
+                          state, errors, pool=pool)
+
+    with RankPool() as pool:
+        wrong, state = run(Layout(2, 1, packed=True), None, planted, pool)
+        rebuilt, _ = run(Layout(1, 2, packed=True), state, NOTHING_PLANTED, pool)
+    assert (pool.groups_started, pool.ranks_started) == ({"policy": 1}, {"policy": 2})
+    assert layout_config(config, Layout(1, 2)).world_size == 2
+    fresh, _ = run(Layout(1, 2, packed=True), state, NOTHING_PLANTED, None)
+    assert rebuilt.keys() == fresh.keys() == {
+        ("token_mean", u, t) for u in (0, 1) for t in ("pg", "kl", "entropy")}
+    for key, got in rebuilt.items():
+        assert (got.value, got.magnitude) == (fresh[key].value, fresh[key].magnitude), key
+        assert got.gradients.keys() == fresh[key].gradients.keys()
+        for name, grad in got.gradients.items():
+            assert torch.equal(grad, fresh[key].gradients[name]), (key, name)
+    for update in (0, 1):  # the planted layout made its errors: ×2 on pg is large
+        *_, grad_rel, _, _, ok = compare(fresh["token_mean", update, "pg"],
+                                         wrong["token_mean", update, "pg"], 1e-7, 1e-7)
+        assert not ok and grad_rel > 0.01, (update, grad_rel)
+
+
+def test_the_pool_runs_each_world_size_together_the_reference_first() -> None:
+    """One group per world size: the reference, the rest of its size in their order, then
+    each other size, smallest first (the demo's planted-error layouts: sizes 1, 2, 3, 2,
+    2 run as 1, 2, 2, 2, 3)."""
+    from trainer.verify_pool import run_order
+
+    assert run_order([1, 2, 3, 2, 2]) == [0, 1, 3, 4, 2]
+    assert run_order([2, 1, 2, 4, 1]) == [0, 2, 1, 4, 3]
+    assert run_order([1]) == [0]
 
 
 def test_tolerance_scales_with_the_terms_own_magnitude() -> None:
@@ -212,7 +275,8 @@ def _verified(config: str, layouts: str, overrides: list[str],
 
 @pytest.mark.slow  # the demo's warm start and four layouts on Ray actors
 def test_verify_aggregation_exits_1_on_each_planted_error(
-        ray_cluster: None, shared_data_dir: Path) -> None:
+        ray_cluster: None, shared_data_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """One run of the README's command (demo.yaml, a 16-sample rollout, one micro-batch per
     rank), each planted error in a layout of its own against padded DP=1; the command
     exits 1 on any failed row, and each layout's rows fail where its error is:
@@ -235,9 +299,14 @@ def test_verify_aggregation_exits_1_on_each_planted_error(
     over the ranks, and a rank holding only groups with equal rewards has no pg gradient
     to double.
     """
+    starts = tmp_path / "actor_starts"
+    monkeypatch.setenv(ACTOR_STARTS_ENV, str(starts))
     code, output = _verified("demo.yaml", ",".join(["dp1cp1-padded", *PLANTS]),
                              ["rollout.global_batch_size=16"], PLANTS)
     assert code == 1, output
+    # one group per world size (1, 2, 3), rebuilt for dp1cp2 and dp2cp1-prefix: 6 policy
+    # ranks started where a group per layout started 1 + 2 + 3 + 2 + 2 = 10
+    assert starts.read_text().splitlines().count("policy") == 6
     header = next(line for line in output.splitlines() if line.startswith("layout"))
     assert header.split() == ["layout", "mode", "update", "term", "|Δgrad|", "rel", "|ΔJ|",
                               "rel", "result"]
