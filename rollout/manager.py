@@ -469,6 +469,13 @@ class RolloutManager(EngineWeights):
         self.pool.replace(rank, engine, self.config.call_timeout_s)
         return self.weight_version
 
+    def plant(self, planted: frozenset[str]) -> None:
+        """A verifier's planted errors for the pool in flight (rollout/partial.py); a
+        verify-only verb, as ``TrainerRank.plant``: production never calls it."""
+        if self.partial is None:
+            raise ValueError("plant: this manager has no partial rollouts to plant in")
+        self.partial.planted = frozenset(planted)
+
     # -- state, lifetime (the weight verbs: rollout/engine_weights.py) -----------------
 
     def ping(self) -> int:

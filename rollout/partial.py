@@ -41,6 +41,12 @@ from typing import Any
 
 from rollout.engines.base import FinishReason, Generation
 
+PLANTED_ONE_VERSION = "one_version_per_sample"
+"""A verifier's planted error (trainer/planted.py), never production's: a continued
+sample's tokens all tagged with the version of its first token, as if a sample had one
+version; the verifier's check of each token's behaviour log-prob against its version's
+weights must catch it (services/verify/partial.py)."""
+
 PARTIAL_EPISODES = "partial"
 """The EpisodeTurn set the rounds' engine calls name, so the torch engine keeps each
 row's KV from one round to the next (rollout/engines/prefix_cache.py)."""
@@ -111,6 +117,8 @@ class PartialRollouts:
         self.next_admission = 0
         self.rounds = 0
         """Rounds played so far, every step's: the turn number of the engines' kept KV."""
+        self.planted: frozenset[str] = frozenset()
+        """A verifier's planted errors (:data:`PLANTED_ONE_VERSION`); empty in production."""
 
     def take(self, num_groups: int, admit: Admit, decode: Decode,
              stats: PartialStats) -> list[InFlightGroup]:
@@ -163,6 +171,8 @@ class PartialRollouts:
                                f"{len(active)} samples in flight")
         for (_, sample), generation in zip(active, generations, strict=True):
             version = _version_of(generation)
+            if PLANTED_ONE_VERSION in self.planted and sample.versions:
+                version = sample.versions[0]
             sample.tokens += generation.token_ids
             sample.log_probs += generation.log_probs
             sample.versions += [version] * len(generation.token_ids)

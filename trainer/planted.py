@@ -33,6 +33,10 @@ value loss. Production never calls ``plant``: every rank's set is ``NOTHING_PLAN
                           tokens it holds); the FSDP backend, which computes log-probs
                           at the loss mask's positions only, computes them there too
                           (``objective.planted_loss_mask``)
+    one_version_per_sample  partial rollouts: a continued sample's tokens all tagged with
+                          its first token's weight version (planted in the rollout
+                          manager's pool, rollout/partial.py; the verifier's check of each
+                          token's behaviour log-prob against its version catches it)
 
 Rank 0 is the one that owns the first DP×CP shard (every TP rank of it on Megatron).
 """
@@ -56,6 +60,7 @@ class PlantedError(StrEnum):
     ENTROPY_COEFFICIENT = "entropy_coefficient"
     PREFIX_MASK = "prefix_mask"
     OBSERVATION_TOKENS = "observation_tokens"
+    ONE_VERSION_PER_SAMPLE = "one_version_per_sample"
 
 
 Planted = frozenset[PlantedError]
