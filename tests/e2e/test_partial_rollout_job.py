@@ -13,14 +13,15 @@ import pytest
 @pytest.mark.slow  # two jobs
 def test_a_partial_rollout_job_resumes_exactly_with_samples_in_flight(
         ray_cluster: None, tmp_path: Path) -> None:
-    """The clean job's layout with partial rollouts, one rollout asked for ahead and a
-    pause every 2 tokens: stopped after step 1 and resumed, it trains bit for bit what
+    """The clean job with partial rollouts on one trainer rank, one rollout asked for
+    ahead and a pause every 2 tokens: stopped after step 1 and resumed, it trains bit for bit what
     the uninterrupted run does; some step trains samples whose tokens span two weight
     versions, none older than rollout.max_staleness."""
     from tests.services.driver.clean_run import assert_resumes_exactly, clean_config, rows
 
     config = clean_config("rollout.async_steps=1", "rollout.partial_rollout=true",
-                          "rollout.partial_chunk_tokens=2", "num_steps=3")
+                          "rollout.partial_chunk_tokens=2", "num_steps=3",
+                          "trainer.dp_size=1")
     whole = assert_resumes_exactly(config, tmp_path)
     metrics = [r["metrics"] for r in rows(whole / "metrics.jsonl")]
     assert max(m["rollout/partial_fraction"] for m in metrics) > 0
