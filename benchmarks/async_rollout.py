@@ -32,11 +32,17 @@ Per run, over the steps after the first (the first pays for start-up):
                                           and so may train another mix of the two kinds
 
 and ``PARTIAL_SPEEDUP <x>``: the synchronous run's wall time per trained sample over the
-partial run's. ``--chunks`` adds a partial run for each partial_chunk_tokens value (the
-pause granularity), ``--staleness`` one for each rollout.max_staleness value.
+partial run's (its config's defaults: partial_chunk_tokens 32 / 8 = 4, max_staleness
+2 · async_steps = 2). Both knobs matter here, so by default the script also runs a sweep:
+``--chunks`` adds a partial run for each partial_chunk_tokens value (the pause
+granularity: a long response needs 28 / C rounds), ``--staleness`` one for each
+rollout.max_staleness value (a sample whose oldest token is older is restarted from its
+prompt; with one round per step a long response needs about 28 / C steps); each prints
+its own speed-up line beside PARTIAL_SPEEDUP. ``--chunks '' --staleness ''`` runs the
+three modes only.
 
     .venv/bin/python benchmarks/async_rollout.py [--steps 100] [--prompts 8] [--group 8]
-        [--long 24] [--warm-steps 150] [--chunks 4] [--staleness 2] [--set key=value ...]
+        [--long 24] [--warm-steps 150] [--chunks 8,16] [--staleness 4,8] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -294,14 +300,13 @@ def print_tables(runs: list[Run], start: dict[str, tuple[float, float, int]]) ->
           "spanning two versions or more; stale: mean token staleness; dropped: samples "
           "restarted past max_staleness, all steps; gen overlap: share of generation "
           "hidden behind training)")
-    print("\nlearning curve: mean reward of the trained copy / repeat samples per block, "
-          "repeat share of the trained samples")
-    print(f"{'steps':>5} {'samples':>7}  " + "  ".join(f"{r.name:>24}" for r in runs))
+    print("\nlearning curve: mean reward of the trained copy/repeat samples per block of "
+          "steps, and the repeat share of them")
+    print(f"{'steps':>5} {'samples':>7} " + " ".join(f"{r.name:>17}" for r in runs))
     for i, block in enumerate(runs[0].curve):
         cells = [r.curve[i] for r in runs]
-        print(f"{block['steps']:>5} {block['samples']:>7}  " + "  ".join(
-            f"{c['copy']:>7.3f} / {c['repeat']:>5.3f} ({c['repeat_share']:>4.0%})"
-            for c in cells))
+        print(f"{block['steps']:>5} {block['samples']:>7} " + " ".join(
+            f"{c['copy']:>7.2f}/{c['repeat']:.2f} {c['repeat_share']:>3.0%}" for c in cells))
     print("\nheld-out exact match, 8 samples at T=1 per prompt (± binomial standard error)")
     print(f"{'':<{width}} {'copy':>15} {'repeat':>15}")
     for name, final in [("start", start), *((r.name, r.final) for r in runs)]:
@@ -320,12 +325,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warm-steps", type=int, default=150,
                         help="SFT steps of the warm start on the mixture")
-    parser.add_argument("--chunks", default="",
+    parser.add_argument("--chunks", default="8,16",
                         help="partial_chunk_tokens values (divisors of 32), a partial run "
-                             "each; empty: the config's default (32 / 8 = 4)")
-    parser.add_argument("--staleness", default="",
-                        help="rollout.max_staleness values, a partial run each; empty: "
-                             "the default (2 · async_steps)")
+                             "each beside the default one (C = 32 / 8 = 4); empty: none")
+    parser.add_argument("--staleness", default="4,8",
+                        help="rollout.max_staleness values, a partial run each beside the "
+                             "default one (2 · async_steps = 2); empty: none")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
