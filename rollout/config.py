@@ -528,8 +528,11 @@ class RolloutConfig(BaseModel):
     its behaviour log-prob (docs/rollout.md, "Partial rollouts")."""
     max_staleness: int | None = Field(default=None, ge=0)
     """With partial_rollout: versions a sample's oldest token may be behind the step it
-    trains in; a sample older is regenerated from its prompt (``rollout/stale_dropped``).
-    None: 2 · async_steps. At least async_steps (the engines' own lag)."""
+    trains in; a group holding an older one is dropped from the pool and a new prompt
+    takes its place (``rollout/stale_dropped``, in samples). At least async_steps (the
+    engines' own lag). None: async_steps − 1 + max_new_tokens / partial_chunk_tokens, the
+    least that lets every response end in time (a sample gains ≥ one chunk a step), so
+    none is dropped; a smaller bound drops the groups of the longest responses."""
     partial_chunk_tokens: int | None = Field(default=None, gt=0)
     """With partial_rollout: tokens each unfinished sample decodes per engine call (the
     granularity of a pause); a divisor of sampling.max_new_tokens. None: the largest
@@ -568,8 +571,12 @@ class RolloutConfig(BaseModel):
 
     @property
     def staleness_bound(self) -> int:
-        """max_staleness, or its default 2 · async_steps."""
-        return self.max_staleness if self.max_staleness is not None else 2 * self.async_steps
+        """max_staleness, or its default async_steps − 1 + max_new_tokens / chunk_tokens
+        (rollout/partial.py: the least with which no response starves)."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return max(self.async_steps,
+                   self.async_steps - 1 + self.sampling.max_new_tokens // self.chunk_tokens)
 
     @property
     def chunk_tokens(self) -> int:

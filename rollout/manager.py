@@ -248,11 +248,11 @@ class RolloutManager(EngineWeights):
                       metrics: dict[str, float]) -> tuple[list[Group], dict[str, float]]:
         """The first ``num_groups`` groups of the pool in flight to finish
         (rollout/partial.py), scored; ``draw``: dynamic sampling's take within the step
-        (the first restarts the samples past rollout.max_staleness)."""
+        (the first drops the groups past rollout.max_staleness)."""
         assert self.partial is not None and isinstance(self.rollout, SingleTurn)
         started = time.perf_counter()
         call = PartialStats()
-        stale = self.partial.restart_stale(step) if draw == 0 else 0
+        stale = self.partial.drop_stale(step) if draw == 0 else 0
         chunk = self.config.sampling.model_copy(
             update={"max_new_tokens": self.config.chunk_tokens})
 

@@ -4,16 +4,22 @@ whole groups that finish first (``rollout.partial_rollout``, with ``async_steps`
     in flight: (1 + k) · P groups (P: the rollout's prompts), each sample with its tokens
                so far, their behaviour log-probs and the weight version of each token
     the call for step s, under the manager's weights v:
-      1. a sample whose oldest token is older than s − max_staleness starts again from its
-         prompt (counted: ``rollout/stale_dropped``)
+      1. a group holding a token older than s − max_staleness leaves the pool (counted in
+         samples: ``rollout/stale_dropped``); by default none does (below)
       2. round r: the pool is topped up from the cursor, then every unfinished sample
          decodes up to C = partial_chunk_tokens more tokens (one engine call; the context is
          its prompt + its tokens so far; seeds from (seed, s, r, engine rank), r counting
          every round of the run). Its new tokens are version v. A group whose last sample
          ended is done at round r.
-      3. rounds until P groups are done; the step takes the first P (by round, then by
+      3. rounds until P groups are done (and one at least, so every unfinished sample
+         gains ≥ C tokens a call); the step takes the first P (by round, then by
          admission) and the rest wait for the next step; unfinished samples pause at this
          token boundary and go on under the weights the next call has.
+
+A sample whose first token came at call s (weights s − k) may still be in flight at call
+s − k + max_staleness; gaining ≥ C tokens a call, it ends in time when max_staleness ≥
+k − 1 + max_new_tokens / C, the default: no group is ever dropped for staleness, and none
+starves (a bound below that drops the groups of responses that cannot end in time).
       dynamic sampling on the stream: the groups taken are scored, those without reward
       spread set aside and as many more taken (more rounds), max_draws takes in all;
       set-aside groups then fill in (rollout/manager.py).
@@ -122,28 +128,35 @@ class PartialRollouts:
 
     def take(self, num_groups: int, admit: Admit, decode: Decode,
              stats: PartialStats) -> list[InFlightGroup]:
-        """The first ``num_groups`` groups done (rounds played until that many are),
+        """The first ``num_groups`` groups done (rounds played until that many are, and at
+        least one while a sample is unfinished, so every sample gains ≥ C tokens a call),
         removed from the pool."""
-        while len(done := self._done()) < num_groups:
+        # A round number skipped: the engines drop the KV kept by the last take's rounds
+        # (rollout/engines/prefix_cache.py drops an entry two turns old), so each call
+        # prefills its contexts afresh, as a resumed run's first call must (its engines
+        # kept nothing): bit for bit, even when no weight load came between two calls.
+        self.rounds += 1
+        played = False
+        while len(done := self._done()) < num_groups or (not played and any(
+                s.finish is None for g in self.groups for s in g.samples)):
             self._top_up(admit, stats)
             self._round(decode, stats)
+            played = True
         taken = done[:num_groups]
         chosen = {id(g) for g in taken}
         self.groups = [g for g in self.groups if id(g) not in chosen]
         return taken
 
-    def restart_stale(self, step: int) -> int:
-        """Every sample whose oldest token is older than step − max_staleness starts again
-        from its prompt (its group is no longer done); returns how many did."""
+    def drop_stale(self, step: int) -> int:
+        """Every group holding a token older than step − max_staleness leaves the pool (a
+        new group takes its place); returns how many samples went. With the default bound
+        none ever does: a sample gains ≥ C tokens each call, so it ends in time
+        (rollout/config.py ``staleness_bound``)."""
         oldest_allowed = step - self.max_staleness
-        restarted = 0
-        for group in self.groups:
-            for i, sample in enumerate(group.samples):
-                if sample.versions and sample.versions[0] < oldest_allowed:
-                    group.samples[i] = InFlight()
-                    group.done_round = None
-                    restarted += 1
-        return restarted
+        stale = [g for g in self.groups
+                 if any(s.versions and s.versions[0] < oldest_allowed for s in g.samples)]
+        self.groups = [g for g in self.groups if g not in stale]
+        return sum(len(g.samples) for g in stale)
 
     def _done(self) -> list[InFlightGroup]:
         return sorted((g for g in self.groups if g.done_round is not None),
@@ -190,14 +203,16 @@ class PartialRollouts:
     # -- what a checkpoint keeps -------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The pool as JSON data (log-probs are Python floats: exact through JSON)."""
+        """The pool as JSON data (log-probs are Python floats: exact through JSON), copied:
+        the pool's own lists grow in place as it decodes."""
         return {
             "next_admission": self.next_admission,
             "rounds": self.rounds,
-            "groups": [{"record": g.record, "prompt_ids": g.prompt_ids,
+            "groups": [{"record": g.record, "prompt_ids": list(g.prompt_ids),
                         "admitted": g.admitted, "done_round": g.done_round,
-                        "samples": [{"tokens": s.tokens, "log_probs": s.log_probs,
-                                     "versions": s.versions, "finish": s.finish}
+                        "samples": [{"tokens": list(s.tokens),
+                                     "log_probs": list(s.log_probs),
+                                     "versions": list(s.versions), "finish": s.finish}
                                     for s in g.samples]}
                        for g in self.groups],
         }

@@ -150,5 +150,6 @@ def test_partial_rollout_errors_name_the_field(extra: dict, field: str) -> None:
 def test_partial_rollout_defaults() -> None:
     config = RolloutConfig.model_validate({"partial_rollout": True, "async_steps": 2,
                                            "sampling": {"max_new_tokens": 100}})
-    assert (config.staleness_bound, config.chunk_tokens) == (4, 10)  # 2k; ≤ 100/8, divides
+    # chunk: the largest divisor of 100 ≤ 100/8; staleness: k − 1 + 100/10 (none starves)
+    assert (config.chunk_tokens, config.staleness_bound) == (10, 11)
 

@@ -88,7 +88,7 @@ def with_critic_and_teacher(rows: list[dict]) -> list[dict]:
 def partial_metrics(step: int) -> dict[str, float]:
     """Step ``step``'s metrics of an asynchronous job with partial rollouts (k = 2): its
     rollout's staleness, its tokens' (mean, max), the share of samples spanning versions
-    and those regenerated as stale; values uPlot's legend writes exactly."""
+    and those dropped as stale; values uPlot's legend writes exactly."""
     return {"rollout/staleness": float(min(step, 2)),
             "rollout/staleness_max": float(min(step, 2)),
             "rollout/staleness_mean": 0.375 * min(step, 2),
@@ -251,7 +251,7 @@ def test_job_page_draws_every_chart_with_points(dashboard, page) -> None:
     assert "explained variance" in tab.locator('[data-chart="critic_fit"] .u-legend').inner_text()
     # Asynchrony: staleness over the step's tokens (mean, max; the rollout's own, which
     # they refine, not beside them), the share spanning versions (axis in [0, 1]), the
-    # samples regenerated; each value where the step is hovered is the row's.
+    # samples dropped; each value where the step is hovered is the row's.
     assert (points_of(tab, "staleness"), tab.get_attribute('[data-chart="staleness"]',
                                                            "data-series")) == (80, "2")
     for step in (0, 1, 22, 39):
@@ -263,7 +263,7 @@ def test_job_page_draws_every_chart_with_points(dashboard, page) -> None:
             "step": str(step),
             "spanning versions": f"{logged['rollout/partial_fraction']:g}"}, step
         assert legend_at(tab, "stale_dropped", step, (0, 39)) == {
-            "step": str(step), "regenerated": f"{logged['rollout/stale_dropped']:g}"}, step
+            "step": str(step), "dropped": f"{logged['rollout/stale_dropped']:g}"}, step
     assert float(tab.get_attribute('[data-chart="partial_fraction"]', "data-y-max")) <= 1.0
     covered, width = tab.evaluate(BLUE_COLUMNS, '[data-chart="eval"]')
     assert covered > width / 2, (covered, width)
