@@ -33,13 +33,14 @@ Per run, over the steps after the first (the first pays for start-up):
 
 and ``PARTIAL_SPEEDUP <x>``: the synchronous run's wall time per trained sample over the
 partial run's (its config's defaults: partial_chunk_tokens 32 / 8 = 4, max_staleness
-2 · async_steps = 2). Both knobs matter here, so by default the script also runs a sweep:
-``--chunks`` adds a partial run for each partial_chunk_tokens value (the pause
-granularity: a long response needs 28 / C rounds), ``--staleness`` one for each
-rollout.max_staleness value (a sample whose oldest token is older is restarted from its
-prompt; with one round per step a long response needs about 28 / C steps); each prints
-its own speed-up line beside PARTIAL_SPEEDUP. ``--chunks '' --staleness ''`` runs the
-three modes only.
+k − 1 + 32 / 4 = 8, the least with which a response of 32 tokens ends in time). Both knobs
+matter here, so by default the script also runs a sweep: ``--chunks`` adds a partial run
+for each partial_chunk_tokens value (the pause granularity: a long response needs 28 / C
+rounds), ``--staleness`` one for each rollout.max_staleness value (a group holding a token
+older is dropped from the pool; below the default the long responses cannot end in time,
+and the column ``dropped`` and the repeat share show the bias); each prints its own
+speed-up line beside PARTIAL_SPEEDUP. ``--chunks '' --staleness ''`` runs the three modes
+only.
 
     .venv/bin/python benchmarks/async_rollout.py [--steps 100] [--prompts 8] [--group 8]
         [--long 24] [--warm-steps 150] [--chunks 8,16] [--staleness 4,8] [--set key=value ...]
@@ -298,7 +299,7 @@ def print_tables(runs: list[Run], start: dict[str, tuple[float, float, int]]) ->
     print("(gen s, train s: medians of a step's engine generation (all rounds) and "
           "training; rounds: engine calls of C tokens per step; partial: share of trained samples "
           "spanning two versions or more; stale: mean token staleness; dropped: samples "
-          "restarted past max_staleness, all steps; gen overlap: share of generation "
+          "of groups dropped past max_staleness, all steps; gen overlap: share of generation "
           "hidden behind training)")
     print("\nlearning curve: mean reward of the trained copy/repeat samples per block of "
           "steps, and the repeat share of them")
