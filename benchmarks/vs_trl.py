@@ -1,15 +1,23 @@
 """Tally vs TRL 1.16 ``GRPOTrainer`` on the same work, one after the other in one run.
 
 Both start from the same model folder and see the same prompts at the same steps (TRL
-gets them in the order Tally's cursor draws them, with ``shuffle_dataset=False``), with
+gets them in the order Tally's cursor draws them, with ``shuffle_dataset=False``; with
+partial rollouts a Tally step trains on the first whole groups to finish out of
+(1 + async_steps) · P in flight, so its steps' prompts are drawn from the same order but
+not split as TRL's are), with
 the same settings: GRPO advantages scaled by the group's std, token-mean loss (TRL's
 ``dapo``), no KL (``beta=0``) and no entropy bonus, AdamW at a constant lr, gradient norm
 clipped to 1, fp32 on CPU, no gradient checkpointing, one optimizer step per rollout, on
 the same 2 cores (TRL: one process of 2 threads; Tally: its engine and trainer ranks with
 the threads services/placement.phase_threads gives them). Tally runs once per DP size,
 ``rollout.async_steps`` value (default 1: rollout r+1 is generated while rollout r
-trains; TIS corrects for the one-step staleness) and ``colocate`` value asked for
-(default 1: the engine inside trainer rank 0, generating from its weights).
+trains; TIS corrects for the one-step staleness), ``colocate`` value (default 1: the
+engine inside trainer rank 0, generating from its weights) and ``rollout.partial_rollout``
+value (default 0; 1: samples continue across weight updates and a step takes the first
+whole groups to finish, with the config's default ``partial_chunk_tokens`` and
+``max_staleness``, docs/rollout.md "Partial rollouts and streaming") asked for; a
+combination the job config refuses (partial 1 with async 0) is skipped with a printed
+note.
 
     tiny     the 0.99 M-parameter Qwen2 with the character tokenizer (rollout/tiny.py), after
              the 50-step SFT warm start of services/runtime/warmup.py, on the synthetic `repeat`
@@ -35,7 +43,7 @@ project's torch pin, requirements/cpu.txt as constraints); it is never a depende
 Tally, and nothing in Tally imports it.
 
     .venv/bin/python benchmarks/vs_trl.py [--model tiny|smollm2] [--steps 60] [--dp 1,2]
-        [--async-steps 0,1] [--colocate 0,1]
+        [--async-steps 0,1] [--colocate 0,1] [--partial 0,1]
         [--warm-steps 50] [--skip-trl] [--skip-tally] [--venv ~/.cache/tally-bench/trl-venv]
         [--keep DIR]
 """
@@ -56,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from rollout.config import RewardConfig, SyntheticDatasetConfig
@@ -115,6 +124,8 @@ class Run:
     accuracy_after: float = float("nan")
     phases: dict[str, float] = field(default_factory=dict)
     """Tally only: median seconds of each phase of a step (rollout, train, sync)."""
+    partial: bool | None = None
+    """Tally only: whether rollout.partial_rollout was on (None: TRL, which has none)."""
 
 
 # -- the shared work -------------------------------------------------------------------
@@ -140,9 +151,10 @@ def drawn_records(records: list[PromptRecord], job: JobConfig, steps: int
 
 
 def job_config(work: Workload, model_path: str, steps: int, dp_size: int, async_steps: int,
-               colocate: bool) -> JobConfig:
+               colocate: bool, partial: bool) -> JobConfig:
     return JobConfig.model_validate({
-        "name": f"vs-trl-dp{dp_size}-async{async_steps}-colocate{int(colocate)}",
+        "name": (f"vs-trl-dp{dp_size}-async{async_steps}-colocate{int(colocate)}"
+                 f"-partial{int(partial)}"),
         "num_steps": steps, "resume": False, "colocate": colocate,
         "aggregation": {"mode": "token_mean"},
         "rollout": {
@@ -153,6 +165,7 @@ def job_config(work: Workload, model_path: str, steps: int, dp_size: int, async_
             "reward": {"type": work.reward},
             "advantage": {"type": "grpo", "normalize_std": True},
             "n_samples_per_prompt": work.group_size, "async_steps": async_steps,
+            "partial_rollout": partial,
             "global_batch_size": work.prompts_per_step * work.group_size},
         "trainer": {
             "backend": "fsdp", "dp_size": dp_size,
@@ -288,12 +301,16 @@ def run_tally(job: JobConfig, run_dir: Path) -> Run:
               for name in ("rollout", "train", "sync")}
     phases["generation (hidden share)"] = statistics.median(
         m["perf/gen_overlap"] for m in rows[1:] or rows)
+    if job.rollout.partial_rollout:  # how far the samples trained on spanned versions
+        for name in ("partial_fraction", "staleness_mean", "staleness_max"):
+            phases[name] = statistics.median(m[f"rollout/{name}"] for m in rows)
+        phases["stale_dropped (sum)"] = sum(m.get("rollout/stale_dropped", 0.0) for m in rows)
     rows = [m for m in rows if "perf/step_time_s" in m]  # a skipped step has no phases
     name = (f"Tally DP={job.trainer.dp_size} async={job.rollout.async_steps}"
             f"{' colocated' if job.colocate else ''}")
     return Run(name, walls(ends),
                [m["tokens/total"] for m in rows], [m["reward/mean"] for m in rows], wall,
-               job_dir / "final_model", phases=phases)
+               job_dir / "final_model", phases=phases, partial=job.rollout.partial_rollout)
 
 
 # -- the table -------------------------------------------------------------------------
@@ -305,22 +322,43 @@ def share_mean(values: list[float], first: bool) -> float:
 
 
 def print_table(runs: list[Run], accuracy_before: float) -> None:
-    print(f"{'run':<28} {'s/step':>7} {'tokens/s':>9} {'wall s':>7} {'reward 1st 20%':>15} "
-          f"{'last 20%':>9} {'greedy before':>14} {'after':>6} {'speed vs TRL':>13}")
+    print(f"{'run':<28} {'partial':>7} {'s/step':>7} {'tokens/s':>9} {'wall s':>7} "
+          f"{'reward 1st 20%':>15} {'last 20%':>9} {'greedy before':>14} {'after':>6} "
+          f"{'speed vs TRL':>13}")
     reference = next((r for r in runs if r.name.startswith("TRL")), None)
     reference_step = statistics.median(reference.step_times) if reference else None
     for run in runs:
         times, tokens = run.step_times, run.tokens[1:] or run.tokens
         step = statistics.median(times)
         ratio = f"{reference_step / step:>12.2f}×" if reference_step else f"{'—':>13}"
-        print(f"{run.name:<28} {step:>7.3f} {sum(tokens) / sum(times):>9,.0f} "
+        partial = "—" if run.partial is None else str(int(run.partial))
+        print(f"{run.name:<28} {partial:>7} {step:>7.3f} {sum(tokens) / sum(times):>9,.0f} "
               f"{run.wall_s:>7.1f} {share_mean(run.rewards, True):>15.3f} "
               f"{share_mean(run.rewards, False):>9.3f} {accuracy_before:>14.3f} "
               f"{run.accuracy_after:>6.3f} {ratio}")
     for run in runs:
         if run.phases:
-            print(f"{run.name}: median s of a step's phases: " + ", ".join(
+            label = f"{run.name}{' partial' if run.partial else ''}"
+            print(f"{label}: medians per step (phases in s): " + ", ".join(
                 f"{name} {seconds:.3f}" for name, seconds in run.phases.items()))
+
+
+def tally_jobs(work: Workload, model_path: str, steps: int, dp_sizes: list[int],
+               args: argparse.Namespace) -> list[JobConfig]:
+    """One job per DP size × async_steps × colocate × partial value; a combination the job
+    config refuses (partial 1 with async 0) is skipped with a note naming the rule."""
+    jobs = []
+    for dp, k, c, p in itertools.product(dp_sizes, args.async_steps.split(","),
+                                         args.colocate.split(","), args.partial.split(",")):
+        try:
+            jobs.append(job_config(work, model_path, steps, dp, int(k), bool(int(c)),
+                                   bool(int(p))))
+        except ValidationError as error:
+            said = "; ".join(e["msg"] for e in error.errors())
+            print(f"skipped: Tally DP={dp} async={k} colocate={c} partial={p}: {said}")
+    if not jobs:
+        raise SystemExit("no Tally run left: every combination asked for was refused")
+    return jobs
 
 
 def main() -> None:
@@ -336,6 +374,9 @@ def main() -> None:
     parser.add_argument("--colocate", default="1",
                         help="Tally's colocate values (1: generation inside the trainer "
                              "ranks, the colocated fast path), one run each")
+    parser.add_argument("--partial", default="0",
+                        help="Tally's rollout.partial_rollout values (1: samples continue "
+                             "across weight updates; needs async ≥ 1), one run each")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-tally", action="store_true")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV,
@@ -350,8 +391,7 @@ def main() -> None:
     quiet_transformers()
     model_path = start_folder(work, args.warm_steps)
     dp_sizes = [int(d) for d in args.dp.split(",")]
-    jobs = [job_config(work, model_path, steps, dp, int(k), bool(int(c))) for dp in dp_sizes
-            for k in args.async_steps.split(",") for c in args.colocate.split(",")]
+    jobs = tally_jobs(work, model_path, steps, dp_sizes, args)
     records = load_prompt_dataset(jobs[0].rollout.dataset)
     accuracy_before = greedy_accuracy(model_path, model_path, records, work)
     print(f"{args.model}: {work.prompts_per_step} prompts × {work.group_size} samples, "
