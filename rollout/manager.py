@@ -266,7 +266,8 @@ class RolloutManager(EngineWeights):
                     for g in generations]
 
         taken = self.partial.take(num_groups,
-                                  lambda count: self._take_prompts(count, stats), decode, call)
+                                  lambda count: self._take_prompts(count, stats), decode, call,
+                                  call_start=draw == 0)
         requests = [Request(self.records[g.record], g.prompt_ids, g.record)
                     for g in taken for _ in g.samples]
         played = self.rollout.score(requests, [s.generation() for g in taken

@@ -11,8 +11,8 @@ whole groups that finish first (``rollout.partial_rollout``, with ``async_steps`
          its prompt + its tokens so far; seeds from (seed, s, r, engine rank), r counting
          every round of the run). Its new tokens are version v. A group whose last sample
          ended is done at round r.
-      3. rounds until P groups are done (and one at least, so every unfinished sample
-         gains ≥ C tokens a call); the step takes the first P (by round, then by
+      3. rounds until P groups are done (and one at least in a call, so every unfinished
+         sample gains ≥ C tokens a call); the step takes the first P (by round, then by
          admission) and the rest wait for the next step; unfinished samples pause at this
          token boundary and go on under the weights the next call has.
 
@@ -126,17 +126,19 @@ class PartialRollouts:
         self.planted: frozenset[str] = frozenset()
         """A verifier's planted errors (:data:`PLANTED_ONE_VERSION`); empty in production."""
 
-    def take(self, num_groups: int, admit: Admit, decode: Decode,
-             stats: PartialStats) -> list[InFlightGroup]:
-        """The first ``num_groups`` groups done (rounds played until that many are, and at
-        least one while a sample is unfinished, so every sample gains ≥ C tokens a call),
-        removed from the pool."""
-        # A round number skipped: the engines drop the KV kept by the last take's rounds
-        # (rollout/engines/prefix_cache.py drops an entry two turns old), so each call
-        # prefills its contexts afresh, as a resumed run's first call must (its engines
-        # kept nothing): bit for bit, even when no weight load came between two calls.
-        self.rounds += 1
-        played = False
+    def take(self, num_groups: int, admit: Admit, decode: Decode, stats: PartialStats,
+             call_start: bool = True) -> list[InFlightGroup]:
+        """The first ``num_groups`` groups done (rounds played until that many are),
+        removed from the pool. ``call_start``: the first take of a step's call (dynamic
+        sampling takes again), which plays one round at least while a sample is
+        unfinished, so every sample gains ≥ C tokens a call."""
+        if call_start:
+            # A round number skipped: the engines drop the KV kept by the last call's
+            # rounds (prefix_cache.py drops an entry two turns old), so each call prefills
+            # its contexts afresh, as a resumed run's first call must (its engines kept
+            # nothing): bit for bit, even when no weight load came between two calls.
+            self.rounds += 1
+        played = not call_start
         while len(done := self._done()) < num_groups or (not played and any(
                 s.finish is None for g in self.groups for s in g.samples)):
             self._top_up(admit, stats)

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 Echo = Callable[[str], None]
 
 
+ROLLOUT_PLANTED = "rollout"
+"""The ``planted`` key of the errors planted in the rollout manager's pool, not a layout's."""
+
+
 def needs_reward_spread(advantage: AdvantageConfig) -> bool:
     """Whether a group whose rewards are all equal gets advantage 0 (a group baseline:
     grpo, reinforce_pp, …), so the verifier wants spread in its rollout: the estimator
@@ -94,7 +98,11 @@ def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None
                        echo: Echo = print) -> int:
     """Draw the rollout, compare every layout with ``layouts[0]`` and print the table
     (``echo``); 0 when every row is within tolerance, else 1. ``planted``: {layout: the
-    errors its ranks make} (a test's; trainer/planted.py)."""
+    errors its ranks make} (a test's; trainer/planted.py), and under the key ``rollout``
+    the errors planted in the rollout manager's pool (partial rollouts). A job with
+    ``rollout.partial_rollout`` is verified on a batch whose samples span two and three
+    weight versions, with a spans row and each token's behaviour log-prob checked first
+    (services/verify/partial.py)."""
     from services.driver.job import job_model_path
     from services.runtime.gang import count_starts, ray_started
     from services.runtime.quiet import quiet_transformers
@@ -102,12 +110,23 @@ def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None
     from trainer.mini_batches import rollout_updates
     from trainer.verify import default_tolerance, format_rows, verify_layouts
 
-    planted = planted_by_layout(planted or {}, layouts)
+    planted = dict(planted or {})
+    rollout_planted = frozenset(planted.pop(ROLLOUT_PLANTED, frozenset()))
+    planted = planted_by_layout(planted, layouts)
     needed = max(lay.dp_size * lay.cp_size * job.trainer.tp_size for lay in layouts) + 2
     with ray_started(max(os.cpu_count() or 1, needed)):
         quiet_transformers()
         model_path = job_model_path(job, log=lambda *_: None)
-        batch = draw_rollout(job, model_path)
+        partial_rows = []
+        if job.rollout.partial_rollout:
+            from services.verify.partial import behaviour_row, draw_partial_rollout, spans_row
+
+            batch, weights = draw_partial_rollout(spread_rollout(job.rollout), model_path,
+                                                  rollout_planted)
+            partial_rows = [spans_row(batch), behaviour_row(
+                batch, weights, model_path, job.rollout.sampling.temperature)]
+        else:
+            batch = draw_rollout(job, model_path)
         if (needs_reward_spread(job.rollout.advantage)
                 and batch.metadata["rollout/zero_spread_filled"] == batch.num_prompts):
             echo("warning: no group of the rollout has reward spread, so every pg "
@@ -121,10 +140,10 @@ def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None
         updates = rollout_updates(batch, job.rollout.global_batch_size,
                                   job.trainer.ppo_epochs, job.trainer.seed, rollout_index=0)
         echo(f"{len(updates)} optimizer step(s) per rollout, each compared")
-        rows = verify_layouts(job.trainer, job.objective_config(), model_path, batch, layouts,
-                              tolerance=tolerance, planted=planted, updates=updates,
-                              critic=critic_check(job, model_path, batch, planted),
-                              on_start=count_starts)
+        rows = [*partial_rows, *verify_layouts(
+            job.trainer, job.objective_config(), model_path, batch, layouts,
+            tolerance=tolerance, planted=planted, updates=updates,
+            critic=critic_check(job, model_path, batch, planted), on_start=count_starts)]
         for line in format_rows(rows):
             echo(line)
         failed = [row for row in rows if not row.ok]

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 DRAW_DEPTH = 4
 """rollout.async_steps of the verifier's pool (its size (1 + DRAW_DEPTH) · P)."""
 DRAW_STEPS = 4
-"""Steps drawn; the demo's batch of the last holds 2- and 3-version samples (~40 % and ~25 %)."""
+"""Steps drawn; the demo's batch of the last holds 2- and 3+-version samples (168 and 45 of 256)."""
 VERSION_NOISE = 0.5
 """The noise of each weight version (× each tensor's std): versions far enough apart that
 one token's log-prob tells them apart (≫ the engine's float32 rounding)."""
