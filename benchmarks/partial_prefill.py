@@ -21,10 +21,12 @@ so response lengths are about geometric, cut at max_new_tokens. Prompts are rand
 
 Per step and mode: engine seconds (the generate calls only: weight loads excluded, one
 warm-up call per engine before step 0 excluded), of them the prefill's (the engine's
-``_prefill`` timed), tokens decoded (every sample in flight, taken or not), context tokens
-prefilled and kept (TorchEngine.stats), and two overheads over (c), in % of (c)'s engine
-seconds per decoded token (the modes decode different samples in a step: the pool's
-calls decode every sample in flight, taken or not):
+``_prefill`` timed) and of those the step's first call's (after the weight load: every
+context in flight prefilled again; the rest is the rounds' last tokens and the copying of
+kept KV into each round's batch), tokens decoded, context tokens prefilled and kept
+(TorchEngine.stats), and two overheads over (c), in % of (c)'s engine seconds per
+decoded token (the modes decode different samples in a step: the pool's calls decode
+every sample in flight, taken or not):
 
     re-prefill  (prefill s / decoded token of the mode − (c)'s) / (c)'s s per decoded token:
                 the extra prefill alone
@@ -96,12 +98,16 @@ class Measure:
 
     seconds: float = 0.0
     prefill_s: float = 0.0
+    load_prefill_s: float = 0.0
+    """Of prefill_s, the step's first call's (the first round after the weight load,
+    which prefills every context in flight whatever is kept)."""
     decoded: int = 0
     prefilled: int = 0
     kept: int = 0
 
     def __iadd__(self, other: Measure) -> Measure:
-        for name in ("seconds", "prefill_s", "decoded", "prefilled", "kept"):
+        for name in ("seconds", "prefill_s", "load_prefill_s", "decoded", "prefilled",
+                     "kept"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         return self
 
@@ -140,6 +146,8 @@ class Mode:
         started = time.perf_counter()
         generations = engine.generate(contexts, sampling, seed, turn=turn)
         _sync(engine.device)
+        if measure.seconds == 0.0:  # the step's first call
+            measure.load_prefill_s = engine.prefill_s - prefill_s
         measure.seconds += time.perf_counter() - started
         measure.prefill_s += engine.prefill_s - prefill_s
         measure.prefilled += engine.stats.num_prefilled_tokens - prefilled
@@ -227,7 +235,7 @@ def re_prefill(mode: Measure, whole: Measure) -> float:
 
 
 def row(name: str, m: Measure, whole: Measure) -> str:
-    return (f"{name:>16} {m.seconds:>8.3f} {m.prefill_s:>8.3f} "
+    return (f"{name:>16} {m.seconds:>8.3f} {m.prefill_s:>8.3f} {m.load_prefill_s:>8.3f} "
             f"{100 * m.prefill_s / max(m.seconds, 1e-9):>6.1f}% {m.decoded:>8,} "
             f"{m.prefilled:>10,} {m.kept:>9,} {1000 * m.seconds / max(m.decoded, 1):>7.3f} "
             f"{re_prefill(m, whole):>+9.1f}% {overhead(m, whole):>+8.1f}%")
@@ -274,7 +282,8 @@ def main() -> None:
           f"× G={args.group}, prompts of {args.prompt_tokens} tokens, max_new_tokens "
           f"{args.max_new_tokens}, chunk {args.chunk_tokens}, pool (1 + {ASYNC_STEPS})·P "
           f"groups; EOS bias {bias:+.2f} (mean p {args.eos_prob})")
-    print(f"{'step  mode':>16} {'engine s':>8} {'prefill':>8} {'share':>7} {'decoded':>8} "
+    print(f"{'step  mode':>16} {'engine s':>8} {'prefill':>8} {'1st call':>8} {'share':>7} "
+          f"{'decoded':>8} "
           f"{'prefilled':>10} {'kept':>9} {'ms/tok':>7} {'re-prefill':>10} {'all':>9}")
     totals = {name: Measure() for name in modes}
     names = list(modes)
@@ -299,7 +308,9 @@ def main() -> None:
     kept, off, whole = (totals[name] for name in names)
     print(f"RE_PREFILL_OVERHEAD kept_kv={re_prefill(kept, whole):+.1f}% "
           f"prefix_off={re_prefill(off, whole):+.1f}% (all: {overhead(kept, whole):+.1f}% "
-          f"and {overhead(off, whole):+.1f}%) of (c)'s engine time per decoded token")
+          f"and {overhead(off, whole):+.1f}%) of (c)'s engine time per decoded token; "
+          f"{100 * kept.load_prefill_s / max(kept.prefill_s, 1e-9):.0f}% of (a)'s prefill "
+          "seconds in each step's first call")
 
 
 if __name__ == "__main__":
