@@ -29,7 +29,9 @@ decoded token (the modes decode different samples in a step: the pool's calls de
 every sample in flight, taken or not):
 
     re-prefill  (prefill s / decoded token of the mode − (c)'s) / (c)'s s per decoded token:
-                the extra prefill alone
+                the extra prefill alone (a later round's prefill of a row's last token
+                stands for the decode step (c) makes for it: counted here, it is the
+                forward either way; the rest of it is copying kept KV into the batch)
     all         (s / decoded token of the mode) / (c)'s − 1: everything continuing
                 changes, the re-prefill and more calls, but also fuller batches (a round
                 decodes every sample in flight, where (c)'s tail decodes a few rows alone)
@@ -235,6 +237,8 @@ def re_prefill(mode: Measure, whole: Measure) -> float:
 
 
 def row(name: str, m: Measure, whole: Measure) -> str:
+    if m.decoded == 0:  # the pool held P done groups already: the step took them, no call
+        return f"{name:>16} {'no engine call: P groups were done in the pool':>40}"
     return (f"{name:>16} {m.seconds:>8.3f} {m.prefill_s:>8.3f} {m.load_prefill_s:>8.3f} "
             f"{100 * m.prefill_s / max(m.seconds, 1e-9):>6.1f}% {m.decoded:>8,} "
             f"{m.prefilled:>10,} {m.kept:>9,} {1000 * m.seconds / max(m.decoded, 1):>7.3f} "
