@@ -5,8 +5,10 @@ first whole groups done and keep N; a resume with samples in flight is bit for b
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import ray
@@ -217,3 +219,38 @@ def test_continuation_equals_an_engine_loading_the_weights_at_that_token(
                     ids.append(token)
                 if version == 0:
                     assert ids == context
+
+
+def test_dynamic_sampling_on_the_stream_keeps_groups_with_spread(
+    ray_cluster: None, eos_prone_model_path: str, tmp_path: Path,
+) -> None:
+    """Every other record is flat (its group scores all 0): the groups taken from the pool
+    without spread are set aside and more are taken, so the step holds only groups with
+    spread, whole, N of them."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"cp {c}=", "label": c, "flat": i % 2 == 0})
+                              for i, c in enumerate("abcdefghijklmnop")))
+    config = RolloutConfig.model_validate({
+        **CONFIG.model_dump(), "engine": {"type": "torch", "num_engines": 1},
+        "dataset": {"type": "jsonl", "path": str(path), "shuffle": False},
+        "reward": {"type": "custom",
+                   "custom_function": "tests.rollout.reward_fns:spread_unless_flat"},
+        "n_samples_per_prompt": 4, "global_batch_size": 8,
+        "dynamic_sampling": {"enabled": True, "max_draws": 8}})
+    actors = start_rollout_actors(config, eos_prone_model_path)
+    manager = RolloutManager(config, eos_prone_model_path, engines=actors.engines,
+                             owns_engines=True, teachers=actors.teachers,
+                             reward_actors=actors.reward_actors)
+    try:
+        batches = [manager.generate_batch(step) for step in range(2)]
+        for step, batch in enumerate(batches):
+            assert batch.num_samples == 8 and batch.group_index.tolist() == [
+                g for g in (2 * step, 2 * step + 1) for _ in range(4)]
+            assert batch.metadata["rollout/zero_spread_filled"] == 0
+            assert all(g.max() > g.min() for g in batch.rewards.view(2, 4))
+        # The pool's first 4 groups hold 2 flat records (unshuffled): step 0 took one at
+        # least, set it aside, and took again.
+        first = batches[0].metadata
+        assert first["rollout/zero_spread_groups"] >= 1 and first["rollout/num_draws"] >= 2
+    finally:
+        manager.shutdown()
