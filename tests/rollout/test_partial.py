@@ -5,6 +5,7 @@ first whole groups done and keep N; a resume with samples in flight is bit for b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -254,3 +255,44 @@ def test_dynamic_sampling_on_the_stream_keeps_groups_with_spread(
         assert first["rollout/zero_spread_groups"] >= 1 and first["rollout/num_draws"] >= 2
     finally:
         manager.shutdown()
+
+
+def test_rounds_on_the_sglang_engine_continue_each_sample_from_its_tokens(
+    tiny_model_path: str,
+) -> None:
+    """The pool's rounds through the SGLang engine (a loopback fake of its HTTP API, whose
+    response is a documented function of the ids it is sent): each sample's tokens are
+    what successive requests of C tokens, each sent prompt + the tokens so far, return —
+    the fake's own formula, replayed here — and every request asks for C tokens."""
+    from rollout.config import SGLangEngineConfig
+    from rollout.engines.sglang_engine import SGLangEngine
+    from rollout.partial import PartialRollouts, PartialStats
+    from tests.rollout.fake_sglang import fake_generation, serve_fake_sglang
+
+    prompts = iter([(i, [1, 60 + i, 7 * i % 11 + 3]) for i in range(8)])
+    pool = PartialRollouts(group_size=2, max_new_tokens=16, chunk_tokens=4, pool_groups=3,
+                           max_staleness=8)
+    chunk = SamplingConfig(max_new_tokens=4, temperature=1.0)
+    with serve_fake_sglang() as (url, fake):
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url], max_batch_size=4),
+                              tiny_model_path)
+
+        def decode(contexts: list[list[int]], round_number: int) -> list:
+            return [dataclasses.replace(g, versions=[0] * len(g.token_ids))
+                    for g in engine.generate(contexts, chunk, round_number,
+                                             EpisodeTurn("partial", round_number, False))]
+
+        taken = pool.take(3, lambda n: [next(prompts) for _ in range(n)], decode,
+                          PartialStats())  # the whole pool: every sample to its end
+    posts = [body for route, body in fake.requests if route == "/generate"]
+    assert posts and all(body["sampling_params"]["max_new_tokens"] == 4 for body in posts)
+    for group in [*taken, *pool.groups]:
+        for sample in group.samples:
+            expected: list[int] = []
+            while len(expected) < len(sample.tokens):
+                meta = fake_generation(group.prompt_ids + expected,
+                                       {"max_new_tokens": 4})["meta_info"]
+                expected += [t for _, t, _ in meta["output_token_logprobs"]]
+            assert sample.tokens == expected
+    assert len(taken) == 3 and all(s.finish is not None for g in taken for s in g.samples)
+    assert max(len(s.tokens) for g in taken for s in g.samples) > 4  # continued at least once
