@@ -33,7 +33,7 @@ Per run, over the steps after the first (the first pays for start-up):
 
 and ``PARTIAL_SPEEDUP <x>``: the synchronous run's wall time per trained sample over the
 partial run's (its config's defaults: partial_chunk_tokens 32 / 8 = 4, max_staleness
-k − 1 + 32 / 4 = 8, the least with which a response of 32 tokens ends in time). Both knobs
+2k − 1 + 32 / 4 = 9, the least with which no group is ever dropped). Both knobs
 matter here, so by default the script also runs a sweep: ``--chunks`` adds a partial run
 for each partial_chunk_tokens value (the pause granularity: a long response needs 28 / C
 rounds), ``--staleness`` one for each rollout.max_staleness value (a group holding a token

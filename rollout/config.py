@@ -530,9 +530,10 @@ class RolloutConfig(BaseModel):
     """With partial_rollout: versions a sample's oldest token may be behind the step it
     trains in; a group holding an older one is dropped from the pool and a new prompt
     takes its place (``rollout/stale_dropped``, in samples). At least async_steps (the
-    engines' own lag). None: async_steps − 1 + max_new_tokens / partial_chunk_tokens, the
-    least that lets every response end in time (a sample gains ≥ one chunk a step), so
-    none is dropped; a smaller bound drops the groups of the longest responses."""
+    engines' own lag). None: 2 · async_steps − 1 + max_new_tokens / partial_chunk_tokens,
+    the least with which no group is ever dropped: a sample gains ≥ one chunk a step, so
+    it ends in time, and a done group waits at most async_steps steps to be taken; a
+    smaller bound drops the groups of the longest responses."""
     partial_chunk_tokens: int | None = Field(default=None, gt=0)
     """With partial_rollout: tokens each unfinished sample decodes per engine call (the
     granularity of a pause); a divisor of sampling.max_new_tokens. None: the largest
@@ -550,6 +551,10 @@ class RolloutConfig(BaseModel):
     @model_validator(mode="after")
     def _partial_rollout(self) -> RolloutConfig:
         if not self.partial_rollout:
+            for name in ("max_staleness", "partial_chunk_tokens"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only applies with rollout.partial_rollout: "
+                                     "true (whole rollouts are never paused)")
             return self
         if not self.async_steps:
             raise ValueError("partial_rollout: needs rollout.async_steps ≥ 1 (samples "
@@ -571,12 +576,11 @@ class RolloutConfig(BaseModel):
 
     @property
     def staleness_bound(self) -> int:
-        """max_staleness, or its default async_steps − 1 + max_new_tokens / chunk_tokens
-        (rollout/partial.py: the least with which no response starves)."""
+        """max_staleness, or its default 2 · async_steps − 1 + max_new_tokens / chunk_tokens
+        (rollout/partial.py: the least with which no group is ever dropped)."""
         if self.max_staleness is not None:
             return self.max_staleness
-        return max(self.async_steps,
-                   self.async_steps - 1 + self.sampling.max_new_tokens // self.chunk_tokens)
+        return 2 * self.async_steps - 1 + self.sampling.max_new_tokens // self.chunk_tokens
 
     @property
     def chunk_tokens(self) -> int:

@@ -13,9 +13,12 @@ needs the critic's values (the driver calls it then); a ``rollout.teacher`` besi
 adds its per-token reverse-KL advantage (rollout/teacher.py). Group indices are
 contiguous and keep increasing across steps. Sampling seeds are a hash of (seed, step,
 round, engine rank): the only mutable state is the data cursor, the next group index and
-the weight version, which is what :meth:`state_dict` saves, so a resumed run continues
-exactly. Because a shard's seed is its rank's, a lost engine's shard re-run on a live one
-gives the same samples (rollout/engine_pool.py: the driver has the gang replace it).
+the weight version (and with partial rollouts the pool in flight), which is what
+:meth:`state_dict` saves, so a resumed run continues exactly. Because a shard's seed is its
+rank's, a lost engine's shard re-run on a live one gives the same samples
+(rollout/engine_pool.py: the driver has the gang replace it); with partial rollouts the
+re-run prefills its contexts afresh where the lost engine had kept their KV, so its samples
+may differ in the last bits (N and every group stay whole).
 
 Use it as a Ray actor (:data:`RolloutManagerActor`, returned batches travel through the
 object store), or in-process inside a Ray driver.

@@ -16,10 +16,12 @@ whole groups that finish first (``rollout.partial_rollout``, with ``async_steps`
          admission) and the rest wait for the next step; unfinished samples pause at this
          token boundary and go on under the weights the next call has.
 
-A sample whose first token came at call s (weights s − k) may still be in flight at call
-s − k + max_staleness; gaining ≥ C tokens a call, it ends in time when max_staleness ≥
-k − 1 + max_new_tokens / C, the default: no group is ever dropped for staleness, and none
-starves (a bound below that drops the groups of responses that cannot end in time).
+A sample whose first token came at call s (weights s − k) may still be in the pool at
+call s − k + max_staleness. Gaining ≥ C tokens a call it is done by call
+s + max_new_tokens / C − 1, and a done group waits at most k calls to be taken (at most
+k · P groups are done beyond a step's P, and the earliest done go first): with
+max_staleness ≥ 2k − 1 + max_new_tokens / C, the default, no group is ever dropped for
+staleness and none starves. A smaller bound drops the groups of the longest responses.
       dynamic sampling on the stream: the groups taken are scored, those without reward
       spread set aside and as many more taken (more rounds), max_draws takes in all;
       set-aside groups then fill in (rollout/manager.py).
@@ -152,8 +154,7 @@ class PartialRollouts:
     def drop_stale(self, step: int) -> int:
         """Every group holding a token older than step − max_staleness leaves the pool (a
         new group takes its place); returns how many samples went. With the default bound
-        none ever does: a sample gains ≥ C tokens each call, so it ends in time
-        (rollout/config.py ``staleness_bound``)."""
+        none ever does (module docstring; rollout/config.py ``staleness_bound``)."""
         oldest_allowed = step - self.max_staleness
         stale = [g for g in self.groups
                  if any(s.versions and s.versions[0] < oldest_allowed for s in g.samples)]
@@ -192,6 +193,9 @@ class PartialRollouts:
             sample.log_probs += generation.log_probs
             sample.versions += [version] * len(generation.token_ids)
             stats.decoded_tokens += len(generation.token_ids)
+            if not generation.token_ids and generation.finish_reason == "length":
+                raise RuntimeError("partial rollout: an engine returned no token for an "
+                                   "unfinished sample (it would never end)")
             if generation.finish_reason != "length":
                 sample.finish = generation.finish_reason
             elif len(sample.tokens) >= self.max_new_tokens:

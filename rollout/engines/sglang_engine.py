@@ -151,18 +151,26 @@ def _finish_reason(meta_info: dict[str, Any]) -> FinishReason:
     return kind if kind in ("stop", "length") else "abort"
 
 
-def parse_generation(item: dict[str, Any]) -> Generation:
-    """A Generation from one element of a /generate response."""
+def parse_generation(item: dict[str, Any], eos_ids: Sequence[int] = ()) -> Generation:
+    """A Generation from one element of a /generate response. A response whose last token
+    is an EOS id ended there ("stop"), whatever the server says: SGLang checks
+    max_new_tokens before EOS, so an EOS sampled as the last allowed token comes back as
+    "length" — a cut response to the trainer (truncated) and one to continue to a partial
+    rollout (rollout/partial.py), where it is neither."""
     meta_info = item.get("meta_info") or {}
     entries = meta_info.get("output_token_logprobs")
     if entries is None:
         raise SGLangError("generate: response has no meta_info.output_token_logprobs")
     if any(entry[0] is None for entry in entries):
         raise SGLangError("generate: a token came back without its log-prob")
+    token_ids = [int(entry[1]) for entry in entries]
+    finish = _finish_reason(meta_info)
+    if finish == "length" and token_ids and token_ids[-1] in eos_ids:
+        finish = "stop"
     return Generation(
-        token_ids=[int(entry[1]) for entry in entries],
+        token_ids=token_ids,
         log_probs=[float(entry[0]) for entry in entries],
-        finish_reason=_finish_reason(meta_info),
+        finish_reason=finish,
     )
 
 
@@ -234,7 +242,7 @@ class SGLangEngine(Engine):
                 raise SGLangError(
                     f"generate: {len(items)} results for {len(payload['input_ids'])} prompts"
                 )
-            out.extend(parse_generation(item) for item in items)
+            out.extend(parse_generation(item, self.stop_token_ids) for item in items)
         return out
 
     async def _post_all(self, route: str, payloads: list[dict[str, Any]]) -> list[Any]:

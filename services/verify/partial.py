@@ -53,7 +53,7 @@ def draw_partial_rollout(rollout_config: object, model_path: str,
 
     from rollout.config import RolloutConfig
     from rollout.manager import RolloutManagerActor
-    from services.runtime.gang import start_rollout_actors
+    from services.runtime.gang import count_starts, start_rollout_actors
     from trainer.verify import perturbed
 
     base: dict[str, torch.Tensor] = {}
@@ -67,6 +67,7 @@ def draw_partial_rollout(rollout_config: object, model_path: str,
         manager = RolloutManagerActor.remote(
             rollout_config, model_path, engines=actors.engines, owns_engines=True,
             teachers=actors.teachers, reward_actors=actors.reward_actors)
+        count_starts("manager")
         try:
             if planted:
                 ray.get(manager.plant.remote(planted))

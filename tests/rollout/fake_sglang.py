@@ -77,8 +77,11 @@ INITIAL_WEIGHT_VERSION = "default"
 
 
 def fake_generation(ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    """An even-sum prompt's response ends with EOS as its 3rd token; when that is also the
+    last allowed token the finish reason is "length", as SGLang's Req.check_finished
+    tests max_new_tokens before EOS."""
     limit = params["max_new_tokens"]
-    stops = sum(ids) % 2 == 0 and limit > 3
+    stops = sum(ids) % 2 == 0 and limit >= 3
     tokens = [4 + (sum(ids) + k) % 50 for k in range(3 if stops else limit)]
     if stops:
         tokens[-1] = EOS
@@ -87,7 +90,7 @@ def fake_generation(ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
         "meta_info": {
             "output_token_logprobs": [[-0.1 * (k + 1), t, None] for k, t in enumerate(tokens)],
             "finish_reason": {"type": "stop", "matched": EOS}
-            if stops
+            if stops and limit > 3
             else {"type": "length", "length": limit},
         },
     }

@@ -141,6 +141,7 @@ def test_config_and_engine_check_import_neither_torch_nor_ray() -> None:
     ({"sampling": {"stop": ["x"]}}, "partial_rollout: not with sampling.stop"),
     ({"max_staleness": 0, "async_steps": 2}, "max_staleness: 0 is below async_steps=2"),
     ({"partial_chunk_tokens": 5}, "partial_chunk_tokens: 5 does not divide"),
+    ({"partial_rollout": False, "max_staleness": 3}, "max_staleness: only applies with"),
 ])
 def test_partial_rollout_errors_name_the_field(extra: dict, field: str) -> None:
     with pytest.raises(ValidationError, match=re.escape(field)):
@@ -150,6 +151,6 @@ def test_partial_rollout_errors_name_the_field(extra: dict, field: str) -> None:
 def test_partial_rollout_defaults() -> None:
     config = RolloutConfig.model_validate({"partial_rollout": True, "async_steps": 2,
                                            "sampling": {"max_new_tokens": 100}})
-    # chunk: the largest divisor of 100 ≤ 100/8; staleness: k − 1 + 100/10 (none starves)
-    assert (config.chunk_tokens, config.staleness_bound) == (10, 11)
+    # chunk: the largest divisor of 100 ≤ 100/8; staleness: 2k − 1 + 100/10 (none dropped)
+    assert (config.chunk_tokens, config.staleness_bound) == (10, 13)
 

@@ -513,3 +513,17 @@ def test_launch_command_serves_lora_when_the_job_trains_adapters() -> None:
     every = parse_job_config("", ["rollout.engine.type=sglang", "trainer.lora.rank=4"])
     assert every.rollout.engine.lora_target_modules == ["all"]
     assert "--enable-lora" not in launch_command(SGLangEngineConfig(), "/models/m", port=1)
+
+
+def test_eos_as_the_last_allowed_token_is_a_stop(tiny_model_path: str) -> None:
+    """SGLang tests max_new_tokens before EOS, so an EOS sampled as the last allowed token
+    comes back as "length" (the fake does as SGLang); the engine reports "stop": the
+    response ended, it was not cut (truncated, or continued by a partial rollout)."""
+    with serve_fake_sglang() as (url, _):
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url]), tiny_model_path)
+        even, odd = [1, 69], [1, 70]
+        at_limit, cut = engine.generate([even, odd], SamplingConfig(max_new_tokens=3), seed=0)
+    raw = fake_generation(even, {"max_new_tokens": 3})["meta_info"]
+    assert raw["finish_reason"]["type"] == "length" and at_limit.token_ids[-1] == EOS
+    assert at_limit.finish_reason == "stop"
+    assert cut.finish_reason == "length" and EOS not in cut.token_ids
