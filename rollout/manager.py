@@ -193,12 +193,12 @@ class RolloutManager(EngineWeights):
         (dynamic sampling fills all of it)."""
         gen_start_time = time.time()  # wall clock: the driver compares it with training's
         num_prompts = self.config.num_prompts_per_rollout
+        dynamic = self.config.dynamic_sampling
         stats = StepStats()
         kept: list[Group] = []
         zero_spread: list[Group] = []
         partial_metrics: dict[str, float] = {}
-        for draw in range(self.config.dynamic_sampling.max_draws
-                          if self.config.dynamic_sampling.enabled else 1):
+        for draw in range(dynamic.max_draws if dynamic.enabled else 1):
             if len(kept) == num_prompts:
                 break
             if self.partial is not None:  # the first groups done, from the pool in flight
@@ -207,7 +207,7 @@ class RolloutManager(EngineWeights):
             else:
                 groups = self._play(self._take_prompts(num_prompts - len(kept), stats), step,
                                     draw, stats)
-            if self.config.dynamic_sampling.enabled:
+            if dynamic.enabled:
                 spread, flat = split_by_spread([[s.reward for s in g.samples if s.scored]
                                                 for g in groups])
                 kept += [groups[i] for i in spread]

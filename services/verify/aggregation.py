@@ -5,9 +5,10 @@ tolerance, 1 otherwise. A test hands in the errors it plants (``planted``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from trainer.planted import Planted
 from trainer.verify import Layout
@@ -69,16 +70,15 @@ def planted_by_layout(planted: Mapping[str, Planted], layouts: list[Layout]
     return by_name
 
 
-def draw_rollout(job: JobConfig, model_path: str) -> RolloutBatch:
-    """The verifier's one rollout (:func:`spread_rollout`), drawn by the job's rollout
-    manager handed its engines, teachers and reward actors (services/runtime/gang.py),
-    all stopped after."""
+@contextlib.contextmanager
+def rollout_manager(rollout: RolloutConfig, model_path: str) -> Iterator[Any]:
+    """The verifier's rollout manager actor, handed its engines, teachers and reward
+    actors (services/runtime/gang.py), every one stopped after."""
     import ray
 
     from rollout.manager import RolloutManagerActor
     from services.runtime.gang import count_starts, start_rollout_actors
 
-    rollout = spread_rollout(job.rollout)
     actors = start_rollout_actors(rollout, model_path)
     try:
         manager = RolloutManagerActor.remote(
@@ -86,11 +86,20 @@ def draw_rollout(job: JobConfig, model_path: str) -> RolloutBatch:
             teachers=actors.teachers, reward_actors=actors.reward_actors)
         count_starts("manager")
         try:
-            return ray.get(manager.generate_batch.remote(0))
+            yield manager
         finally:
             ray.get(manager.shutdown.remote())
     finally:
         actors.stop()  # what the manager stopped already is a no-op
+
+
+def draw_rollout(job: JobConfig, model_path: str) -> RolloutBatch:
+    """The verifier's one rollout (:func:`spread_rollout`), drawn by the job's rollout
+    manager (:func:`rollout_manager`)."""
+    import ray
+
+    with rollout_manager(spread_rollout(job.rollout), model_path) as manager:
+        return ray.get(manager.generate_batch.remote(0))
 
 
 def verify_aggregation(job: JobConfig, layouts: list[Layout], rtol: float | None = None,

@@ -52,8 +52,7 @@ def draw_partial_rollout(rollout_config: object, model_path: str,
     from safetensors.torch import load_file
 
     from rollout.config import RolloutConfig
-    from rollout.manager import RolloutManagerActor
-    from services.runtime.gang import count_starts, start_rollout_actors
+    from services.verify.aggregation import rollout_manager
     from trainer.verify import perturbed
 
     base: dict[str, torch.Tensor] = {}
@@ -62,26 +61,16 @@ def draw_partial_rollout(rollout_config: object, model_path: str,
     rollout_config = RolloutConfig.model_validate({
         **rollout_config.model_dump(),  # type: ignore[attr-defined]
         "async_steps": DRAW_DEPTH, "max_staleness": 2 * DRAW_DEPTH})
-    actors = start_rollout_actors(rollout_config, model_path)
-    try:
-        manager = RolloutManagerActor.remote(
-            rollout_config, model_path, engines=actors.engines, owns_engines=True,
-            teachers=actors.teachers, reward_actors=actors.reward_actors)
-        count_starts("manager")
-        try:
-            if planted:
-                ray.get(manager.plant.remote(planted))
-            weights = {0: base}
-            for step in range(DRAW_STEPS):
-                if step:
-                    weights[step] = perturbed(base, seed=step, scale=VERSION_NOISE)
-                    ray.get(manager.update_weights.remote([ray.put(weights[step])], step))
-                batch = ray.get(manager.generate_batch.remote(step))
-            return batch, weights
-        finally:
-            ray.get(manager.shutdown.remote())
-    finally:
-        actors.stop()
+    with rollout_manager(rollout_config, model_path) as manager:
+        if planted:
+            ray.get(manager.plant.remote(planted))
+        weights = {0: base}
+        for step in range(DRAW_STEPS):
+            if step:
+                weights[step] = perturbed(base, seed=step, scale=VERSION_NOISE)
+                ray.get(manager.update_weights.remote([ray.put(weights[step])], step))
+            batch = ray.get(manager.generate_batch.remote(step))
+        return batch, weights
 
 
 def spans_row(batch: RolloutBatch) -> Row:
