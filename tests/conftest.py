@@ -30,17 +30,11 @@ def ray_cluster() -> Iterator[None]:
 
 
 def start_shared_cluster() -> None:
-    """The session's local head: 4 CPUs on this machine only, no dashboard."""
-    import ray
+    """The session's local head: 4 CPUs on this machine only, no dashboard, its processes
+    in a job's quiet environment (the head a job starts: services.runtime.gang)."""
+    from services.runtime.gang import start_local_head
 
-    ray.init(
-        address="local",  # never join another cluster found on the machine
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-        runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
-    )
+    start_local_head(4, log_to_driver=False, configure_logging=False)
 
 
 def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -103,7 +103,7 @@ class RankGroup:
                 num_gpus=config.num_gpus_per_rank,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=first_bundle + rank),
-                runtime_env={"env_vars": env_vars or {}},
+                **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}),
                 **({"name": f"{name}-rank{rank}", "namespace": ACTOR_NAMESPACE}
                    if name else {}),
             ).remote(config, objective, model_path, rank, total_steps, **decided)

@@ -16,9 +16,8 @@ from rollout.tiny import resolve_model_path
 from services.config.job import JobConfig
 from services.driver.colocated import ColocatedTrainerGroup
 from services.driver.run_dir import data_dir
-from services.runtime.gang import Roles
+from services.runtime.gang import Roles, actor_env
 from services.runtime.placement import JobPlacement, phase_threads
-from services.runtime.quiet import QUIET_ENV
 from services.runtime.warmup import warm_start
 from trainer.group import CriticGroup, TrainerGroup
 
@@ -78,7 +77,7 @@ def job_roles(config: JobConfig, model_path: str) -> Roles:
     def policy(placement: JobPlacement | None) -> TrainerGroup:
         assert placement is not None  # a job's gang is placed
         return group(config.trainer, config.objective_config(), model_path,
-                     config.policy_schedule_steps, env_vars=QUIET_ENV, placement=placement.group)
+                     config.policy_schedule_steps, env_vars=actor_env(), placement=placement.group)
 
     def critic(placement: JobPlacement | None) -> CriticGroup:
         """PPO's critic (trainer/backends/fsdp/critic.py): its ranks in their bundles after
@@ -86,7 +85,7 @@ def job_roles(config: JobConfig, model_path: str) -> Roles:
         assert placement is not None
         return CriticGroup(config.critic_trainer_config(), config.critic_objective_config(),
                            critic_model_path(config, model_path), config.num_optimizer_steps,
-                           config.critic.value_clip, env_vars=QUIET_ENV,
+                           config.critic.value_clip, env_vars=actor_env(),
                            placement=placement.group,
                            first_bundle=placement.critic_first_bundle)
 

@@ -71,10 +71,50 @@ def ensure_ray(num_cpus: int) -> bool:
         _stop_quietly_on_sigterm()
         return False
     _drop_token_auth_notice()
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": dict(QUIET_ENV)}, logging_level="WARNING")
+    start_local_head(num_cpus, log_to_driver=True, logging_level="WARNING")
     _stop_quietly_on_sigterm()
     return True
+
+
+_head_is_quiet = False
+"""Whether the head this process is connected to was started by :func:`start_local_head`
+(its processes inherit QUIET_ENV)."""
+
+
+def start_local_head(num_cpus: int, **options: Any) -> None:
+    """A Ray head on this machine only (no dashboard) whose every process inherits
+    QUIET_ENV: it is in this process's environment while ``ray.init`` spawns the head
+    (and so the workers), and put back after. So no actor needs a ``runtime_env``: an
+    actor that has one starts through Ray's ``setup_worker``, a second interpreter that
+    imports Ray before it execs the worker (~0.3 CPU-s an actor), and cannot take a
+    worker the head started ahead. ``options`` go to ``ray.init``."""
+    global _head_is_quiet
+    saved = {name: os.environ.get(name) for name in QUIET_ENV}
+    os.environ.update(QUIET_ENV)
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    _head_is_quiet = True
+
+
+def actor_env() -> dict[str, str]:
+    """The ``env_vars`` an actor's ``runtime_env`` must add: none on a head of
+    :func:`start_local_head` (its workers have QUIET_ENV), QUIET_ENV on any other (a
+    cluster we joined: its workers have whatever its ``ray start`` had)."""
+    if _head_is_quiet and ray.is_initialized():
+        return {}
+    return dict(QUIET_ENV)
+
+
+def actor_options() -> dict[str, Any]:
+    """``.options(...)`` that give an actor :func:`actor_env` (none where it is empty)."""
+    env = actor_env()
+    return {"runtime_env": {"env_vars": env}} if env else {}
 
 
 def _stop_quietly_on_sigterm() -> None:
@@ -353,7 +393,7 @@ class Gang:
 
         assert self.config is not None
         options = self.placement.manager_options() if self.placement is not None else {}
-        manager = RolloutManagerActor.options(runtime_env={"env_vars": QUIET_ENV}, **options)
+        manager = RolloutManagerActor.options(**actor_options(), **options)
         count_starts("manager")
         return manager.remote(self.config.rollout, self.model_path, engines=self.engines,
                               owns_engines=owns_engines, teachers=self.teachers,

@@ -149,8 +149,8 @@ def train_rm_from_cli(config_path: str | Path, overrides: list[str] | None = Non
 
 def run(prepared: Prepared, log: Any = print) -> dict[str, float]:
     """Train, evaluate and save (module docstring); the last row's metrics."""
-    from services.runtime.gang import Gang, Roles, ray_started
-    from services.runtime.quiet import QUIET_ENV, quiet_transformers
+    from services.runtime.gang import Gang, Roles, actor_env, ray_started
+    from services.runtime.quiet import quiet_transformers
     from trainer.reward_model_group import RewardModelGroup
 
     config, out = prepared.config, prepared.output_dir
@@ -167,7 +167,7 @@ def run(prepared: Prepared, log: Any = print) -> dict[str, float]:
 
     def reward_model(_placement: object) -> RewardModelGroup:
         return RewardModelGroup(trainer, prepared.model_path, prepared.num_steps,
-                                prepared.pad_id, env_vars=QUIET_ENV,
+                                prepared.pad_id, env_vars=actor_env(),
                                 center_rewards_coefficient=config.center_rewards_coefficient)
 
     # its own ranks only, where Ray puts them: a train-rm run has no job config to place

@@ -167,3 +167,64 @@ def test_the_ray_init_checker_finds_a_planted_call(tmp_path: Path) -> None:
     imported.write_text("from ray import init\n")
     assert ray_init_calls(tmp_path, iter([planted, imported])) == [
         "services/elsewhere.py:5", "rollout.py:1"]
+
+
+HEAD_ENV_SCRIPT = """
+import json, os, ray
+from services.runtime.gang import actor_env, actor_options, start_local_head
+from services.runtime.quiet import QUIET_ENV
+
+os.environ["OMP_NUM_THREADS"] = "3"  # the user's own, kept in this process
+start_local_head(1, log_to_driver=False)
+
+
+@ray.remote(num_cpus=0)
+def seen() -> dict:
+    return {"env": {k: os.environ.get(k) for k in QUIET_ENV},
+            "runtime_env": ray.get_runtime_context().runtime_env}
+
+
+try:
+    print(json.dumps({"driver": os.environ["OMP_NUM_THREADS"], "actor_env": actor_env(),
+                      "options": actor_options(),
+                      "worker": ray.get(seen.options(**actor_options()).remote(),
+                                        timeout=120)}))
+finally:
+    ray.shutdown()
+"""
+
+
+@pytest.mark.slow  # a Ray head of its own, in a subprocess
+def test_a_head_we_start_gives_its_workers_the_quiet_env_without_a_runtime_env() -> None:
+    """start_local_head: the head's workers have QUIET_ENV (OMP_NUM_THREADS=1 even where
+    the user set another), so actors need no runtime_env (Ray's setup_worker, a second
+    interpreter per actor); the driver keeps the user's value."""
+    import json
+    import subprocess
+    import sys
+
+    from services.runtime.quiet import QUIET_ENV
+
+    done = subprocess.run([sys.executable, "-c", HEAD_ENV_SCRIPT], cwd=ROOT, timeout=240,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["driver"] == "3"
+    assert said["actor_env"] == {} and said["options"] == {}
+    assert said["worker"]["env"] == QUIET_ENV
+    assert not said["worker"]["runtime_env"].get("env_vars")
+
+
+def test_a_joined_cluster_gets_the_quiet_env_by_runtime_env(ray_cluster: None) -> None:
+    """On a head this process did not start with start_local_head (here: flag cleared),
+    every actor carries QUIET_ENV in its runtime_env."""
+    from services.runtime import gang
+    from services.runtime.quiet import QUIET_ENV
+
+    quiet, gang._head_is_quiet = gang._head_is_quiet, False
+    try:
+        assert gang.actor_env() == QUIET_ENV
+        assert gang.actor_options() == {"runtime_env": {"env_vars": QUIET_ENV}}
+    finally:
+        gang._head_is_quiet = quiet
+    assert gang.actor_env() == {}  # the session's shared head is started quiet
