@@ -76,9 +76,9 @@ def ensure_ray(num_cpus: int) -> bool:
     return True
 
 
-_head_is_quiet = False
-"""Whether the head this process is connected to was started by :func:`start_local_head`
-(its processes inherit QUIET_ENV)."""
+_quiet_head: str | None = None
+"""The GCS address of the head :func:`start_local_head` last started (its processes
+inherit QUIET_ENV)."""
 
 
 def start_local_head(num_cpus: int, **options: Any) -> None:
@@ -88,7 +88,7 @@ def start_local_head(num_cpus: int, **options: Any) -> None:
     actor that has one starts through Ray's ``setup_worker``, a second interpreter that
     imports Ray before it execs the worker (~0.3 CPU-s an actor), and cannot take a
     worker the head started ahead. ``options`` go to ``ray.init``."""
-    global _head_is_quiet
+    global _quiet_head
     saved = {name: os.environ.get(name) for name in QUIET_ENV}
     os.environ.update(QUIET_ENV)
     try:
@@ -99,14 +99,14 @@ def start_local_head(num_cpus: int, **options: Any) -> None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    _head_is_quiet = True
+    _quiet_head = ray.get_runtime_context().gcs_address
 
 
 def actor_env() -> dict[str, str]:
     """The ``env_vars`` an actor's ``runtime_env`` must add: none on a head of
     :func:`start_local_head` (its workers have QUIET_ENV), QUIET_ENV on any other (a
     cluster we joined: its workers have whatever its ``ray start`` had)."""
-    if _head_is_quiet and ray.is_initialized():
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address == _quiet_head:
         return {}
     return dict(QUIET_ENV)
 

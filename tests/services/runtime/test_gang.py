@@ -216,15 +216,15 @@ def test_a_head_we_start_gives_its_workers_the_quiet_env_without_a_runtime_env()
 
 
 def test_a_joined_cluster_gets_the_quiet_env_by_runtime_env(ray_cluster: None) -> None:
-    """On a head this process did not start with start_local_head (here: flag cleared),
-    every actor carries QUIET_ENV in its runtime_env."""
+    """On a head other than the one start_local_head last started (here: that one said
+    to be another address), every actor carries QUIET_ENV in its runtime_env."""
     from services.runtime import gang
     from services.runtime.quiet import QUIET_ENV
 
-    quiet, gang._head_is_quiet = gang._head_is_quiet, False
+    quiet, gang._quiet_head = gang._quiet_head, "127.0.0.1:1"
     try:
         assert gang.actor_env() == QUIET_ENV
         assert gang.actor_options() == {"runtime_env": {"env_vars": QUIET_ENV}}
     finally:
-        gang._head_is_quiet = quiet
+        gang._quiet_head = quiet
     assert gang.actor_env() == {}  # the session's shared head is started quiet
