@@ -86,8 +86,9 @@ def start_local_head(num_cpus: int, **options: Any) -> None:
     QUIET_ENV: it is in this process's environment while ``ray.init`` spawns the head
     (and so the workers), and put back after. So no actor needs a ``runtime_env``: an
     actor that has one starts through Ray's ``setup_worker``, a second interpreter that
-    imports Ray before it execs the worker (~0.3 CPU-s an actor), and cannot take a
-    worker the head started ahead. ``options`` go to ``ray.init``."""
+    imports Ray before it execs the worker (0.2–0.25 CPU-s an actor measured by
+    benchmarks/actor_start.py), and cannot take a worker the head started ahead.
+    ``options`` go to ``ray.init``."""
     global _quiet_head
     saved = {name: os.environ.get(name) for name in QUIET_ENV}
     os.environ.update(QUIET_ENV)
