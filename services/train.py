@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from services.config.job import ConfigError, load_job_config
-from services.driver.run_dir import CHECKPOINTS_DIR, job_dir, write_failure
-from services.runtime.exit_codes import exit_for
-from services.runtime.placement import starts_local_head
+from services.config.job import ConfigError, JobConfig, load_job_config
+from services.driver.run_dir import CHECKPOINTS_DIR, RunDir, job_dir, write_failure
+from services.runtime.exit_codes import FAILED, exit_for
+from services.runtime.placement import NeverFits, starts_local_head
 from services.runtime.preflight import preflight
 
 Resume = bool | Path | None
@@ -32,10 +33,6 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
             print(f"note: {note}")
     except ConfigError as err:
         return _reported(err)
-    # Only now the driver (torch, Ray): a refused config answers in about a second.
-    from services.clients.controller import controller_sinks
-    from services.driver.loop import JobFailed, run_job
-
     if resume is not None:
         config = config.model_copy(update={"resume": resume is not False})
     named = Path(resume) if isinstance(resume, Path) else None
@@ -44,6 +41,13 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
         output_dir = named.resolve().parent.parent  # the job the checkpoint belongs to
     output_dir = output_dir or (Path(config.output_dir) if config.output_dir
                                 else job_dir(config.name, config.output_dir))
+    if os.environ.get("RAY_ADDRESS") and (never := _never_fits_joined(config)):
+        return _refused_by_cluster(config.name, never, output_dir)
+    # Only now the driver (torch, transformers): a refused config answers in about a
+    # second, and a job too large for the cluster it joined in a few.
+    from services.clients.controller import controller_sinks
+    from services.driver.loop import JobFailed, run_job
+
     try:
         with controller_sinks(config, output_dir) as sinks:  # [] unless TALLY_CONTROLLER_URL
             run_job(config, output_dir, extra_sinks=sinks, resume_from=named, force=force,
@@ -56,6 +60,32 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
         write_failure(output_dir, f"{type(err).__name__}: {err}", 1)
         raise
     return 0
+
+
+def _never_fits_joined(config: JobConfig) -> NeverFits | None:
+    """Why the job can never fit the cluster named by RAY_ADDRESS (``ray job submit``, the
+    controller's head), asked before the driver is imported: its imports (torch,
+    transformers) cost several CPU-seconds, 15-20 s of wall time on a busy two-core
+    head. The driver asks again (run_job), and alone judges a head it starts."""
+    from services.runtime.gang import ensure_ray
+    from services.runtime.placement import refuse_if_never_fits
+
+    ensure_ray(0)  # joins: the number of CPUs is for a head it would start
+    try:
+        refuse_if_never_fits(config)
+    except NeverFits as err:
+        return err
+    return None
+
+
+def _refused_by_cluster(name: str, err: NeverFits, output_dir: Path) -> int:
+    """What run_job does with a job that can never fit: its ``placement_failed`` event,
+    then the failed job's line and event (exit code 1)."""
+    RunDir(output_dir).create().write_event("placement_failed", str(err))
+    message = f"job {name}: {err}"
+    print(f"error: {message}", file=sys.stderr)
+    write_failure(output_dir, message, FAILED)
+    return FAILED
 
 
 def _reported(err: Exception) -> int:

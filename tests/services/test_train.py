@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,6 +57,34 @@ def test_bad_config_fails_before_any_actor_starts(tmp_path: Path, capsys, monkey
     assert "aggregation: divisor: mode=constant needs a divisor" in err
     assert "trainer.dp_size: Input should be greater than or equal to 1" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_job_too_large_for_the_cluster_it_joins_is_refused_before_the_driver_imports(
+        ray_cluster: None, tmp_path: Path) -> None:
+    """``python -m services.train`` on a cluster it joins (RAY_ADDRESS: ``ray job submit``,
+    the controller) that can never hold the job: exit 1 and run_job's line and events,
+    with neither the driver nor torch imported (their imports are what made the refusal
+    slow)."""
+    import ray
+
+    code = ("import sys\n"
+            "from services.train import main\n"
+            "done = main(sys.argv[1:])\n"
+            "print(done, sorted({'torch', 'services.driver.loop'} & set(sys.modules)))\n")
+    out = tmp_path / "job"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "configs" / "demo.yaml"), "--output-dir",
+         str(out), "--set", "trainer.num_cpus_per_rank=3"], cwd=ROOT, capture_output=True,
+        text=True, timeout=120,
+        env={**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address})
+    assert done.stdout.strip().splitlines()[-1] == "1 []", done.stdout + done.stderr[-3000:]
+    why = ("the job can never fit this Ray cluster: it needs 6.5 CPU, the cluster has 4 CPU "
+           "in all; lower trainer.num_cpus_per_rank / trainer.dp_size")
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: job demo: {why}")
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in events] == ["placement_failed", "failed"]
+    assert events[0]["message"].startswith(why) and events[1]["exit_code"] == 1
+    assert events[1]["message"].startswith(f"job demo: {why}")
 
 
 def test_several_optimizer_steps_per_rollout_in_order_and_clipping_acts(
