@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from services.controller.job_env import scrubbed_env
-from services.runtime.quiet import QUIET_ENV
+from services.runtime.quiet import HEAD_ENV, QUIET_ENV
 
 TEMP_PREFIX = "tally-ray-"
 DASHBOARD_LINE = re.compile(r"Dashboard head http address: (\S+)")
@@ -203,7 +203,7 @@ class LocalRayHead:
             f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
         ]
         # scrubbed: every job, actor and session inherits this (services/controller/job_env)
-        env = {**scrubbed_env(os.environ), **QUIET_ENV,
+        env = {**scrubbed_env(os.environ), **QUIET_ENV, **HEAD_ENV,
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         log = (self.log_path.open("ab") if self.log_path
                else open(os.devnull, "wb"))  # noqa: SIM115 - handed to the child

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from services.runtime.quiet import QUIET_ENV
+from services.runtime.quiet import HEAD_ENV, QUIET_ENV
 
 if TYPE_CHECKING:
     from rollout.config import RolloutConfig
@@ -87,11 +87,11 @@ def start_local_head(num_cpus: int, **options: Any) -> None:
     (and so the workers), and put back after. So no actor needs a ``runtime_env``: an
     actor that has one starts through Ray's ``setup_worker``, a second interpreter that
     imports Ray before it execs the worker (0.2–0.25 CPU-s an actor measured by
-    benchmarks/actor_start.py), and cannot take a worker the head started ahead.
-    ``options`` go to ``ray.init``."""
+    benchmarks/actor_start.py), and cannot take a worker the head started ahead. The
+    head's own processes also get HEAD_ENV. ``options`` go to ``ray.init``."""
     global _quiet_head
-    saved = {name: os.environ.get(name) for name in QUIET_ENV}
-    os.environ.update(QUIET_ENV)
+    saved = {name: os.environ.get(name) for name in (*QUIET_ENV, *HEAD_ENV)}
+    os.environ.update({**QUIET_ENV, **HEAD_ENV})
     try:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options)
     finally:

@@ -172,7 +172,7 @@ def test_the_ray_init_checker_finds_a_planted_call(tmp_path: Path) -> None:
 HEAD_ENV_SCRIPT = """
 import json, os, ray
 from services.runtime.gang import actor_env, actor_options, start_local_head
-from services.runtime.quiet import QUIET_ENV
+from services.runtime.quiet import HEAD_ENV, QUIET_ENV
 
 os.environ["OMP_NUM_THREADS"] = "3"  # the user's own, kept in this process
 start_local_head(1, log_to_driver=False)
@@ -184,8 +184,25 @@ def seen() -> dict:
             "runtime_env": ray.get_runtime_context().runtime_env}
 
 
+def log_monitor_env() -> dict:  # of this head's log monitor (one of its own processes)
+    flag = f"--gcs-address={ray.get_runtime_context().gcs_address}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmd:
+                words = cmd.read().split(b"\\0")
+            with open(f"/proc/{pid}/environ", "rb") as env:
+                pairs = [item.split(b"=", 1) for item in env.read().split(b"\\0") if item]
+        except OSError:
+            continue
+        if any(w.endswith(b"log_monitor.py") for w in words) and flag in words:
+            return {k.decode(): v.decode() for k, v in pairs}
+    raise AssertionError("no log monitor of this head")
+
+
 try:
     print(json.dumps({"driver": os.environ["OMP_NUM_THREADS"], "actor_env": actor_env(),
+                      "driver_head_env": {k: os.environ.get(k) for k in HEAD_ENV},
+                      "log_monitor": {k: log_monitor_env().get(k) for k in HEAD_ENV},
                       "options": actor_options(),
                       "worker": ray.get(seen.options(**actor_options()).remote(),
                                         timeout=120)}))
@@ -198,12 +215,13 @@ finally:
 def test_a_head_we_start_gives_its_workers_the_quiet_env_without_a_runtime_env() -> None:
     """start_local_head: the head's workers have QUIET_ENV (OMP_NUM_THREADS=1 even where
     the user set another), so actors need no runtime_env (Ray's setup_worker, a second
-    interpreter per actor); the driver keeps the user's value."""
+    interpreter per actor); the driver keeps the user's value. The head's log monitor
+    has HEAD_ENV."""
     import json
     import subprocess
     import sys
 
-    from services.runtime.quiet import QUIET_ENV
+    from services.runtime.quiet import HEAD_ENV, QUIET_ENV
 
     done = subprocess.run([sys.executable, "-c", HEAD_ENV_SCRIPT], cwd=ROOT, timeout=240,
                           capture_output=True, text=True)
@@ -213,6 +231,8 @@ def test_a_head_we_start_gives_its_workers_the_quiet_env_without_a_runtime_env()
     assert said["actor_env"] == {} and said["options"] == {}
     assert said["worker"]["env"] == QUIET_ENV
     assert not said["worker"]["runtime_env"].get("env_vars")
+    assert said["log_monitor"] == HEAD_ENV  # the head's own processes: HEAD_ENV too
+    assert said["driver_head_env"] == {k: None for k in HEAD_ENV}  # put back after
 
 
 def test_a_joined_cluster_gets_the_quiet_env_by_runtime_env(ray_cluster: None) -> None:
