@@ -41,8 +41,14 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
         output_dir = named.resolve().parent.parent  # the job the checkpoint belongs to
     output_dir = output_dir or (Path(config.output_dir) if config.output_dir
                                 else job_dir(config.name, config.output_dir))
-    if os.environ.get("RAY_ADDRESS") and (never := _never_fits_joined(config)):
-        return _refused_by_cluster(config.name, never, output_dir)
+    if os.environ.get("RAY_ADDRESS"):
+        try:
+            never = _never_fits_joined(config)
+        except Exception as err:  # e.g. no cluster at RAY_ADDRESS: said as run_job says it
+            write_failure(RunDir(output_dir).create().path, f"{type(err).__name__}: {err}", 1)
+            raise
+        if never is not None:
+            return _refused_by_cluster(config.name, never, output_dir)
     # Only now the driver (torch, transformers): a refused config answers in about a
     # second, and a job too large for the cluster it joined in a few.
     from services.clients.controller import controller_sinks
