@@ -447,9 +447,9 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
 
 
 ACTOR = re.compile(r"ray::(\w+)\.(\w+)\(\)")
+CALL_TIMED_OUT = "took longer than rollout.call_timeout_s"
 FAULT_WORDS = ("The actor died unexpectedly", "ActorUnavailableError", "Worker exit type",
-               "NodeDiedError", "OutOfMemoryError", "ObjectLostError",
-               "took longer than rollout.call_timeout_s")
+               "NodeDiedError", "OutOfMemoryError", "ObjectLostError", CALL_TIMED_OUT)
 """Said by Ray when a process or node went away: a fault, even inside a constructor."""
 ACTOR_NAMES = {"RolloutManager": "the rollout manager"}
 
@@ -470,11 +470,14 @@ def failure(err: BaseException) -> tuple[str, bool]:
         return (f"{_actor_of(str(cause))} failed: {type(cause.cause).__name__}: {said}",
                 isinstance(cause.cause, RemoteOutage | TimeoutError))
     text = ANSI.sub("", str(cause))
-    if (isinstance(cause, ray.exceptions.RayActorError) and cause.actor_init_failed
-            and not any(word in text for word in FAULT_WORDS)):
-        who = (f"trainer rank {err.rank}" if isinstance(err, TrainerRankDied)
-               else _actor_of(text))
-        return f"{who} failed to start: {_exception_line(text)}", False
+    if isinstance(cause, ray.exceptions.RayActorError) and cause.actor_init_failed:
+        fault = any(word in text for word in FAULT_WORDS)
+        # Its own start-up call past its timeout (the manager's ping) is a fault said as
+        # the timeout, naming the field; a process lost meanwhile is said by Ray's line.
+        if not fault or CALL_TIMED_OUT in text:
+            who = (f"trainer rank {err.rank}" if isinstance(err, TrainerRankDied)
+                   else _actor_of(text))
+            return f"{who} failed to start: {_exception_line(text)}", fault
     return ANSI.sub("", str(err)).strip().splitlines()[0], True
 
 

@@ -207,5 +207,14 @@ def test_a_killed_actor_or_a_timeout_is_a_fault_to_restart_from() -> None:
         "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this "
         "task.")
     assert failure(ray.exceptions.RayActorError("c0df", inner, actor_init_failed=True))[1]
+    # The manager's own start-up ping past rollout.call_timeout_s: a fault, said as such.
+    pinged = RAY_INIT_FAILURE.replace(
+        "rollout.datasets.DatasetError: dataset.path: data.jsonl line 10: not valid JSON",
+        "TimeoutError: rollout ping took longer than rollout.call_timeout_s=1e-06 s (the "
+        "manager's start-up: its engines, teachers and reward actors did not all answer)")
+    assert failure(ray.exceptions.RayActorError("c0df", pinged, actor_init_failed=True)) == (
+        "the rollout manager failed to start: TimeoutError: rollout ping took longer than "
+        "rollout.call_timeout_s=1e-06 s (the manager's start-up: its engines, teachers and "
+        "reward actors did not all answer)", True)
     assert failure(TimeoutError("trainer: ranks [1] did not finish train_step within 3 s")
                    ) == ("trainer: ranks [1] did not finish train_step within 3 s", True)
