@@ -45,7 +45,8 @@ def train_from_cli(config_path: str | Path, overrides: list[str] | None = None,
         try:
             never = _never_fits_joined(config)
         except Exception as err:  # e.g. no cluster at RAY_ADDRESS: said as run_job says it
-            write_failure(RunDir(output_dir).create().path, f"{type(err).__name__}: {err}", 1)
+            write_failure(RunDir(output_dir).create().path, f"{type(err).__name__}: {err}",
+                          FAILED)
             raise
         if never is not None:
             return _refused_by_cluster(config.name, never, output_dir)
