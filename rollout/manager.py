@@ -69,8 +69,8 @@ from rollout.token_budget import model_context, prompt_budget
 from rollout.tokenizer import encode_prompt, encode_prompts, load_tokenizer
 from rollout.turns import TurnFormat
 
-__all__ = ["EvalOutcome", "EvalRun", "RolloutManager", "RolloutManagerActor", "start_engines",
-           "start_teachers"]
+__all__ = ["EvalOutcome", "EvalRun", "RolloutManager", "RolloutManagerActor", "engine_args",
+           "start_engines", "start_teachers"]
 
 ENCODED_PROMPTS = 65536
 """Records whose prompt ids the manager keeps (a small dataset's every record; a big one
@@ -93,7 +93,13 @@ def start_engine(config: RolloutConfig, model_path: str, rank: int,
     :func:`start_engines`, or the replacement of a lost one (``placement``: its bundle)."""
     actor_class = ray.remote(engine_class(config.engine))
     return (actor_class.options(**{**engine_actor_options(config.engine), **(placement or {})})
-            .remote(config.engine, model_path, config.tokenizer or model_path, rank))
+            .remote(*engine_args(config, model_path, rank)))
+
+
+def engine_args(config: RolloutConfig, model_path: str, rank: int) -> tuple[Any, ...]:
+    """Engine ``rank``'s constructor arguments: a start's, or a renewal's in a reused gang
+    (services/runtime/gang.py ``warm_gangs``)."""
+    return (config.engine, model_path, config.tokenizer or model_path, rank)
 
 
 def start_teachers(config: TeacherConfig, model_path: str,

@@ -7,17 +7,19 @@ the threads of each phase, and the roles it asks for.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 
 import torch
 
 from rollout.config import SyntheticDatasetConfig
+from rollout.engines import engine_actor_options
 from rollout.tiny import resolve_model_path
 from services.config.job import JobConfig
 from services.driver.colocated import ColocatedTrainerGroup
 from services.driver.run_dir import data_dir
 from services.runtime.gang import Roles, actor_env
-from services.runtime.placement import JobPlacement, phase_threads
+from services.runtime.placement import JobPlacement, job_bundles, phase_threads
 from services.runtime.warmup import warm_start
 from trainer.group import CriticGroup, TrainerGroup
 
@@ -89,7 +91,36 @@ def job_roles(config: JobConfig, model_path: str) -> Roles:
                            placement=placement.group,
                            first_bundle=placement.critic_first_bundle)
 
+    def renew_policy(group: TrainerGroup) -> None:
+        group.rebuild(config.trainer, config.objective_config(), model_path,
+                      config.policy_schedule_steps)
+
+    def renew_critic(group: CriticGroup) -> None:
+        group.rebuild(config.critic_trainer_config(), config.critic_objective_config(),
+                      critic_model_path(config, model_path), config.num_optimizer_steps)
+
     return Roles(policy=policy, critic=critic if config.critic.enabled else None,
                  engines=True, engines_on_ranks=colocated,
                  teachers=config.rollout.distillation is not None, reward_actors=True,
-                 manager=True)
+                 manager=True, reuse_key=reuse_key(config), renew_policy=renew_policy,
+                 renew_critic=renew_critic)
+
+
+def reuse_key(config: JobConfig) -> str | None:
+    """What fixes a job gang's processes and where they run: its bundles, its engines'
+    Ray options and the critic's rank argument (``value_clip``); a later job of the same
+    key may reuse them (services/runtime/gang.py ``warm_gangs``). None where a process
+    keeps what a renewal does not redo: a transport other than the object store (a
+    process group or shared buffers between ranks and engines, the colocated path's
+    engines on the ranks), Megatron's module globals, a teacher, an SGLang server."""
+    critic = config.critic_trainer_config() if config.critic.enabled else None
+    if (config.weight_transport() != "object_store" or config.rollout.engine.type != "torch"
+            or config.trainer.backend != "fsdp" or config.rollout.distillation is not None
+            or (critic is not None and critic.backend != "fsdp")):
+        return None
+    return json.dumps({"bundles": job_bundles(config),
+                       "cross_node": config.trainer.allow_cross_node,
+                       "engine": engine_actor_options(config.rollout.engine),
+                       "critic": critic is not None,
+                       "value_clip": config.critic.value_clip if critic else None},
+                      sort_keys=True)

@@ -134,9 +134,10 @@ class RunningJob:
             CriticWarmup(config.critic.warmup_steps,
                          config.critic.warmup_until_explained_variance))
 
-    def close(self) -> None:
+    def close(self, healthy: bool = False) -> None:
+        """``healthy``: no actor failed (its gang may be parked: gang.warm_gangs)."""
         self.updates.close()
-        self.actors.close()
+        self.actors.close(healthy)
 
 
 def rollout_step(job: RunningJob, step: int, lookahead: int | None = None
@@ -398,7 +399,7 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
     history: dict[int, dict[str, float]] = {}
     restarts, signal = 0, LearningSignalWatch()
     while True:
-        job = None
+        job, actors_failed = None, False
         try:
             job = RunningJob.start(config, run_dir, model_path, log)
             run_dir.write_event("placement", job.actors.describe_placement())
@@ -427,6 +428,7 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
             run_dir.write_event("placement_failed", str(err))
             raise JobFailed(f"job {config.name}: {err}") from err
         except (TrainerRankDied, ray.exceptions.RayError, TimeoutError) as err:
+            actors_failed = True
             reason, fault = failure(err)
             run_dir.write_event("actor_failed", reason)
             if not fault:
@@ -442,8 +444,8 @@ def run_with_restarts(config: JobConfig, run_dir: RunDir, model_path: str,
                 "checkpoint")
             resume_from = checkpoint.newest_readable(run_dir, log) or resume_from
         finally:
-            if job is not None:
-                job.close()
+            if job is not None:  # a gang no actor failed in may be reused (gang.warm_gangs)
+                job.close(healthy=not actors_failed)
 
 
 ACTOR = re.compile(r"ray::(\w+)\.(\w+)\(\)")

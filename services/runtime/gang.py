@@ -16,11 +16,19 @@ starts a lost engine's replacement in that engine's bundle (rollout/engine_pool.
 Every start is counted (:func:`count_starts`; with ``TALLY_COUNT_ACTOR_STARTS=<file>``
 one line per actor, its role, appended to that file): that is how the suite's actor
 starts are counted.
+
+A warm gang: inside :func:`warm_gangs` a gang closed healthy is parked, not stopped, and
+the next gang whose ``Roles.reuse_key`` is the same (the same bundles, actor classes and
+counts) takes its processes, each made a new actor of the new config in place
+(:func:`renew`; trainer ranks by ``RankGroup.rebuild``), sparing the starts and the
+imports of torch and transformers (2.5–4 CPU-s an actor). Any other gang first stops the
+parked one, so a parked gang holds the cluster only until something else asks for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -263,6 +271,10 @@ GroupFactory = Callable[["JobPlacement | None"], Any]
 gang's placement (its ``.group``, and the critic's ``critic_first_bundle``; None: Ray
 places its ranks)."""
 
+GroupRenewal = Callable[[Any], None]
+"""Rebuilds a parked gang's rank group in place as the group the factory would build
+(``RankGroup.rebuild``: the same processes, every rank's state new)."""
+
 
 @dataclass(frozen=True)
 class ActorRecord:
@@ -311,6 +323,61 @@ class Roles:
     place: bool = True
     """Reserve the job's bundles (placement.reserve_job) and start each actor in its own;
     False (a program with no trainer ranks, or no JobConfig): Ray places each actor."""
+    reuse_key: str | None = None
+    """What fixes the gang's processes and where they run (its bundles, the classes and
+    counts of its actors): inside :func:`warm_gangs` the next gang of the same key reuses
+    this one's. None (the default): the gang is never parked."""
+    renew_policy: GroupRenewal | None = None
+    renew_critic: GroupRenewal | None = None
+    """How ``policy`` and ``critic`` are rebuilt in a reused gang (needed with a key)."""
+
+
+def renew(actor: object, *args: Any, **kwargs: Any) -> None:
+    """Run inside an actor by ``__ray_call__``: forget everything it built (every
+    attribute) and construct it anew with these arguments, as a new actor of its class
+    would be, sparing the process start and its imports (a reused gang's engines and
+    manager). A call queued before it (a rollout asked ahead) runs first."""
+    for name in list(vars(actor)):
+        delattr(actor, name)
+    gc.collect()  # the last model, before the next is loaded
+    type(actor).__init__(actor, *args, **kwargs)
+
+
+_parked: list[Gang] | None = None
+"""Inside :func:`warm_gangs`: the gang parked there (at most one); None: outside, every
+gang stops when closed."""
+
+
+@contextlib.contextmanager
+def warm_gangs() -> Iterator[None]:
+    """Within the block a gang closed healthy (``close(healthy=True)``: no actor failed)
+    whose roles have a ``reuse_key`` is parked, and the next gang of that key reuses its
+    processes; the parked gang is stopped when another gang starts or the block ends. A
+    block inside another is the outer one. For a program that runs jobs one after
+    another in one process (a test module): a parked gang holds its bundles."""
+    global _parked
+    if _parked is not None:
+        yield
+        return
+    _parked = []
+    try:
+        yield
+    finally:
+        parked, _parked = _parked, None
+        for gang in parked:
+            gang.close()
+
+
+def _unpark(key: str | None) -> Gang | None:
+    """The parked gang of ``key``, taken; any other is stopped (its bundles freed for the
+    gang about to start)."""
+    if not _parked:
+        return None
+    gang = _parked.pop()
+    if key is not None and gang.roles.reuse_key == key:
+        return gang
+    gang.close()
+    return None
 
 
 class Gang:
@@ -329,6 +396,11 @@ class Gang:
         self.critic: Any = None
         self.records: dict[tuple[str, int], ActorRecord] = {}
         """The last :meth:`actor_records` answer (and replacements since), by role and rank."""
+        self.reused = False
+        """Whether this gang's actors are a parked gang's, renewed (:func:`warm_gangs`)."""
+        parked = _unpark(roles.reuse_key)
+        if parked is not None and self._adopt(parked):
+            return
         with contextlib.ExitStack() as started:
             self._place(started, on_wait)
             self._start_rollout(started)
@@ -392,16 +464,57 @@ class Gang:
     def _start_manager(self, owns_engines: bool) -> Any:
         from rollout.manager import RolloutManagerActor
 
-        assert self.config is not None
         options = self.placement.manager_options() if self.placement is not None else {}
         manager = RolloutManagerActor.options(**actor_options(), **options)
         count_starts("manager")
-        return manager.remote(self.config.rollout, self.model_path, engines=self.engines,
-                              owns_engines=owns_engines, teachers=self.teachers,
-                              reward_actors=self.reward_actors,
-                              samples_per_step=self.config.logging.samples_per_step,
-                              estimator_in_driver=self.config.trainer.loss.kl_placement
-                              == "reward")
+        args, kwargs = self._manager_args(owns_engines)
+        return manager.remote(*args, **kwargs)
+
+    def _manager_args(self, owns_engines: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The rollout manager's constructor arguments: handed the gang's actors."""
+        assert self.config is not None
+        return (self.config.rollout, self.model_path), dict(
+            engines=self.engines, owns_engines=owns_engines, teachers=self.teachers,
+            reward_actors=self.reward_actors,
+            samples_per_step=self.config.logging.samples_per_step,
+            estimator_in_driver=self.config.trainer.loss.kl_placement == "reward")
+
+    def _adopt(self, parked: Gang) -> bool:
+        """Take ``parked``'s actors (its key is ours: the same bundles, classes and counts)
+        and make each a new actor of this config in place: engines and manager by
+        :func:`renew`, rank groups by the roles' renewals; the manager's renewal pings
+        the renewed engines. False (the parked gang stopped) when any of it fails or
+        takes longer than rollout.call_timeout_s: a fresh start says why, as it would
+        have."""
+        from rollout.manager import engine_args
+
+        roles = self.roles
+        assert not roles.engines_on_ranks, "a colocated gang has no reuse key"
+        self.placement, self.rollout = parked.placement, parked.rollout
+        try:
+            renewing = []
+            if self.engines:
+                assert self.config is not None
+                renewing += [engine.__ray_call__.remote(
+                    renew, *engine_args(self.config.rollout, self.model_path, rank))
+                    for rank, engine in enumerate(self.engines)]
+            if parked.manager is not None:
+                args, kwargs = self._manager_args(owns_engines=True)
+                renewing.append(parked.manager.__ray_call__.remote(renew, *args, **kwargs))
+            for group, renewal in ((parked.trainer, roles.renew_policy),
+                                   (parked.critic, roles.renew_critic)):
+                if group is not None:
+                    assert renewal is not None, "a reused gang's group needs its renewal"
+                    renewal(group)
+            ray.get(renewing, timeout=self._timeout())
+        except Exception:  # whatever it was, a fresh start says it in its own words
+            parked.close()
+            self.placement, self.rollout = None, RolloutActors()
+            return False
+        self.manager, self.trainer, self.critic = parked.manager, parked.trainer, parked.critic
+        self._started, parked._started = parked._started, contextlib.ExitStack()
+        self.reused = True
+        return True
 
     def _start_group(self, role: str, build: GroupFactory, started: contextlib.ExitStack
                      ) -> Any:
@@ -502,10 +615,22 @@ class Gang:
             ray.get(self.manager.shutdown.remote(), timeout=60)
         ray.kill(self.manager)
 
-    def close(self) -> None:
+    def close(self, healthy: bool = False) -> None:
         """Stop every actor of the gang, dead or alive, without waiting on a stuck one
         (ranks first: a rank stuck in a collective is killed, not asked), then free its
-        bundles. A second call does nothing."""
+        bundles. ``healthy`` (no actor failed or timed out): inside :func:`warm_gangs` a
+        gang with a ``reuse_key`` and no teacher or reward actor (renewals do not redo
+        those) is parked instead. A second call does nothing."""
+        if _parked is not None and self in _parked:
+            if healthy:
+                return
+            _parked.remove(self)
+        elif (healthy and _parked is not None and self.roles.reuse_key is not None
+                and not self.teachers and not self.reward_actors):
+            while _parked:  # one parked at a time: the older stops
+                _parked.pop().close()
+            _parked.append(self)
+            return
         self._started.close()
 
     def __enter__(self) -> Gang:

@@ -21,6 +21,7 @@ from services.driver.job import job_model_path
 from services.driver.loop import RunningJob, run_job, train_optimizer_steps
 from services.driver.metrics import optimizer_steps_summary
 from services.driver.sinks import JsonlSink, read_metrics
+from services.runtime.gang import actor_starts, warm_gangs
 from tests.services.controller.fakes import DEMO_OVERRIDES
 from tests.services.driver.clean_run import CleanRun, assert_same_training, clean_config
 from tests.services.driver.test_wandb_sink import finished_run_records, history_of
@@ -62,6 +63,29 @@ def test_a_rank_dying_during_the_weight_export_restarts_the_job(clean_run: Clean
 
 
 # With rollout.async_steps: test_evaluation.py's evaluated clean run.
+@pytest.mark.slow  # a one-step job, then the clean job on its processes
+def test_a_job_on_the_gang_another_job_left_trains_what_the_clean_run_does(
+        clean_run: CleanRun, tmp_path: Path) -> None:
+    """warm_gangs: after a job of another seed, learning rate, temperature and length,
+    the clean job runs on the same processes (the gang reused: no actor started, the
+    same pids) and trains bit for bit what the clean run did on a fresh gang."""
+    other = clean_config("num_steps=1", "rollout.seed=11", "trainer.optimizer.lr=5e-3",
+                         "rollout.sampling.temperature=0.7")
+    with warm_gangs():
+        run_job(other, tmp_path / "other", log=lambda *_: None)
+        started = sum(actor_starts.values())
+        run_job(clean_config(), tmp_path / "job", log=lambda *_: None)
+        assert sum(actor_starts.values()) == started
+
+    def pids(job: Path) -> dict[str, int]:
+        return {f"{e['role']}{e['rank']}": e["pid"] for e in events(job)
+                if e["kind"] == "actor_started"}
+
+    assert pids(tmp_path / "job") == pids(tmp_path / "other")
+    assert len(pids(tmp_path / "job")) == 4  # 2 ranks, an engine, the manager
+    assert_same_training(tmp_path / "job", clean_run)
+
+
 @pytest.mark.slow  # 40 rollout steps of 128 samples, evaluated three times
 def test_a_short_run_improves_reward_and_its_final_weights_are_evaluated_in_the_last_row(
         ray_cluster: None, wandb_home: Path, tmp_path: Path) -> None:

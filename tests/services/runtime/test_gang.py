@@ -18,7 +18,7 @@ import ray
 from rollout.tiny import create_tiny_checkpoint
 from services.config.job import JobConfig, load_job_config
 from services.driver.job import job_roles
-from services.runtime.gang import ACTOR_STARTS_ENV, Gang, Roles, count_starts
+from services.runtime.gang import ACTOR_STARTS_ENV, Gang, Roles, count_starts, warm_gangs
 from services.runtime.placement import JobPlacement
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -128,6 +128,97 @@ def test_a_start_that_fails_halfway_stops_what_it_started(
     while (left := _alive_actors() - before) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, left
+
+
+# ---- a warm gang: parked, then reused ----------------------------------------------------
+
+
+def _renewed_state(gang: Gang) -> dict[str, object]:
+    """What a job's actors hold that a new actor of each would not: an engine's weight
+    version, the manager's next group and its engines, a rank's planted attribute."""
+    return {
+        "engine": ray.get(gang.engines[0].__ray_call__.remote(
+            lambda engine: engine.weight_version)),
+        "manager": ray.get(gang.manager.__ray_call__.remote(lambda manager: (
+            manager.next_group_index, [e._actor_id.hex() for e in manager.engines]))),
+        "rank": ray.get(gang.trainer.workers[0].__ray_call__.remote(
+            lambda rank: getattr(rank, "left_by_a_job", None))),
+    }
+
+
+def _leave_state(gang: Gang) -> None:
+    ray.get([gang.engines[0].__ray_call__.remote(
+                 lambda engine: setattr(engine, "weight_version", 7)),
+             gang.manager.__ray_call__.remote(
+                 lambda manager: setattr(manager, "next_group_index", 96)),
+             gang.trainer.workers[0].__ray_call__.remote(
+                 lambda rank: setattr(rank, "left_by_a_job", True))])
+
+
+@pytest.mark.slow  # a rank, an engine and a manager on Ray, twice
+def test_a_parked_gang_is_reused_renewed_and_one_with_a_dead_actor_is_replaced(
+        ray_cluster: None, model_path: str, starts: Callable[[], Counter[str]]) -> None:
+    """Inside warm_gangs a gang closed healthy is parked (its actors and bundles kept);
+    the next gang of its key takes the same processes, each a new actor of the new config
+    (nothing a job left in them survives), starting none; a gang closed after a failure
+    stops; and a parked gang with a dead actor is stopped and a fresh one started."""
+    config = _config("rollout.engine.num_engines=1")
+    one_of_each = Counter({"engine": 1, "manager": 1, "policy": 1})
+    with warm_gangs():
+        first = Gang(config, model_path, job_roles(config, model_path))
+        assert not first.reused and starts() == one_of_each
+        actors = [first.manager, *first.engines, *first.trainer.workers]
+        fresh = _renewed_state(first)
+        _leave_state(first)
+        assert _renewed_state(first) != fresh
+        first.close(healthy=True)
+        assert not any(_dead(actor) for actor in actors)  # parked, not stopped
+        assert first.placement is not None and not _removed(first.placement.group)
+
+        again = Gang(config, model_path, job_roles(config, model_path))
+        assert again.reused and starts() == one_of_each  # nothing started
+        assert [again.manager, *again.engines, *again.trainer.workers] == actors
+        assert again.placement is first.placement
+        assert _renewed_state(again) == fresh  # every actor as a new one
+        again.close(healthy=True)  # parked again
+        ray.kill(again.engines[0])
+        assert _dies(again.engines[0])
+
+        replaced = Gang(config, model_path, job_roles(config, model_path))
+        assert not replaced.reused and starts() == one_of_each + one_of_each
+        assert all(_dies(actor) for actor in actors)  # the parked gang, stopped
+        assert _removed(first.placement.group)
+        replaced.close(healthy=False)  # as after an actor failure: stopped, not parked
+        assert all(_dies(actor) for actor in
+                   [replaced.manager, *replaced.engines, *replaced.trainer.workers])
+
+
+def test_a_gang_of_another_key_stops_the_parked_one_and_the_block_stops_the_last() -> None:
+    """At most one gang is parked, and only inside warm_gangs: a gang of another key (or
+    none) stops it before it starts, and the end of the block stops what is parked."""
+    from services.runtime import gang as gang_module
+
+    def actorless(key: str | None) -> Gang:
+        return Gang(None, "", Roles(place=False, reuse_key=key))
+
+    outside = actorless("a")
+    outside.close(healthy=True)
+    assert gang_module._parked is None  # no pool: stopped
+    with warm_gangs():
+        parked = actorless("a")
+        parked.close(healthy=True)
+        assert gang_module._parked == [parked]
+        other = actorless("b")
+        assert not other.reused and gang_module._parked == []
+        other.close(healthy=True)
+        assert actorless("b").reused and gang_module._parked == []
+        keyless = actorless(None)
+        keyless.close(healthy=True)
+        assert gang_module._parked == []  # no key: never parked
+        last = actorless("b")
+        last.close(healthy=True)
+        assert gang_module._parked == [last]
+    assert gang_module._parked is None
 
 
 # ---- one module starts Ray --------------------------------------------------------------
