@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -90,6 +91,28 @@ def tally_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TALLY_DATA_DIR", str(path))
         yield path
+
+
+@pytest.fixture(scope="module")
+def warm_gang_pool() -> Iterator[None]:
+    """For a module whose tests run jobs in this process one after another: a gang a job
+    leaves healthy is parked and the next job of its shape reuses its processes
+    (services/runtime/gang.py ``warm_gangs``), across the module's tests that use this
+    fixture; stopped at the module's end. Ask for it with
+    ``pytest.mark.usefixtures("warm_gang_pool")``."""
+    from services.runtime.gang import warm_gangs
+
+    with warm_gangs():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def no_parked_gang_for_other_tests(request: pytest.FixtureRequest) -> None:
+    """A test that did not ask for the warm gang pool finds no parked gang holding the
+    cluster (one an earlier test of its module parked is stopped)."""
+    gang = sys.modules.get("services.runtime.gang")
+    if gang is not None and "warm_gang_pool" not in request.fixturenames:
+        gang.stop_parked()
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ from services.driver.samples import append_samples
 from services.driver.sinks import JsonlSink, MetricsSink, TensorBoardSink, read_metrics
 from services.driver.wandb_sink import wandb_sinks
 from services.driver.weight_sync import WeightSync, transport_for
-from services.runtime.gang import ActorRecord, Gang, ensure_ray
+from services.runtime.gang import ActorRecord, Gang, ensure_ray, stop_parked
 from services.runtime.placement import PlacementFailed, local_head_cpus, refuse_if_never_fits
 from services.runtime.preflight import preflight
 from services.runtime.quiet import quiet_transformers
@@ -389,6 +389,7 @@ def run_job(config: JobConfig, output_dir: Path | None = None,
         for sink in sinks:
             sink.close()
         if started_ray:
+            stop_parked()  # a gang parked on the head about to go (gang.warm_gangs)
             ray.shutdown()
 
 

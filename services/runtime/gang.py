@@ -363,8 +363,17 @@ def warm_gangs() -> Iterator[None]:
     try:
         yield
     finally:
-        parked, _parked = _parked, None
-        for gang in parked:
+        stop_parked()
+        _parked = None
+
+
+def stop_parked() -> None:
+    """Stop the gang parked inside :func:`warm_gangs`, if any (the block goes on): for a
+    caller about to ask the cluster for what the parked gang holds, or to leave it. With
+    Ray shut down there is nothing left to stop (this driver's actors went with it)."""
+    while _parked:
+        gang = _parked.pop()
+        if ray.is_initialized():
             gang.close()
 
 
@@ -627,8 +636,7 @@ class Gang:
             _parked.remove(self)
         elif (healthy and _parked is not None and self.roles.reuse_key is not None
                 and not self.teachers and not self.reward_actors):
-            while _parked:  # one parked at a time: the older stops
-                _parked.pop().close()
+            stop_parked()  # one parked at a time: the older stops
             _parked.append(self)
             return
         self._started.close()

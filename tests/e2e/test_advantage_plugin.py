@@ -14,6 +14,9 @@ from services.driver.loop import run_job
 from services.runtime.preflight import preflight
 from tests.services.driver.clean_run import ROOT, CleanRun, assert_same_training, rows
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""Jobs of one shape one after another: each may take the gang the last one left."""
+
 TINY_JOB = ["num_steps=2", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=8",
             "rollout.global_batch_size=16", "trainer.dp_size=1", "eval.enabled=false",
             "trainer.optimizer.schedule=constant", "checkpoint_every=0",

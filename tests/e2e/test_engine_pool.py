@@ -18,6 +18,9 @@ from services.driver.loop import RunningJob, run_job
 from services.driver.sinks import read_metrics
 from tests.services.driver.clean_run import clean_config, deterministic, final_weights
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""Jobs of one shape one after another: each may take the gang the last one left."""
+
 TWO_ENGINES = ["num_steps=3", "rollout.async_steps=0", "rollout.engine.num_engines=2",
                "trainer.dp_size=1", "max_restarts=1"]
 """The clean job's batches (4 prompts × 8, 2 optimizer steps of 16 × 2 epochs) on two

@@ -17,6 +17,10 @@ from services.driver.sinks import read_metrics
 from services.train import train_from_cli
 from tests.services.driver.test_sample_tokens_job import NO_TEXT
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""One-rank jobs one after another: each may take the gang the last one left (another
+model is loaded into the same processes)."""
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {"calculator": ROOT / "configs" / "smollm2-calculator.yaml",
            "guess-number": ROOT / "configs" / "smollm2-guess-number.yaml"}

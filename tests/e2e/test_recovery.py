@@ -26,6 +26,9 @@ from tests.services.driver.clean_run import (
 )
 from tests.services.test_train import ROOT, SMALL
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""Jobs of one shape one after another: each may take the gang the last one left."""
+
 
 def events(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "events.jsonl").read_text().splitlines()]

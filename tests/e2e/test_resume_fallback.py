@@ -20,7 +20,8 @@ from tests.services.driver.clean_run import (
 )
 from trainer.checkpoint import SHARDS_DIR
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_gang_pool")]
+"""The resume may take the gang the stopped run left."""
 
 
 def test_newest_checkpoint_unreadable_resumes_exactly_from_the_previous(

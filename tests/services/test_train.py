@@ -25,6 +25,9 @@ from tests.services.driver.clean_run import (
     stop_after,
 )
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""Jobs of one shape one after another: each may take the gang the last one left."""
+
 ROOT = Path(__file__).resolve().parents[2]
 # demo.yaml's warm-up (the one every test shares, tests/conftest.py's data folder caches
 # it), a constant schedule.
@@ -170,10 +173,13 @@ def drive(config: JobConfig, folder: Path, lookahead: int | None) -> list[dict[s
     model_path = job_model_path(config)
     job = RunningJob.start(with_threads(config, model_path), RunDir(folder).create(),
                            model_path, log=lambda *_: None)
+    healthy = False
     try:
-        return [rollout_step(job, step, lookahead) for step in range(config.num_steps)]
+        rows = [rollout_step(job, step, lookahead) for step in range(config.num_steps)]
+        healthy = True
+        return rows
     finally:
-        job.close()
+        job.close(healthy)  # healthy: the next job may take its gang (warm_gang_pool)
 
 
 @pytest.fixture(scope="module")

@@ -105,15 +105,18 @@ def stop_after(last_step: int):
 def assert_resumes_exactly(config: Any, tmp_path: Path, stop_at: int = 1) -> Path:
     """Run ``config`` whole, and again stopped after rollout step ``stop_at`` and resumed:
     the resumed run trains bit for bit what the whole one did. Returns the whole run's
-    folder."""
+    folder. The three runs share one gang (``warm_gangs``): the resumed run on processes
+    the whole run used equals it."""
     from services.driver.loop import run_job
+    from services.runtime.gang import warm_gangs
 
     whole = tmp_path / "whole"
-    history = run_job(config, whole, log=lambda *_: None)
     resumed = tmp_path / "resumed"
-    with pytest.raises(Interrupted):
-        run_job(config, resumed, log=lambda *_: None, after_step=stop_after(stop_at))
-    run_job(config, resumed, log=lambda *_: None)
+    with warm_gangs():
+        history = run_job(config, whole, log=lambda *_: None)
+        with pytest.raises(Interrupted):
+            run_job(config, resumed, log=lambda *_: None, after_step=stop_after(stop_at))
+        run_job(config, resumed, log=lambda *_: None)
     assert_same_training(resumed, CleanRun(whole, history))
     return whole
 

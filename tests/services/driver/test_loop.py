@@ -35,6 +35,7 @@ def events(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # two starts of the job's actors
+@pytest.mark.usefixtures("warm_gang_pool")
 def test_a_rank_dying_during_the_weight_export_restarts_the_job(clean_run: CleanRun,
                                                                 tmp_path: Path) -> None:
     killed: list[int] = []
