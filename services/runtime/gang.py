@@ -516,10 +516,12 @@ class Gang:
                     assert renewal is not None, "a reused gang's group needs its renewal"
                     renewal(group)
             ray.get(renewing, timeout=self._timeout())
-        except Exception:  # whatever it was, a fresh start says it in its own words
+        except BaseException as err:
             parked.close()
+            if not isinstance(err, Exception):  # an interrupt: nothing is left running
+                raise
             self.placement, self.rollout = None, RolloutActors()
-            return False
+            return False  # whatever it was, a fresh start says it in its own words
         self.manager, self.trainer, self.critic = parked.manager, parked.trainer, parked.critic
         self._started, parked._started = parked._started, contextlib.ExitStack()
         self.reused = True
