@@ -93,12 +93,13 @@ def tally_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def warm_gang_pool() -> Iterator[None]:
-    """For a module whose tests run jobs in this process one after another: a gang a job
-    leaves healthy is parked and the next job of its shape reuses its processes
-    (services/runtime/gang.py ``warm_gangs``), across the module's tests that use this
-    fixture; stopped at the module's end. Ask for it with
+    """For tests that run jobs in this process: a gang a job leaves healthy is parked and
+    the next job of its shape reuses its processes (services/runtime/gang.py
+    ``warm_gangs``), across this worker's tests that use this fixture, module after
+    module (each worker runs whole files in turn); any other test finds none parked
+    (:func:`no_parked_gang_for_other_tests`). Ask for it with
     ``pytest.mark.usefixtures("warm_gang_pool")``."""
     from services.runtime.gang import warm_gangs
 

@@ -55,6 +55,7 @@ def test_class_path_is_located_at_submit_and_checked_in_the_job(
 
 
 @pytest.mark.slow  # one tiny job on Ray (and the session's clean job)
+@pytest.mark.usefixtures("warm_gang_pool")
 def test_a_custom_exact_match_trains_as_the_built_in_one(clean_run: CleanRun,
                                                          tmp_path: Path) -> None:
     from services.driver.loop import run_job

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""Jobs in this process: each may take the gang the last one left (tests/conftest.py)."""
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -25,6 +25,9 @@ from services.driver.sinks import read_metrics
 from tests.rollout.chat_server import ChatHandler, LoopbackHandler, RewardHandler, fresh, serving
 from tests.services.driver.clean_run import CLEAN, ROOT, VARIES, final_weights
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""Jobs in this process: each may take the gang the last one left (tests/conftest.py)."""
+
 KEY = "sk-e2e-3b1f9c0d7a26e845"
 STEPS = 3
 

@@ -20,6 +20,9 @@ from tests.services.driver.clean_run import (
     rows,
 )
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""Jobs in this process: each may take the gang the last one left (tests/conftest.py)."""
+
 LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.optimizer.lr=1e-2",
         "trainer.loss.kl_coef=0.05"]
 

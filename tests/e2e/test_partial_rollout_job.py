@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""Jobs in this process: each may take the gang the last one left (tests/conftest.py)."""
+
 
 @pytest.mark.slow  # two jobs
 def test_a_partial_rollout_job_resumes_exactly_with_samples_in_flight(

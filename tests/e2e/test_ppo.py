@@ -19,6 +19,9 @@ from services.driver.loop import run_job
 from tests.services.driver.clean_run import CLEAN, ROOT, assert_resumes_exactly, rows
 from trainer.checkpoint import CRITIC_DIR
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""Jobs in this process: each may take the gang the last one left (tests/conftest.py)."""
+
 PPO = ROOT / "configs" / "demo-ppo.yaml"
 KL_TARGET, KL_HORIZON = 0.002, 32
 KL_IN_REWARD = ["trainer.loss.kl_coef=0.05", "trainer.loss.kl_placement=reward",

@@ -16,6 +16,10 @@ from services.driver.sinks import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.usefixtures("warm_gang_pool")
+"""Two SmolLM2 jobs of one shape (a rank and an engine): the second takes the gang the
+first left (1.5 of the head's CPUs, beside the first test's own 0.5-CPU engine)."""
+
 
 @pytest.mark.slow  # SmolLM2 imported, trained, evaluated twice
 def test_one_rl_step_and_its_evaluations_on_smollm2(ray_cluster: None, smollm2_path: Path,

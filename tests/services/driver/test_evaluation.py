@@ -134,6 +134,7 @@ def test_an_async_evaluation_is_collected_when_done_never_waited_for(
 
 
 @pytest.mark.slow  # a job besides the clean run
+@pytest.mark.usefixtures("warm_gang_pool")
 def test_evaluation_leaves_what_training_samples_and_trains_untouched(
         clean_run: CleanRun, tmp_path: Path) -> None:
     """The clean job evaluated at every weight version: its evaluations are queued in the

@@ -88,6 +88,7 @@ def test_a_job_on_the_gang_another_job_left_trains_what_the_clean_run_does(
 
 
 @pytest.mark.slow  # 40 rollout steps of 128 samples, evaluated three times
+@pytest.mark.usefixtures("warm_gang_pool")
 def test_a_short_run_improves_reward_and_its_final_weights_are_evaluated_in_the_last_row(
         ray_cluster: None, wandb_home: Path, tmp_path: Path) -> None:
     """One job shows that RL learns (the reward of the last 8 rollout steps beats the

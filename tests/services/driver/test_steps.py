@@ -17,7 +17,8 @@ from services.train import train_from_cli
 from tests.services.controller.fakes import DEMO_OVERRIDES
 from tests.services.driver.clean_run import NUM_UPDATES, ROOT, CleanRun, clean_config, rows
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_gang_pool")]
+"""Jobs in this process: each may take the gang the last one left (tests/conftest.py)."""
 
 
 def events(job: Path) -> list[dict]:

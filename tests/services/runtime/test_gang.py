@@ -193,10 +193,13 @@ def test_a_parked_gang_is_reused_renewed_and_one_with_a_dead_actor_is_replaced(
                    [replaced.manager, *replaced.engines, *replaced.trainer.workers])
 
 
-def test_a_gang_of_another_key_stops_the_parked_one_and_the_block_stops_the_last() -> None:
+def test_a_gang_of_another_key_stops_the_parked_one_and_the_block_stops_the_last(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """At most one gang is parked, and only inside warm_gangs: a gang of another key (or
     none) stops it before it starts, and the end of the block stops what is parked."""
     from services.runtime import gang as gang_module
+
+    monkeypatch.setattr(gang_module, "_parked", None)  # outside the session's pool
 
     def actorless(key: str | None) -> Gang:
         return Gang(None, "", Roles(place=False, reuse_key=key))
