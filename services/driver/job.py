@@ -107,8 +107,9 @@ def job_roles(config: JobConfig, model_path: str) -> Roles:
 
 
 def reuse_key(config: JobConfig) -> str | None:
-    """What fixes a job gang's processes and where they run: its bundles, its engines'
-    Ray options and the critic's rank argument (``value_clip``); a later job of the same
+    """What fixes a job gang's processes and where they run: its bundles, how many of
+    them each role has (equal bundles of two roles would not tell), its engines' Ray
+    options and the critic's rank argument (``value_clip``); a later job of the same
     key may reuse them (services/runtime/gang.py ``warm_gangs``). None where a process
     keeps what a renewal does not redo: a transport other than the object store (a
     process group or shared buffers between ranks and engines, the colocated path's
@@ -120,7 +121,9 @@ def reuse_key(config: JobConfig) -> str | None:
         return None
     return json.dumps({"bundles": job_bundles(config),
                        "cross_node": config.trainer.allow_cross_node,
+                       "ranks": config.trainer.world_size,
+                       "engines": config.rollout.engine.num_engines,
                        "engine": engine_actor_options(config.rollout.engine),
-                       "critic": critic is not None,
+                       "critic_ranks": critic.world_size if critic else 0,
                        "value_clip": config.critic.value_clip if critic else None},
                       sort_keys=True)

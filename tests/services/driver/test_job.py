@@ -63,3 +63,23 @@ def test_the_driver_loop_computes_on_one_thread_and_gives_the_callers_back() -> 
         assert torch.get_num_threads() == 1
         raise RuntimeError("a step failed")
     assert torch.get_num_threads() == before
+
+
+def test_the_reuse_key_tells_gangs_whose_bundles_look_alike_by_their_role_counts() -> None:
+    """A later job may take a parked gang only where the key (services/driver/job.py) is
+    equal: the same shape with another learning rate or seed is; 2 ranks and 1 engine
+    against 1 rank and 2 engines, all of one CPU (equal bundle lists), are not; the
+    colocated path and a critic of another world size have a key of their own or none."""
+    from services.driver.job import reuse_key
+    from services.runtime.placement import job_bundles
+
+    one_cpu = ["trainer.num_cpus_per_rank=1", "rollout.engine.num_cpus=1"]
+    two_ranks = demo(*one_cpu, "rollout.engine.num_engines=1")
+    two_engines = demo(*one_cpu, "trainer.dp_size=1", "rollout.engine.num_engines=2")
+    assert job_bundles(two_ranks) == job_bundles(two_engines)
+    assert reuse_key(two_ranks) != reuse_key(two_engines)
+    assert reuse_key(demo()) == reuse_key(demo("trainer.optimizer.lr=1e-3", "rollout.seed=3"))
+    assert reuse_key(demo("colocate=true")) is None
+    critic = ["rollout.advantage={type: gae, lam: 0.9}", "critic.enabled=true"]
+    assert reuse_key(demo(*critic)) not in (None, reuse_key(demo()),
+                                            reuse_key(demo(*critic, "critic.dp_size=1")))
