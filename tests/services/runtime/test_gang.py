@@ -138,11 +138,12 @@ def _renewed_state(gang: Gang) -> dict[str, object]:
     version, the manager's next group and its engines, a rank's planted attribute."""
     return {
         "engine": ray.get(gang.engines[0].__ray_call__.remote(
-            lambda engine: engine.weight_version)),
+            lambda engine: engine.weight_version), timeout=60),
         "manager": ray.get(gang.manager.__ray_call__.remote(lambda manager: (
-            manager.next_group_index, [e._actor_id.hex() for e in manager.engines]))),
+            manager.next_group_index, [e._actor_id.hex() for e in manager.engines])),
+            timeout=60),
         "rank": ray.get(gang.trainer.workers[0].__ray_call__.remote(
-            lambda rank: getattr(rank, "left_by_a_job", None))),
+            lambda rank: getattr(rank, "left_by_a_job", None)), timeout=60),
     }
 
 
@@ -152,7 +153,7 @@ def _leave_state(gang: Gang) -> None:
              gang.manager.__ray_call__.remote(
                  lambda manager: setattr(manager, "next_group_index", 96)),
              gang.trainer.workers[0].__ray_call__.remote(
-                 lambda rank: setattr(rank, "left_by_a_job", True))])
+                 lambda rank: setattr(rank, "left_by_a_job", True))], timeout=60)
 
 
 @pytest.mark.slow  # a rank, an engine and a manager on Ray, twice
