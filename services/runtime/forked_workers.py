@@ -1,0 +1,320 @@
+"""Ray workers forked from a warm interpreter, on a head we start (issue 51: most of the
+suite's CPU, and of a job's start, is each actor's fresh interpreter importing torch and
+transformers: 5–9 CPU-s an actor on a slow day, ``benchmarks/actor_start.py``).
+
+The raylet starts every worker as ``python -u <worker_path> <args>``;
+:func:`services.runtime.gang.start_local_head` names this file as that path. Run so, it is
+the *launcher*: it imports nothing but the standard library and hands its worker to a
+*zygote*, a process that has imported Ray, torch, transformers and the modules of our
+actors once (:data:`PRELOAD`) and forks a child per worker. The child takes the
+launcher's stdin/stdout/stderr, environment, working directory and arguments, and runs
+Ray's ``default_worker.py`` as ``__main__``, exactly as a fresh worker would::
+
+    raylet ─► launcher: python -u forked_workers.py ARGS ──unix socket──► zygote
+               (waits, passes on SIGTERM/SIGINT,                            │ fork
+                exits with the child's code)                                ▼
+                                                 child: default_worker.py ARGS
+
+The child registers with the raylet itself, under its own pid (Ray takes a worker's pid
+from its registration), so ``ray.kill``, a worker's death and its logs are as usual.
+
+Why one zygote per environment: Ray's C++ config is read from ``RAY_*`` variables once,
+when ``ray`` is imported (a worker's job id among them: a worker started ahead has
+``RAY_JOB_ID=ffffffff``, one started for a job has that job's), so a zygote serves only
+launchers whose environment, working directory and interpreter equal the one it was
+started from; its socket is named by their hash. The first launcher of a kind starts
+it with its own environment and every launcher of that kind waits for it
+(:data:`ZYGOTE_START_S`). A forked child's ``/proc/<pid>/environ`` is the zygote's, which
+is the launcher's: a job's workers hold only what its own launcher held.
+
+Anything unusual runs the worker the ordinary way (``exec`` of ``default_worker.py``):
+``TALLY_FORK_WORKERS=0``, a socket path longer than a unix socket allows, a zygote that
+did not come up in time or died. The zygote ends when the raylet is gone, or once it has
+had no live child for :data:`ZYGOTE_IDLE_S` (a finished job's zygote does not linger).
+A child whose launcher is killed ends too (it watches the launcher's connection).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+
+ENABLE_ENV = "TALLY_FORK_WORKERS"
+"""``0`` turns forking off: every worker is a fresh interpreter, as Ray starts it."""
+
+PRELOAD = ("torch", "transformers", "trainer.backends.fsdp.worker",
+           "rollout.engines.torch_engine", "rollout.manager")
+"""What a zygote imports before it serves: the modules of the actors a job starts most
+(a policy rank, an engine, the rollout manager). A module that fails to import is left
+for the child to import (and report) itself."""
+
+ZYGOTE_START_S = 180.0
+"""How long a launcher waits for its zygote to listen before it runs its worker the
+ordinary way (the zygote imports in about what one actor's start takes)."""
+
+ZYGOTE_IDLE_S = 20.0
+"""A zygote with no live child this long ends (its job is over, or between restarts)."""
+
+SOCKET_PATH_MAX = 100
+"""The longest unix socket path we bind (Linux allows 107 bytes)."""
+
+
+def default_worker_path() -> str:
+    """Ray's own worker script, found without importing Ray (the launcher stays light)."""
+    for entry in sys.path:
+        path = os.path.join(entry, "ray", "_private", "workers", "default_worker.py")
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError("ray/_private/workers/default_worker.py is not on sys.path")
+
+
+def _exec_default_worker(argv: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, "-u", default_worker_path(), *argv])
+
+
+def _arg(argv: list[str], name: str) -> str | None:
+    prefix = f"--{name}="
+    return next((a[len(prefix):] for a in argv if a.startswith(prefix)), None)
+
+
+def zygote_socket(argv: list[str], env: dict[str, str], cwd: str) -> str | None:
+    """The socket of the zygote that serves a worker of these arguments, environment and
+    working directory: in the Ray session's ``sockets`` folder, named by the hash of what
+    a zygote must share with its children; None where the path would be too long."""
+    temp_dir, session = _arg(argv, "temp-dir"), _arg(argv, "session-name")
+    if not temp_dir or not session:
+        return None
+    kind = json.dumps([sys.executable, cwd, sorted(env.items())]).encode()
+    path = os.path.join(temp_dir, session, "sockets",
+                        f"tally-zygote-{hashlib.sha256(kind).hexdigest()[:16]}")
+    return path if len(path) <= SOCKET_PATH_MAX else None
+
+
+def _send(conn: socket.socket, payload: bytes, fds: list[int] | None = None) -> None:
+    message = struct.pack("!I", len(payload)) + payload
+    if fds:
+        socket.send_fds(conn, [message], fds)
+    else:
+        conn.sendall(message)
+
+
+def _recv_exact(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the other end closed")
+        data += chunk
+    return data
+
+
+def _connect(path: str) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError:
+        conn.close()
+        return None
+    return conn
+
+
+def _start_zygote(path: str) -> None:
+    """Start the zygote for ``path`` unless another launcher already did (an exclusive
+    lock file beside the socket says who); it runs detached, with this environment."""
+    try:
+        os.close(os.open(path + ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return
+    import subprocess
+
+    log = os.path.join(os.path.dirname(os.path.dirname(path)), "logs",
+                       f"tally-zygote-{os.getpid()}.err")
+    with open(log, "ab") as err:
+        subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "--zygote", path],
+                         stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                         start_new_session=True, close_fds=True)
+
+
+def launch(argv: list[str]) -> None:
+    """The launcher: run one Ray worker, forked by the zygote of its kind where one can
+    serve it, else the ordinary way. Exits with the worker's exit code."""
+    env, cwd = dict(os.environ), os.getcwd()
+    path = zygote_socket(argv, env, cwd) if env.get(ENABLE_ENV, "1") != "0" else None
+    if path is None:
+        _exec_default_worker(argv)
+    conn = _connect(path)
+    if conn is None:
+        _start_zygote(path)
+        deadline = time.monotonic() + ZYGOTE_START_S
+        while conn is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            conn = _connect(path)
+        if conn is None:
+            _exec_default_worker(argv)
+    request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+    try:
+        _send(conn, request, [0, 1, 2])
+        (child,) = struct.unpack("!i", _recv_exact(conn, 4))
+    except (OSError, ConnectionError):
+        _exec_default_worker(argv)  # the zygote died before it forked: nothing started
+
+    def pass_on(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+
+    signal.signal(signal.SIGTERM, pass_on)
+    signal.signal(signal.SIGINT, pass_on)
+    try:
+        (code,) = struct.unpack("!i", _recv_exact(conn, 4))
+    except (OSError, ConnectionError):
+        code = 1
+    if code < 0:  # killed by a signal: die of the same one, as the worker did
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+def _run_child(conn: socket.socket, request: dict, fds: list[int],
+               set_by_imports: dict[str, str]) -> None:
+    """In the forked child: become the worker the launcher would have exec'd. Its
+    environment is the launcher's, plus what the zygote's imports set in theirs (as the
+    same imports in a fresh worker would)."""
+    import runpy
+    import threading
+
+    os.setsid()  # its own process group, as a worker the raylet spawns: a group kill
+    for target, fd in enumerate(fds):  # of it must not reach the zygote or its siblings
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update({**request["env"], **set_by_imports})
+    os.chdir(request["cwd"])
+    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+    def end_with_the_launcher() -> None:
+        while conn.recv(1):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=end_with_the_launcher, daemon=True, name="launcher-watch").start()
+    worker = default_worker_path()
+    sys.argv = [worker, *request["argv"]]
+    sys.path[0] = os.path.dirname(worker)
+    code = 0
+    try:
+        runpy.run_path(worker, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve(path: str) -> None:
+    """The zygote: import :data:`PRELOAD`, listen on ``path``, fork a worker per request,
+    and tell each launcher its child's pid and, later, its exit code."""
+    import importlib
+
+    sys.path[0] = os.path.dirname(default_worker_path())  # the children's, not this folder
+    environ_before = dict(os.environ)
+    for name in PRELOAD:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    importlib.import_module("ray._private.node")
+    set_by_imports = {k: v for k, v in os.environ.items() if environ_before.get(k) != v}
+    raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # launchers see the socket only once it listens
+    listener.listen(64)
+    children: dict[int, socket.socket] = {}
+    idle_since = time.monotonic()
+    try:
+        while raylet == 0 or _alive(raylet):
+            ready, _, _ = select.select([listener], [], [], 0.5)
+            _reap(children)
+            if ready:
+                conn, _ = listener.accept()
+                conn.settimeout(30)
+                fds: list[int] = []
+                try:
+                    # the descriptors ride on the first bytes: read those with them
+                    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+                    if len(data) < 4:
+                        data += _recv_exact(conn, 4 - len(data))
+                    size = struct.unpack("!I", data[:4])[0]
+                    payload = data[4:] + _recv_exact(conn, size - (len(data) - 4))
+                    request = json.loads(payload)
+                except (OSError, ConnectionError, ValueError):
+                    for fd in fds:
+                        os.close(fd)
+                    conn.close()
+                    continue
+                conn.settimeout(None)
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    for other in children.values():
+                        other.close()
+                    _run_child(conn, request, fds, set_by_imports)
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = conn
+                with contextlib.suppress(OSError):
+                    conn.sendall(struct.pack("!i", pid))
+            if children:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > ZYGOTE_IDLE_S:
+                break
+    finally:
+        listener.close()
+        for name in (path, path + ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(struct.pack("!i", os.waitstatus_to_exitcode(status)))
+            conn.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--zygote"]:
+        serve(sys.argv[2])
+    else:
+        launch(sys.argv[1:])

@@ -1,0 +1,163 @@
+"""Workers forked from a zygote (services/runtime/forked_workers.py), on a real head: each
+is held to the worker the raylet asked for — its launcher, the process the raylet started,
+read from /proc — and to Ray's own handling of a worker's death."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from services.runtime import forked_workers
+
+ROOT = Path(__file__).resolve().parents[3]
+SET_BY_RAYS_WORKER = {"PYTHONBREAKPOINT": "ray.util.rpdb.set_trace"}
+"""What Ray's worker puts in its own environment once running (a fresh one too)."""
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def __init__(self) -> None:
+        self.preloaded = "torch" in sys.modules  # before this actor imported anything
+
+    def seen(self) -> dict:
+        return {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:],
+                "env": dict(os.environ), "cwd": os.getcwd(), "preloaded": self.preloaded}
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")[:-1]
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def _launcher_of(seen: dict) -> int:
+    """The process the raylet started for this worker: a launcher with its worker id."""
+    worker_id = next(a for a in seen["argv"] if a.startswith("--worker-id="))
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = _cmdline(int(entry.name))
+            except OSError:
+                continue
+            if worker_id in argv and argv[1:2] == [forked_workers.__file__]:
+                return int(entry.name)
+    raise AssertionError(f"no launcher holds {worker_id}")
+
+
+def _set_by_importing(modules: tuple[str, ...], env: dict[str, str]) -> dict[str, str]:
+    """What importing ``modules`` in a fresh interpreter with ``env`` adds to or changes in
+    its environment (torch's inductor, for one, sets a cache folder)."""
+    code = ("import importlib, json, os, sys; before = dict(os.environ)\n"
+            "for name in sys.argv[1:]: importlib.import_module(name)\n"
+            "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
+    done = subprocess.run([sys.executable, "-c", code, *modules], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _gone(pid: int, within_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        if status[status.rfind(")") + 2] == "Z":  # exited, not yet reaped
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_actors_are_forked_from_one_zygote_as_the_workers_their_launchers_were_asked_for(
+        ray_cluster: None) -> None:
+    probes = [Probe.remote() for _ in range(2)]
+    seen = ray.get([p.seen.remote() for p in probes], timeout=300)
+    zygotes = {s["ppid"] for s in seen}
+    assert len(zygotes) == 1  # one zygote serves a job's workers of one environment
+    zygote = _cmdline(zygotes.pop())
+    assert zygote[1:3] == ["-u", forked_workers.__file__] and zygote[3] == "--zygote"
+    for one in seen:
+        assert one["preloaded"]  # torch came imported from the zygote
+        launcher = _launcher_of(one)
+        assert one["argv"] == _cmdline(launcher)[2:]  # Ray's arguments, as given
+        # its launcher's environment, with what a fresh worker's own imports would add
+        assert one["env"] == {**_environ(launcher), **SET_BY_RAYS_WORKER,
+                              **_set_by_importing(forked_workers.PRELOAD, _environ(launcher))}
+        assert one["cwd"] == os.readlink(f"/proc/{launcher}/cwd")
+        assert _environ(one["pid"]) == _environ(launcher)  # what /proc shows of it too
+    for probe in probes:
+        ray.kill(probe)
+
+
+def test_a_killed_actor_takes_its_launcher_and_a_killed_launcher_takes_its_actor(
+        ray_cluster: None) -> None:
+    killed = Probe.remote()
+    seen = ray.get(killed.seen.remote(), timeout=300)
+    launcher = _launcher_of(seen)
+    ray.kill(killed)
+    assert _gone(seen["pid"]) and _gone(launcher)
+
+    orphaned = Probe.remote()
+    seen = ray.get(orphaned.seen.remote(), timeout=300)
+    launcher = _launcher_of(seen)
+    os.kill(launcher, signal.SIGKILL)  # as the raylet kills a worker it started
+    assert _gone(seen["pid"])
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(orphaned.seen.remote(), timeout=60)
+
+
+def test_a_socket_names_its_session_and_the_kind_of_worker_and_fits_a_unix_path() -> None:
+    args = ["--temp-dir=/tmp/ray", "--session-name=session_1", "--worker-id=ab"]
+    path = forked_workers.zygote_socket(args, {"RAY_JOB_ID": "01000000"}, "/work")
+    assert path and path.startswith("/tmp/ray/session_1/sockets/tally-zygote-")
+    assert path == forked_workers.zygote_socket(args, {"RAY_JOB_ID": "01000000"}, "/work")
+    assert path != forked_workers.zygote_socket(args, {"RAY_JOB_ID": "02000000"}, "/work")
+    assert path != forked_workers.zygote_socket(args, {"RAY_JOB_ID": "01000000"}, "/tmp")
+    long_temp = ["--temp-dir=/tmp/" + "t" * 80, "--session-name=session_1"]
+    assert forked_workers.zygote_socket(long_temp, {}, "/work") is None  # the worker execs
+    assert forked_workers.zygote_socket(["--worker-id=ab"], {}, "/work") is None
+
+
+ZYGOTE_ENDS_SCRIPT = """
+import json, os, sys, time
+import ray
+from services.runtime.gang import start_local_head
+
+@ray.remote(num_cpus=0)
+def parent():
+    return os.getppid(), open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")[-3:-1]
+
+start_local_head(1, log_to_driver=False)
+try:
+    ppid, tail = ray.get(parent.remote(), timeout=240)
+finally:
+    ray.shutdown()
+print(json.dumps({"ppid": ppid, "tail": [t.decode() for t in tail]}))
+"""
+
+
+@pytest.mark.slow  # Ray heads of their own, in subprocesses
+def test_the_zygote_ends_with_its_head_and_a_head_told_not_to_fork_execs_its_workers(
+        ) -> None:
+    said = {}
+    for fork in ("1", "0"):
+        done = subprocess.run([sys.executable, "-c", ZYGOTE_ENDS_SCRIPT], cwd=ROOT,
+                              timeout=300, capture_output=True, text=True,
+                              env={**os.environ, forked_workers.ENABLE_ENV: fork})
+        assert done.returncode == 0, done.stderr[-3000:]
+        said[fork] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["1"]["tail"][0] == "--zygote"
+    assert _gone(said["1"]["ppid"])  # the zygote did not outlive its head
+    assert "--zygote" not in said["0"]["tail"]  # the raylet's own child, a fresh worker
