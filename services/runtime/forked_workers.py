@@ -28,7 +28,10 @@ it with its own environment and every launcher of that kind waits for it
 is the launcher's: a job's workers hold only what its own launcher held.
 
 Anything unusual runs the worker the ordinary way (``exec`` of ``default_worker.py``):
-``TALLY_FORK_WORKERS=0``, a socket path longer than a unix socket allows, a zygote that
+a worker with a ``runtime_env`` (its packages, working directory or interpreter may not
+be what a zygote imported; and on a head such as the controller's, where every job and
+its supervisor carries one, each would get a zygote of its own for a few workers);
+``TALLY_FORK_WORKERS=0``; a socket path longer than a unix socket allows; a zygote that
 did not come up in time or died. The zygote ends when the raylet is gone, or once it has
 had no live child for :data:`ZYGOTE_IDLE_S` (a finished job's zygote does not linger).
 A child whose launcher is killed ends too (it watches the launcher's connection).
@@ -46,6 +49,8 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 ENABLE_ENV = "TALLY_FORK_WORKERS"
 """``0`` turns forking off: every worker is a fresh interpreter, as Ray starts it."""
@@ -65,6 +70,27 @@ ZYGOTE_IDLE_S = 20.0
 
 SOCKET_PATH_MAX = 100
 """The longest unix socket path we bind (Linux allows 107 bytes)."""
+
+
+@contextlib.contextmanager
+def forked_worker_path() -> Iterator[None]:
+    """While a head starts in this process (``ray.init``): its raylet starts each worker
+    through this file. Neither has an option for the worker
+    path, so the default Ray's node fills in is swapped for the block."""
+    from ray._private import parameter
+
+    fill_in = parameter.RayParams.update_if_absent
+
+    def with_our_worker_path(params: Any, **kwargs: Any) -> None:
+        if "worker_path" in kwargs:
+            kwargs["worker_path"] = os.path.abspath(__file__)
+        fill_in(params, **kwargs)
+
+    parameter.RayParams.update_if_absent = with_our_worker_path
+    try:
+        yield
+    finally:
+        parameter.RayParams.update_if_absent = fill_in
 
 
 def default_worker_path() -> str:
@@ -94,7 +120,7 @@ def zygote_socket(argv: list[str], env: dict[str, str], cwd: str) -> str | None:
         return None
     kind = json.dumps([sys.executable, cwd, sorted(env.items())]).encode()
     path = os.path.join(temp_dir, session, "sockets",
-                        f"tally-zygote-{hashlib.sha256(kind).hexdigest()[:16]}")
+                        f"tz-{hashlib.sha256(kind).hexdigest()[:16]}")
     return path if len(path) <= SOCKET_PATH_MAX else None
 
 
@@ -147,7 +173,8 @@ def launch(argv: list[str]) -> None:
     """The launcher: run one Ray worker, forked by the zygote of its kind where one can
     serve it, else the ordinary way. Exits with the worker's exit code."""
     env, cwd = dict(os.environ), os.getcwd()
-    path = zygote_socket(argv, env, cwd) if env.get(ENABLE_ENV, "1") != "0" else None
+    plain = _arg(argv, "runtime-env-hash") in (None, "0")  # no runtime_env of its own
+    path = zygote_socket(argv, env, cwd) if plain and env.get(ENABLE_ENV, "1") != "0" else None
     if path is None:
         _exec_default_worker(argv)
     conn = _connect(path)

@@ -102,7 +102,7 @@ def start_local_head(num_cpus: int, **options: Any) -> None:
     saved = {name: os.environ.get(name) for name in (*QUIET_ENV, *HEAD_ENV)}
     os.environ.update({**QUIET_ENV, **HEAD_ENV})
     try:
-        with forked_worker_path():
+        with forked_workers.forked_worker_path():
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options)
     finally:
         for name, value in saved.items():
@@ -111,29 +111,6 @@ def start_local_head(num_cpus: int, **options: Any) -> None:
             else:
                 os.environ[name] = value
     _quiet_head = ray.get_runtime_context().gcs_address
-
-
-@contextlib.contextmanager
-def forked_worker_path() -> Iterator[None]:
-    """While a head starts: its raylet starts each worker through
-    ``services/runtime/forked_workers.py``, which forks it from a zygote that has
-    imported torch, transformers and our actors' modules once, instead of a fresh
-    interpreter importing them again. ``ray.init`` has no option for the worker path,
-    so the default Ray's node fills in is swapped for the block."""
-    from ray._private import parameter
-
-    fill_in = parameter.RayParams.update_if_absent
-
-    def with_our_worker_path(params: Any, **kwargs: Any) -> None:
-        if "worker_path" in kwargs:
-            kwargs["worker_path"] = forked_workers.__file__
-        fill_in(params, **kwargs)
-
-    parameter.RayParams.update_if_absent = with_our_worker_path
-    try:
-        yield
-    finally:
-        parameter.RayParams.update_if_absent = fill_in
 
 
 def actor_env() -> dict[str, str]:

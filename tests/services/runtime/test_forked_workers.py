@@ -97,7 +97,11 @@ def test_actors_are_forked_from_one_zygote_as_the_workers_their_launchers_were_a
                               **_set_by_importing(forked_workers.PRELOAD, _environ(launcher))}
         assert one["cwd"] == os.readlink(f"/proc/{launcher}/cwd")
         assert _environ(one["pid"]) == _environ(launcher)  # what /proc shows of it too
-    for probe in probes:
+    own_env = Probe.options(runtime_env={"env_vars": {"PROBE": "1"}}).remote()
+    fresh = ray.get(own_env.seen.remote(), timeout=300)
+    assert "--zygote" not in _cmdline(fresh["ppid"])  # a runtime_env: started as Ray does
+    assert not fresh["preloaded"]
+    for probe in [*probes, own_env]:
         ray.kill(probe)
 
 
@@ -121,7 +125,7 @@ def test_a_killed_actor_takes_its_launcher_and_a_killed_launcher_takes_its_actor
 def test_a_socket_names_its_session_and_the_kind_of_worker_and_fits_a_unix_path() -> None:
     args = ["--temp-dir=/tmp/ray", "--session-name=session_1", "--worker-id=ab"]
     path = forked_workers.zygote_socket(args, {"RAY_JOB_ID": "01000000"}, "/work")
-    assert path and path.startswith("/tmp/ray/session_1/sockets/tally-zygote-")
+    assert path and path.startswith("/tmp/ray/session_1/sockets/tz-")
     assert path == forked_workers.zygote_socket(args, {"RAY_JOB_ID": "01000000"}, "/work")
     assert path != forked_workers.zygote_socket(args, {"RAY_JOB_ID": "02000000"}, "/work")
     assert path != forked_workers.zygote_socket(args, {"RAY_JOB_ID": "01000000"}, "/tmp")
