@@ -61,12 +61,15 @@ PRELOAD = ("torch", "transformers", "trainer.backends.fsdp.worker",
 (a policy rank, an engine, the rollout manager). A module that fails to import is left
 for the child to import (and report) itself."""
 
-ZYGOTE_START_S = 180.0
+ZYGOTE_START_S = 40.0
 """How long a launcher waits for its zygote to listen before it runs its worker the
-ordinary way (the zygote imports in about what one actor's start takes)."""
+ordinary way (the zygote imports in about what one actor's start takes). Below Ray's
+60 s for a started worker to register: a worker that waited longer would be given up."""
 
-ZYGOTE_IDLE_S = 20.0
-"""A zygote with no live child this long ends (its job is over, or between restarts)."""
+ZYGOTE_IDLE_S = 60.0
+"""A zygote with no live child this long ends: its job is over (a job's actors live as
+long as it does), and a restart or the next job of a process that runs several comes
+well within it."""
 
 SOCKET_PATH_MAX = 100
 """The longest unix socket path we bind (Linux allows 107 bytes)."""
