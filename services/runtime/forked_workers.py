@@ -155,11 +155,34 @@ def _connect(path: str) -> socket.socket | None:
     return conn
 
 
+def _lock_holder(path: str) -> int | None:
+    """The pid of the zygote the lock beside ``path`` names; None while its starter has
+    not written it yet, or where there is no lock."""
+    try:
+        with open(path + ".lock", encoding="ascii") as lock:
+            return int(lock.read() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def _zygote_gone(path: str) -> bool:
+    """Whether the zygote of ``path`` was started and has died (killed, out of memory):
+    its lock names a pid that no longer runs."""
+    holder = _lock_holder(path)
+    return holder is not None and not _alive(holder)
+
+
 def _start_zygote(path: str) -> None:
     """Start the zygote for ``path`` unless another launcher already did (an exclusive
-    lock file beside the socket says who); it runs detached, with this environment."""
+    lock file beside the socket holds its pid); it runs detached, with this environment.
+    A lock whose zygote died is cleared and taken over, so no launcher waits on it."""
+    lock = path + ".lock"
+    if _zygote_gone(path):
+        for name in (path, lock):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
     try:
-        os.close(os.open(path + ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        held = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
         return
     import subprocess
@@ -167,9 +190,12 @@ def _start_zygote(path: str) -> None:
     log = os.path.join(os.path.dirname(os.path.dirname(path)), "logs",
                        f"tally-zygote-{os.getpid()}.err")
     with open(log, "ab") as err:
-        subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "--zygote", path],
-                         stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                         start_new_session=True, close_fds=True)
+        zygote = subprocess.Popen(
+            [sys.executable, "-u", os.path.abspath(__file__), "--zygote", path],
+            stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True,
+            close_fds=True)
+    os.write(held, str(zygote.pid).encode())
+    os.close(held)
 
 
 def launch(argv: list[str]) -> None:
@@ -184,7 +210,7 @@ def launch(argv: list[str]) -> None:
     if conn is None:
         _start_zygote(path)
         deadline = time.monotonic() + ZYGOTE_START_S
-        while conn is None and time.monotonic() < deadline:
+        while conn is None and time.monotonic() < deadline and not _zygote_gone(path):
             time.sleep(0.05)
             conn = _connect(path)
         if conn is None:
@@ -319,13 +345,20 @@ def serve(path: str) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie does not (a zygote killed while the launcher that
+    started it still runs stays one until that launcher ends)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            status = stat.read()
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:  # no /proc to read: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
         return True
-    return True
+    return status[status.rfind(")") + 2:][:1] not in ("Z", "X")
 
 
 def _reap(children: dict[int, socket.socket]) -> None:

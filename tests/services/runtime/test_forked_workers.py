@@ -122,6 +122,31 @@ def test_a_killed_actor_takes_its_launcher_and_a_killed_launcher_takes_its_actor
         ray.get(orphaned.seen.remote(), timeout=60)
 
 
+def test_a_lock_whose_zygote_died_is_taken_over_not_waited_on(tmp_path: Path) -> None:
+    """A zygote killed (the OOM killer, a kill -9) leaves its socket and lock behind; the
+    next launcher of its kind starts a new one instead of waiting ZYGOTE_START_S on it."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "sockets").mkdir()
+    path = str(tmp_path / "sockets" / "tz-test")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    Path(path + ".lock").write_text(str(dead.pid))
+    Path(path).write_text("")  # the dead zygote's socket
+    assert forked_workers._zygote_gone(path) and forked_workers._connect(path) is None
+    forked_workers._start_zygote(path)
+    holder = forked_workers._lock_holder(path)
+    assert holder not in (None, dead.pid)
+    try:
+        deadline = time.monotonic() + 240
+        while (conn := forked_workers._connect(path)) is None and time.monotonic() < deadline:
+            assert forked_workers._alive(holder)
+            time.sleep(0.2)
+        assert conn is not None  # the new zygote listens where the dead one did
+        conn.close()
+    finally:
+        os.kill(holder, signal.SIGKILL)
+
+
 def test_a_socket_names_its_session_and_the_kind_of_worker_and_fits_a_unix_path() -> None:
     args = ["--temp-dir=/tmp/ray", "--session-name=session_1", "--worker-id=ab"]
     path = forked_workers.zygote_socket(args, {"RAY_JOB_ID": "01000000"}, "/work")
