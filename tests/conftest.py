@@ -32,10 +32,12 @@ def ray_cluster() -> Iterator[None]:
 
 def start_shared_cluster() -> None:
     """The session's local head: 4 CPUs on this machine only, no dashboard, its processes
-    in a job's quiet environment (the head a job starts: services.runtime.gang)."""
+    in a job's quiet environment (the head a job starts: services.runtime.gang), its
+    workers forked from a zygote (services/runtime/forked_workers.py: about half the CPU
+    of the in-process jobs' actor starts)."""
     from services.runtime.gang import start_local_head
 
-    start_local_head(4, log_to_driver=False, configure_logging=False)
+    start_local_head(4, fork_workers=True, log_to_driver=False, configure_logging=False)
 
 
 def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:

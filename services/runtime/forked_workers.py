@@ -1,6 +1,7 @@
-"""Ray workers forked from a warm interpreter, on a head we start (issue 51: most of the
-suite's CPU, and of a job's start, is each actor's fresh interpreter importing torch and
-transformers: 5–9 CPU-s an actor on a slow day, ``benchmarks/actor_start.py``).
+"""Ray workers forked from a warm interpreter, on a head we start with forking on
+(:data:`ENABLE_ENV`; issue 51: most of the suite's CPU, and of a job's start, is each
+actor's fresh interpreter importing torch and transformers: 5–9 CPU-s an actor on a
+slow day, ``benchmarks/actor_start.py``).
 
 The raylet starts every worker as ``python -u <worker_path> <args>``;
 :func:`services.runtime.gang.start_local_head` names this file as that path. Run so, it is
@@ -31,10 +32,11 @@ Anything unusual runs the worker the ordinary way (``exec`` of ``default_worker.
 a worker with a ``runtime_env`` (its packages, working directory or interpreter may not
 be what a zygote imported; and on a head such as the controller's, where every job and
 its supervisor carries one, each would get a zygote of its own for a few workers);
-``TALLY_FORK_WORKERS=0``; a socket path longer than a unix socket allows; a zygote that
-did not come up in time or died. The zygote ends when the raylet is gone, or once it has
-had no live child for :data:`ZYGOTE_IDLE_S` (a finished job's zygote does not linger).
-A child whose launcher is killed ends too (it watches the launcher's connection).
+``TALLY_FORK_WORKERS`` other than ``1``; a socket path longer than a unix socket
+allows; a zygote that did not come up in time or died. The zygote ends when the raylet
+is gone, or once it has had no live child for :data:`ZYGOTE_IDLE_S` (a finished job's
+zygote does not linger). A child whose launcher is killed ends too (it watches the
+launcher's connection).
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ from collections.abc import Iterator
 from typing import Any
 
 ENABLE_ENV = "TALLY_FORK_WORKERS"
-"""``0`` turns forking off: every worker is a fresh interpreter, as Ray starts it."""
+"""``1`` turns forking on for the heads :func:`services.runtime.gang.start_local_head`
+starts (the suite's shared heads ask for it); otherwise every worker is a fresh
+interpreter, as Ray starts it. Off by default: once in a run of the suite, a ``tally
+train`` head with forking on hung (its driver blocked in Ray's connect while a forked
+worker died in its plasma-store connect); not yet explained."""
 
 PRELOAD = ("torch", "transformers", "trainer.backends.fsdp.worker",
            "rollout.engines.torch_engine", "rollout.manager")
@@ -203,7 +209,7 @@ def launch(argv: list[str]) -> None:
     serve it, else the ordinary way. Exits with the worker's exit code."""
     env, cwd = dict(os.environ), os.getcwd()
     plain = _arg(argv, "runtime-env-hash") in (None, "0")  # no runtime_env of its own
-    path = zygote_socket(argv, env, cwd) if plain and env.get(ENABLE_ENV, "1") != "0" else None
+    path = zygote_socket(argv, env, cwd) if plain and env.get(ENABLE_ENV) == "1" else None
     if path is None:
         _exec_default_worker(argv)
     conn = _connect(path)

@@ -90,19 +90,27 @@ _quiet_head: str | None = None
 inherit QUIET_ENV)."""
 
 
-def start_local_head(num_cpus: int, **options: Any) -> None:
+def start_local_head(num_cpus: int, *, fork_workers: bool | None = None,
+                     **options: Any) -> None:
     """A Ray head on this machine only (no dashboard) whose every process inherits
     QUIET_ENV: it is in this process's environment while ``ray.init`` spawns the head
     (and so the workers), and put back after. So no actor needs a ``runtime_env``: an
     actor that has one starts through Ray's ``setup_worker``, a second interpreter that
     imports Ray before it execs the worker (0.2–0.25 CPU-s an actor measured by
     benchmarks/actor_start.py), and cannot take a worker the head started ahead. The
-    head's own processes also get HEAD_ENV. ``options`` go to ``ray.init``."""
+    head's own processes also get HEAD_ENV. ``options`` go to ``ray.init``.
+
+    ``fork_workers`` (default: ``TALLY_FORK_WORKERS=1`` in the environment) has the head
+    fork its workers from a zygote (services/runtime/forked_workers.py); off, they are
+    Ray's own fresh interpreters."""
     global _quiet_head
-    saved = {name: os.environ.get(name) for name in (*QUIET_ENV, *HEAD_ENV)}
-    os.environ.update({**QUIET_ENV, **HEAD_ENV})
+    fork = (os.environ.get(forked_workers.ENABLE_ENV) == "1" if fork_workers is None
+            else fork_workers)
+    head_env = {**QUIET_ENV, **HEAD_ENV, forked_workers.ENABLE_ENV: "1" if fork else "0"}
+    saved = {name: os.environ.get(name) for name in head_env}
+    os.environ.update(head_env)
     try:
-        with forked_workers.forked_worker_path():
+        with forked_workers.forked_worker_path() if fork else contextlib.nullcontext():
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options)
     finally:
         for name, value in saved.items():
