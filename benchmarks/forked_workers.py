@@ -1,6 +1,7 @@
 """What starting a job's actors costs with workers forked from a zygote
-(services/runtime/forked_workers.py) against fresh interpreters (``TALLY_FORK_WORKERS=0``),
-side by side in one run (issue 51: the suite's time is mostly actor starts).
+(services/runtime/forked_workers.py) against fresh interpreters (``start_local_head``'s
+``fork_workers`` on and off), side by side in one run (issue 51: the suite's time is
+mostly actor starts).
 
 Each repeat, for each mode in turn, starts a head as a job does
 (services/runtime/gang.py ``start_local_head``, 2 CPUs), lets its own start-up settle,
@@ -26,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray
 
-from services.runtime.forked_workers import ENABLE_ENV
 from services.runtime.gang import actor_options, start_local_head
 
 MODULES = ("trainer.backends.fsdp.worker", "rollout.engines.torch_engine", "rollout.manager")
@@ -54,8 +54,7 @@ def busy_cpu_s() -> float:
 
 def job_start(fork: bool) -> tuple[float, float]:
     """(CPU-s, wall-s) of starting the three actors on a fresh head."""
-    os.environ[ENABLE_ENV] = "1" if fork else "0"  # the head's workers inherit it
-    start_local_head(2, log_to_driver=False)
+    start_local_head(2, fork_workers=fork, log_to_driver=False)
     try:
         time.sleep(5)  # the head's own start-up (and its workers started ahead) done
         cpu, began = busy_cpu_s(), time.perf_counter()

@@ -84,8 +84,8 @@ SOCKET_PATH_MAX = 100
 @contextlib.contextmanager
 def forked_worker_path() -> Iterator[None]:
     """While a head starts in this process (``ray.init``): its raylet starts each worker
-    through this file. Neither has an option for the worker
-    path, so the default Ray's node fills in is swapped for the block."""
+    through this file. ``ray.init`` has no option for the worker path, so the default
+    Ray's node fills in is swapped for the block."""
     from ray._private import parameter
 
     fill_in = parameter.RayParams.update_if_absent
@@ -133,12 +133,9 @@ def zygote_socket(argv: list[str], env: dict[str, str], cwd: str) -> str | None:
     return path if len(path) <= SOCKET_PATH_MAX else None
 
 
-def _send(conn: socket.socket, payload: bytes, fds: list[int] | None = None) -> None:
-    message = struct.pack("!I", len(payload)) + payload
-    if fds:
-        socket.send_fds(conn, [message], fds)
-    else:
-        conn.sendall(message)
+def _send(conn: socket.socket, payload: bytes, fds: list[int]) -> None:
+    """One length-prefixed message, ``fds`` riding on its first bytes."""
+    socket.send_fds(conn, [struct.pack("!I", len(payload)) + payload], fds)
 
 
 def _recv_exact(conn: socket.socket, size: int) -> bytes:
