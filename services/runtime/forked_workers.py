@@ -57,15 +57,20 @@ from typing import Any
 ENABLE_ENV = "TALLY_FORK_WORKERS"
 """``1`` turns forking on for the heads :func:`services.runtime.gang.start_local_head`
 starts (the suite's shared heads ask for it); otherwise every worker is a fresh
-interpreter, as Ray starts it. Off by default: once in a run of the suite, a ``tally
-train`` head with forking on hung (its driver blocked in Ray's connect while a forked
-worker died in its plasma-store connect); not yet explained."""
+interpreter, as Ray starts it. Off by default since one run of the suite in which a
+``tally train`` head with forking on hung: a forked worker died as it warmed up the plasma
+store, because the zygote had drawn a Ray id and its children drew the same ones
+(fixed: :func:`forks_draw_fresh_ids`)."""
 
 PRELOAD = ("torch", "transformers", "trainer.backends.fsdp.worker",
-           "rollout.engines.torch_engine", "rollout.manager")
+           "rollout.engines.torch_engine", "rollout.datasets", "rollout.engine_pool",
+           "rollout.environments", "rollout.reward_parts", "rollout.rollouts",
+           "rollout.teacher", "ray._private.node")
 """What a zygote imports before it serves: the modules of the actors a job starts most
-(a policy rank, an engine, the rollout manager). A module that fails to import is left
-for the child to import (and report) itself."""
+(a policy rank, an engine, what the rollout manager imports). Not ``rollout.manager``
+itself, nor any module that makes a Ray actor class when imported: ``ray.remote`` on a
+class draws a random id, and a zygote must draw none (:func:`forks_draw_fresh_ids`). A
+module that fails to import is left for the child to import (and report) itself."""
 
 ZYGOTE_START_S = 40.0
 """How long a launcher waits for its zygote to listen before it runs its worker the
@@ -224,6 +229,8 @@ def launch(argv: list[str]) -> None:
         (child,) = struct.unpack("!i", _recv_exact(conn, 4))
     except (OSError, ConnectionError):
         _exec_default_worker(argv)  # the zygote died before it forked: nothing started
+    if child <= 0:  # a zygote that cannot fork safely (forks_draw_fresh_ids)
+        _exec_default_worker(argv)
 
     def pass_on(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -294,8 +301,11 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
-    importlib.import_module("ray._private.node")
     set_by_imports = {k: v for k, v in os.environ.items() if environ_before.get(k) != v}
+    safe = forks_draw_fresh_ids()
+    if not safe:
+        print("tally zygote: children forked from it draw the same Ray ids (an import "
+              "drew one); every worker runs the ordinary way", file=sys.stderr, flush=True)
     raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
@@ -325,6 +335,13 @@ def serve(path: str) -> None:
                     conn.close()
                     continue
                 conn.settimeout(None)
+                if not safe:  # pid 0: the launcher runs its worker the ordinary way
+                    for fd in fds:
+                        os.close(fd)
+                    with contextlib.suppress(OSError):
+                        conn.sendall(struct.pack("!i", 0))
+                    conn.close()
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     listener.close()
@@ -345,6 +362,35 @@ def serve(path: str) -> None:
         for name in (path, path + ".lock"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
+
+
+def forks_draw_fresh_ids() -> bool:
+    """Whether two children forked from this process now draw different random Ray ids.
+
+    Ray's C++ random generator (``ObjectID::FromRandom``, ``PlacementGroupID::Of``,
+    ``ActorClassID`` of every ``ray.remote`` class) is one per process, seeded at its
+    first draw. Once a zygote has drawn, every child forked from it draws the same
+    sequence: two workers starting together then create the same object in the plasma
+    store as it warms up, and one dies (``Check failed: WarmupStore() ... Seal() called
+    on an object without a reference to it``) while the others wait on it."""
+    from ray._raylet import ObjectID
+
+    read, write = os.pipe()
+    children = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            os.write(write, ObjectID.from_random().binary())
+            os._exit(0)
+        children.append(pid)
+    os.close(write)
+    for pid in children:
+        os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as drawn:
+        ids = drawn.read()
+    size = len(ObjectID.nil().binary())
+    return len(ids) == 2 * size and ids[:size] != ids[size:]
 
 
 def _alive(pid: int) -> bool:

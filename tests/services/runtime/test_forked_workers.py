@@ -28,8 +28,11 @@ class Probe:
         self.preloaded = "torch" in sys.modules  # before this actor imported anything
 
     def seen(self) -> dict:
+        from ray._raylet import ObjectID
+
         return {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:],
-                "env": dict(os.environ), "cwd": os.getcwd(), "preloaded": self.preloaded}
+                "env": dict(os.environ), "cwd": os.getcwd(), "preloaded": self.preloaded,
+                "drawn": ObjectID.from_random().hex()}  # Ray's random ids
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -88,6 +91,7 @@ def test_actors_are_forked_from_one_zygote_as_the_workers_their_launchers_were_a
     assert len(zygotes) == 1  # one zygote serves a job's workers of one environment
     zygote = _cmdline(zygotes.pop())
     assert zygote[1:3] == ["-u", forked_workers.__file__] and zygote[3] == "--zygote"
+    assert seen[0]["drawn"] != seen[1]["drawn"]  # each child seeded Ray's generator itself
     for one in seen:
         assert one["preloaded"]  # torch came imported from the zygote
         launcher = _launcher_of(one)
@@ -120,6 +124,19 @@ def test_a_killed_actor_takes_its_launcher_and_a_killed_launcher_takes_its_actor
     assert _gone(seen["pid"])
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(orphaned.seen.remote(), timeout=60)
+
+
+def test_children_draw_fresh_ids_until_their_parent_draws_one() -> None:
+    # in a fresh interpreter: this one drew Ray ids as it made its remote classes
+    code = ("import ray\n"
+            "from services.runtime.forked_workers import forks_draw_fresh_ids as fresh\n"
+            "before = fresh()\n"
+            "ray.remote(type('Actor', (), {}))  # a class made remote draws its id\n"
+            "print(before, fresh())")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"]
 
 
 def test_a_lock_whose_zygote_died_is_taken_over_not_waited_on(tmp_path: Path) -> None:
