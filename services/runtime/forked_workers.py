@@ -32,10 +32,10 @@ Anything unusual runs the worker the ordinary way (``exec`` of ``default_worker.
 a worker with a ``runtime_env`` (its packages, working directory or interpreter may not
 be what a zygote imported; and on a head such as the controller's, where every job and
 its supervisor carries one, each would get a zygote of its own for a few workers);
-``TALLY_FORK_WORKERS`` other than ``1``; a socket path longer than a unix socket
-allows; a zygote that did not come up in time or died. The zygote ends when the raylet
-is gone, or once it has had no live child for :data:`ZYGOTE_IDLE_S` (a finished job's
-zygote does not linger). A child whose launcher is killed ends too (it watches the
+forking turned off (``TALLY_FORK_WORKERS=0``); a socket path longer than a unix socket
+allows; a zygote that did not come up in time, died, or cannot fork safely. The zygote
+ends when the raylet is gone, or once it has had no live child for :data:`ZYGOTE_IDLE_S`
+(a finished job's zygote does not linger). A child whose launcher is killed ends too (it watches the
 launcher's connection).
 """
 
@@ -55,12 +55,18 @@ from collections.abc import Iterator
 from typing import Any
 
 ENABLE_ENV = "TALLY_FORK_WORKERS"
-"""``1`` turns forking on for the heads :func:`services.runtime.gang.start_local_head`
-starts (the suite's shared heads ask for it); otherwise every worker is a fresh
-interpreter, as Ray starts it. Off by default since one run of the suite in which a
-``tally train`` head with forking on hung: a forked worker died as it warmed up the plasma
-store, because the zygote had drawn a Ray id and its children drew the same ones
-(fixed: :func:`forks_draw_fresh_ids`)."""
+"""``0`` turns forking off for the heads :func:`services.runtime.gang.start_local_head`
+starts (every program's own head when no cluster is given: ``ensure_ray``; the suite's
+shared heads), so every worker is a fresh
+interpreter, as Ray starts it; on by default (it was off for one session, after a hang
+this module's :func:`forks_draw_fresh_ids` explains). The head's processes get it, ``1``
+or ``0``, so its launchers know."""
+
+FORKING_HEAD_ENV = {"RAY_prestart_worker_first_driver": "0"}
+"""What a head that forks its workers adds to its environment: Ray starts no workers ahead
+for its first driver. Those would carry a job id of their own (``ffffffff``) and so need
+a zygote of their own, which costs what it saves a ``tally train`` of the demo: 54 CPU-s
+with them, 45 without, 64 with no forking at all (three runs each, this machine)."""
 
 PRELOAD = ("torch", "transformers", "trainer.backends.fsdp.worker",
            "rollout.engines.torch_engine", "rollout.datasets", "rollout.engine_pool",

@@ -100,13 +100,14 @@ def start_local_head(num_cpus: int, *, fork_workers: bool | None = None,
     benchmarks/actor_start.py), and cannot take a worker the head started ahead. The
     head's own processes also get HEAD_ENV. ``options`` go to ``ray.init``.
 
-    ``fork_workers`` (default: ``TALLY_FORK_WORKERS=1`` in the environment) has the head
-    fork its workers from a zygote (services/runtime/forked_workers.py); off, they are
-    Ray's own fresh interpreters."""
+    ``fork_workers`` (default: on, unless ``TALLY_FORK_WORKERS=0`` is in the environment)
+    has the head fork its workers from a zygote (services/runtime/forked_workers.py); off,
+    they are Ray's own fresh interpreters."""
     global _quiet_head
-    fork = (os.environ.get(forked_workers.ENABLE_ENV) == "1" if fork_workers is None
+    fork = (os.environ.get(forked_workers.ENABLE_ENV, "1") == "1" if fork_workers is None
             else fork_workers)
-    head_env = {**QUIET_ENV, **HEAD_ENV, forked_workers.ENABLE_ENV: "1" if fork else "0"}
+    head_env = {**QUIET_ENV, **HEAD_ENV, forked_workers.ENABLE_ENV: "1" if fork else "0",
+                **(forked_workers.FORKING_HEAD_ENV if fork else {})}
     saved = {name: os.environ.get(name) for name in head_env}
     os.environ.update(head_env)
     try:
