@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from services.controller.job_env import scrubbed_env
+from services.runtime.forked_workers import forking_on, head_env
 from services.runtime.quiet import HEAD_ENV, QUIET_ENV
 
 TEMP_PREFIX = "tally-ray-"
@@ -193,9 +194,8 @@ class LocalRayHead:
 
     def _start_once(self, timeout_s: float) -> str:
         self.temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
-        ray_bin = Path(sys.executable).parent / "ray"
-        command = [
-            str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block",
+        command = [  # Ray's ``ray start``, its workers forked (services/runtime/ray_start)
+            sys.executable, "-m", "services.runtime.ray_start", "start", "--head", "--block",
             "--node-ip-address=127.0.0.1", "--port=0", f"--num-cpus={self.num_cpus}",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--dashboard-port=0",
             "--dashboard-agent-listen-port=0",
@@ -203,7 +203,7 @@ class LocalRayHead:
             f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
         ]
         # scrubbed: every job, actor and session inherits this (services/controller/job_env)
-        env = {**scrubbed_env(os.environ), **QUIET_ENV, **HEAD_ENV,
+        env = {**scrubbed_env(os.environ), **QUIET_ENV, **HEAD_ENV, **head_env(forking_on()),
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         log = (self.log_path.open("ab") if self.log_path
                else open(os.devnull, "wb"))  # noqa: SIM115 - handed to the child

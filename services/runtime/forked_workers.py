@@ -23,20 +23,27 @@ Why one zygote per environment: Ray's C++ config is read from ``RAY_*`` variable
 when ``ray`` is imported (a worker's job id among them: a worker started ahead has
 ``RAY_JOB_ID=ffffffff``, one started for a job has that job's), so a zygote serves only
 launchers whose environment, working directory and interpreter equal the one it was
-started from; its socket is named by their hash. The first launcher of a kind starts
-it with its own environment and every launcher of that kind waits for it
-(:data:`ZYGOTE_START_S`). A forked child's ``/proc/<pid>/environ`` is the zygote's, which
-is the launcher's: a job's workers hold only what its own launcher held.
+started from; its socket is named by their hash. The first launcher of a kind has it
+started with its own environment and every launcher of that kind waits for it
+(:data:`ZYGOTE_START_S`). A zygote is forked by a *base* zygote, one per environment
+without :data:`KIND_ONLY_PREFIXES` (started by the first launcher that needs it), which
+imports only third-party modules (:data:`BASE_PRELOAD`, never Ray), so each kind's
+zygote pays only for Ray and our modules on top. A forked child's
+``/proc/<pid>/environ`` is its base's, which is its launcher's without ``RAY_*`` and
+``TALLY_*``: a job's workers hold no more than their own launcher held.
+
+A worker with a ``runtime_env`` is forked too, by a zygote of its own kind: Ray's
+``setup_worker`` applies the runtime env (its variables, folder, interpreter) before it
+runs the launcher, so what it changes is in what names the zygote. On the controller's
+head (services/runtime/ray_start.py) a job's supervisor, its actors and each session
+get one each, all forked from one base zygote.
 
 Anything unusual runs the worker the ordinary way (``exec`` of ``default_worker.py``):
-a worker with a ``runtime_env`` (its packages, working directory or interpreter may not
-be what a zygote imported; and on a head such as the controller's, where every job and
-its supervisor carries one, each would get a zygote of its own for a few workers);
 forking turned off (``TALLY_FORK_WORKERS=0``); a socket path longer than a unix socket
 allows; a zygote that did not come up in time, died, or cannot fork safely. The zygote
 ends when the raylet is gone, or once it has had no live child for :data:`ZYGOTE_IDLE_S`
-(a finished job's zygote does not linger). A child whose launcher is killed ends too (it watches the
-launcher's connection).
+(a finished job's zygote does not linger), a base likewise with no zygote. A child
+whose launcher is killed ends too (it watches the launcher's connection).
 """
 
 from __future__ import annotations
@@ -68,6 +75,17 @@ for its first driver. Those would carry a job id of their own (``ffffffff``) and
 a zygote of their own, which costs what it saves a ``tally train`` of the demo: 54 CPU-s
 with them, 45 without, 64 with no forking at all (three runs each, this machine)."""
 
+def forking_on() -> bool:
+    """Whether a head started from this process forks its workers: unless
+    ``TALLY_FORK_WORKERS=0`` here."""
+    return os.environ.get(ENABLE_ENV, "1") == "1"
+
+
+def head_env(fork: bool) -> dict[str, str]:
+    """What a head we start adds to its environment, forking its workers or not."""
+    return {ENABLE_ENV: "1", **FORKING_HEAD_ENV} if fork else {ENABLE_ENV: "0"}
+
+
 PRELOAD = ("torch", "transformers", "trainer.backends.fsdp.worker",
            "rollout.engines.torch_engine", "rollout.datasets", "rollout.engine_pool",
            "rollout.environments", "rollout.reward_parts", "rollout.rollouts",
@@ -77,6 +95,19 @@ PRELOAD = ("torch", "transformers", "trainer.backends.fsdp.worker",
 itself, nor any module that makes a Ray actor class when imported: ``ray.remote`` on a
 class draws a random id, and a zygote must draw none (:func:`forks_draw_fresh_ids`). A
 module that fails to import is left for the child to import (and report) itself."""
+
+BASE_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor",
+                "torch.distributed.checkpoint", "torch.distributed.fsdp", "transformers",
+                "transformers.modeling_utils", "datasets", "safetensors.torch", "pydantic")
+"""What a *base* zygote imports: the heavy third-party modules of every kind of worker
+(about 85% of a worker's imports), none of which imports Ray or reads a variable of
+:data:`KIND_ONLY_PREFIXES`. It forks the zygote of each kind, which imports Ray and
+:data:`PRELOAD` on top in its own environment (1–1.5 CPU-s, against 8–10 for all)."""
+
+KIND_ONLY_PREFIXES = ("RAY_", "TALLY_")
+"""Variables that tell kinds of workers apart (a job's id and token, Ray's settings) but
+that nothing in :data:`BASE_PRELOAD` reads: a base zygote is named by the environment
+without them, and runs without them, so it holds no job's credentials."""
 
 ZYGOTE_START_S = 40.0
 """How long a launcher waits for its zygote to listen before it runs its worker the
@@ -135,18 +166,37 @@ def zygote_socket(argv: list[str], env: dict[str, str], cwd: str) -> str | None:
     """The socket of the zygote that serves a worker of these arguments, environment and
     working directory: in the Ray session's ``sockets`` folder, named by the hash of what
     a zygote must share with its children; None where the path would be too long."""
+    return _socket(argv, env, cwd, "tz")
+
+
+def base_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment of the base zygote that forks the zygote of a worker with ``env``."""
+    return {k: v for k, v in env.items() if not k.startswith(KIND_ONLY_PREFIXES)}
+
+
+def base_socket(argv: list[str], env: dict[str, str], cwd: str) -> str | None:
+    """The socket of the base zygote for a worker of these arguments, environment and
+    working directory: named as :func:`zygote_socket` by :func:`base_env`."""
+    return _socket(argv, base_env(env), cwd, "tb")
+
+
+def _socket(argv: list[str], env: dict[str, str], cwd: str, prefix: str) -> str | None:
     temp_dir, session = _arg(argv, "temp-dir"), _arg(argv, "session-name")
     if not temp_dir or not session:
         return None
     kind = json.dumps([sys.executable, cwd, sorted(env.items())]).encode()
     path = os.path.join(temp_dir, session, "sockets",
-                        f"tz-{hashlib.sha256(kind).hexdigest()[:16]}")
+                        f"{prefix}-{hashlib.sha256(kind).hexdigest()[:16]}")
     return path if len(path) <= SOCKET_PATH_MAX else None
 
 
 def _send(conn: socket.socket, payload: bytes, fds: list[int]) -> None:
     """One length-prefixed message, ``fds`` riding on its first bytes."""
-    socket.send_fds(conn, [struct.pack("!I", len(payload)) + payload], fds)
+    message = struct.pack("!I", len(payload)) + payload
+    if fds:
+        socket.send_fds(conn, [message], fds)
+    else:
+        conn.sendall(message)
 
 
 def _recv_exact(conn: socket.socket, size: int) -> bytes:
@@ -186,44 +236,90 @@ def _zygote_gone(path: str) -> bool:
     return holder is not None and not _alive(holder)
 
 
-def _start_zygote(path: str) -> None:
-    """Start the zygote for ``path`` unless another launcher already did (an exclusive
-    lock file beside the socket holds its pid); it runs detached, with this environment.
-    A lock whose zygote died is cleared and taken over, so no launcher waits on it."""
+def _take_lock(path: str) -> int | None:
+    """The exclusive lock beside ``path`` (its descriptor), unless another launcher holds
+    it. A lock whose zygote died is cleared and taken over, so no launcher waits on it."""
     lock = path + ".lock"
     if _zygote_gone(path):
         for name in (path, lock):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
     try:
-        held = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        return os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
-        return
+        return None
+
+
+def _popen_zygote(path: str, flag: str, env: dict[str, str] | None = None,
+                  *extra: str) -> int:
     import subprocess
 
     log = os.path.join(os.path.dirname(os.path.dirname(path)), "logs",
                        f"tally-zygote-{os.getpid()}.err")
     with open(log, "ab") as err:
         zygote = subprocess.Popen(
-            [sys.executable, "-u", os.path.abspath(__file__), "--zygote", path],
+            [sys.executable, "-u", os.path.abspath(__file__), flag, path, *extra],
             stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True,
-            close_fds=True)
-    os.write(held, str(zygote.pid).encode())
+            close_fds=True, env=env)
+    return zygote.pid
+
+
+def _start_zygote(path: str, argv: list[str] | None = None, deadline: float = 0.0) -> None:
+    """Start the zygote for ``path`` unless another launcher already did (an exclusive
+    lock file beside the socket holds its pid): forked by the base zygote of this
+    launcher's environment (started if need be, waited for until ``deadline``), else a
+    process of its own; either runs detached, with this launcher's environment."""
+    held = _take_lock(path)
+    if held is None:
+        return
+    env, cwd = dict(os.environ), os.getcwd()
+    pid = _fork_from_base(path, argv, env, cwd, deadline) if argv is not None else None
+    if pid is None:
+        pid = _popen_zygote(path, "--zygote")
+    os.write(held, str(pid).encode())
     os.close(held)
+
+
+def _fork_from_base(path: str, argv: list[str], env: dict[str, str], cwd: str,
+                    deadline: float) -> int | None:
+    """The pid of the zygote for ``path`` that the base zygote of ``env`` forked; None
+    where there is no base to ask in time."""
+    base = base_socket(argv, env, cwd)
+    if base is None:
+        return None
+    conn = _connect(base)
+    if conn is None:
+        held = _take_lock(base)
+        if held is not None:
+            raylet = env.get("RAY_RAYLET_PID", "0")  # not in a base's environment
+            os.write(held, str(_popen_zygote(base, "--base", base_env(env), raylet)).encode())
+            os.close(held)
+        while conn is None and time.monotonic() < deadline and not _zygote_gone(base):
+            time.sleep(0.05)
+            conn = _connect(base)
+        if conn is None:
+            return None
+    with conn:
+        conn.settimeout(max(1.0, deadline - time.monotonic()))
+        try:
+            _send(conn, json.dumps({"serve": path, "env": env, "cwd": cwd}).encode(), [])
+            (pid,) = struct.unpack("!i", _recv_exact(conn, 4))
+        except (OSError, ConnectionError):
+            return None
+    return pid if pid > 0 else None
 
 
 def launch(argv: list[str]) -> None:
     """The launcher: run one Ray worker, forked by the zygote of its kind where one can
     serve it, else the ordinary way. Exits with the worker's exit code."""
     env, cwd = dict(os.environ), os.getcwd()
-    plain = _arg(argv, "runtime-env-hash") in (None, "0")  # no runtime_env of its own
-    path = zygote_socket(argv, env, cwd) if plain and env.get(ENABLE_ENV) == "1" else None
+    path = zygote_socket(argv, env, cwd) if env.get(ENABLE_ENV) == "1" else None
     if path is None:
         _exec_default_worker(argv)
     conn = _connect(path)
     if conn is None:
-        _start_zygote(path)
         deadline = time.monotonic() + ZYGOTE_START_S
+        _start_zygote(path, argv, deadline)
         while conn is None and time.monotonic() < deadline and not _zygote_gone(path):
             time.sleep(0.05)
             conn = _connect(path)
@@ -297,50 +393,119 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int],
     os._exit(code)
 
 
-def serve(path: str) -> None:
-    """The zygote: import :data:`PRELOAD`, listen on ``path``, fork a worker per request,
-    and tell each launcher its child's pid and, later, its exit code."""
+def _import_all(names: tuple[str, ...]) -> dict[str, str]:
+    """Import ``names`` (one that fails is left for the child to import and report);
+    what the imports set in the environment."""
     import importlib
 
     sys.path[0] = os.path.dirname(default_worker_path())  # the children's, not this folder
     environ_before = dict(os.environ)
-    for name in PRELOAD:
+    for name in names:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
-    set_by_imports = {k: v for k, v in os.environ.items() if environ_before.get(k) != v}
+    return {k: v for k, v in os.environ.items() if environ_before.get(k) != v}
+
+
+def _listen(path: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # launchers see the socket only once it listens
+    listener.listen(64)
+    return listener
+
+
+def _receive(listener: socket.socket) -> tuple[socket.socket, dict, list[int]] | None:
+    """One request: its connection, its message and the descriptors that came with it."""
+    conn, _ = listener.accept()
+    conn.settimeout(30)
+    fds: list[int] = []
+    try:
+        # the descriptors ride on the first bytes: read those with them
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        if len(data) < 4:
+            data += _recv_exact(conn, 4 - len(data))
+        size = struct.unpack("!I", data[:4])[0]
+        payload = data[4:] + _recv_exact(conn, size - (len(data) - 4))
+        request = json.loads(payload)
+    except (OSError, ConnectionError, ValueError):
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return None
+    conn.settimeout(None)
+    return conn, request, fds
+
+
+def serve_base(path: str, raylet: int) -> None:
+    """The base zygote: import :data:`BASE_PRELOAD` (never Ray), listen on ``path``, and
+    fork the zygote of each kind a launcher asks for, in that kind's environment and
+    folder, answering its pid (0: this base imported Ray and forks none). Ends with
+    the raylet, or once it has had no live zygote for :data:`ZYGOTE_IDLE_S`."""
+    set_by_imports = _import_all(BASE_PRELOAD)
+    safe = "ray" not in sys.modules  # a zygote must import Ray in its own environment
+    if not safe:
+        print("tally base zygote: an import brought in Ray; every zygote starts on its "
+              "own", file=sys.stderr, flush=True)
+    listener = _listen(path)
+    zygotes: dict[int, socket.socket | None] = {}
+    idle_since = time.monotonic()
+    try:
+        while raylet == 0 or _alive(raylet):
+            ready, _, _ = select.select([listener], [], [], 0.5)
+            _reap(zygotes)
+            received = _receive(listener) if ready else None
+            if received is not None:
+                conn, request, fds = received
+                for fd in fds:
+                    os.close(fd)
+                pid = os.fork() if safe else 0
+                if pid == 0 and safe:
+                    listener.close()
+                    conn.close()
+                    os.setsid()
+                    os.environ.clear()
+                    os.environ.update({**request["env"], **set_by_imports})
+                    os.chdir(request["cwd"])
+                    try:
+                        serve(request["serve"], set_by_imports)
+                    finally:
+                        os._exit(0)
+                if pid:
+                    zygotes[pid] = None
+                with contextlib.suppress(OSError):
+                    conn.sendall(struct.pack("!i", pid))
+                conn.close()
+            if zygotes:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > ZYGOTE_IDLE_S:
+                break
+    finally:
+        listener.close()
+        for name in (path, path + ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+
+
+def serve(path: str, inherited: dict[str, str] | None = None) -> None:
+    """The zygote: import :data:`PRELOAD`, listen on ``path``, fork a worker per request,
+    and tell each launcher its child's pid and, later, its exit code. ``inherited``:
+    what the imports of the base zygote that forked it set in the environment."""
+    set_by_imports = {**(inherited or {}), **_import_all(PRELOAD)}
     safe = forks_draw_fresh_ids()
     if not safe:
         print("tally zygote: children forked from it draw the same Ray ids (an import "
               "drew one); every worker runs the ordinary way", file=sys.stderr, flush=True)
     raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path + ".tmp")
-    os.rename(path + ".tmp", path)  # launchers see the socket only once it listens
-    listener.listen(64)
-    children: dict[int, socket.socket] = {}
+    listener = _listen(path)
+    children: dict[int, socket.socket | None] = {}
     idle_since = time.monotonic()
     try:
         while raylet == 0 or _alive(raylet):
             ready, _, _ = select.select([listener], [], [], 0.5)
             _reap(children)
-            if ready:
-                conn, _ = listener.accept()
-                conn.settimeout(30)
-                fds: list[int] = []
-                try:
-                    # the descriptors ride on the first bytes: read those with them
-                    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-                    if len(data) < 4:
-                        data += _recv_exact(conn, 4 - len(data))
-                    size = struct.unpack("!I", data[:4])[0]
-                    payload = data[4:] + _recv_exact(conn, size - (len(data) - 4))
-                    request = json.loads(payload)
-                except (OSError, ConnectionError, ValueError):
-                    for fd in fds:
-                        os.close(fd)
-                    conn.close()
-                    continue
-                conn.settimeout(None)
+            received = _receive(listener) if ready else None
+            if received is not None:
+                conn, request, fds = received
                 if not safe:  # pid 0: the launcher runs its worker the ordinary way
                     for fd in fds:
                         os.close(fd)
@@ -416,7 +581,7 @@ def _alive(pid: int) -> bool:
     return status[status.rfind(")") + 2:][:1] not in ("Z", "X")
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _reap(children: dict[int, socket.socket | None]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -434,5 +599,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--zygote"]:
         serve(sys.argv[2])
+    elif sys.argv[1:2] == ["--base"]:
+        serve_base(sys.argv[2], int(sys.argv[3]))
     else:
         launch(sys.argv[1:])

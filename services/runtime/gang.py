@@ -104,10 +104,8 @@ def start_local_head(num_cpus: int, *, fork_workers: bool | None = None,
     has the head fork its workers from a zygote (services/runtime/forked_workers.py); off,
     they are Ray's own fresh interpreters."""
     global _quiet_head
-    fork = (os.environ.get(forked_workers.ENABLE_ENV, "1") == "1" if fork_workers is None
-            else fork_workers)
-    head_env = {**QUIET_ENV, **HEAD_ENV, forked_workers.ENABLE_ENV: "1" if fork else "0",
-                **(forked_workers.FORKING_HEAD_ENV if fork else {})}
+    fork = forked_workers.forking_on() if fork_workers is None else fork_workers
+    head_env = {**QUIET_ENV, **HEAD_ENV, **forked_workers.head_env(fork)}
     saved = {name: os.environ.get(name) for name in head_env}
     os.environ.update(head_env)
     try:

@@ -90,21 +90,28 @@ def test_actors_are_forked_from_one_zygote_as_the_workers_their_launchers_were_a
     zygotes = {s["ppid"] for s in seen}
     assert len(zygotes) == 1  # one zygote serves a job's workers of one environment
     zygote = _cmdline(zygotes.pop())
-    assert zygote[1:3] == ["-u", forked_workers.__file__] and zygote[3] == "--zygote"
+    # forked by the base zygote of its environment (a zygote shows that base's cmdline)
+    assert zygote[1:4] == ["-u", forked_workers.__file__, "--base"]
     assert seen[0]["drawn"] != seen[1]["drawn"]  # each child seeded Ray's generator itself
     for one in seen:
         assert one["preloaded"]  # torch came imported from the zygote
         launcher = _launcher_of(one)
         assert one["argv"] == _cmdline(launcher)[2:]  # Ray's arguments, as given
         # its launcher's environment, with what a fresh worker's own imports would add
+        imported = forked_workers.BASE_PRELOAD + forked_workers.PRELOAD
         assert one["env"] == {**_environ(launcher), **SET_BY_RAYS_WORKER,
-                              **_set_by_importing(forked_workers.PRELOAD, _environ(launcher))}
+                              **_set_by_importing(imported, _environ(launcher))}
         assert one["cwd"] == os.readlink(f"/proc/{launcher}/cwd")
-        assert _environ(one["pid"]) == _environ(launcher)  # what /proc shows of it too
-    own_env = Probe.options(runtime_env={"env_vars": {"PROBE": "1"}}).remote()
-    fresh = ray.get(own_env.seen.remote(), timeout=300)
-    assert "--zygote" not in _cmdline(fresh["ppid"])  # a runtime_env: started as Ray does
-    assert not fresh["preloaded"]
+        # what /proc shows of it: its base's, the launcher's without a job's or Ray's own
+        assert _environ(one["pid"]) == forked_workers.base_env(_environ(launcher))
+        assert not any(k.startswith(("RAY_", "TALLY_")) for k in _environ(one["pid"]))
+    # a runtime_env that adds a job's own variables, as the controller's jobs do: a zygote
+    # of its own kind, forked by the same base, and its variables reach the child
+    own_env = Probe.options(runtime_env={"env_vars": {"TALLY_PROBE": "1"}}).remote()
+    apart = ray.get(own_env.seen.remote(), timeout=300)
+    assert apart["env"]["TALLY_PROBE"] == "1" and apart["preloaded"]
+    assert apart["ppid"] not in {s["ppid"] for s in seen}
+    assert _cmdline(apart["ppid"]) == _cmdline(seen[0]["ppid"])
     for probe in [*probes, own_env]:
         ray.kill(probe)
 
@@ -183,14 +190,17 @@ from services.runtime.gang import start_local_head
 
 @ray.remote(num_cpus=0)
 def parent():
-    return os.getppid(), open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")[-3:-1]
+    stat = open(f"/proc/{os.getppid()}/stat").read()
+    grandparent = int(stat[stat.rfind(")") + 2:].split()[1])
+    tail = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")[-4:-1]
+    return os.getppid(), grandparent, tail
 
 start_local_head(1, log_to_driver=False)
 try:
-    ppid, tail = ray.get(parent.remote(), timeout=240)
+    ppid, grandparent, tail = ray.get(parent.remote(), timeout=240)
 finally:
     ray.shutdown()
-print(json.dumps({"ppid": ppid, "tail": [t.decode() for t in tail]}))
+print(json.dumps({"ppid": ppid, "base": grandparent, "tail": [t.decode() for t in tail]}))
 """
 
 
@@ -204,6 +214,7 @@ def test_the_zygote_ends_with_its_head_and_a_head_told_not_to_fork_execs_its_wor
                               env={**os.environ, forked_workers.ENABLE_ENV: fork})
         assert done.returncode == 0, done.stderr[-3000:]
         said[fork] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert said["1"]["tail"][0] == "--zygote"
+    assert said["1"]["tail"][0] == "--base"  # a zygote the base zygote forked
     assert _gone(said["1"]["ppid"])  # the zygote did not outlive its head
-    assert "--zygote" not in said["0"]["tail"]  # the raylet's own child, a fresh worker
+    assert _gone(said["1"]["base"], within_s=30)  # nor did its base
+    assert not {"--zygote", "--base"} & set(said["0"]["tail"])  # the raylet's own child
