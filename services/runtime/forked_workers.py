@@ -58,7 +58,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 ENABLE_ENV = "TALLY_FORK_WORKERS"
@@ -436,6 +436,38 @@ def _receive(listener: socket.socket) -> tuple[socket.socket, dict, list[int]] |
     return conn, request, fds
 
 
+Children = dict[int, "socket.socket | None"]
+"""A zygote's live children: pid → the connection to tell the exit code on, or None."""
+
+Handler = Callable[[socket.socket, socket.socket, dict, list[int], Children], None]
+"""Serves one request (the listener, the request's connection, message and
+descriptors, the live children); in a child it forks, it never returns."""
+
+
+def _serve_requests(path: str, raylet: int, handle: Handler) -> None:
+    """Listen on ``path`` and hand each request to ``handle`` until the raylet is gone
+    or no child has lived for :data:`ZYGOTE_IDLE_S`; then remove the socket and lock."""
+    listener = _listen(path)
+    children: Children = {}
+    idle_since = time.monotonic()
+    try:
+        while raylet == 0 or _alive(raylet):
+            ready, _, _ = select.select([listener], [], [], 0.5)
+            _reap(children)
+            received = _receive(listener) if ready else None
+            if received is not None:
+                handle(listener, *received, children)
+            if children:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > ZYGOTE_IDLE_S:
+                break
+    finally:
+        listener.close()
+        for name in (path, path + ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+
+
 def serve_base(path: str, raylet: int) -> None:
     """The base zygote: import :data:`BASE_PRELOAD` (never Ray), listen on ``path``, and
     fork the zygote of each kind a launcher asks for, in that kind's environment and
@@ -446,44 +478,30 @@ def serve_base(path: str, raylet: int) -> None:
     if not safe:
         print("tally base zygote: an import brought in Ray; every zygote starts on its "
               "own", file=sys.stderr, flush=True)
-    listener = _listen(path)
-    zygotes: dict[int, socket.socket | None] = {}
-    idle_since = time.monotonic()
-    try:
-        while raylet == 0 or _alive(raylet):
-            ready, _, _ = select.select([listener], [], [], 0.5)
-            _reap(zygotes)
-            received = _receive(listener) if ready else None
-            if received is not None:
-                conn, request, fds = received
-                for fd in fds:
-                    os.close(fd)
-                pid = os.fork() if safe else 0
-                if pid == 0 and safe:
-                    listener.close()
-                    conn.close()
-                    os.setsid()
-                    os.environ.clear()
-                    os.environ.update({**request["env"], **set_by_imports})
-                    os.chdir(request["cwd"])
-                    try:
-                        serve(request["serve"], set_by_imports)
-                    finally:
-                        os._exit(0)
-                if pid:
-                    zygotes[pid] = None
-                with contextlib.suppress(OSError):
-                    conn.sendall(struct.pack("!i", pid))
-                conn.close()
-            if zygotes:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > ZYGOTE_IDLE_S:
-                break
-    finally:
-        listener.close()
-        for name in (path, path + ".lock"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)
+
+    def fork_zygote(listener: socket.socket, conn: socket.socket, request: dict,
+                    fds: list[int], zygotes: Children) -> None:
+        for fd in fds:
+            os.close(fd)
+        pid = os.fork() if safe else 0
+        if pid == 0 and safe:
+            listener.close()
+            conn.close()
+            os.setsid()
+            os.environ.clear()
+            os.environ.update({**request["env"], **set_by_imports})
+            os.chdir(request["cwd"])
+            try:
+                serve(request["serve"], set_by_imports)
+            finally:
+                os._exit(0)
+        if pid:
+            zygotes[pid] = None
+        with contextlib.suppress(OSError):
+            conn.sendall(struct.pack("!i", pid))
+        conn.close()
+
+    _serve_requests(path, raylet, fork_zygote)
 
 
 def serve(path: str, inherited: dict[str, str] | None = None) -> None:
@@ -495,44 +513,30 @@ def serve(path: str, inherited: dict[str, str] | None = None) -> None:
     if not safe:
         print("tally zygote: children forked from it draw the same Ray ids (an import "
               "drew one); every worker runs the ordinary way", file=sys.stderr, flush=True)
-    raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
-    listener = _listen(path)
-    children: dict[int, socket.socket | None] = {}
-    idle_since = time.monotonic()
-    try:
-        while raylet == 0 or _alive(raylet):
-            ready, _, _ = select.select([listener], [], [], 0.5)
-            _reap(children)
-            received = _receive(listener) if ready else None
-            if received is not None:
-                conn, request, fds = received
-                if not safe:  # pid 0: the launcher runs its worker the ordinary way
-                    for fd in fds:
-                        os.close(fd)
-                    with contextlib.suppress(OSError):
-                        conn.sendall(struct.pack("!i", 0))
-                    conn.close()
-                    continue
-                pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    for other in children.values():
-                        other.close()
-                    _run_child(conn, request, fds, set_by_imports)
-                for fd in fds:
-                    os.close(fd)
-                children[pid] = conn
-                with contextlib.suppress(OSError):
-                    conn.sendall(struct.pack("!i", pid))
-            if children:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > ZYGOTE_IDLE_S:
-                break
-    finally:
-        listener.close()
-        for name in (path, path + ".lock"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)
+
+    def fork_worker(listener: socket.socket, conn: socket.socket, request: dict,
+                    fds: list[int], children: Children) -> None:
+        if not safe:  # pid 0: the launcher runs its worker the ordinary way
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                conn.sendall(struct.pack("!i", 0))
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            for other in children.values():
+                if other is not None:
+                    other.close()
+            _run_child(conn, request, fds, set_by_imports)
+        for fd in fds:
+            os.close(fd)
+        children[pid] = conn
+        with contextlib.suppress(OSError):
+            conn.sendall(struct.pack("!i", pid))
+
+    _serve_requests(path, int(os.environ.get("RAY_RAYLET_PID", "0")), fork_worker)
 
 
 def forks_draw_fresh_ids() -> bool:
@@ -581,7 +585,7 @@ def _alive(pid: int) -> bool:
     return status[status.rfind(")") + 2:][:1] not in ("Z", "X")
 
 
-def _reap(children: dict[int, socket.socket | None]) -> None:
+def _reap(children: Children) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
