@@ -219,6 +219,16 @@ def _connect(path: str) -> socket.socket | None:
     return conn
 
 
+def _wait_for(path: str, deadline: float) -> socket.socket | None:
+    """A connection to the zygote of ``path`` once it listens; None if it has not by
+    ``deadline``, or if it was started and died."""
+    while (conn := _connect(path)) is None:
+        if time.monotonic() >= deadline or _zygote_gone(path):
+            return None
+        time.sleep(0.05)
+    return conn
+
+
 def _lock_holder(path: str) -> int | None:
     """The pid of the zygote the lock beside ``path`` names; None while its starter has
     not written it yet, or where there is no lock."""
@@ -294,9 +304,7 @@ def _fork_from_base(path: str, argv: list[str], env: dict[str, str], cwd: str,
             raylet = env.get("RAY_RAYLET_PID", "0")  # not in a base's environment
             os.write(held, str(_popen_zygote(base, "--base", base_env(env), raylet)).encode())
             os.close(held)
-        while conn is None and time.monotonic() < deadline and not _zygote_gone(base):
-            time.sleep(0.05)
-            conn = _connect(base)
+        conn = _wait_for(base, deadline)
         if conn is None:
             return None
     with conn:
@@ -320,9 +328,7 @@ def launch(argv: list[str]) -> None:
     if conn is None:
         deadline = time.monotonic() + ZYGOTE_START_S
         _start_zygote(path, argv, deadline)
-        while conn is None and time.monotonic() < deadline and not _zygote_gone(path):
-            time.sleep(0.05)
-            conn = _connect(path)
+        conn = _wait_for(path, deadline)
         if conn is None:
             _exec_default_worker(argv)
     request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
