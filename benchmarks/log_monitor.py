@@ -26,7 +26,7 @@ from services.runtime import gang, quiet
 
 if sys.argv[1] == "default":
     quiet.HEAD_ENV.clear()  # the head gets Ray's own polling
-gang.start_local_head(4, log_to_driver=False, configure_logging=False)
+gang.start_local_head(4, log_to_driver=True, configure_logging=False)  # a job's head
 flag = f"--gcs-address={ray.get_runtime_context().gcs_address}".encode()
 
 

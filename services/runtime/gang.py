@@ -102,14 +102,19 @@ def start_local_head(num_cpus: int, *, fork_workers: bool | None = None,
 
     ``fork_workers`` (default: on, unless ``TALLY_FORK_WORKERS=0`` is in the environment)
     has the head fork its workers from a zygote (services/runtime/forked_workers.py); off,
-    they are Ray's own fresh interpreters."""
+    they are Ray's own fresh interpreters. A head started with ``log_to_driver=False`` has
+    no log monitor (:func:`without_log_monitor`)."""
     global _quiet_head
     fork = forked_workers.forking_on() if fork_workers is None else fork_workers
     head_env = {**QUIET_ENV, **HEAD_ENV, **forked_workers.head_env(fork)}
     saved = {name: os.environ.get(name) for name in head_env}
     os.environ.update(head_env)
     try:
-        with forked_workers.forked_worker_path() if fork else contextlib.nullcontext():
+        with contextlib.ExitStack() as head_params:
+            if fork:
+                head_params.enter_context(forked_workers.forked_worker_path())
+            if options.get("log_to_driver") is False:
+                head_params.enter_context(without_log_monitor())
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options)
     finally:
         for name, value in saved.items():
@@ -118,6 +123,29 @@ def start_local_head(num_cpus: int, *, fork_workers: bool | None = None,
             else:
                 os.environ[name] = value
     _quiet_head = ray.get_runtime_context().gcs_address
+
+
+@contextlib.contextmanager
+def without_log_monitor() -> Iterator[None]:
+    """While a head starts in this process (``ray.init``): it starts no log monitor. The
+    monitor only sends workers' log lines to drivers that take them (``log_to_driver``);
+    beside a driver that does not, it read every log file of a long-lived head for
+    nothing (49 CPU-s over one 30-minute run of the suite, on one shared test head).
+    ``ray.init`` has no option for it, so the default Ray's node fills in is swapped."""
+    from ray._private import parameter
+
+    fill_in = parameter.RayParams.update_if_absent
+
+    def without_monitor(params: Any, **kwargs: Any) -> None:
+        if "include_log_monitor" in kwargs:
+            kwargs["include_log_monitor"] = False
+        fill_in(params, **kwargs)
+
+    parameter.RayParams.update_if_absent = without_monitor
+    try:
+        yield
+    finally:
+        parameter.RayParams.update_if_absent = fill_in
 
 
 def actor_env() -> dict[str, str]:
