@@ -400,8 +400,16 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int],
 
 
 def _import_all(names: tuple[str, ...]) -> dict[str, str]:
-    """Import ``names`` (one that fails is left for the child to import and report);
-    what the imports set in the environment."""
+    """Import ``names`` (one that fails is left for the child to import and report), then
+    freeze what is alive (:func:`gc.freeze`); what the imports set in the environment.
+
+    Frozen, the imported modules' objects are left out of every later garbage collection
+    here and in the children: a full collection in a child (Ray's worker asks for one
+    now and then, from its ``PythonGCThread``: 4.5 of 26 CPU-s sampled in a session's
+    rank) walks only what the child made, not the ~435k objects of torch and
+    transformers: 0.0002 CPU-s against 0.53 in a forked actor, and the pages it shares
+    with this process stay unwritten."""
+    import gc
     import importlib
 
     sys.path[0] = os.path.dirname(default_worker_path())  # the children's, not this folder
@@ -409,6 +417,8 @@ def _import_all(names: tuple[str, ...]) -> dict[str, str]:
     for name in names:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+    gc.collect()  # garbage of the imports is freed, not frozen
+    gc.freeze()
     return {k: v for k, v in os.environ.items() if environ_before.get(k) != v}
 
 

@@ -28,11 +28,15 @@ class Probe:
         self.preloaded = "torch" in sys.modules  # before this actor imported anything
 
     def seen(self) -> dict:
+        import gc
+
         from ray._raylet import ObjectID
 
         return {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:],
                 "env": dict(os.environ), "cwd": os.getcwd(), "preloaded": self.preloaded,
-                "drawn": ObjectID.from_random().hex()}  # Ray's random ids
+                "drawn": ObjectID.from_random().hex(),  # Ray's random ids
+                # objects a garbage collection walks, and those it leaves out (frozen)
+                "collected": len(gc.get_objects()), "frozen": gc.get_freeze_count()}
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -95,6 +99,8 @@ def test_actors_are_forked_from_one_zygote_as_the_workers_their_launchers_were_a
     assert seen[0]["drawn"] != seen[1]["drawn"]  # each child seeded Ray's generator itself
     for one in seen:
         assert one["preloaded"]  # torch came imported from the zygote
+        # frozen there: a collection here walks this worker's own objects, not its imports'
+        assert one["frozen"] > 100_000 and one["collected"] < one["frozen"] / 2, one
         launcher = _launcher_of(one)
         assert one["argv"] == _cmdline(launcher)[2:]  # Ray's arguments, as given
         # its launcher's environment, with what a fresh worker's own imports would add
