@@ -58,8 +58,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 ENABLE_ENV = "TALLY_FORK_WORKERS"
 """``0`` turns forking off for the heads :func:`services.runtime.gang.start_local_head`
@@ -123,25 +122,13 @@ SOCKET_PATH_MAX = 100
 """The longest unix socket path we bind (Linux allows 107 bytes)."""
 
 
-@contextlib.contextmanager
-def forked_worker_path() -> Iterator[None]:
-    """While a head starts in this process (``ray.init``): its raylet starts each worker
-    through this file. ``ray.init`` has no option for the worker path, so the default
-    Ray's node fills in is swapped for the block."""
-    from ray._private import parameter
+def forked_worker_path() -> contextlib.AbstractContextManager[None]:
+    """While a head starts in this process (``ray.init``, ``ray start``): its raylet
+    starts each worker through this file (services/runtime/node_defaults.py: Ray has no
+    option for the worker path)."""
+    from services.runtime.node_defaults import node_defaults
 
-    fill_in = parameter.RayParams.update_if_absent
-
-    def with_our_worker_path(params: Any, **kwargs: Any) -> None:
-        if "worker_path" in kwargs:
-            kwargs["worker_path"] = os.path.abspath(__file__)
-        fill_in(params, **kwargs)
-
-    parameter.RayParams.update_if_absent = with_our_worker_path
-    try:
-        yield
-    finally:
-        parameter.RayParams.update_if_absent = fill_in
+    return node_defaults(worker_path=os.path.abspath(__file__))
 
 
 def default_worker_path() -> str:

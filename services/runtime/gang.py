@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from services.runtime import forked_workers
+from services.runtime.node_defaults import node_defaults
 from services.runtime.quiet import HEAD_ENV, QUIET_ENV
 
 if TYPE_CHECKING:
@@ -125,27 +126,13 @@ def start_local_head(num_cpus: int, *, fork_workers: bool | None = None,
     _quiet_head = ray.get_runtime_context().gcs_address
 
 
-@contextlib.contextmanager
-def without_log_monitor() -> Iterator[None]:
+def without_log_monitor() -> contextlib.AbstractContextManager[None]:
     """While a head starts in this process (``ray.init``): it starts no log monitor. The
     monitor only sends workers' log lines to drivers that take them (``log_to_driver``);
     beside a driver that does not, it read every log file of a long-lived head for
     nothing (49 CPU-s over one 30-minute run of the suite, on one shared test head).
-    ``ray.init`` has no option for it, so the default Ray's node fills in is swapped."""
-    from ray._private import parameter
-
-    fill_in = parameter.RayParams.update_if_absent
-
-    def without_monitor(params: Any, **kwargs: Any) -> None:
-        if "include_log_monitor" in kwargs:
-            kwargs["include_log_monitor"] = False
-        fill_in(params, **kwargs)
-
-    parameter.RayParams.update_if_absent = without_monitor
-    try:
-        yield
-    finally:
-        parameter.RayParams.update_if_absent = fill_in
+    ``ray.init`` has no option for it (services/runtime/node_defaults.py)."""
+    return node_defaults(include_log_monitor=False)
 
 
 def actor_env() -> dict[str, str]:
